@@ -1,0 +1,140 @@
+"""Performance model: collective closed forms, FLOPs, topology, monotonicity, calibration."""
+import dataclasses
+
+import pytest
+
+from zero_repro.model.flops import flops_per_iteration
+from zero_repro.simulate import calibrate as C
+from zero_repro.simulate import perf_model as P
+from zero_repro.simulate.hardware import hardware, list_clusters, load_cluster
+
+HW = hardware("dgx2_v100")
+PP = P.PerfParams(e_max=0.5, x_half=1.2e4, comm_eff=0.3)
+W100 = P.Workload(n_layer=125, hidden=8192, heads=64, gpus=400, mp=16, batch_per_gpu=32,
+                  stage=2, p_a=True)
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return C.fit()
+
+
+def test_cluster_yamls_load_and_v100_specs():
+    assert {"dgx2_v100", "dgx_a100_40g", "dgx_a100_80g", "h100", "h200", "local"} <= set(
+        list_clusters())
+    c = load_cluster("dgx2_v100")
+    assert (c.gpus_per_node, c.device_memory_gb, c.peak_tflops) == (16, 32, 125)
+    assert (c.intra_node_gbps, c.inter_node_gbps, c.device, c.backend) == (300, 800, "cuda", "nccl")
+    assert HW.intra_bw == 150e9 and HW.inter_bw_node == 100e9  # per direction, bytes/s
+    for name in ("dgx_a100_40g", "dgx_a100_80g", "h100", "h200"):
+        h = hardware(name)
+        assert h.gpus_per_node == 8 and h.peak_flops > HW.peak_flops
+
+
+def test_collective_closed_forms():
+    S, B, a = 1e9, 1e11, 1e-5
+    for n in (2, 4, 16):
+        assert P.ring_all_reduce_time(S, n, B, a) == pytest.approx(
+            2 * (n - 1) / n * S / B + 2 * (n - 1) * a)
+        rs = P.ring_reduce_scatter_time(S, n, B, a)
+        assert rs == pytest.approx((n - 1) / n * S / B + (n - 1) * a)
+        assert P.ring_all_gather_time(S, n, B, a) == rs
+        assert P.ring_all_reduce_time(S, n, B, a) == pytest.approx(2 * rs)
+    assert P.ring_all_reduce_time(S, 1, B, a) == 0.0
+
+
+def test_topology_links():
+    # MP 16 on a 16-GPU node: TP inside the node at NVSwitch speed; each DP group has one GPU
+    # per node and the node's 16 groups share its NICs
+    bw_tp, _ = P.tp_link(W100, HW, 0.5)
+    bw_dp, _ = P.dp_link(W100, HW, 0.5)
+    assert bw_tp == HW.intra_bw
+    assert bw_dp == pytest.approx(HW.inter_bw_node / 16 * 0.5)
+    # MP 1: one DP group per node -> the whole NIC bandwidth (capped by NVSwitch)
+    w1 = dataclasses.replace(W100, mp=1)
+    assert P.dp_link(w1, HW, 1.0)[0] == pytest.approx(min(HW.intra_bw, HW.inter_bw_node))
+    # baseline MP 128 spans 8 nodes: TP all-reduces over InfiniBand
+    wb = dataclasses.replace(W100, mp=128, gpus=384, heads=128)
+    assert P.tp_link(wb, HW, 0.5)[0] == pytest.approx(HW.inter_bw_node * 0.5)
+    # DP per-node NIC load is independent of MP when MP <= GPUs/node: 2(n-1)/n·Ψ·2 bytes
+    for mp in (1, 4, 16):
+        w = dataclasses.replace(W100, mp=mp)
+        bw, _ = P.dp_link(w, HW, 1.0)
+        per_node = P.ring_all_reduce_time(w.params / mp * 2, w.dp, bw) * HW.inter_bw_node
+        assert per_node == pytest.approx(2 * (w.dp - 1) / w.dp * w.params * 2, rel=1e-9)
+
+
+def test_flops_hand_count():
+    b, s, l, h, V = 2, 128, 3, 64, 1000
+    # per block fwd: QKV 2·3h², proj 2h², MLP 2·8h² per token -> 24h²·bs; scores+context 4·b·s²·h
+    fwd_block = 24 * b * s * h * h + 4 * b * s * s * h
+    logits = 2 * b * s * h * V
+    want = 4 * fwd_block * l + 3 * logits  # fwd + 2x bwd + recompute; head not recomputed
+    assert flops_per_iteration(b, s, l, h, V, recompute=True) == pytest.approx(want)
+    assert P.flops_per_gpu(dataclasses.replace(W100, batch_per_gpu=b, seq=s, n_layer=l,
+                                               hidden=h, heads=4, vocab=V, mp=4)) == \
+        pytest.approx(want / 4)
+
+
+def test_breakdown_components_add_up():
+    r = P.step_time(W100, HW, PP)
+    parts = ("compute", "tp_comm", "dp_comm", "pa_comm", "cpu_offload")
+    assert r["total"] == pytest.approx(sum(r[k] for k in parts))
+    assert all(r[k] >= 0 for k in parts) and r["pa_comm"] > 0 and r["cpu_offload"] == 0
+    assert r["tflops_per_gpu"] == pytest.approx(P.flops_per_gpu(W100) / r["total"] / 1e12)
+    # §8: the P_a all-gather is < 10% of Megatron's TP traffic (1 vs 12·s·h per block)
+    assert r["pa_comm"] < 0.1 * r["tp_comm"]
+    c5 = P.step_time(dataclasses.replace(W100, p_a_cpu=True), HW, PP)
+    assert c5["cpu_offload"] > 0 and c5["total"] > r["total"]
+
+
+def test_monotonic_in_bandwidth_and_batch():
+    for w in (W100, dataclasses.replace(W100, mp=128, gpus=384, heads=128, stage=0, p_a=False),
+              dataclasses.replace(W100, p_a_cpu=True)):
+        base = P.step_time(w, HW, PP)["total"]
+        for kw in ({"intra": 2}, {"inter": 2}, {"pcie": 2}):
+            assert P.step_time(w, HW.scaled(**kw), PP)["total"] <= base
+    prev = 0.0
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        tf = P.step_time(dataclasses.replace(W100, batch_per_gpu=b), HW, PP)["tflops_per_gpu"]
+        assert tf >= prev
+        prev = tf
+    assert prev <= HW.peak_flops / 1e12 * PP.e_max  # compute bound
+
+
+def test_baseline_internode_mp_collapses():
+    zero = P.step_time(W100, HW, PP)["tflops_per_gpu"]
+    base = P.step_time(dataclasses.replace(W100, mp=128, gpus=384, heads=128, stage=0,
+                                           p_a=False, batch_per_gpu=2), HW, PP)["tflops_per_gpu"]
+    assert zero > 5 * base
+
+
+def test_nelder_mead_finds_quadratic_minimum():
+    x, f = C.nelder_mead(lambda z: (z[0] - 1) ** 2 + 3 * (z[1] + 2) ** 2, [0.0, 0.0])
+    assert x == pytest.approx([1, -2], abs=1e-3) and f < 1e-6
+
+
+def test_calibration_fig2_zero_within_15pct(cal):
+    assert len(dataclasses.fields(cal.params)) <= 3 and cal.n_free <= 3
+    assert cal.targets == ["fig2 ZeRO"]
+    assert len(cal.residuals) == 9
+    worst = max(abs(r["rel_err"]) for r in cal.residuals)
+    assert worst <= 0.15, [(r["point"], round(r["rel_err"], 3)) for r in cal.residuals]
+    assert 0 < cal.params.e_max <= 1 and 0 < cal.params.comm_eff <= 1
+    # deterministic
+    assert C.fit().params == cal.params
+
+
+def test_predictions_fig3_superlinear_and_rows(cal):
+    rows = C.predict_fig3(cal)
+    tf = {r["x_value"]: r["y_value"] for r in rows}
+    assert 128 * tf[128] / (64 * tf[64]) > 2.0  # super-linear 64 -> 128 (batch 16 -> 48)
+    for pred in (C.predict_fig2, C.predict_fig4, C.predict_fig8):
+        for r in pred(cal):
+            assert r["kind"] == "simulated" and r["unit"] == "TFLOPs/GPU"
+            assert 0 < r["y_value"] < HW.peak_flops / 1e12
+    base = {r["x_value"]: r["y_value"] for r in C.predict_fig2(cal) if "Baseline" in r["series"]}
+    zero = {r["x_value"]: r["y_value"] for r in C.predict_fig2(cal) if "ZeRO" in r["series"]}
+    assert all(zero[x] > 3 * base[x] for x in zero if x >= 40)  # baseline MP crosses nodes
+    errs = C.errors_vs_paper(cal)
+    assert len(errs["fig2_baseline"]) == 9 and len(errs["fig3"]) == 4
