@@ -1,0 +1,138 @@
+"""The command line: every experiment overlay composes; user errors are one line + exit 2 and
+start nothing; plan and plot work from the CLI (no training run here)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from zero_repro import config as C
+from zero_repro.cli import conf_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPO, "conf", "exp", "*.yaml")))
+
+
+def run_cli(*args, cwd=REPO, env=None):
+    e = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
+    e.pop("HYDRA_FULL_ERROR")
+    return subprocess.run([sys.executable, os.path.join(REPO, "run.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, env=e)
+
+
+@pytest.mark.parametrize("name", EXPS)
+def test_every_experiment_overlay_composes_and_validates(name):
+    from experiments import base
+    from zero_repro import orchestrate
+
+    C.register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        dcfg = compose("config", overrides=[f"+exp={name}"])
+    cfg = C.validate(C.to_config(dcfg))
+    assert cfg.experiment.name == name, "conf/exp/NAME.yaml must set experiment.name: NAME"
+    experiment = base.get(name)  # experiments/NAME.py exists and implements the protocol
+    assert orchestrate.plan(cfg, experiment), f"{name}.plan() planned no points"
+
+
+def test_smoke_overlay_values():
+    C.register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        cfg = C.to_config(compose("config", overrides=["+exp=smoke", "train.steps=3"]))
+    assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 2, "tiny")
+    assert cfg.train.steps == 3  # command line wins over the overlay
+
+
+BAD = {
+    "tp5_12heads": (["model.n_embd=96", "model.n_head=12", "parallel.tp=5",
+                     "parallel.world_size=10"], "parallel.tp=5 does not divide model.n_head=12"),
+    "world3_tp2": (["parallel.world_size=3", "parallel.tp=2"],
+                   "parallel.world_size=3 is not divisible by parallel.tp=2"),
+    "bucket0": (["zero.reduce_bucket_size=0"], "zero.reduce_bucket_size=0 must be a positive"),
+    "zero_r_name": (["zero_r.name=c9"], "zero_r.name='c9' is not one of"),
+    "zero_r_group": (["zero_r=c9"], "unknown zero_r 'c9'"),
+    "unknown_exp": (["+exp=nosuch"], "unknown exp 'nosuch'"),
+    "unknown_name": (["experiment.name=nosuch"], "unknown experiment 'nosuch'"),
+}
+
+
+def test_user_errors_exit_2_with_one_line_and_start_nothing(tmp_path):
+    results = tmp_path / "results"
+    for case, (args, message) in BAD.items():
+        exp = [] if any(a.startswith("+exp") for a in args) else ["+exp=smoke"]
+        p = run_cli(*exp, *args, f"experiment.results_dir={results}")
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2, (case, p.returncode, p.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            (case, p.stderr)
+        assert "Traceback" not in p.stdout + p.stderr
+        assert not results.exists(), f"{case}: something ran"  # no record, no run dir
+
+
+def test_hydra_type_error_is_a_usage_error(tmp_path):
+    p = run_cli("+exp=smoke", "zero.stage=abc", f"experiment.results_dir={tmp_path}")
+    assert p.returncode == 2 and "zero.stage" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_plan_lists_points_and_writes_point_files(tmp_path):
+    p = run_cli("+exp=smoke", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
+                f"hydra.run.dir={tmp_path / 'hydra'}")
+    assert p.returncode == 0, p.stderr
+    assert "tiny_w2_tp2_stage0" in p.stdout and "todo" in p.stdout
+    files = glob.glob(str(tmp_path / "hydra" / "points" / "*.yaml"))
+    assert len(files) == 1
+    from omegaconf import OmegaConf
+
+    doc = OmegaConf.load(files[0])
+    assert doc.experiment_module == "experiments.smoke" and doc.config.parallel.tp == 2
+    assert not (tmp_path / "smoke").exists()  # planning runs nothing
+
+
+def test_plot_action_regenerates_from_results_alone(tmp_path):
+    """A smoke record on disk -> table.csv + smoke.png/.pdf, via run.py and experiments.plot."""
+    from zero_repro.measure.records import Record
+
+    rec = Record(key="k1", experiment="smoke", point="tiny", params={}, mode="measured",
+                 status="ok", metrics={"losses": [6.2, 5.1, 4.0]},
+                 config={"cluster": {"name": "local"}}, hardware={"device_name": "cpu"},
+                 timestamp="2020-01-01T00:00:00+00:00")
+    (tmp_path / "smoke").mkdir()
+    (tmp_path / "smoke" / "points.jsonl").write_text(rec.to_json() + "\n")
+    p = run_cli("+exp=smoke", "experiment.action=plot", f"experiment.results_dir={tmp_path}",
+                f"hydra.run.dir={tmp_path / 'hydra'}")
+    assert p.returncode == 0, p.stderr
+    table = pd.read_csv(tmp_path / "smoke" / "table.csv")
+    assert list(table["y_value"]) == [6.2, 5.1, 4.0] and set(table["kind"]) == {"measured"}
+    assert set(table["y_name"]) == {"loss"} and list(table["x_value"]) == [0, 1, 2]
+    for ext in ("png", "pdf"):
+        path = tmp_path / "smoke" / f"smoke.{ext}"
+        assert path.stat().st_size > 1000
+        path.unlink()
+    q = subprocess.run([sys.executable, "-m", "experiments.plot", "smoke", "--results-dir",
+                        str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr
+    assert (tmp_path / "smoke" / "smoke.png").exists()
+    assert json.loads((tmp_path / "smoke" / "points.jsonl").read_text())["key"] == "k1"
+
+
+@pytest.mark.slow
+def test_smoke_end_to_end(tmp_path):
+    """python run.py +exp=smoke: 2 ranks (TP 2) train, the record says the loss went down."""
+    p = run_cli("+exp=smoke", f"experiment.results_dir={tmp_path}", "train.progress=false",
+                f"hydra.run.dir={tmp_path / 'hydra'}")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads((tmp_path / "smoke" / "points.jsonl").read_text())
+    assert rec["status"] == "ok" and rec["metrics"]["loss_decreased"] is True
+    assert rec["topology"]["tp"] == 2 and rec["memory"] and rec["comm"]
+    table = pd.read_csv(tmp_path / "smoke" / "table.csv")
+    assert len(table) == 8 and set(table["kind"]) == {"measured"}
+    assert (tmp_path / "smoke" / "smoke.png").exists()
+    # re-running skips the done point
+    q = run_cli("+exp=smoke", f"experiment.results_dir={tmp_path}", "train.progress=false",
+                f"hydra.run.dir={tmp_path / 'hydra2'}")
+    assert q.returncode == 0 and "1 already done, ran 0" in q.stdout

@@ -1,0 +1,180 @@
+"""launcher=slurm end to end against fake ``sbatch``/``srun``/``sacct`` scripts on PATH: each
+measured point becomes its own job with its own node count; the job writes the record; the
+generated sbatch script and the sbatch templates carry the right resources and environment."""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from experiments.base import Point
+from zero_repro import config as C
+from zero_repro import orchestrate
+from zero_repro.measure import records as R
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Fake Slurm: sbatch logs its arguments, keeps a copy of the script and runs it in the
+# background (submitit only writes the job's pickle after sbatch returned the job id) with the
+# environment a batch step has; sacct reports COMPLETED once the script exited.
+FAKE_SBATCH = r"""#!/bin/bash
+d="$FAKE_SLURM_DIR"
+n=$(( $(cat "$d/counter" 2>/dev/null || echo 1000) + 1 )); echo $n > "$d/counter"
+echo "$@" >> "$d/sbatch_args"
+script="${@: -1}"
+cp "$script" "$d/job_$n.sbatch"
+( sleep 0.2
+  SLURM_JOB_ID=$n SLURM_JOB_NUM_NODES=1 SLURM_JOB_NODELIST=fakenode SLURM_NODEID=0 \
+  SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NTASKS=1 bash "$script" > "$d/job_$n.log" 2>&1
+  echo $? > "$d/job_$n.rc" ) < /dev/null > /dev/null 2>&1 &
+echo "Submitted batch job $n"
+"""
+FAKE_SACCT = r"""#!/bin/bash
+echo "JobID|State|NodeList"
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-j" ]; then
+    if [ -f "$FAKE_SLURM_DIR/job_$2.rc" ]; then s=COMPLETED; else s=RUNNING; fi
+    echo "$2|$s|fakenode"; shift
+  fi
+  shift
+done
+"""
+FAKE_SRUN = r"""#!/bin/bash
+echo "$@" >> "$FAKE_SLURM_DIR/srun_args"
+while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+exec "$@"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in [("sbatch", FAKE_SBATCH), ("sacct", FAKE_SACCT), ("srun", FAKE_SRUN),
+                       ("scancel", "#!/bin/bash\n")]:
+        p = bindir / name
+        p.write_text(text)
+        p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    state = tmp_path / "slurm_state"
+    state.mkdir()
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(state))
+    monkeypatch.setenv("PYTHONPATH", REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # as on a login node
+    monkeypatch.chdir(REPO)
+    return state
+
+
+# --- the experiment the jobs import by module name (tests.test_slurm) -----------------------
+def plan(cfg):
+    return [Point("w32", {"w": 32}, {"parallel.world_size": 32, "parallel.tp": 16}),
+            Point("w16", {"w": 16}, {"parallel.world_size": 16, "parallel.tp": 16}),
+            Point("analytic", {"w": 0}, mode="analytic")]
+
+
+def run_point(cfg, point):
+    return {"world": cfg.parallel.world_size, "job": os.environ.get("SLURM_JOB_ID", "local"),
+            "master_port": os.environ.get("MASTER_PORT", ""), "pid": os.getpid()}
+
+
+def summarize(records):
+    return []
+
+
+def slurm_cfg(tmp_path) -> C.Config:
+    cfg = C.Config()
+    cfg.experiment.name = "slurmfake"
+    cfg.experiment.results_dir = str(tmp_path / "results")
+    cfg.train.progress = False
+    cfg.model.n_head = cfg.model.n_embd = 64  # tp 16 must divide heads and hidden
+    cfg.cluster = C.ClusterConfig(name="dgx2_v100", device="cuda", backend="nccl",
+                                  gpus_per_node=16)
+    cfg.launcher = C.LauncherConfig(name="slurm", partition="gpu", account="proj", timeout_min=30)
+    return C.validate(cfg)
+
+
+def test_each_point_is_its_own_job_with_its_node_count(tmp_path, fake_slurm):
+    cfg = slurm_cfg(tmp_path)
+    module = sys.modules[__name__]
+    res = orchestrate.run_sweep(cfg, module)
+    by_point = {r.point: r for r in res.records}
+    assert set(by_point) == {"w32", "w16", "analytic"}
+    assert all(r.status == "ok" for r in res.records), [r.reason for r in res.records]
+    # measured points ran inside the (fake) Slurm jobs, in another process; analytic ran here
+    jobs = sorted(int(by_point[p].metrics["job"]) for p in ("w32", "w16"))
+    assert jobs == [1001, 1002]
+    assert by_point["analytic"].metrics["job"] == "local"
+    assert by_point["w32"].metrics["pid"] != os.getpid()
+    assert by_point["w32"].metrics["master_port"] == str(20000 + int(by_point["w32"].metrics["job"]))
+    assert by_point["w32"].hardware.get("slurm_job_id") == by_point["w32"].metrics["job"]
+    assert by_point["w32"].topology["nodes"] == 2 and by_point["w16"].topology["nodes"] == 1
+
+    # the records were written by the jobs into the store, once each
+    recs = R.RecordStore.for_experiment(cfg.experiment.results_dir, "slurmfake").load()
+    assert sorted(r.point for r in recs) == ["analytic", "w16", "w32"]
+
+    # generated scripts: own node count, one task per GPU in the allocation, GPUs, partition,
+    # the point runner started once (no srun around it: run_training's srun starts the ranks)
+    scripts = {}
+    for n in (1001, 1002):
+        text = (fake_slurm / f"job_{n}.sbatch").read_text()
+        nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text)[1])
+        scripts[nodes] = text
+    assert sorted(scripts) == [1, 2]
+    for text in scripts.values():
+        assert "#SBATCH --ntasks-per-node=16" in text
+        assert "#SBATCH --gpus-per-node=16" in text
+        assert "#SBATCH --partition=gpu" in text and "#SBATCH --account=proj" in text
+        assert "#SBATCH --time=30" in text and "#SBATCH --exclusive" in text
+        assert f"source {REPO}/slurm/env.sh" in text
+        assert "submitit.core._submit" in text and "\nsrun " not in text
+        assert text.count("--ntasks-per-node") == 1 and text.count("--nodes") == 1
+    args = (fake_slurm / "sbatch_args").read_text().splitlines()
+    assert len(args) == 2 and all(a.endswith("submission_file.sh") or a.endswith(".sh")
+                                  for a in args)
+
+    # resume: nothing is resubmitted
+    res2 = orchestrate.run_sweep(cfg, module)
+    assert res2.records == [] and len(res2.skipped) == 3
+    assert len((fake_slurm / "sbatch_args").read_text().splitlines()) == 2
+
+
+def test_point_file_runner(tmp_path, fake_slurm):
+    """``plan`` writes point files; slurm/run_point.sh runs one and records it."""
+    cfg = slurm_cfg(tmp_path)
+    module = sys.modules[__name__]
+    planned = orchestrate.plan(cfg, module)
+    files = orchestrate.write_point_files(planned, module, "manual", str(tmp_path / "points"))
+    target = next(f for f, pp in zip(files, planned) if pp.point.name == "w32")
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="fakenode")
+    p = subprocess.run(["bash", os.path.join(REPO, "slurm", "run_point.sh"), target],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    (rec,) = R.RecordStore.for_experiment(cfg.experiment.results_dir, "slurmfake").load()
+    assert rec.point == "w32" and rec.status == "ok" and rec.metrics["world"] == 32
+    assert rec.metrics["master_port"] == str(20000 + 4242) and rec.sweep_id == "manual"
+
+
+@pytest.mark.parametrize("name,gpus", [("dgx2_v100", 16), ("a100", 8)])
+def test_sbatch_templates(name, gpus):
+    path = os.path.join(REPO, "slurm", f"{name}.sbatch")
+    text = open(path).read()
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    assert f"#SBATCH --ntasks-per-node={gpus}" in text
+    assert f"#SBATCH --gpus-per-node={gpus}" in text
+    assert "slurm/run_point.sh" in text
+    env = open(os.path.join(REPO, "slurm", "env.sh")).read()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_IB_DISABLE"):
+        assert var in env
+
+
+def test_slurm_parameters_for_cpu_cluster():
+    cfg = C.Config()
+    cfg.launcher = C.LauncherConfig(name="slurm")
+    p = orchestrate.slurm_parameters(cfg, "x")
+    assert p["additional_parameters"] == {"nodes": 1, "ntasks_per_node": 2}
+    assert "gpus_per_node" not in p and "partition" not in p and p["use_srun"] is False

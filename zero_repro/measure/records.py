@@ -1,0 +1,256 @@
+"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``.
+
+Every number the suite reports (paper §10 figures, Tables 1-3) is derived from these records,
+so a record carries everything needed to trust and regenerate it: the resolved config, the git
+SHA, the host and hardware, the topology, how the number was obtained (``mode``: measured |
+simulated | analytic), the metrics, the memory/communication ledgers and a status
+(ok | oom | failed + reason).
+
+Durability rule (what a killed sweep may do to the file): ``RecordStore.put`` takes an
+inter-process file lock, reads the file, drops any earlier record with the same key, writes the
+whole file to a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
+``points.jsonl``. The rename is atomic, so a kill at any moment leaves either the old or the
+new file: no record is lost or half-written, and the file holds at most one record per key
+(a retried failed point, or a forced re-run, replaces its old record). The lock serialises
+concurrent writers (Slurm jobs of one sweep finishing together on a shared file system).
+
+Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
+its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
+after the point's overrides. The same command re-run gives the same keys (so done points are
+skipped); changing a knob that changes the numbers gives new keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("ok", "oom", "failed")
+DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
+KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
+# knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
+KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Record:
+    key: str  # point key (see module docstring)
+    experiment: str
+    point: str  # point name
+    params: dict  # identifying parameters of the point
+    mode: str  # measured | simulated | analytic
+    status: str  # ok | oom | failed
+    reason: str = ""  # why a point is oom/failed (first lines of the error)
+    metrics: dict = field(default_factory=dict)  # loss_first, losses, tokens_per_s, ...
+    memory: dict = field(default_factory=dict)  # memory ledger: category -> bytes
+    comm: dict = field(default_factory=dict)  # communication ledger
+    topology: dict = field(default_factory=dict)  # world_size, tp, dp, nodes, ...
+    hardware: dict = field(default_factory=dict)  # torch, device name, cpu count, ...
+    hostname: str = ""
+    config: dict = field(default_factory=dict)  # the point's resolved Config
+    git_sha: str = ""
+    sweep_id: str = ""
+    timestamp: str = ""  # ISO-8601 UTC, when the record was written
+    duration_s: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(_jsonable(dataclasses.asdict(self)), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE_STATUSES
+
+
+def _jsonable(x: Any) -> Any:
+    """JSON-safe copy: NaN/inf become None, tuples lists, numpy/torch scalars Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "item"):  # numpy / torch scalar
+        return _jsonable(x.item())
+    return str(x)
+
+
+# ----------------------------------------------------------------------------------- keys
+def config_fingerprint(config: dict) -> dict:
+    """The run-relevant part of a resolved config (what the point key depends on)."""
+    out = {}
+    for sec in KEY_SECTIONS:
+        d = dict(config.get(sec) or {})
+        for k in KEY_IGNORED.get(sec, ()):
+            d.pop(k, None)
+        out[sec] = d
+    return out
+
+
+def point_key(params: dict, mode: str, config: dict | None = None) -> str:
+    payload = {"params": _jsonable(params), "mode": mode,
+               "config": _jsonable(config_fingerprint(config or {}))}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ provenance
+@functools.lru_cache(maxsize=None)
+def git_sha(repo_dir: str | None = None) -> str:
+    """HEAD's SHA, with ``-dirty`` when tracked files differ; ``unknown`` outside a checkout."""
+    repo_dir = repo_dir or os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=repo_dir, capture_output=True, text=True, timeout=10).stdout
+        return sha + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def host_info() -> dict:
+    """Host and software facts. Imports nothing heavy: torch is asked about devices only when
+    the process has already imported it (a CPU-only analytic point should not pay for it)."""
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
+                            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        info["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        info["torch"] = None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(0)
+        info["device_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        if var in os.environ:
+            info[var.lower()] = os.environ[var]
+    return info
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------- OOM / errors
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory")
+
+
+def classify_failure(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) for an exception raised by a point: ``oom`` or ``failed``."""
+    text = f"{type(exc).__name__}: {exc}"
+    is_oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    is_oom = is_oom or any(m in text for m in _OOM_MARKERS)  # WorkerFailed carries the text
+    reason = text.strip().splitlines()
+    # keep the head (the error) and the last line (often the real cause in a remote traceback)
+    short = "\n".join(reason[:3] + (reason[-1:] if len(reason) > 3 else []))[:2000]
+    return ("oom" if is_oom else "failed"), short
+
+
+# ---------------------------------------------------------------------------------- store
+class RecordStore:
+    """``results/<exp>/points.jsonl``: load, query and atomically put records."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        # the lock file lives in the git-ignored runs/ folder, not beside the committed JSONL
+        self.lock_path = os.path.join(os.path.dirname(self.path), "runs", ".points.jsonl.lock")
+
+    @classmethod
+    def for_experiment(cls, results_dir: str, experiment: str) -> "RecordStore":
+        return cls(os.path.join(results_dir, experiment, "points.jsonl"))
+
+    def load(self) -> list[Record]:
+        if not os.path.exists(self.path):
+            return []
+        out = []
+        with open(self.path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append(Record.from_dict(json.loads(line)))
+                except (json.JSONDecodeError, TypeError) as e:
+                    # only possible if someone edited the file by hand: keep the rest usable
+                    log.warning("%s:%d: skipping unreadable record (%s)", self.path, i, e)
+        return out
+
+    def done_keys(self) -> set[str]:
+        return {r.key for r in self.load() if r.done}
+
+    def put(self, record: Record) -> None:
+        """Insert/replace ``record`` (by key) atomically; see the module docstring."""
+        from filelock import FileLock  # a torch dependency, so always present
+
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        with FileLock(self.lock_path, timeout=600):
+            kept = [r for r in self.load() if r.key != record.key]
+            _atomic_write_lines(self.path, [r.to_json() for r in kept] + [record.to_json()])
+
+    def remove(self, keys: Iterable[str]) -> int:
+        from filelock import FileLock
+
+        keys = set(keys)
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        with FileLock(self.lock_path, timeout=600):
+            records = self.load()
+            kept = [r for r in records if r.key not in keys]
+            _atomic_write_lines(self.path, [r.to_json() for r in kept])
+        return len(records) - len(kept)
+
+
+def _atomic_write_lines(path: str, lines: list[str]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable (POSIX: fsync the directory)
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def latest(records: Iterable[Record]) -> list[Record]:
+    """Newest record per (point name, params, mode), in first-seen order: what tables show
+    when a point was re-run with different settings (older keys stay in the file as history)."""
+    best: dict[str, Record] = {}
+    for r in records:
+        ident = json.dumps([r.point, _jsonable(r.params), r.mode], sort_keys=True)
+        if ident not in best or r.timestamp >= best[ident].timestamp:
+            best[ident] = r
+    return list(best.values())

@@ -1,0 +1,318 @@
+"""Sweep runner: plan points -> skip those already done -> run each -> record it.
+
+Implements the experiment loop behind every figure reproduction (paper §10): an experiment
+module (``experiments/<name>.py``, protocol in ``experiments/base.py``) plans its points; each
+point's config is the experiment config plus the point's overrides, validated *before any point
+runs* (a bad point is a user error, not a record). A point whose key is already recorded with
+status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
+Record in ``results/<exp>/points.jsonl`` (``RecordStore.put``, atomic), also when it runs out of
+memory (status ``oom``: a result, the point does not fit) or fails (``failed`` + reason): the
+sweep goes on. An interrupt (Ctrl-C, a killed job) stops the sweep between records; re-running
+the same command picks up where it stopped.
+
+Where points run: ``launcher=local`` / ``torchrun`` run points one after another in this process
+(``run_point`` itself starts the ranks). ``launcher=slurm`` submits each *measured* point as its
+own Slurm job through ``submitit`` with that point's node count
+(``ceil(world_size / cluster.gpus_per_node)``); the job runs ``run_and_record`` on the first node
+(``srun`` inside ``run_training`` starts one rank per GPU) and writes the record itself, so a
+record survives even if this process dies. Simulated/analytic points are cheap single-process
+runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: salloc, an sbatch
+script, a hydra-submitit job) every point runs here, in that allocation.
+
+Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
+``python -m zero_repro.orchestrate --point-file FILE`` (files written by ``write_point_files``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+from zero_repro import config as C
+from zero_repro.measure import records as R
+
+log = logging.getLogger(__name__)
+
+RESULT_SECTIONS = ("memory", "comm", "topology", "hardware")
+
+
+@dataclass
+class PlannedPoint:
+    point: Any  # experiments.base.Point (run_dir filled in)
+    cfg: C.Config  # the point's own validated config
+    key: str
+
+    @property
+    def nodes(self) -> int:
+        return nodes_for(self.cfg)
+
+
+@dataclass
+class SweepResult:
+    sweep_id: str
+    planned: list = field(default_factory=list)  # list[PlannedPoint]
+    skipped: list = field(default_factory=list)  # keys
+    records: list = field(default_factory=list)  # Records written by this sweep
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.records)
+
+
+def new_sweep_id(name: str) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def nodes_for(cfg: C.Config) -> int:
+    return max(1, math.ceil(cfg.parallel.world_size / max(1, cfg.cluster.gpus_per_node)))
+
+
+def point_config(cfg: C.Config, overrides: dict) -> C.Config:
+    """``cfg`` with dotted ``overrides`` applied, typed and validated (ValueError if bad)."""
+    base = OmegaConf.structured(cfg)
+    for dotted, value in overrides.items():
+        if OmegaConf.select(base, dotted, default="__missing__") == "__missing__":
+            raise ValueError(f"point override {dotted}={value!r} names no config key")
+        OmegaConf.update(base, dotted, value, merge=False)
+    return C.validate(C.to_config(base))
+
+
+def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
+    """The experiment's points with their configs and keys; raises ValueError before anything
+    runs if a point's config is invalid or two points share a key."""
+    from experiments.base import Point
+
+    name = cfg.experiment.name
+    out: list[PlannedPoint] = []
+    seen: dict[str, str] = {}
+    for point in experiment.plan(cfg):
+        if not isinstance(point, Point):
+            raise TypeError(f"{name}.plan() must return experiments.base.Point objects")
+        try:
+            pcfg = point_config(cfg, point.overrides)
+        except ValueError as e:
+            raise ValueError(f"point {point.name!r} of experiment {name!r}: {e}") from None
+        key = R.point_key(point.params, point.mode, C.summary(pcfg))
+        if key in seen:
+            raise ValueError(f"points {seen[key]!r} and {point.name!r} of experiment {name!r} "
+                             f"have the same params/config: give them distinct params")
+        seen[key] = point.name
+        run_dir = os.path.join(cfg.experiment.results_dir, name, "runs", key)
+        out.append(PlannedPoint(dataclasses.replace(point, run_dir=run_dir), pcfg, key))
+    return out
+
+
+# ---------------------------------------------------------------------------- one point
+def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
+                   store: R.RecordStore | None = None) -> R.Record:
+    """Run one point, turn its outcome (result, OOM, failure) into a Record and store it.
+
+    KeyboardInterrupt/SystemExit propagate (nothing recorded: the point is simply not done)."""
+    cfg, point = pp.cfg, pp.point
+    store = store or R.RecordStore.for_experiment(cfg.experiment.results_dir,
+                                                  cfg.experiment.name)
+    os.makedirs(point.run_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    status, reason, result = "ok", "", {}
+    try:
+        result = experiment.run_point(cfg, point) or {}
+    except Exception as e:  # noqa: BLE001 - every failure of a point is data
+        status, reason = R.classify_failure(e)
+        log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
+    record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
+                         time.perf_counter() - t0)
+    store.put(record)
+    return record
+
+
+def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, result: dict,
+                sweep_id: str, duration_s: float) -> R.Record:
+    """Record from a run_point result: either flat metrics or the run_training shape."""
+    if "metrics" in result and isinstance(result["metrics"], dict):
+        metrics = dict(result["metrics"])
+        sections = {s: dict(result.get(s) or {}) for s in RESULT_SECTIONS}
+    else:
+        metrics = dict(result)
+        sections = {s: {} for s in RESULT_SECTIONS}
+    host = R.host_info()
+    hardware = {**host, **sections["hardware"]}
+    topology = {"world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,
+                "dp": cfg.parallel.world_size // cfg.parallel.tp, "nodes": nodes_for(cfg),
+                "gpus_per_node": cfg.cluster.gpus_per_node, "cluster": cfg.cluster.name,
+                **sections["topology"]}
+    return R.Record(key=key, experiment=cfg.experiment.name, point=point.name,
+                    params=dict(point.params), mode=point.mode, status=status, reason=reason,
+                    metrics=metrics, memory=sections["memory"], comm=sections["comm"],
+                    topology=topology, hardware=hardware, hostname=host["hostname"],
+                    config=C.summary(cfg), git_sha=R.git_sha(), sweep_id=sweep_id,
+                    timestamp=R.now_utc(), duration_s=round(duration_s, 3))
+
+
+# ------------------------------------------------------------------------------- sweeps
+def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
+              mirror: Any = None, sweep_id: str | None = None,
+              submit: Callable | None = None) -> SweepResult:
+    """Plan, skip done points, run the rest (locally or as Slurm jobs), record each.
+
+    ``mirror``: an object with ``log_record(record)`` (``zero_repro.wandb_log.WandbMirror``).
+    ``submit``: replaces the Slurm submission (tests); default ``submit_slurm``."""
+    from tqdm.auto import tqdm
+
+    name = cfg.experiment.name
+    sweep_id = sweep_id or new_sweep_id(name)
+    store = R.RecordStore.for_experiment(cfg.experiment.results_dir, name)
+    planned = plan(cfg, experiment)
+    done = set() if cfg.experiment.force else store.done_keys()
+    todo = [pp for pp in planned if pp.key not in done]
+    result = SweepResult(sweep_id, planned, [pp.key for pp in planned if pp.key in done])
+    log.info("experiment %s: %d points, %d already done, %d to run (sweep %s)", name,
+             len(planned), len(result.skipped), len(todo), sweep_id)
+
+    # inside an allocation already (salloc, an sbatch script, a hydra-submitit job) the points
+    # run here: run_training's srun uses this allocation instead of submitting new jobs
+    submit_jobs = cfg.launcher.name == "slurm" and "SLURM_JOB_ID" not in os.environ
+    remote = [pp for pp in todo if submit_jobs and pp.point.mode == "measured"]
+    remote_keys = {pp.key for pp in remote}
+    local = [pp for pp in todo if pp.key not in remote_keys]
+    show = cfg.train.progress if progress is None else progress
+    bar = tqdm(total=len(todo), desc=name, unit="pt", disable=not show or not todo)
+
+    def _done(rec: R.Record) -> None:
+        result.records.append(rec)
+        if mirror is not None:
+            mirror.log_record(rec)
+        bar.set_postfix_str(f"{rec.point}: {rec.status}")
+        bar.update(1)
+
+    try:
+        if remote:
+            (submit or submit_slurm)(experiment, remote, sweep_id, _done)
+        for pp in local:
+            bar.set_description(f"{name} [{pp.point.name}]")
+            _done(run_and_record(experiment, pp, sweep_id, store))
+    finally:
+        bar.close()
+    return result
+
+
+# -------------------------------------------------------------------------------- Slurm
+def slurm_parameters(cfg: C.Config, name: str) -> dict:
+    """submitit SlurmExecutor parameters for one point: its own node count; one submitit task
+    (the point runner, on the first node) in an allocation of one task per GPU that
+    ``run_training`` fills with ``srun``."""
+    per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # submitit counts nodes * ntasks_per_node tasks and waits for a result from each; the
+    # point runner is ONE process (use_srun=False), so submitit is told 1 x 1 and the real
+    # allocation goes in through additional_parameters, which override those #SBATCH lines
+    params: dict[str, Any] = {
+        "job_name": f"zr-{name}", "nodes": 1, "ntasks_per_node": 1,
+        "time": cfg.launcher.timeout_min, "use_srun": False,
+        "additional_parameters": {"nodes": nodes_for(cfg), "ntasks_per_node": per_node},
+        "setup": [f"source {os.path.join(repo, 'slurm', 'env.sh')}"],
+        "signal_delay_s": 120,
+    }
+    if cfg.cluster.device == "cuda":
+        params["gpus_per_node"] = per_node
+        params["exclusive"] = True
+    if cfg.launcher.partition:
+        params["partition"] = cfg.launcher.partition
+    if cfg.launcher.account:
+        params["account"] = cfg.launcher.account
+    return params
+
+
+def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
+                 on_record: Callable[[R.Record], None]) -> None:
+    """Submit every point as its own job, then wait for them (records are written by the jobs;
+    a job that dies without writing one is recorded here as failed)."""
+    import submitit
+    from experiments.base import module_path
+
+    modname = module_path(experiment)
+    jobs = []
+    for pp in points:
+        # the job may start in another directory: give it absolute paths
+        pp = copy.deepcopy(pp)
+        pp.cfg.experiment.results_dir = os.path.abspath(pp.cfg.experiment.results_dir)
+        pp.point = dataclasses.replace(pp.point, run_dir=os.path.abspath(pp.point.run_dir))
+        folder = os.path.join(pp.cfg.experiment.results_dir, pp.cfg.experiment.name, "runs",
+                              "submitit", "%j")
+        ex = submitit.SlurmExecutor(folder=folder)
+        ex.update_parameters(**slurm_parameters(pp.cfg, f"{pp.cfg.experiment.name}-{pp.key}"))
+        job = ex.submit(_slurm_job, modname, pp, sweep_id)
+        log.info("point %s -> Slurm job %s (%d nodes)", pp.point.name, job.job_id, pp.nodes)
+        jobs.append((pp, job))
+    for pp, job in jobs:
+        try:
+            rec = job.result()
+        except Exception as e:  # noqa: BLE001 - the job died before it could record
+            status, reason = R.classify_failure(e)
+            rec = make_record(pp.cfg, pp.point, pp.key, status, reason, {}, sweep_id, 0.0)
+            R.RecordStore.for_experiment(pp.cfg.experiment.results_dir,
+                                         pp.cfg.experiment.name).put(rec)
+        on_record(rec)
+
+
+def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
+    import importlib
+
+    logging.basicConfig(level=logging.INFO)
+    return run_and_record(importlib.import_module(modname), pp, sweep_id)
+
+
+# --------------------------------------------------------------- point files (manual sbatch)
+def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
+                      out_dir: str) -> list[str]:
+    """One YAML per point for ``sbatch slurm/<cluster>.sbatch FILE`` (see slurm/README.md)."""
+    from experiments.base import module_path
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for pp in planned:
+        doc = {"experiment_module": module_path(experiment), "sweep_id": sweep_id, "key": pp.key,
+               "nodes": pp.nodes, "point": pp.point.as_dict(), "config": C.summary(pp.cfg)}
+        path = os.path.join(out_dir, f"{pp.key}.yaml")
+        OmegaConf.save(OmegaConf.create(doc), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
+
+
+def run_point_file(path: str) -> R.Record:
+    """Run the point described by a point file and record it (on a compute node)."""
+    import importlib
+
+    from experiments.base import Point
+
+    doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    cfg = C.validate(C.to_config(OmegaConf.create(doc["config"])))
+    pp = PlannedPoint(Point.from_dict(doc["point"]), cfg, doc["key"])
+    return run_and_record(importlib.import_module(doc["experiment_module"]), pp,
+                          doc.get("sweep_id", ""))
+
+
+def main(argv=None) -> int:
+    """``python -m zero_repro.orchestrate --point-file FILE``: run one planned point."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--point-file", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    rec = run_point_file(args.point_file)
+    log.info("point %s: %s %s", rec.point, rec.status, rec.reason.splitlines()[0] if rec.reason
+             else "")
+    return 0 if rec.status == "ok" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Weights & Biases mirror of the run records (optional; the records in results/ are the truth).
+
+With ``logging.wandb=true`` every recorded point becomes one W&B run: ``group`` = experiment
+name, ``job_type`` = sweep id, ``name`` = point name, ``config`` = the point's resolved config
+plus its params, key, mode and status. Per-step series in the metrics (``losses``,
+``step_times_s``, ``grad_norms``, ``loss_scales``) are logged step by step; scalar metrics, the
+memory ledger (``memory/<category>`` in bytes) and the communication ledger (``comm/...``,
+flattened) go to the run summary. The mode comes from ``logging.wandb_mode`` (``offline`` by
+default: nothing leaves the machine; upload later with ``wandb sync wandb/offline-run-*``).
+
+A no-op when ``logging.wandb`` is false, the mode is ``disabled``, or wandb cannot be imported:
+the sweep never fails because of W&B (errors are logged and the mirror switches itself off).
+The ``backend`` argument is a seam for tests (any object with wandb's ``init`` API).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STEP_SERIES = {"losses": "loss", "step_times_s": "step_time_s", "grad_norms": "grad_norm",
+               "loss_scales": "loss_scale"}
+
+
+def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict:
+    """Nested dict -> {"a/b/c": scalar}; lists of scalars are kept as they are."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, name, sep))
+        else:
+            out[name] = v
+    return out
+
+
+def _load_wandb():
+    try:
+        import wandb
+    except Exception as e:  # noqa: BLE001 - any import problem just disables the mirror
+        log.warning("logging.wandb=true but wandb cannot be imported (%s): not mirroring", e)
+        return None
+    return wandb
+
+
+class WandbMirror:
+    """``mirror.log_record(record)`` after each point; ``close()`` at the end of the sweep."""
+
+    def __init__(self, logging_cfg: Any, sweep_id: str, backend: Any = None,
+                 directory: str | None = None):
+        self.cfg = logging_cfg
+        self.sweep_id = sweep_id
+        self.directory = directory or os.environ.get("WANDB_DIR") or None
+        self.enabled = bool(logging_cfg.wandb) and logging_cfg.wandb_mode != "disabled"
+        self.backend = None
+        self.runs: list[str] = []  # run directories written (offline) or run ids
+        if self.enabled:
+            self.backend = backend if backend is not None else _load_wandb()
+            self.enabled = self.backend is not None
+
+    def log_record(self, record: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._log(record)
+        except Exception as e:  # noqa: BLE001 - W&B must never break a sweep
+            log.warning("W&B mirror failed for point %s (%s); disabling it", record.point, e)
+            self.enabled = False
+
+    def _log(self, record: Any) -> None:
+        config = {"point": record.point, "key": record.key, "mode": record.mode,
+                  "status": record.status, "params": record.params, "git_sha": record.git_sha,
+                  **record.config}
+        kwargs = dict(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
+                      group=record.experiment, job_type=self.sweep_id, name=record.point,
+                      config=config, mode=self.cfg.wandb_mode)
+        if self.directory:
+            os.makedirs(self.directory, exist_ok=True)
+            kwargs["dir"] = self.directory
+        run = self.backend.init(**kwargs)
+        try:
+            for key, series in STEP_SERIES.items():
+                values = record.metrics.get(key)
+                if isinstance(values, list):
+                    for step, v in enumerate(values):
+                        if v is not None:
+                            run.log({series: v}, step=step)
+            summary = {k: v for k, v in flatten(record.metrics).items()
+                       if isinstance(v, (int, float, str, bool)) and k not in STEP_SERIES}
+            summary.update({k: v for k, v in flatten(record.memory, "memory").items()
+                            if isinstance(v, (int, float))})
+            summary.update({k: v for k, v in flatten(record.comm, "comm").items()
+                            if isinstance(v, (int, float))})
+            summary["status"] = record.status
+            if record.reason:
+                summary["reason"] = record.reason
+            for k, v in summary.items():
+                run.summary[k] = v
+            self.runs.append(getattr(run, "dir", "") or getattr(run, "id", ""))
+        finally:
+            run.finish(exit_code=0 if record.status == "ok" else 1)
+
+    def close(self) -> None:
+        self.enabled = False
