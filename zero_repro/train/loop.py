@@ -1,0 +1,93 @@
+"""The training loop: warm-up steps, timed steps, per-step loss and throughput.
+
+One optimizer step = ``grad_accum`` micro-batches of forward + backward through the strategy,
+then ``strategy.step()``. The first ``warmup_steps`` steps are run but not timed (allocator
+warm-up, lazy optimizer state, gloo connection set-up). Per-step wall time is measured with
+``time.perf_counter`` after a device synchronize (CUDA events would time only the GPU work;
+the step time the paper reports is wall clock).
+
+Measurement has no side effects on training: losses are collected locally and gathered once
+at the end with an object all-gather that the communication ledger does not count.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from zero_repro.config import Config
+from zero_repro.dist import comm
+from zero_repro.dist.topology import Topology
+from zero_repro.train.data import TokenSource, rank_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopResult:
+    losses: list = field(default_factory=list)  # global mean loss per optimizer step
+    step_times: list = field(default_factory=list)  # seconds, timed steps only
+    skipped_steps: int = 0  # fp16 overflow skips
+    grad_norms: list = field(default_factory=list)
+    loss_scales: list = field(default_factory=list)
+    comm_per_step: dict = field(default_factory=dict)  # ledger of the last timed step
+
+    @property
+    def median_step_time(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: torch.device,
+          on_step=None) -> LoopResult:
+    t = cfg.train
+    res = LoopResult()
+    show = t.progress and topo.rank == 0
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=t.steps, desc=f"train stage{cfg.zero.stage}", leave=False)
+    local_losses = []
+    for step in range(t.steps):
+        if step == t.steps - 1:
+            topo.ledger.reset()  # the ledger of exactly one (the last) step
+        _sync(device)
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for k in range(t.grad_accum):
+            x, y = rank_batch(source, step, t.micro_batch_size, topo.dp, topo.dp_rank, k,
+                              t.grad_accum)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            _, loss = strategy.module(x, y)
+            strategy.backward(loss)
+            step_loss += float(loss.detach()) / t.grad_accum
+        info = strategy.step()
+        strategy.zero_grad()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if step >= t.warmup_steps:
+            res.step_times.append(dt)
+        local_losses.append(step_loss)
+        res.skipped_steps += int(info.skipped)
+        res.grad_norms.append(float(info.grad_norm))
+        res.loss_scales.append(float(info.loss_scale))
+        if on_step is not None:
+            on_step(step, step_loss, dt, info)
+        if bar is not None:
+            bar.set_postfix(loss=f"{step_loss:.4f}", s=f"{dt:.3f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    res.comm_per_step = topo.ledger.as_dict()
+    # global mean over DP ranks (TP ranks of one DP rank see the same loss)
+    per_dp = comm.all_gather_object(local_losses, topo.dp_group)
+    res.losses = [sum(v) / len(v) for v in zip(*per_dp)]
+    return res

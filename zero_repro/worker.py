@@ -1,0 +1,180 @@
+"""Per-rank entry point and the launcher front-end for one training run (one sweep point).
+
+The CLI resolves the Hydra config once and writes it to the run directory; ranks read that
+file (ranks never run ``@hydra.main`` themselves: run directories and sweeps would differ per
+rank). ``run_training`` starts the ranks with the configured launcher:
+
+* ``launcher=local``: ``world_size`` local processes on gloo (CPU) via ``launch.spawn``;
+* ``launcher=torchrun`` / ``slurm``: the processes already exist (``torchrun`` or ``srun``
+  started ``python -m zero_repro.worker --config resolved.yaml`` on every rank); each calls
+  ``rank_main`` after initialising from the environment.
+
+Parallelism is applied to the model from outside in a fixed order:
+TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO wrap -> optimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+
+import torch
+
+from zero_repro import config as C
+from zero_repro.dist import comm, launch
+from zero_repro.dist.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def hardware_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "cpu_count": os.cpu_count(), "device": device.type,
+            "threads_per_rank": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
+
+
+def _device(cfg: C.Config, local_rank: int) -> torch.device:
+    if cfg.cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
+                               "use cluster=local")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build(cfg: C.Config, topo: Topology, device: torch.device):
+    """Model -> activation checkpointing -> ZeRO strategy, in that order. Returns
+    (model, checkpointing handle or None, strategy)."""
+    from zero_repro.model.gpt import GPT
+    from zero_repro.zero.strategy import build_strategy
+
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model, tp_group=topo.tp_group, device=device)
+    ckpt = None
+    if cfg.zero_r.activation_checkpointing:
+        from zero_repro.zero_r.activation_ckpt import apply_activation_checkpointing
+
+        ckpt = apply_activation_checkpointing(model, topo, cfg.zero_r)
+    strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
+    return model, ckpt, strategy
+
+
+def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
+    from zero_repro.model import flops
+    from zero_repro.train import data, loop
+
+    cfg = C.load(config_path)
+    device = _device(cfg, rank if local_rank is None else local_rank)
+    topo = Topology.build(cfg.parallel.tp)
+    model, ckpt, strategy = build(cfg, topo, device)
+    source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
+                              cfg.train.seed, cfg.train.data_path)
+    res = loop.train(strategy, source, cfg, topo, device)
+
+    mem = strategy.memory_ledger()
+    if ckpt is not None:
+        ckpt.add_to_ledger(mem)
+    m, t = cfg.model, cfg.train
+    tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
+    step_s = res.median_step_time
+    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
+                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
+                                   recompute=cfg.zero_r.activation_checkpointing)
+    metrics = {
+        "losses": res.losses, "loss_first": res.losses[0], "loss_last": res.losses[-1],
+        "step_time_s": step_s, "step_times_s": res.step_times,
+        "tokens_per_s": tokens_per_step / step_s,
+        "tflops_per_gpu": flops.tflops_per_gpu(fl, step_s, world_size),
+        "skipped_steps": res.skipped_steps, "grad_norms": res.grad_norms,
+        "loss_scales": res.loss_scales,
+        "params_total": flops.param_count(m),
+    }
+    if cfg.cluster.peak_tflops > 0:
+        metrics["mfu"] = metrics["tflops_per_gpu"] / cfg.cluster.peak_tflops
+    out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
+           "comm": res.comm_per_step, "topology": topo.describe(),
+           "hardware": hardware_info(device)}
+    if device.type == "cuda":
+        out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+        out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def run_training(cfg: C.Config, run_dir: str) -> dict:
+    """Validate, write the resolved config into ``run_dir``, run all ranks; rank 0's result."""
+    C.validate(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    C.save(cfg, path)
+    if cfg.launcher.name == "local":
+        results = launch.spawn(rank_main, cfg.parallel.world_size, path,
+                               backend=cfg.cluster.backend,
+                               timeout_s=cfg.launcher.collective_timeout_s)
+        return results[0]
+    return _run_external(cfg, run_dir, path)
+
+
+def launch_command(cfg: C.Config, config_path: str, out_path: str) -> list[str]:
+    """The command that starts every rank of one point under torchrun or srun."""
+    import sys
+
+    worker = [sys.executable, "-m", "zero_repro.worker", "--config", config_path,
+              "--out", out_path]
+    per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
+    nodes = -(-cfg.parallel.world_size // per_node)
+    if cfg.launcher.name == "torchrun":
+        if nodes > 1:
+            raise ValueError("launcher=torchrun starts one node; for several nodes use "
+                             "launcher=slurm (srun starts one process per GPU)")
+        return ["torchrun", "--standalone", f"--nproc_per_node={per_node}", "-m",
+                "zero_repro.worker", "--config", config_path, "--out", out_path]
+    # slurm: inside an allocation (sbatch/submitit job), one task per GPU
+    return ["srun", f"--nodes={nodes}", f"--ntasks={cfg.parallel.world_size}",
+            f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", *worker]
+
+
+def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
+    import json
+    import subprocess
+
+    out_path = os.path.join(run_dir, "result.json")
+    cmd = launch_command(cfg, config_path, out_path)
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        raise launch.WorkerFailed(-1, f"{cmd[0]} exited with status {proc.returncode}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> None:
+    """``python -m zero_repro.worker --config resolved.yaml [--out result.json]`` on every rank
+    (torchrun / srun)."""
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    rank, world, local = launch.init_from_env(C.load(args.config).cluster.backend)
+    try:
+        result = rank_main(rank, world, args.config, local)
+    finally:
+        comm.destroy_process_group()
+    if rank == 0 and args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
