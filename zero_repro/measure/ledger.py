@@ -1,0 +1,69 @@
+"""Memory ledger: bytes owned per category on this rank (paper §3.1 model states, §6 residual
+states).
+
+Model-state categories (Table 1, mixed precision with Adam: 2Ψ + 2Ψ + 12Ψ = 16Ψ bytes for
+baseline DP, divided by N_d by the ZeRO stages that partition them):
+
+  params_lp    fp16/bf16 parameters (fp32 parameters in fp32 mode)
+  grads        gradient storage held persistently (stage 2/3: this rank's shard)
+  master_fp32  fp32 master copy (0 in fp32 mode: the parameters are the master)
+  adam_m       Adam first moment (fp32)
+  adam_v       Adam second moment (fp32)
+
+Other categories: ``comm_buffers`` (fused bucket / gather buffers at capacity),
+``params_gathered`` (stage 3 transient gathered units, peak), and whatever other modules add
+(ZeRO-R: ``ckpt_device``, ``ckpt_cpu``, ``arena_capacity``, ``arena_used``, ``fused_buffers``).
+The ledger is pure bookkeeping: reading it has no side effects.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+MODEL_STATE_CATEGORIES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
+
+
+class MemoryLedger:
+    """Bytes per category. ``add`` accumulates; categories are open-ended strings."""
+
+    def __init__(self) -> None:
+        self._bytes: "OrderedDict[str, int]" = OrderedDict(
+            (c, 0) for c in MODEL_STATE_CATEGORIES + ("comm_buffers",))
+
+    def add(self, category: str, nbytes: int) -> "MemoryLedger":
+        self._bytes[category] = self._bytes.get(category, 0) + int(nbytes)
+        return self
+
+    def get(self, category: str) -> int:
+        return self._bytes.get(category, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._bytes)
+
+    def total(self) -> int:
+        return sum(self._bytes.values())
+
+    def model_states(self) -> int:
+        """Bytes of the Table 1 model states (params, grads, optimizer states)."""
+        return sum(self._bytes.get(c, 0) for c in MODEL_STATE_CATEGORIES)
+
+    def merge(self, other: "MemoryLedger") -> "MemoryLedger":
+        for k, v in other.as_dict().items():
+            self.add(k, v)
+        return self
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v}" for k, v in self._bytes.items())
+        return f"MemoryLedger({body})"
+
+
+def table1_bytes(stage: int, psi: int, n_d: int, k: int = 12) -> float:
+    """Table 1 model-state bytes per rank: (2 + 2 + K)Ψ split by stage."""
+    if stage == 0:
+        return (4 + k) * psi
+    if stage == 1:
+        return 4 * psi + k * psi / n_d
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n_d
+    if stage == 3:
+        return (4 + k) * psi / n_d
+    raise ValueError(f"stage {stage} is not one of 0, 1, 2, 3")

@@ -1,0 +1,129 @@
+"""P_os+g: optimizer-state and gradient partitioning (paper §5.2).
+
+Memory per rank: 2Ψ params + 2Ψ/N_d gradient shard + 12Ψ/N_d optimizer = 2Ψ + 14Ψ/N_d bytes,
+plus constant-size fused buckets (C_B, §6.3). Communication per step: reduce-scatter of the
+gradients (Ψ) + all-gather of the parameters (Ψ) = 2Ψ elements (§7.2.1).
+
+During backward each gradient is copied into the fused buffer of the bucket(s) it belongs to
+(a bucket is a consecutive range of the flat layout, so its gradients become ready together);
+a complete bucket is reduce-scattered asynchronously while backward continues, and this rank
+adds the reduced chunk into its persistent gradient shard. The full gradient never exists on
+any rank. With gradient accumulation every micro-batch is reduce-scattered (the shard
+accumulates), which keeps the gradient memory at Ψ/N_d at the price of k reduce-scatters.
+
+ZeRO-R knobs: ``constant_buffers`` false sizes the fused buffer to the whole model (the
+baseline behaviour the paper's C_B fixes); ``contiguous_memory`` (M_D) true keeps the gradient
+shard in one pre-allocated contiguous tensor, false allocates each bucket's chunk when its first
+reduced gradient arrives and frees them all in ``zero_grad`` (fragmenting the heap).
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_repro.dist import comm
+from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.flat_buffer import BufferPool, FlatParams, InFlight
+from zero_repro.zero.partition import Bucket, intersect
+from zero_repro.zero.stage1_os import gather_updated
+from zero_repro.zero.strategy import Strategy
+
+
+class Stage2G(Strategy):
+    stage = 2
+
+    def _build_groups(self, named) -> list[FlatParams]:
+        g = FlatParams("model", named, self.dtype, self.n_d, self._bucket_capacity())
+        self.flat = g
+        part = g.partition
+        nb = len(part.buckets)
+        self.cap = part.capacity
+        self.cap_chunk = max((b.chunk for b in part.buckets), default=0)
+        self.inflight = InFlight(max_in_flight=2)
+        # one pool entry = fused input bucket [0, cap) + reduce-scatter output [cap, cap+chunk)
+        self.pool = BufferPool(self.cap + self.cap_chunk, self.dtype, self.inflight)
+        self.ag_inflight = InFlight(max_in_flight=2)
+        self.ag_pool = BufferPool(self.cap_chunk, self.dtype, self.ag_inflight)
+        if self.zero_r.contiguous_memory:
+            self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)  # (Ψ/N_d,)
+            self._grad_pieces: list[torch.Tensor | None] = [
+                self.grad_shard[b.shard_offset:b.shard_offset + b.chunk] for b in part.buckets]
+        else:
+            self.grad_shard = None
+            self._grad_pieces = [None] * nb
+        self._filling: dict[int, torch.Tensor] = {}  # bucket index -> pool buffer
+        self._filled = [0] * nb
+        return [g]
+
+    # ------------------------------------------------------------------ backward
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        part = self.flat.partition
+        s = self.flat.slot_of[id(p)]
+        grad = p.grad.reshape(-1)
+        for b in part.buckets_of(s.offset, s.numel):
+            buf = self._bucket_buffer(b)
+            lo, hi = intersect(b.start, b.end, s.offset, s.end)
+            buf[lo - b.start:hi - b.start].copy_(grad[lo - s.offset:hi - s.offset])
+            self._filled[b.index] += hi - lo
+            if self._filled[b.index] == part.real_in_bucket(b):
+                self._launch(b)
+        p.grad = None  # only the shard is kept
+
+    def _bucket_buffer(self, b: Bucket) -> torch.Tensor:
+        buf = self._filling.get(b.index)
+        if buf is None:
+            buf = self.pool.acquire()
+            buf[:b.size].zero_()  # padding and missing gradients reduce as zeros
+            self._filling[b.index] = buf
+        return buf
+
+    def _launch(self, b: Bucket) -> None:
+        buf = self._filling.pop(b.index)
+        self._filled[b.index] = 0
+        inp, out = buf[:b.size], buf[self.cap:self.cap + b.chunk]
+        if self.n_d > 1:
+            inp.div_(self.n_d)
+        work = comm.reduce_scatter_into(out, inp, self.dp, async_op=True)
+
+        def done():
+            self._accumulate(b, out)
+            self.pool.release(buf)
+
+        self.inflight.launch([work], done)
+
+    def _accumulate(self, b: Bucket, out: torch.Tensor) -> None:
+        piece = self._grad_pieces[b.index]
+        if piece is None:
+            self._grad_pieces[b.index] = out.clone()  # M_D off: allocated as it arrives
+        else:
+            piece.add_(out)
+
+    def _finish_backward(self) -> None:
+        # buckets with parameters that got no gradient this micro-batch: send what arrived
+        for idx in sorted(self._filling):
+            self._launch(self.flat.partition.buckets[idx])
+
+    def _wait_reductions(self) -> None:
+        self.inflight.wait_all()
+
+    # ------------------------------------------------------------------ shards
+    def _param_chunks(self) -> list[torch.Tensor]:
+        return self.flat.owned_chunks(self.dp_rank)
+
+    def _grad_chunks(self) -> list[torch.Tensor | None]:
+        return list(self._grad_pieces)
+
+    def _publish(self) -> None:
+        gather_updated(self.flat, self.dp_rank, self.dp, self.ag_pool, self.ag_inflight)
+
+    def _zero_grads(self) -> None:
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        else:
+            self._grad_pieces = [None] * len(self._grad_pieces)
+
+    def _ledger(self, ledger: MemoryLedger) -> None:
+        ledger.add("params_lp", self.flat.nbytes)
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        ledger.add("grads", self.flat.partition.shard_numel * elt)  # persistent shard
+        ledger.add("comm_buffers", self.pool.capacity_bytes + self.ag_pool.capacity_bytes)

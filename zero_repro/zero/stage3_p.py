@@ -1,0 +1,297 @@
+"""P_os+g+p: optimizer-state, gradient and parameter partitioning (paper §5.3, §7.2.2).
+
+Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the transient
+gathered units (the block being computed and ``zero.prefetch_blocks`` ahead) and constant-size
+buffers. Communication per step: all-gather of the parameters in forward (Ψ) and again in
+backward (Ψ), reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP (§7.2.2).
+
+Units: each child of ``model.blocks`` (an ``nn.ModuleList``, if the model has one) is a unit,
+plus one *root* unit with every other parameter (embeddings, final norm, tied head). Each unit
+has its own flat buffer (``FlatParams``), padded to its bucket grid, and this rank keeps only
+its chunks (``shard``); the flat storage is freed (resized to 0 bytes) whenever the unit is
+not in use, so the module's parameter views hold no data.
+
+Schedule:
+  forward   root pre-hook gathers the root; each block's forward pre-hook waits for (or starts)
+            its gather and prefetches the next ``prefetch_blocks`` blocks asynchronously; its
+            forward post-hook releases it and hooks the block output's gradient. The root is
+            released after the model's forward.
+  backward  ``strategy.backward`` gathers the root and prefetches the last blocks; the hook on a
+            block's output gradient (fires just before that block's backward) waits for its
+            gather and prefetches the previous blocks. When every gradient of a unit has been
+            accumulated (post-accumulate-grad hooks), the unit's gradients are reduce-scattered
+            (async) into the persistent gradient shard and the unit is released.
+  step      nothing to gather: the updated shard is the parameter storage.
+
+Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
+fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
+directly instead of ``strategy.backward(loss)``).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+
+import torch
+from torch import nn
+
+from zero_repro.dist import comm
+from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.flat_buffer import FlatParams, InFlight, PeakBytes
+from zero_repro.zero.strategy import Strategy
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class _Unit:
+    def __init__(self, name: str, group: FlatParams, shard: torch.Tensor, piece_base: int):
+        self.name, self.group, self.shard = name, group, shard  # shard: (padded/N_d,)
+        self.piece_base = piece_base  # index of this unit's first chunk in the shard lists
+        self.state = UnitState.SHARDED
+        self.works: list = []
+        self.grad_buf: torch.Tensor | None = None  # transient full gradients of the unit
+        self.filled = 0
+
+    def expect(self, *states: UnitState, event: str) -> None:
+        if self.state not in states:
+            raise RuntimeError(
+                f"stage 3 unit '{self.name}': {event} while the unit is {self.state.value} "
+                f"(expected {' or '.join(s.value for s in states)}); call "
+                f"strategy.backward(loss), not loss.backward(), and keep one forward per backward")
+
+
+class Stage3P(Strategy):
+    stage = 3
+
+    def _build_groups(self, named) -> list[FlatParams]:
+        blocks = getattr(self.module, "blocks", None)
+        block_list = list(blocks) if isinstance(blocks, nn.ModuleList) else []
+        owner: dict[int, int] = {}
+        for i, blk in enumerate(block_list):
+            for p in blk.parameters():
+                owner.setdefault(id(p), i + 1)
+        per_unit: list[list] = [[] for _ in range(len(block_list) + 1)]
+        for n, p in named:
+            per_unit[owner.get(id(p), 0)].append((n, p))
+        cap = self._bucket_capacity()
+        self.units: list[_Unit] = []
+        self.block_units: list[_Unit | None] = [None] * len(block_list)
+        self.root: _Unit | None = None
+        self.unit_of: dict[int, _Unit] = {}
+        piece_base = 0
+        for idx, params in enumerate(per_unit):
+            if not params:
+                continue
+            g = FlatParams("root" if idx == 0 else f"blocks.{idx - 1}", params, self.dtype,
+                           self.n_d, cap)
+            shard = torch.empty(g.partition.shard_numel, dtype=self.dtype)
+            for b, mine in zip(g.partition.buckets, g.owned_chunks(self.dp_rank)):
+                shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+            g.release()
+            u = _Unit(g.name, g, shard, piece_base)
+            piece_base += len(g.partition.buckets)
+            self.units.append(u)
+            if idx == 0:
+                self.root = u
+            else:
+                self.block_units[idx - 1] = u
+            for _, p in params:
+                self.unit_of[id(p)] = u
+        self._init_grad_storage(piece_base)
+        self.inflight = InFlight(max_in_flight=2)
+        self.gathered_peak, self.buffer_peak = PeakBytes(), PeakBytes()
+        self._phase = "idle"
+        self._module_hooks = self._register_module_hooks(block_list)
+        return [u.group for u in self.units]
+
+    def _init_grad_storage(self, n_pieces: int) -> None:
+        shards = [(u, b) for u in self.units for b in u.group.partition.buckets]
+        if self.zero_r.contiguous_memory:  # M_D: one pre-allocated buffer for all shards
+            total = sum(u.group.partition.shard_numel for u in self.units)
+            self.grad_shard = torch.zeros(total, dtype=self.dtype)  # (Ψ/N_d,)
+            pieces, base = [], 0
+            for u in self.units:
+                for b in u.group.partition.buckets:
+                    pieces.append(self.grad_shard[base + b.shard_offset:
+                                                  base + b.shard_offset + b.chunk])
+                base += u.group.partition.shard_numel
+            self._grad_pieces: list[torch.Tensor | None] = pieces
+        else:
+            self.grad_shard = None
+            self._grad_pieces = [None] * len(shards)
+
+    def _register_module_hooks(self, block_list) -> list:
+        hooks = [self.module.register_forward_pre_hook(self._root_pre),
+                 self.module.register_forward_hook(self._root_post)]
+        for i, blk in enumerate(block_list):
+            if self.block_units[i] is None:
+                continue
+            hooks.append(blk.register_forward_pre_hook(functools.partial(self._block_pre, i)))
+            hooks.append(blk.register_forward_hook(functools.partial(self._block_post, i)))
+        return hooks
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    # ------------------------------------------------------------------ gather / release
+    def _gather(self, u: _Unit) -> None:
+        u.expect(UnitState.SHARDED, event="gather requested")
+        u.group.materialize()
+        self.gathered_peak.alloc(u.group.nbytes)
+        u.works = [comm.all_gather_into(u.group.flat[b.start:b.end],
+                                        u.shard[b.shard_offset:b.shard_offset + b.chunk],
+                                        self.dp, async_op=True)
+                   for b in u.group.partition.buckets]
+        u.state = UnitState.GATHERING
+
+    def _ensure(self, u: _Unit) -> None:
+        if u.state is UnitState.SHARDED:
+            self._gather(u)
+        if u.state is UnitState.GATHERING:
+            for w in u.works:
+                w.wait()
+            u.works = []
+            u.state = UnitState.GATHERED
+
+    def _prefetch(self, indices) -> None:
+        for j in indices:
+            if 0 <= j < len(self.block_units):
+                u = self.block_units[j]
+                if u is not None and u.state is UnitState.SHARDED:
+                    self._gather(u)
+
+    def _release(self, u: _Unit) -> None:
+        if u.state is UnitState.GATHERING:  # prefetched but never used
+            self._ensure(u)
+        u.expect(UnitState.GATHERED, event="release requested")
+        u.group.release()
+        self.gathered_peak.free(u.group.nbytes)
+        u.state = UnitState.SHARDED
+
+    # ------------------------------------------------------------------ module hooks
+    def _root_pre(self, module, args) -> None:
+        if self.root is not None:
+            self._ensure(self.root)
+        self._prefetch(range(self.zero.prefetch_blocks))
+
+    def _root_post(self, module, args, output) -> None:
+        if self.root is not None and self._phase != "backward":
+            self._release(self.root)
+            if torch.is_grad_enabled():  # fail loudly, naming the unit, on a bare backward
+                outs = output if isinstance(output, (tuple, list)) else (output,)
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._check_backward_phase)
+
+    def _check_backward_phase(self, grad: torch.Tensor) -> None:
+        if self._phase != "backward" and self.root is not None:
+            self.root.expect(UnitState.GATHERED, event="backward started")
+
+    def _block_pre(self, i: int, module, args) -> None:
+        self._ensure(self.block_units[i])
+        if self._phase != "backward":  # not an activation-checkpoint recompute
+            self._prefetch(range(i + 1, i + 1 + self.zero.prefetch_blocks))
+
+    def _block_post(self, i: int, module, args, output):
+        if self._phase == "backward":
+            return None  # recompute inside backward: keep the unit until its grads are in
+        if torch.is_grad_enabled():
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, i))
+                    break
+        self._release(self.block_units[i])
+        return None
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        self._ensure(self.block_units[i])
+        self._prefetch(range(i - 1, i - 1 - self.zero.prefetch_blocks, -1))
+
+    # ------------------------------------------------------------------ backward
+    def _begin_backward(self) -> None:
+        self._phase = "backward"
+        if self.root is not None:
+            self._ensure(self.root)  # head and embedding gradients need the root unit
+        n = len(self.block_units)
+        self._prefetch(range(n - 1, n - 1 - self.zero.prefetch_blocks, -1))
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u = self.unit_of[id(p)]
+        u.expect(UnitState.GATHERED, event="a parameter gradient arrived")
+        if u.grad_buf is None:
+            u.grad_buf = torch.zeros(u.group.partition.padded_numel, dtype=self.dtype)
+            self.buffer_peak.alloc(u.grad_buf.numel() * u.grad_buf.element_size())
+        s = u.group.slot_of[id(p)]
+        u.grad_buf[s.offset:s.end].copy_(p.grad.reshape(-1))
+        p.grad = None
+        u.filled += s.numel
+        if u.filled == u.group.numel:
+            self._reduce_unit(u)
+            self._release(u)  # every use of the unit's parameters in backward is done
+
+    def _reduce_unit(self, u: _Unit) -> None:
+        buf, u.grad_buf, u.filled = u.grad_buf, None, 0
+        if self.n_d > 1:
+            buf.div_(self.n_d)
+        part = u.group.partition
+        out = torch.empty(part.shard_numel, dtype=self.dtype)
+        self.buffer_peak.alloc(out.numel() * out.element_size())
+        works = [comm.reduce_scatter_into(out[b.shard_offset:b.shard_offset + b.chunk],
+                                          buf[b.start:b.end], self.dp, async_op=True)
+                 for b in part.buckets]
+
+        def done():
+            for k, b in enumerate(part.buckets):
+                piece = out[b.shard_offset:b.shard_offset + b.chunk]
+                j = u.piece_base + k
+                if self._grad_pieces[j] is None:
+                    self._grad_pieces[j] = piece.clone()  # M_D off: allocated as it arrives
+                else:
+                    self._grad_pieces[j].add_(piece)
+            self.buffer_peak.free((buf.numel() + out.numel()) * buf.element_size())
+
+        self.inflight.launch(works, done)
+
+    def _finish_backward(self) -> None:
+        for u in self.units:  # units some of whose parameters got no gradient
+            if u.grad_buf is not None:
+                self._reduce_unit(u)
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self._release(u)
+        self._phase = "idle"
+
+    def _wait_reductions(self) -> None:
+        self.inflight.wait_all()
+        for u in self.units:
+            u.expect(UnitState.SHARDED, event="optimizer step")
+
+    # ------------------------------------------------------------------ shards
+    def _param_chunks(self) -> list[torch.Tensor]:
+        return [u.shard[b.shard_offset:b.shard_offset + b.chunk]
+                for u in self.units for b in u.group.partition.buckets]
+
+    def _grad_chunks(self) -> list[torch.Tensor | None]:
+        return list(self._grad_pieces)
+
+    def _zero_grads(self) -> None:
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        else:
+            self._grad_pieces = [None] * len(self._grad_pieces)
+
+    def _ledger(self, ledger: MemoryLedger) -> None:
+        shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        ledger.add("params_lp", shard_bytes)
+        ledger.add("grads", shard_bytes)  # persistent gradient shard, same size and dtype
+        ledger.add("comm_buffers", self.buffer_peak.peak)  # peak unit grad + output buffers
+        ledger.add("params_gathered", self.gathered_peak.peak)  # transient, not Table 1

@@ -1,0 +1,289 @@
+"""The one interface every ZeRO-DP stage implements (paper §5), and ``build_strategy``.
+
+A ``Strategy`` wraps an ``nn.Module`` the way DDP does: call ``strategy.module(...)`` (or
+``strategy.forward``), then ``strategy.backward(loss)`` and ``strategy.step()``.
+
+Per-step contract (all stages):
+  backward(loss)  scales the loss (loss scale / grad_accum), runs autograd; gradient hooks
+                  (``Tensor.register_post_accumulate_grad_hook``) move each gradient into the
+                  stage's storage and launch bucketed async collectives while backward goes on.
+  step()          waits for outstanding collectives; unscale; overflow flag and grad norm agreed
+                  over the world (DP × TP) in one all-reduce; skip the step on overflow (every
+                  rank), else clip by the global norm and run AdamW on this rank's fp32 shard;
+                  cast into the training-dtype shard; publish the parameters (stage-specific).
+  zero_grad()     clears gradient storage.
+
+Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
+Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
+micro-batch only (DDP's no_sync behaviour), stages 2/3 reduce-scatter every micro-batch and
+accumulate into the gradient shard (they never hold full gradients). ``backward(loss,
+is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equal one batch
+k times larger.
+
+Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
+stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
+from zero_repro.dist import comm
+from zero_repro.dist.topology import Topology
+from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero import clip, precision
+from zero_repro.zero.adam import ShardAdamW
+from zero_repro.zero.flat_buffer import FlatParams
+from zero_repro.zero.partition import counted_subranges
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInfo:
+    skipped: bool
+    grad_norm: float
+    loss_scale: float  # the scale used for this step's gradients
+
+
+class Strategy:
+    """Base class: shared step logic. Subclasses provide storage and communication."""
+
+    stage: int = -1
+
+    def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
+                 zero_r: ZeroRConfig | None = None):
+        self.module = model
+        self.topo, self.zero, self.train = topo, zero, train
+        # None = the C_B and M_D behaviour ZeRO recommends (constant buffers, contiguous grads)
+        self.zero_r = zero_r or ZeroRConfig(constant_buffers=True, contiguous_memory=True)
+        self.dp = topo.dp_group
+        self.n_d, self.dp_rank = self.dp.size, self.dp.rank
+        self.dtype = precision.lp_dtype(zero.dtype)
+        self.scaler = precision.build_scaler(zero)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.groups: list[FlatParams] = self._build_groups(named)
+        self._counted = self._counted_ranges(model)
+        chunks, base = [], 0
+        for g in self.groups:
+            chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
+            base += g.partition.shard_numel
+        self.opt = ShardAdamW(chunks, self._param_chunks(), precision.needs_master(zero.dtype))
+        self._micro = 0
+        self._is_last = True
+        self._no_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+
+    # ------------------------------------------------------------------ subclass interface
+    def _partition_world(self) -> int:
+        """How many ranks the optimizer state is split over (1 for baseline DP)."""
+        return self.n_d
+
+    def _bucket_capacity(self) -> int:
+        """C_B: constant fused-buffer elements, or the whole model (paper's baseline)."""
+        if self.zero_r.constant_buffers:
+            return min(self.zero.reduce_bucket_size, self.zero.allgather_bucket_size)
+        return 1 << 62  # one bucket per group: the fused buffer grows with the model
+
+    def _build_groups(self, named) -> list[FlatParams]:
+        raise NotImplementedError
+
+    def _param_chunks(self) -> list[torch.Tensor]:
+        """Training-dtype tensors holding this rank's owned elements, one per bucket."""
+        raise NotImplementedError
+
+    def _grad_chunks(self) -> list[torch.Tensor | None]:
+        """Reduced (summed/N_d, still loss-scaled) gradients of the owned elements."""
+        raise NotImplementedError
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _begin_backward(self) -> None:
+        return None
+
+    def _finish_backward(self) -> None:
+        return None
+
+    def _wait_reductions(self) -> None:
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """Make updated shards visible in the module's parameters."""
+        return None
+
+    def _zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def _ledger(self, ledger: MemoryLedger) -> None:
+        raise NotImplementedError
+
+    def _counts_norm(self) -> bool:
+        """Whether this DP rank's gradient elements enter the global norm."""
+        return True
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within this context backward never counts as the last micro-batch."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def backward(self, loss: torch.Tensor, is_last_micro_batch: bool | None = None) -> None:
+        self._micro += 1
+        if is_last_micro_batch is None:
+            is_last_micro_batch = self._micro >= self.train.grad_accum and not self._no_sync
+        self._is_last = is_last_micro_batch
+        self._begin_backward()
+        # fp32 product: an fp16 loss times 2^16 would overflow before backward even starts
+        (loss.float() * (self.scaler.scale / self.train.grad_accum)).backward()
+        self._finish_backward()
+
+    def step(self) -> StepInfo:
+        self._wait_reductions()
+        scale = self.scaler.scale
+        grads = self._grad_chunks()
+        sumsq, bad = clip.local_stats(grads, self._counted, 1.0 / scale)
+        norm, overflow = clip.agree(sumsq, bad, self.topo.world)
+        self.scaler.update(overflow)
+        if overflow:
+            log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
+                     self.stage, scale, self.scaler.scale)
+        else:
+            coef = clip.clip_coef(norm, self.zero.grad_clip)
+            t = self.train
+            self.opt.step(self._param_chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
+                          t.eps, t.weight_decay)
+            self._publish()
+        self._micro = 0
+        return StepInfo(skipped=overflow, grad_norm=norm, loss_scale=scale)
+
+    def zero_grad(self) -> None:
+        self._zero_grads()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def memory_ledger(self) -> MemoryLedger:
+        ledger = MemoryLedger()
+        for k, v in self.opt.nbytes().items():
+            ledger.add(k, v)
+        self._ledger(ledger)
+        return ledger
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This TP rank's parameters, unsharded over DP, in fp32 (from the master shard)."""
+        out, i = {}, 0
+        lp_chunks = self._param_chunks()
+        enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
+        try:
+            for g in self.groups:
+                full = torch.zeros(g.partition.padded_numel, dtype=torch.float32)
+                for b in g.partition.buckets:
+                    mine = self.opt.master_chunk(i, lp_chunks[i]).float()
+                    if g.partition.world == 1:
+                        full[b.start:b.end].copy_(mine)
+                    else:
+                        comm.all_gather_into(full[b.start:b.end], mine.contiguous(), self.dp)
+                    i += 1
+                for s in g.slots:
+                    out[s.name] = full[s.offset:s.end].view(s.shape).clone()
+        finally:
+            self.topo.ledger.enabled = enabled
+        return {n: out[n] for n in self.names}
+
+    def state_dict(self) -> dict:
+        """Sharded optimizer state: per group the fp32 master/m/v shard and the flat ranges it
+        covers (``shard_ranges``: (flat_start, shard_start, length)), enough to reshard."""
+        groups, base, i = [], 0, 0
+        lp_chunks = self._param_chunks()
+        for g in self.groups:
+            n = g.partition.shard_numel
+            nb = len(g.partition.buckets)
+            master = torch.cat([self.opt.master_chunk(i + k, lp_chunks[i + k]).float()
+                                for k in range(nb)]) if nb else torch.zeros(0)
+            groups.append({
+                "name": g.name, "slots": [(s.name, s.offset, s.numel, s.shape) for s in g.slots],
+                "partition": g.partition.describe(),
+                "shard_ranges": g.partition.shard_ranges(self._shard_rank()),
+                "master": master.clone(), "exp_avg": self.opt.exp_avg[base:base + n].clone(),
+                "exp_avg_sq": self.opt.exp_avg_sq[base:base + n].clone()})
+            base += n
+            i += nb
+        return {"stage": self.stage, "dtype": self.zero.dtype, "dp_world": self.n_d,
+                "dp_rank": self.dp_rank, "step": self.opt.step_count,
+                "scaler": self.scaler.state_dict(), "groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state from ``state_dict`` of the same stage, layout and DP size."""
+        if len(state["groups"]) != len(self.groups):
+            raise ValueError("state_dict has a different number of flat groups; reshard first")
+        base, i = 0, 0
+        lp_chunks = self._param_chunks()
+        for g, gs in zip(self.groups, state["groups"]):
+            n = g.partition.shard_numel
+            if gs["master"].numel() != n:
+                raise ValueError(f"group {g.name}: shard of {gs['master'].numel()} elements, "
+                                 f"expected {n}; reshard for dp={self.n_d} first")
+            self.opt.exp_avg[base:base + n].copy_(gs["exp_avg"])
+            self.opt.exp_avg_sq[base:base + n].copy_(gs["exp_avg_sq"])
+            for b in g.partition.buckets:
+                src = gs["master"][b.shard_offset:b.shard_offset + b.chunk]
+                self.opt.master_chunk(i, lp_chunks[i]).copy_(src)
+                lp_chunks[i].copy_(src)
+                i += 1
+            base += n
+        self.opt.step_count = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])
+        self._publish()
+
+    # ------------------------------------------------------------------ helpers
+    def _shard_rank(self) -> int:
+        return self.dp_rank if self._partition_world() > 1 else 0
+
+    def _counted_ranges(self, model: nn.Module) -> list[list[tuple[int, int]]]:
+        """Per owned chunk, the sub-ranges that enter the global grad norm on this rank."""
+        dims_fn = getattr(model, "tp_partition_dims", None)
+        dims = dims_fn() if callable(dims_fn) else {}
+        tp_rank = self.topo.tp_group.rank if self.topo.tp_group is not None else 0
+        counted = {n for n in self.names
+                   if dims.get(n) is not None or tp_rank == 0} if self._counts_norm() else set()
+        out, rank = [], self._shard_rank()
+        for g in self.groups:
+            for b in g.partition.buckets:
+                lo, hi = b.owned(rank)
+                out.append(counted_subranges(g.slots, counted, lo, hi))
+        return out
+
+
+def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
+                   zero_r: ZeroRConfig | None = None) -> Strategy:
+    """The strategy class for ``zero.stage`` wrapping ``model`` (parameters are re-pointed into
+    flat buffers and cast to ``zero.dtype``; build it after TP and activation checkpointing)."""
+    from zero_repro.zero.stage0_ddp import Stage0DDP
+    from zero_repro.zero.stage1_os import Stage1Os
+    from zero_repro.zero.stage2_g import Stage2G
+    from zero_repro.zero.stage3_p import Stage3P
+
+    classes = {0: Stage0DDP, 1: Stage1Os, 2: Stage2G, 3: Stage3P}
+    if zero.stage not in classes:
+        raise ValueError(f"zero.stage={zero.stage} is not one of {sorted(classes)}")
+    return classes[zero.stage](model, topo, zero, train, zero_r)
