@@ -122,6 +122,27 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """DCP checkpoints (zero_repro.checkpoint): save every N steps, resume on another stage or
+    DP size (same TP degree)."""
+
+    dir: str = ""  # "" = <run dir>/checkpoints
+    save_every: int = 0  # steps between saves; 0 = never
+    resume: str = ""  # "" = start fresh | auto (latest if any) | latest (must exist) | a path
+    keep: int = 2  # committed checkpoints kept (0 = all)
+    verify: bool = True  # check every file's SHA-256 before loading
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests of the failure path (a rank dies or raises mid-step)."""
+
+    rank: int = -1  # -1 = off
+    step: int = 0  # before the optimizer step of this step index
+    mode: str = "kill"  # kill (os._exit, like an OOM kill or a lost node) | raise | hang
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "smoke"
     action: str = "run"  # run | plot | plan
@@ -141,6 +162,8 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 def register_configs() -> None:
@@ -151,7 +174,8 @@ def register_configs() -> None:
     for group, node in [("model", ModelConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
                         ("zero_r", ZeroRConfig), ("train", TrainConfig),
                         ("cluster", ClusterConfig), ("launcher", LauncherConfig),
-                        ("logging", LoggingConfig)]:
+                        ("logging", LoggingConfig), ("checkpoint", CheckpointConfig),
+                        ("fault", FaultConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
@@ -245,7 +269,38 @@ def validate(cfg: Config) -> Config:
         pass  # allowed (slow) for debugging
     if cfg.cluster.device == "cpu" and cfg.cluster.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
+    if cfg.launcher.collective_timeout_s <= 0:
+        raise ValueError(f"launcher.collective_timeout_s={cfg.launcher.collective_timeout_s} "
+                         f"must be > 0 (a dead rank must not hang the others forever)")
+    _validate_checkpoint(cfg)
+    _validate_fault(cfg)
     return cfg
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    ck = cfg.checkpoint
+    if ck.save_every < 0:
+        raise ValueError(f"checkpoint.save_every={ck.save_every} must be >= 0 (0 = never)")
+    if ck.keep < 0:
+        raise ValueError(f"checkpoint.keep={ck.keep} must be >= 0 (0 = keep all)")
+    if ck.resume in ("", "auto", "latest"):
+        return
+    import os
+
+    if not os.path.isfile(os.path.join(ck.resume, "manifest.json")):
+        what = "does not exist" if not os.path.exists(ck.resume) else "has no manifest.json"
+        raise ValueError(f"checkpoint.resume={ck.resume!r} {what}: give a checkpoint directory "
+                         f"(step_NNNNNNNN), 'latest' or 'auto'")
+
+
+def _validate_fault(cfg: Config) -> None:
+    f = cfg.fault
+    _choice(f.mode, ("kill", "raise", "hang"), "fault.mode")
+    if f.rank >= cfg.parallel.world_size:
+        raise ValueError(f"fault.rank={f.rank} is not a rank of parallel.world_size="
+                         f"{cfg.parallel.world_size}")
+    if f.rank >= 0 and not 0 <= f.step < cfg.train.steps:
+        raise ValueError(f"fault.step={f.step} never happens: train.steps={cfg.train.steps}")
 
 
 def summary(cfg: Config) -> dict[str, Any]:

@@ -11,13 +11,20 @@ rank). ``run_training`` starts the ranks with the configured launcher:
 
 Parallelism is applied to the model from outside in a fixed order:
 TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO wrap -> optimizer.
+
+Checkpoints (``checkpoint`` config, ``zero_repro.checkpoint``): saved every
+``checkpoint.save_every`` steps into ``<run dir>/checkpoints`` (or ``checkpoint.dir``); a run
+with ``checkpoint.resume`` set loads the strategy state (any stage / DP size) and continues
+from the saved data position. ``fault.*`` injects a rank failure mid-step (tests).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import platform
+import time
 
 import torch
 
@@ -66,9 +73,47 @@ def build(cfg: C.Config, topo: Topology, device: torch.device):
     return model, ckpt, strategy
 
 
+def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
+    return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+
+
+def resume_path(cfg: C.Config, run_dir: str) -> str | None:
+    """The checkpoint to resume from (None: start fresh). ValueError if ``resume=latest`` and
+    there is none; called before any rank starts, so that is a user error."""
+    from zero_repro import checkpoint
+
+    how = cfg.checkpoint.resume
+    if not how:
+        return None
+    if how in ("auto", "latest"):
+        path = checkpoint.latest(checkpoint_root(cfg, run_dir))
+        if path is None and how == "latest":
+            raise ValueError(f"checkpoint.resume=latest but {checkpoint_root(cfg, run_dir)!r} "
+                             f"holds no committed checkpoint; use checkpoint.resume=auto to "
+                             f"start fresh when there is none")
+        return path
+    return how
+
+
+def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
+    """``fault.rank`` fails at ``fault.step``, after backward, before the optimizer step (its
+    peers are then blocked in the step's collectives): the failure path under test."""
+    if rank != fault.rank or step != fault.step:
+        return
+    log.error("fault injection: rank %d %s at step %d", rank, fault.mode, step)
+    if fault.mode == "kill":
+        os._exit(9)  # no cleanup, like the OOM killer or a lost node
+    if fault.mode == "raise":
+        raise RuntimeError(f"fault injection: rank {rank} raised at step {step}")
+    while True:  # hang: alive but silent; peers must time out, not wait forever
+        time.sleep(60)
+
+
 def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
     from zero_repro.model import flops
     from zero_repro.train import data, loop
+
+    from zero_repro import checkpoint
 
     cfg = C.load(config_path)
     device = _device(cfg, rank if local_rank is None else local_rank)
@@ -76,7 +121,22 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     model, ckpt, strategy = build(cfg, topo, device)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
-    res = loop.train(strategy, source, cfg, topo, device)
+    run_dir = os.path.dirname(os.path.abspath(config_path))
+    root = checkpoint_root(cfg, run_dir)
+    start, resumed = 0, resume_path(cfg, run_dir)
+    if resumed is not None:
+        start = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify)["step"]
+        if start >= cfg.train.steps:
+            raise ValueError(f"checkpoint {resumed} is at step {start}: nothing left to do with "
+                             f"train.steps={cfg.train.steps}; raise train.steps")
+
+    def on_step(step, loss, dt, info):
+        every = cfg.checkpoint.save_every
+        if every and (step + 1) % every == 0:
+            checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep)
+
+    res = loop.train(strategy, source, cfg, topo, device, on_step=on_step, start_step=start,
+                     before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
 
     mem = strategy.memory_ledger()
     if ckpt is not None:
@@ -92,7 +152,9 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         "step_time_s": step_s, "step_times_s": res.step_times,
         "tokens_per_s": tokens_per_step / step_s,
         "tflops_per_gpu": flops.tflops_per_gpu(fl, step_s, world_size),
-        "skipped_steps": res.skipped_steps, "grad_norms": res.grad_norms,
+        "skipped_steps": res.skipped_steps, "skipped_at": res.skipped_at,
+        "start_step": res.start_step, "resumed_from": resumed or "",
+        "grad_norms": res.grad_norms,
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
     }
@@ -110,6 +172,7 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 def run_training(cfg: C.Config, run_dir: str) -> dict:
     """Validate, write the resolved config into ``run_dir``, run all ranks; rank 0's result."""
     C.validate(cfg)
+    resume_path(cfg, run_dir)  # 'resume=latest' with nothing to resume: fail before spawning
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
     C.save(cfg, path)
@@ -164,7 +227,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    rank, world, local = launch.init_from_env(C.load(args.config).cluster.backend)
+    cfg = C.load(args.config)
+    rank, world, local = launch.init_from_env(cfg.cluster.backend,
+                                              cfg.launcher.collective_timeout_s)
     try:
         result = rank_main(rank, world, args.config, local)
     finally:

@@ -8,6 +8,11 @@ the step time the paper reports is wall clock).
 
 Measurement has no side effects on training: losses are collected locally and gathered once
 at the end with an object all-gather that the communication ledger does not count.
+
+Resuming: ``start_step`` is the data position restored from a checkpoint (batches are a pure
+function of (seed, step), so starting the step loop there replays exactly the data the
+uninterrupted run would have seen). fp16 overflow skips are data: counted, their step indices
+kept, and each one logged.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ class LoopResult:
     losses: list = field(default_factory=list)  # global mean loss per optimizer step
     step_times: list = field(default_factory=list)  # seconds, timed steps only
     skipped_steps: int = 0  # fp16 overflow skips
+    skipped_at: list = field(default_factory=list)  # step indices of those skips
+    start_step: int = 0  # first step run (> 0 when resumed from a checkpoint)
     grad_norms: list = field(default_factory=list)
     loss_scales: list = field(default_factory=list)
     comm_per_step: dict = field(default_factory=dict)  # ledger of the last timed step
@@ -46,17 +53,21 @@ def _sync(device: torch.device) -> None:
 
 
 def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: torch.device,
-          on_step=None) -> LoopResult:
+          on_step=None, start_step: int = 0, before_step=None) -> LoopResult:
+    """Run steps ``start_step .. train.steps - 1``. ``before_step(step)`` runs after the
+    backward passes and before the optimizer step; ``on_step(step, loss, dt, info)`` after it
+    (checkpointing happens there, outside the timed region)."""
     t = cfg.train
-    res = LoopResult()
+    res = LoopResult(start_step=start_step)
     show = t.progress and topo.rank == 0
     bar = None
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=t.steps, desc=f"train stage{cfg.zero.stage}", leave=False)
+        bar = tqdm(total=t.steps, initial=start_step, desc=f"train stage{cfg.zero.stage}",
+                   leave=False)
     local_losses = []
-    for step in range(t.steps):
+    for step in range(start_step, t.steps):
         if step == t.steps - 1:
             topo.ledger.reset()  # the ledger of exactly one (the last) step
         _sync(device)
@@ -69,14 +80,21 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
             _, loss = strategy.module(x, y)
             strategy.backward(loss)
             step_loss += float(loss.detach()) / t.grad_accum
+        if before_step is not None:
+            before_step(step)
         info = strategy.step()
         strategy.zero_grad()
         _sync(device)
         dt = time.perf_counter() - t0
-        if step >= t.warmup_steps:
+        if step >= start_step + t.warmup_steps or step == t.steps - 1:
             res.step_times.append(dt)
         local_losses.append(step_loss)
-        res.skipped_steps += int(info.skipped)
+        if info.skipped:
+            res.skipped_steps += 1
+            res.skipped_at.append(step)
+            if topo.rank == 0:
+                log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so far);"
+                            " loss scale was %g", step, res.skipped_steps, info.loss_scale)
         res.grad_norms.append(float(info.grad_norm))
         res.loss_scales.append(float(info.loss_scale))
         if on_step is not None:

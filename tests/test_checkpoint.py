@@ -1,0 +1,237 @@
+"""Resharding DCP checkpoints (zero_repro.checkpoint): save at ZeRO stage s on DP a, load at
+stage t on DP b, continue, and land on the parameters of the run that never stopped.
+
+One spawn at world 4 hosts every layout: sub-worlds of 1, 2 and 4 ranks (ranks 0..n-1) are
+built by hand as Topology objects; ranks outside the active sub-world wait at a barrier.
+For each source (s, a): train K steps, save, train K more -> reference. For each target
+(t, b): fresh model, load, train K steps; rank 0 compares the fp32 parameters (gathered over
+DP) with the reference: bit-equal on the diagonal (same stage and DP), <= 1e-6 otherwise
+(a different DP size sums gradients in another order). The global batch is fixed (4 rows), so
+every DP size trains on the same data. The full 4x4x3x3 matrix is ``@pytest.mark.slow``.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from zero_repro import checkpoint as ck
+from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
+from zero_repro.dist import comm
+from zero_repro.dist.launch import spawn
+from zero_repro.dist.topology import Topology, grid_rank
+from zero_repro.model.gpt import GPT
+from zero_repro.zero import build_strategy
+
+CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
+                  vocab_pad_multiple=8)
+ROWS, SEED, TOL = 4, 11, 1e-6
+K, STEPS = 1, 3  # save after K steps (Adam m, v and step count are live), continue to STEPS
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (sub-world size, tp)
+
+
+def build_layouts(rank: int) -> dict:
+    """Every rank creates every group of every layout, in one fixed order (torch rule)."""
+    out = {}
+    for n, tp in LAYOUTS:
+        ledger = comm.CommLedger()
+        world = comm.new_group("world", range(n), ledger, rank)
+        tp_g = dp_g = None
+        for d in range(n // tp):
+            tp_g = comm.new_group("tp", [grid_rank(d, t, tp) for t in range(tp)], ledger,
+                                  rank) or tp_g
+        for t in range(tp):
+            dp_g = comm.new_group("dp", [grid_rank(d, t, tp) for d in range(n // tp)], ledger,
+                                  rank) or dp_g
+        if world is not None:
+            out[(n, tp)] = Topology(n, world.rank, tp, n // tp, dp_g.rank, tp_g.rank, world,
+                                    tp_g, dp_g, ledger)
+    return out
+
+
+def make(topo: Topology, stage: int, bucket: int = 700):
+    model = GPT(CFG, topo.tp_group)
+    model.init_weights(SEED)
+    zero = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    train = TrainConfig(micro_batch_size=ROWS // topo.dp, lr=1e-3, eps=1e-6, weight_decay=0.1)
+    return build_strategy(model, topo, zero, train)
+
+
+def train(strategy, topo: Topology, steps) -> None:
+    mb = ROWS // topo.dp
+    for step in steps:
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randint(0, CFG.vocab_size, (ROWS, CFG.seq_len), generator=g)
+        y = torch.randint(0, CFG.vocab_size, (ROWS, CFG.seq_len), generator=g)
+        lo = topo.dp_rank * mb
+        _, loss = strategy.module(x[lo:lo + mb], y[lo:lo + mb])
+        strategy.backward(loss)
+        strategy.step()
+        strategy.zero_grad()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _matrix_worker(rank, world, root, cells, with_tp):
+    topos = build_layouts(rank)
+    everyone = comm.new_group("all", range(world), comm.CommLedger(), rank)
+    refs, out = {}, {}
+    for s, a in sorted({(c[0], c[1]) for c in cells}):  # sources: train, save, train on
+        topo = topos.get((a, 1))
+        if topo is not None:
+            strat = make(topo, s)
+            train(strat, topo, range(K))
+            ck.save(os.path.join(root, f"s{s}a{a}"), strat, topo, step=K)
+            train(strat, topo, range(K, STEPS))
+            refs[(s, a)] = strat.full_parameters()
+            strat.remove_hooks()
+        comm.barrier(everyone)
+    for s, a, t, b in cells:
+        topo = topos.get((b, 1))
+        if topo is not None:
+            # another bucket grid on purpose, except on the diagonal (bit-equality check)
+            strat = make(topo, t, bucket=700 if (s, a) == (t, b) else 300 + 100 * t)
+            path = ck.latest(os.path.join(root, f"s{s}a{a}"))
+            manifest = ck.load(path, strat, topo)
+            train(strat, topo, range(manifest["step"], STEPS))
+            got = strat.full_parameters()
+            if rank == 0:
+                out[(s, a, t, b)] = _max_diff(refs[(s, a)], got)
+            strat.remove_hooks()
+        comm.barrier(everyone)
+    if with_tp:
+        out.update(_tp_part(rank, topos, everyone, os.path.join(root, "tp")))
+    return out
+
+
+def _run_matrix(tmp_path, cells, with_tp=False):
+    res = spawn(_matrix_worker, 4, str(tmp_path), cells, with_tp, timeout_s=60)
+    for s, a, t, b in cells:
+        diff = res[0][(s, a, t, b)]
+        if (s, a) == (t, b):
+            assert diff == 0.0, f"stage {s} dp {a} resumed in place differs by {diff}"
+        else:
+            assert diff <= TOL, f"stage {s} dp {a} -> stage {t} dp {b}: max |diff| {diff}"
+
+
+    return res
+
+
+# representative subset (4 sources to keep it fast): every stage on the diagonal, every DP size
+# as source and target, every stage as source and target of a cross pair, DP grown and shrunk
+SUBSET = [(0, 2, 0, 2), (0, 2, 3, 4), (0, 2, 2, 1),
+          (1, 4, 1, 4), (1, 4, 0, 1), (1, 4, 3, 2),
+          (2, 1, 2, 1), (2, 1, 1, 4),
+          (3, 2, 3, 2), (3, 2, 1, 1)]
+
+
+def test_reshard_subset_and_tp(tmp_path):
+    """Plus, in the same spawn: a TP=2 checkpoint loads at TP=2 with another stage and DP
+    size, and is refused with a clear message at TP=1."""
+    res = _run_matrix(tmp_path, SUBSET, with_tp=True)
+    for r in (0, 1):  # the two TP ranks of DP rank 0 compare their own TP slices
+        assert res[r]["tp_same"] <= TOL, res[r]
+        assert "saved with parallel.tp=2" in res[r]["tp_change"], res[r]
+        assert "resume with parallel.tp=2" in res[r]["tp_change"]
+
+
+@pytest.mark.slow
+def test_reshard_full_matrix(tmp_path):
+    stages, dps = range(4), (1, 2, 4)
+    _run_matrix(tmp_path, list(itertools.product(stages, dps, stages, dps)))
+
+
+# ------------------------------------------------------------------ TP: reshard DP, refuse TP
+def _tp_part(rank, topos, everyone, root) -> dict:
+    out, ref = {}, None
+    topo = topos.get((2, 2))  # tp 2, dp 1 on ranks 0, 1
+    if topo is not None:
+        strat = make(topo, 1)
+        train(strat, topo, range(K))
+        ck.save(root, strat, topo, step=K)
+        train(strat, topo, range(K, STEPS))
+        ref = strat.full_parameters()
+        strat.remove_hooks()
+    comm.barrier(everyone)
+    topo = topos[(4, 2)]  # tp 2, dp 2: same TP degree, ZeRO-3 over a larger DP group
+    strat = make(topo, 3)
+    m = ck.load(ck.latest(root), strat, topo)
+    train(strat, topo, range(m["step"], STEPS))
+    got = strat.full_parameters()
+    if ref is not None:
+        out["tp_same"] = _max_diff(ref, got)
+    strat.remove_hooks()
+    topo = topos.get((2, 1))  # tp 1: must be refused with a clear message
+    if topo is not None:
+        try:
+            ck.load(ck.latest(root), make(topo, 2), topo)
+            out["tp_change"] = "loaded"
+        except ck.CheckpointError as e:
+            out["tp_change"] = str(e)
+    comm.barrier(everyone)
+    return out
+
+
+# --------------------------------------------------- one process: corrupt / mismatched / partial
+def _single(stage=0, **model):
+    topo = Topology.build(1)
+    cfg = ModelConfig(**{**vars(CFG), **model})
+    m = GPT(cfg, topo.tp_group)
+    m.init_weights(SEED)
+    return topo, build_strategy(m, topo, ZeroConfig(stage=stage),
+                                TrainConfig(micro_batch_size=ROWS, lr=1e-3, eps=1e-6))
+
+
+def test_bad_checkpoints_fail_clearly_and_load_nothing(tmp_path):
+    topo, strat = _single(stage=1)
+    train(strat, topo, range(1))
+    path = ck.save(str(tmp_path), strat, topo, step=1, keep=0)
+    assert ck.latest(str(tmp_path)) == path
+    # same model, other stage: fine, and the step/data position comes back
+    t2, s2 = _single(stage=3)
+    assert ck.load(path, s2, t2)["step"] == 1
+    assert _max_diff(strat.full_parameters(), s2.full_parameters()) == 0.0
+    s2.remove_hooks()
+
+    t3, s3 = _single(n_embd=48)  # a different model
+    before = s3.full_parameters()
+    with pytest.raises(ck.CheckpointError, match="different model.*shape"):
+        ck.load(path, s3, t3)
+    assert _max_diff(before, s3.full_parameters()) == 0.0  # nothing was loaded
+    t4, s4 = _single(n_layer=1)
+    with pytest.raises(ck.CheckpointError, match="different model.*not in this model"):
+        ck.load(path, s4, t4)
+
+    data = next(f for f in os.listdir(path) if f.endswith(".distcp"))
+    with open(os.path.join(path, data), "r+b") as f:  # flip bytes in the middle of the data
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(b"\x00\xff\x00\xff")
+    t5, s5 = _single(stage=2)
+    before = s5.full_parameters()
+    with pytest.raises(ck.CheckpointError, match=f"corrupt: file '{data}'"):
+        ck.load(path, s5, t5)
+    assert _max_diff(before, s5.full_parameters()) == 0.0
+
+    os.remove(os.path.join(path, ck.MANIFEST))  # an interrupted save leaves no manifest
+    with pytest.raises(ck.CheckpointError, match="incomplete"):
+        ck.load(path, s5, t5)
+    assert ck.latest(str(tmp_path)) is None
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load(str(tmp_path / "nope"), s5, t5)
+
+
+def test_save_keeps_last_n_and_manifest_describes_state(tmp_path):
+    topo, strat = _single(stage=2)
+    for step in (1, 2, 3):
+        train(strat, topo, [step])
+        ck.save(str(tmp_path), strat, topo, step=step, keep=2)
+    dirs = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
+    assert dirs == ["step_00000002", "step_00000003"]
+    man = json.load(open(tmp_path / "step_00000003" / ck.MANIFEST))
+    assert (man["step"], man["stage"], man["dp"], man["tp"], man["opt_step"]) == (3, 2, 1, 1, 3)
+    assert man["params"] == {n: list(p.shape) for n, p in strat.module.named_parameters()}

@@ -1,0 +1,99 @@
+"""Malformed configurations fail with one clear line before any process starts.
+
+``config.validate`` is checked case by case (fast, in process); the CLI path (one line
+``error: ...``, exit status 2, nothing run) is checked once for the cases added with the
+checkpoint/fault sections and for unknown config-group names (tests/test_cli.py covers the
+rest of the CLI mechanism).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zero_repro import config as C
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    "tp_heads": ({"model.n_embd": 96, "model.n_head": 12, "parallel.tp": 5,
+                  "parallel.world_size": 10}, "parallel.tp=5 does not divide model.n_head=12"),
+    # tp | n_head and n_head | n_embd imply tp | n_embd: the hidden-size case is this one
+    "heads_hidden": ({"model.n_embd": 50, "model.n_head": 4},
+                     "model.n_embd=50 is not divisible by model.n_head=4"),
+    "world": ({"parallel.world_size": 3, "parallel.tp": 2},
+              "parallel.world_size=3 is not divisible by parallel.tp=2"),
+    "bucket0": ({"zero.reduce_bucket_size": 0}, "zero.reduce_bucket_size=0 must be a positive"),
+    "bucket_neg": ({"zero.allgather_bucket_size": -5},
+                   "zero.allgather_bucket_size=-5 must be a positive"),
+    "stage": ({"zero.stage": 4}, "zero.stage=4 is not one of [0, 1, 2, 3]"),
+    "dtype": ({"zero.dtype": "fp8"}, "zero.dtype='fp8' is not one of"),
+    "zero_r": ({"zero_r.name": "c9"}, "zero_r.name='c9' is not one of"),
+    "pa_without_ckpt": ({"zero_r.partition_activations": True},
+                        "need zero_r.activation_checkpointing=true"),
+    "cpu_without_pa": ({"zero_r.activation_checkpointing": True,
+                        "zero_r.cpu_checkpointing": True}, "needs zero_r.partition_activations"),
+    "nccl_on_cpu": ({"cluster.backend": "nccl"}, "cluster.backend=nccl needs cluster.device=cuda"),
+    "warmup": ({"train.steps": 3, "train.warmup_steps": 3}, "train.warmup_steps=3 must be"),
+    "timeout": ({"launcher.collective_timeout_s": 0}, "launcher.collective_timeout_s=0 must"),
+    "save_every": ({"checkpoint.save_every": -1}, "checkpoint.save_every=-1 must be >= 0"),
+    "keep": ({"checkpoint.keep": -2}, "checkpoint.keep=-2 must be >= 0"),
+    "resume_missing": ({"checkpoint.resume": "/nonexistent/step_00000002"},
+                       "checkpoint.resume='/nonexistent/step_00000002' does not exist"),
+    "fault_rank": ({"fault.rank": 5}, "fault.rank=5 is not a rank of parallel.world_size=2"),
+    "fault_step": ({"fault.rank": 0, "fault.step": 99}, "fault.step=99 never happens"),
+    "fault_mode": ({"fault.mode": "explode"}, "fault.mode='explode' is not one of"),
+}
+
+
+def _config(overrides: dict) -> C.Config:
+    cfg = C.Config()
+    for dotted, value in overrides.items():
+        sec, key = dotted.split(".")
+        setattr(getattr(cfg, sec), key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_validate_rejects_with_one_clear_line(case):
+    overrides, message = CASES[case]
+    with pytest.raises(ValueError) as e:
+        C.validate(_config(overrides))
+    text = str(e.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_valid_defaults_and_resume_modes_pass(tmp_path):
+    C.validate(C.Config())
+    for how in ("", "auto", "latest"):
+        C.validate(_config({"checkpoint.resume": how}))
+    (tmp_path / "manifest.json").write_text("{}")
+    C.validate(_config({"checkpoint.resume": str(tmp_path)}))  # a checkpoint directory
+
+
+def test_resume_latest_without_checkpoint_fails_before_spawning(tmp_path):
+    from zero_repro.worker import run_training
+
+    cfg = C.validate(_config({"checkpoint.resume": "latest"}))
+    with pytest.raises(ValueError, match="checkpoint.resume=latest but .* holds no committed"):
+        run_training(cfg, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_cli_new_cases_are_one_line_usage_errors(tmp_path):
+    results = tmp_path / "results"
+    cases = [(["model=gpt_nosuch"], "unknown model 'gpt_nosuch'"),
+             (["cluster=dgx9"], "unknown cluster 'dgx9'"),
+             (["checkpoint.resume=/nonexistent/ck"], "checkpoint.resume='/nonexistent/ck'"),
+             (["fault.rank=7"], "fault.rank=7 is not a rank")]
+    for args, message in cases:
+        p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke", *args,
+                            f"experiment.results_dir={results}"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2, (args, p.returncode, p.stderr[-1500:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            (args, p.stderr[-1500:])
+        assert not results.exists()

@@ -1,0 +1,249 @@
+"""The only module that calls torch.distributed collectives (paper §7 communication analysis).
+
+Every collective goes through here so that the *communication ledger* can count what each
+step moves, per collective and per process group, and so that API renames between torch
+versions live in one place (torch 2.13 deprecates ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``;
+older cluster installs only have the former).
+
+Counting convention (what the paper's §7 calls "communication volume", in elements):
+
+* ``all_reduce`` of n elements counts 2n (a bandwidth-optimal all-reduce is a reduce-scatter
+  followed by an all-gather, §7.1);
+* ``reduce_scatter`` counts the full (unsharded) input n;
+* ``all_gather`` counts the full (gathered) output n;
+* ``broadcast`` counts n.
+
+With that convention baseline DP, P_os and P_os+g move 2Ψ elements per step and P_os+g+p 3Ψ.
+The ledger also records raw bytes and call counts. A group of size 1 performs no
+communication and records nothing.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+if hasattr(dist.ReduceOp, "AVG"):
+    _REDUCE_OPS["avg"] = dist.ReduceOp.AVG
+
+# paper-volume multiplier per op (see module docstring)
+_VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
+@dataclass
+class OpCount:
+    calls: int = 0
+    elements: int = 0  # raw elements of the logical (full-size) tensor
+    volume: int = 0  # paper §7 volume in elements (all_reduce counts 2x)
+    bytes: int = 0  # raw bytes of the logical tensor
+
+
+@dataclass
+class CommLedger:
+    """Counts elements/bytes per (op, group name). Pure bookkeeping, no side effects."""
+
+    counts: dict = field(default_factory=lambda: defaultdict(OpCount))
+    enabled: bool = True
+
+    def record(self, op: str, group_name: str, numel: int, element_size: int) -> None:
+        if not self.enabled:
+            return
+        c = self.counts[(op, group_name)]
+        c.calls += 1
+        c.elements += numel
+        c.volume += numel * _VOLUME_FACTOR[op]
+        c.bytes += numel * element_size
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def volume(self, group_name: str | None = None, op: str | None = None) -> int:
+        return sum(
+            c.volume
+            for (o, g), c in self.counts.items()
+            if (group_name is None or g == group_name) and (op is None or o == op)
+        )
+
+    def as_dict(self) -> dict:
+        return {f"{o}/{g}": vars(c).copy() for (o, g), c in sorted(self.counts.items())}
+
+
+@dataclass
+class Group:
+    """A process group plus what code needs to know about it. ``pg=None`` means single-rank."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int  # this process's index inside ``ranks``
+    pg: object | None
+    ledger: CommLedger
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+
+class _Done:
+    """Handle for a collective that needed no communication (group of size 1)."""
+
+    def wait(self) -> None:  # noqa: D401 - mimic torch Work
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------- process-group management
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 300.0,
+                       init_method: str | None = None, store=None) -> None:
+    kwargs = dict(backend=backend, rank=rank, world_size=world_size,
+                  timeout=datetime.timedelta(seconds=timeout_s))
+    if store is not None:
+        kwargs["store"] = store
+    elif init_method is not None:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(**kwargs)
+
+
+def default_timeout() -> datetime.timedelta | None:
+    """The collective timeout the default (world) group was initialised with, or None."""
+    if not is_initialized():
+        return None
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu" if backend() == "gloo" else "cuda"))\
+            .options._timeout
+    except (AttributeError, RuntimeError):  # other backends / torch versions: torch's default
+        return None
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def world_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def backend() -> str:
+    return str(dist.get_backend()) if is_initialized() else "none"
+
+
+def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int) -> Group:
+    """Create a group. Every process must call this for every group (torch requirement);
+    processes outside ``ranks`` get ``None`` back."""
+    ranks = tuple(int(r) for r in ranks)
+    pg = None
+    if is_initialized() and len(ranks) > 1:
+        # torch gives a new group its backend's *default* timeout (30 min on gloo), not the one
+        # the world was initialised with: a dead peer would then hang DP/TP collectives for
+        # half an hour. Every group inherits the world's timeout instead.
+        pg = dist.new_group(list(ranks), timeout=default_timeout())
+    if my_rank not in ranks:
+        return None  # type: ignore[return-value]
+    return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger)
+
+
+def single_group(name: str, ledger: CommLedger) -> Group:
+    return Group(name=name, ranks=(world_rank(),), rank=0, pg=None, ledger=ledger)
+
+
+# ---------------------------------------------------------------- collectives
+def _op(op: str):
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError as e:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}") from e
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
+    if group.size == 1:
+        return _Done() if async_op else None
+    group.ledger.record("all_reduce", group.name, t.numel(), t.element_size())
+    return dist.all_reduce(t, op=_op(op), group=group.pg, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """``out`` (size * inp.numel(), contiguous) <- concatenation of every rank's ``inp``."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.reshape(out.shape))
+        return _Done() if async_op else None
+    group.ledger.record("all_gather", group.name, out.numel(), out.element_size())
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group.pg, async_op=async_op)
+
+
+def all_gather_list(tensors: list[torch.Tensor], inp: torch.Tensor, group: Group,
+                    async_op: bool = False):
+    if group.size == 1:
+        tensors[0].copy_(inp)
+        return _Done() if async_op else None
+    group.ledger.record("all_gather", group.name, inp.numel() * group.size, inp.element_size())
+    return dist.all_gather(tensors, inp, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, op: str = "sum",
+                        async_op: bool = False):
+    """``out`` <- this rank's 1/size chunk of the element-wise reduction of every ``inp``."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.reshape(out.shape))
+        if op == "avg":
+            pass  # average over one rank is the identity
+        return _Done() if async_op else None
+    group.ledger.record("reduce_scatter", group.name, inp.numel(), inp.element_size())
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=_op(op), group=group.pg, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src_group_rank: int, group: Group, async_op: bool = False):
+    if group.size == 1:
+        return _Done() if async_op else None
+    group.ledger.record("broadcast", group.name, t.numel(), t.element_size())
+    return dist.broadcast(t, src=group.global_rank(src_group_rank), group=group.pg,
+                          async_op=async_op)
+
+
+def barrier(group: Group | None = None) -> None:
+    if is_initialized() and (group is None or group.size > 1):
+        dist.barrier(group=None if group is None else group.pg)
+
+
+def all_gather_object(obj, group: Group) -> list:
+    """Small Python objects (e.g. shapes, error strings). Not counted in the ledger."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def env_rank_info() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from torchrun or SLURM variables, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                int(os.environ.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+                int(os.environ.get("SLURM_LOCALID", 0)))
+    return None
