@@ -1,0 +1,127 @@
+"""Figure 3: super-linear scalability of ZeRO-100B (60B model, 64-400 V100 GPUs; paper §10.3).
+
+The paper's explanation: P_os+g shrinks model-state memory per GPU as 2Ψ + 14Ψ/N_d, so a
+larger DP degree frees memory for a larger batch per GPU (Table 6: 16 -> 48 -> 48 -> 64), which
+raises arithmetic intensity; per-GPU throughput rises and the aggregate more than doubles from
+64 to 128 GPUs (paper: 2.93x).
+
+* simulated (paper scale): Table 6 setups through the performance model calibrated on Figure 2
+  only: per-GPU TFLOPs, aggregate = per-GPU x GPUs, speed-ups between GPU counts;
+* measured (cluster): the same four setups as real points (``cluster=dgx2_v100 launcher=slurm``);
+* measured (local): ``experiment.params.local_model`` at P_os+g (C3, TP 1) on world sizes
+  ``local_worlds`` (1 and 2 ranks), batch per rank = the largest that fits a pretend device of
+  ``local_device_mb`` MB by the analytic model, so it grows with the DP degree as in the paper.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from experiments import throughput_common as T
+
+FIGURE = "fig3"
+PAPER_FIGURE = "fig3"
+BARS = "ZeRO-100B 60B model, Performance/GPU (bars)"
+AGG = "ZeRO-100B 60B model, Observed Performance (green line)"
+LINEAR = "Perfect Linear Scalability (blue line)"
+PAIRS = [(64, 128), (128, 256), (256, 400), (64, 400)]
+SERIES_FAMILY: dict = {}  # our paper-scale series carry the paper's names
+
+
+def _local(cfg, p: dict) -> list:
+    model = p.get("local_model", "small")
+    return [T.local_point(FIGURE, f"local {model} C3 w{w}", model, int(w), 1, "C3", p)
+            for w in p.get("local_worlds", [1, 2])]
+
+
+def plan(cfg) -> list:
+    return T.plan_points(cfg, FIGURE, _local)
+
+
+def run_point(cfg, point) -> dict:
+    return T.run_point(cfg, point)
+
+
+def speedup_series(a: int, b: int) -> str:
+    return f"aggregate speedup {a}->{b} GPUs (ideal {b / a})"
+
+
+def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pairs,
+                            prefix: str = "") -> list:
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] == series}
+        for x, r in mine.items():
+            out.append({**r, "series": agg_series, "y_name": T.AGG_NAME,
+                        "y_value": r["y_value"] * x, "unit": T.AGG_UNIT})
+        for a, b in pairs:
+            if a in mine and b in mine:
+                out.append({**mine[b], "series": prefix + speedup_series(a, b),
+                            "x_value": f"{a}->{b}",
+                            "y_name": "speedup", "unit": "x",
+                            "y_value": mine[b]["y_value"] * b / (mine[a]["y_value"] * a)})
+    return out
+
+
+def summarize(records) -> list[dict]:
+    rows = T.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
+    rows += _aggregate_and_speedups(rows, BARS, AGG, PAIRS)
+    local = []
+    for r in T.ok_records(records, "measured_local"):
+        q = r.params
+        series = f"local {q['model']}: P_os+g (C3), TP 1"
+        local.append(T.base_row(r, FIGURE, series, q["world_size"], r.metrics["tflops_per_gpu"]))
+    worlds = sorted({r["x_value"] for r in local})
+    pairs = [(a, b) for a, b in zip(worlds, worlds[1:])]
+    for model in dict.fromkeys(r["series"] for r in local):
+        mine = [r for r in local if r["series"] == model]
+        local += _aggregate_and_speedups(mine, model, f"{model} aggregate", pairs, "local ")
+    return rows + local
+
+
+def _panel(ax, df, title: str, linear_from: str | None) -> None:
+    per = df[df["y_name"] == T.Y_NAME]
+    xs = sorted({int(x) for x in per["x_value"]})
+    T.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs)
+    ax2 = ax.twinx()
+    agg = df[df["y_name"] == T.AGG_NAME].copy()
+    agg["_x"] = agg["x_value"].astype(float).map(lambda v: xs.index(int(v)))
+    styles = {"paper": ("X", "none"), "simulated": ("s", "--"), "measured": ("o", "-")}
+    for i, ((series, kind), g) in enumerate(agg.groupby(["series", "kind"], sort=False)):
+        g = g.sort_values("_x")
+        m, ls = styles.get(kind, ("o", "-"))
+        if series == LINEAR:
+            m, ls = "", ":"
+        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls,
+                 color=f"C{i + 4}", label=T.label(series, kind))
+    sim = agg[(agg["kind"].isin(["simulated", "measured"])) & (agg["series"] != LINEAR)]
+    if len(sim) and linear_from is not None:  # our own perfect-linear reference
+        first = sim.sort_values("_x").groupby("kind").head(1)
+        for _, r in first.iterrows():
+            x0 = int(float(r["x_value"]))
+            ax2.plot(range(len(xs)), [float(r["y_value"]) * x / x0 for x in xs], ":",
+                     color="gray", label=f"perfect linear from {x0} [{r['kind']}]")
+    if len(agg):
+        ax2.set_yscale("log", base=2)
+        ax2.set_ylabel(f"{T.AGG_NAME} [{T.AGG_UNIT}] (log2)")
+    ax.set_xlabel(per["x_name"].iloc[0] if len(per) else "num_gpus")
+    ax.set_title(title + T._mean_err(per), fontsize=9)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper left")
+
+
+def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    T.write_predictions(table, out_dir)
+    big, local = T.split(table)
+    big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])]
+    n = 1 + bool(len(local))
+    fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 5.2), squeeze=False)
+    _panel(axes[0][0], big, "Fig 3: 60B model, 64-400 V100 GPUs (paper scale)", "sim")
+    if len(local):
+        _panel(axes[0][1], local, T.local_title(local), "local")
+    return T.save(fig, out_dir, "fig3_scaling")

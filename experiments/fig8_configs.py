@@ -1,0 +1,58 @@
+"""Figure 8: best throughput per GPU for each ZeRO configuration C1-C5 (paper §10.5, setups
+Table 9: 60B on 128 GPUs at MP 16, and 170B on 400 GPUs under C5). Paper values are withheld:
+these are predictions.
+
+Table 3: C1 P_os, C2 P_os + P_a, C3 P_os+g, C4 P_os+g + P_a, C5 P_os+g + P_a+cpu (all with
+C_B + M_D). Memory freed by P_os+g and P_a buys a larger batch per GPU (Table 9: 2, 4, 32, 32,
+8), P_a costs one all-gather of b·s·h per block over the MP group, P_a+cpu 2x the partitioned
+checkpoints over PCIe -> the C4 -> C5 drop the paper states.
+
+* simulated (paper scale): Table 9 through the performance model calibrated on Figure 2; the
+  inputs behind each value go to ``results/fig8_configs/predictions.csv``;
+* measured (cluster): the same setups as real points;
+* measured (local): C1-C5 on ``local_model`` at world 2 with TP 2 (so P_a partitions).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from experiments import throughput_common as T
+
+FIGURE = "fig8"
+PAPER_FIGURE = "fig8"
+SERIES_FAMILY: dict = {}
+CONFIGS = ("C1", "C2", "C3", "C4", "C5")
+
+
+def series_of(s) -> str:
+    return f"{s.size_label} ({s.gpus} GPUs, MP {s.mp})"
+
+
+def _local(cfg, p: dict) -> list:
+    model, tp = p.get("local_model", "small"), int(p.get("local_tp", 2))
+    world = int(p.get("local_world", 2))
+    return [T.local_point(FIGURE, f"local {model} {c} w{world} tp{tp}", model, world, tp, c, p)
+            for c in p.get("local_configs", CONFIGS)]
+
+
+def plan(cfg) -> list:
+    return T.plan_points(cfg, FIGURE, _local)
+
+
+def run_point(cfg, point) -> dict:
+    return T.run_point(cfg, point)
+
+
+def summarize(records) -> list[dict]:
+    rows = T.paper_scale_rows(records, FIGURE, series_of, lambda s: s.zero_config)
+    for r in sorted(T.ok_records(records, "measured_local"),
+                    key=lambda r: r.params["zero_config"]):
+        q = r.params
+        name = f"local {q['model']}: world {q['world_size']}, TP {q['tp']}"
+        rows.append(T.base_row(r, FIGURE, name, q["zero_config"], r.metrics["tflops_per_gpu"]))
+    return rows
+
+
+def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
+    return T.plot_standard(table, out_dir, "fig8_configs",
+                           "Fig 8: C1-C5 (PREDICTION; paper withheld)", categorical=True)
