@@ -1,0 +1,85 @@
+"""The CUDA caching-allocator model (simulate/allocator.py) against hand-computed traces."""
+from __future__ import annotations
+
+import pytest
+
+from zero_repro.simulate import allocator as A
+
+MiB = 1 << 20
+
+
+def test_rounding_and_pools():
+    assert [A.round_size(n) for n in (1, 511, 512, 513, 1536)] == [512, 512, 512, 1024, 1536]
+    assert A.is_small(A.round_size(MiB)) and not A.is_small(A.round_size(MiB + 1))
+    assert A.segment_size(512) == 2 * MiB  # small pool: 2 MiB segments
+    assert A.segment_size(A.round_size(MiB + 1)) == 20 * MiB  # 1-10 MiB: 20 MiB segment
+    assert A.segment_size(5 * MiB) == 20 * MiB
+    assert A.segment_size(10 * MiB) == 10 * MiB  # >= 10 MiB: rounded to 2 MiB
+    assert A.segment_size(11 * MiB + 1) == 12 * MiB
+
+
+def test_small_pool_split_and_best_fit_reuse():
+    a = A.CachingAllocator()
+    b1 = a.malloc(1000)  # 1024 B block carved from a new 2 MiB segment
+    b2 = a.malloc(1000)  # same segment
+    assert a.result.n_mallocs == 1 and a.reserved == 2 * MiB
+    assert (b1.addr, b2.addr) == (0, 1024)
+    a.free(b1, 1000)
+    b3 = a.malloc(300)  # best fit: the freed 1024 block, not the ~2 MiB remainder
+    assert b3.addr == 0 and b3.size == 512
+    assert a.allocated == 512 + 1024
+    assert a.result.peak_allocated == 2048 and a.result.peak_reserved == 2 * MiB
+
+
+def test_large_pool_split_threshold():
+    a = A.CachingAllocator()
+    x = a.malloc(5 * MiB)  # 20 MiB segment, remainder 15 MiB > 1 MiB: split
+    y = a.malloc(12 * MiB)  # fits the 15 MiB remainder: no new segment
+    assert a.result.n_mallocs == 1 and y.addr == 5 * MiB
+    a.free(x, 5 * MiB)
+    a.free(y, 12 * MiB)  # merges back into one free 20 MiB block
+    assert a.release_cached() == 20 * MiB and a.reserved == 0
+    z = a.malloc(11 * MiB + MiB // 2)  # 12 MiB segment, remainder 0.5 MiB <= 1 MiB: no split
+    assert z.size == 12 * MiB and a.allocated == 12 * MiB
+
+
+def test_capacity_release_then_oom():
+    a = A.CachingAllocator(capacity=30 * MiB)
+    a.free(a.malloc(5 * MiB), 5 * MiB)  # 20 MiB cached, nothing allocated
+    big = a.malloc(25 * MiB)  # 26 MiB segment: 20 + 26 > 30 -> release the cache, retry
+    assert a.result.n_releases == 1 and not a.result.oom and a.reserved == 26 * MiB
+    assert big.size == 26 * MiB  # remainder 1 MiB is not split off in the large pool
+    a.malloc(5 * MiB)  # needs a 20 MiB segment; nothing cached to release
+    assert a.result.oom and a.result.oom_request == 5 * MiB
+    assert a.result.peak_reserved == 46 * MiB  # how far past the capacity it would go
+
+
+def test_replay_out_of_memory_with_free_memory():
+    # §6.3's failure: a freed short-lived tensor between two long-lived ones leaves a hole; the
+    # segment has 8 MiB free in two pieces (6 + 2) but a 7 MiB request cannot be served, and
+    # the capacity leaves no room for a new 20 MiB segment
+    ev = [("alloc", 0, 6 * MiB), ("alloc", 1, 6 * MiB), ("alloc", 2, 6 * MiB),
+          ("free", 1, 6 * MiB), ("alloc", 3, 7 * MiB)]
+    r = A.replay(ev, capacity=20 * MiB)
+    assert r.oom and r.oom_request == 7 * MiB
+    assert r.peak_allocated == 19 * MiB and r.peak_reserved == 40 * MiB  # went on regardless
+    # without the hole (the long-lived tensors contiguous, as M_D arranges) it fits
+    ev_md = [("alloc", 0, 6 * MiB), ("alloc", 2, 6 * MiB), ("alloc", 1, 6 * MiB),
+             ("free", 1, 6 * MiB), ("alloc", 3, 7 * MiB)]
+    r_md = A.replay(ev_md, capacity=20 * MiB)
+    assert not r_md.oom and r_md.peak_reserved == 20 * MiB
+    # the 7 MiB request takes the whole 8 MiB block: a 1 MiB remainder is not split off
+    assert r_md.peak_allocated == 20 * MiB and r_md.fragmentation == 0.0
+
+
+def test_training_trace_drops_build_temporaries():
+    ev = [("alloc", 0, 100, "build", 0), ("alloc", 1, 50, "build", 0), ("free", 0, 100, "build", 0),
+          ("alloc", 2, 10, "forward", 0), ("free", 2, 10, "forward", 0)]
+    t = A.training_trace(ev)
+    assert [e[1] for e in t] == [1, 2, 2]
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_zero_size_requests_allocate_nothing(n):
+    a = A.CachingAllocator()
+    assert a.malloc(n) is None and a.reserved == 0

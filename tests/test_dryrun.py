@@ -1,0 +1,113 @@
+"""The fake-tensor dry run of the real runtime (simulate/dryrun.py) and its max-size search.
+
+* model-state bytes of the dry run equal Table 1 exactly, every stage, at a paper-shaped
+  configuration (hidden 8192, TP 16, 400 ranks; 2 layers by default, the full 100B slow);
+* checkpoint bytes: P_a keeps 1/m, P_a+cpu keeps nothing on the device;
+* faithfulness: a real gloo run (world 2) and the dry run of the same configuration report the
+  same bytes in every ledger category;
+* the allocation trace is consistent (allocator peaks >= exact live peak >= model states).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from zero_repro import config as C
+from zero_repro.measure.analytic import model_state_bytes
+from zero_repro.simulate import maxsize
+from zero_repro.simulate.dryrun import dry_run, real_ledgers
+
+MODEL_STATES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
+
+
+def paper_cfg(n_layer: int, zc: str, stage: int | None = None, batch: int = 1,
+              buckets: dict | None = None) -> C.Config:
+    ov = maxsize.paper_overrides(n_layer, 8192, 64, 400, 16, batch, zc)
+    if stage is not None:
+        ov["zero.stage"] = stage
+    return maxsize.apply_overrides(C.Config(), {**ov, **(buckets or maxsize.PAPER_BUCKETS)})
+
+
+def tiny_cfg(world: int, tp: int, stage: int, zr: str = "off") -> C.Config:
+    from zero_repro.zero_r.configs import zero_r_config
+
+    cfg = C.Config()  # the tiny model
+    cfg.parallel = C.ParallelConfig(world_size=world, tp=tp)
+    cfg.zero = dataclasses.replace(cfg.zero, stage=stage, dtype="fp16")
+    cfg.zero_r = zero_r_config(zr)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2)
+    return C.validate(cfg)
+
+
+def _check_model_states(res, stage: int, n_d: int) -> None:
+    assert res.model_state_bytes == model_state_bytes(res.psi_padded, stage, n_d)
+    assert 0 <= res.psi_padded - res.psi <= res.n_buckets * n_d  # padding only
+    assert res.live_peak_by_iteration[1] >= res.model_state_bytes
+    assert res.allocator["peak_reserved"] >= res.allocator["peak_allocated"] >= \
+        max(res.live_peak_by_iteration.values())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_paper_shaped_model_states_equal_table1(stage):
+    res = dry_run(paper_cfg(2, "c4", stage=stage), keep_trace=False)
+    _check_model_states(res, stage, n_d=25)
+    assert res.config["world_size"] == 400 and res.config["tp"] == 16
+
+
+def test_checkpoints_partitioned_and_offloaded():
+    b, s, h, l, m = 2, 1024, 8192, 2, 16
+    c4 = dry_run(paper_cfg(l, "c4", batch=b), keep_trace=False)
+    assert c4.ledger["ckpt_device"] == b * s * h * l * 2 // m  # P_a: 1/m of every checkpoint
+    assert c4.host_bytes == 0
+    c5 = dry_run(paper_cfg(l, "c5", batch=b), keep_trace=False)
+    assert c5.ledger["ckpt_cpu"] == b * s * h * l * 2 // m  # P_a+cpu: in host memory ...
+    assert c5.host_bytes == c5.ledger["arena_capacity"]  # ... the arena is not device memory
+    gap = max(c4.live_peak_by_iteration.values()) - max(c5.live_peak_by_iteration.values())
+    assert gap == c4.ledger["ckpt_device"]
+    c3 = dry_run(paper_cfg(l, "c3", batch=b), keep_trace=False)
+    assert c3.ledger["ckpt_device"] == b * s * h * l * 2  # no P_a: full checkpoints
+
+
+def test_dry_run_matches_real_gloo_run():
+    from zero_repro.dist.launch import spawn
+
+    cfgs = [tiny_cfg(2, 1, st) for st in (0, 1, 2, 3)] + [tiny_cfg(2, 2, 2, "c4"),
+                                                          tiny_cfg(2, 2, 1, "c1")]
+    real = spawn(real_ledgers, 2, [OmegaConf.to_container(OmegaConf.structured(c))
+                                   for c in cfgs])[0]
+    for cfg, r in zip(cfgs, real):
+        fake = dry_run(cfg, keep_trace=False)
+        assert fake.ledger == r["ledger"], (cfg.zero.stage, cfg.zero_r.name)
+        assert fake.psi_padded == r["psi_padded"]
+        n_d = cfg.parallel.world_size // cfg.parallel.tp
+        assert r["model_state_bytes"] == model_state_bytes(r["psi_padded"], cfg.zero.stage, n_d)
+
+
+def test_trace_phases_and_item_values():
+    res = dry_run(tiny_cfg(4, 2, 2, "c4"))
+    phases = {e[3] for e in res.trace}
+    assert phases == {"build", "forward", "backward", "step"}
+    allocs = sum(e[2] for e in res.trace if e[0] == "alloc")
+    frees = sum(e[2] for e in res.trace if e[0] == "free")
+    assert allocs >= frees > 0
+    assert set(res.live_peak_by_iteration) == {0, 1}
+
+
+def test_max_layers_search_is_tight():
+    # the answer n must be judged to fit and n + 1 judged not to (each judgement a dry run
+    # whose trace is replayed with the capacity: cached segments are released before an OOM)
+    cfg = paper_cfg(2, "c4", batch=1)
+    r = maxsize.max_layers(cfg, capacity=2.0e9, probes=(1, 2), iterations=2)
+    verdict = {j.n_layer: j.fits for j in r.judgements}
+    assert r.n_layer >= 3 and verdict[r.n_layer] and not verdict[r.n_layer + 1]
+    assert all(j.peak_allocated <= 2.0e9 for j in r.judgements if j.fits)
+    assert r.params > 12 * r.n_layer * 8192**2  # weights of the blocks + embeddings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_100b_model_states_equal_table1(stage):
+    res = dry_run(paper_cfg(125, "c4", stage=stage, batch=32), keep_trace=False)
+    _check_model_states(res, stage, n_d=25)

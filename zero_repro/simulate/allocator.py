@@ -1,0 +1,263 @@
+"""A model of PyTorch's CUDA caching allocator, to replay a dry run's allocation trace and
+predict "max cached memory" (paper §10.5, Figure 7: PyTorch's max_memory_cached, today
+max_memory_reserved) and the fragmentation M_D removes (§6.3).
+
+Rules modelled (c10/cuda/CUDACachingAllocator.cpp, default configuration: no
+max_split_size, no expandable segments, one stream):
+
+  * request rounding: ``round_size(n) = max(512, 512·ceil(n/512))`` (kMinBlockSize = 512 B);
+    zero-byte requests allocate nothing;
+  * pool choice: rounded size <= 1 MiB (kSmallSize) -> small pool, else large pool;
+  * segment size when no cached block fits (``cudaMalloc``): small requests get a 2 MiB
+    segment (kSmallBuffer); large requests below 10 MiB (kMinLargeAlloc) a 20 MiB segment
+    (kLargeBuffer); larger ones their size rounded up to 2 MiB (kRoundLarge);
+  * best fit: the smallest free block of the pool with size >= request (ties: lowest address);
+  * split: the remainder becomes a free block if it is >= 512 B (small pool) or > 1 MiB (large
+    pool); otherwise the whole block is handed out (internal slack counts as allocated);
+  * free: the block returns to its pool and merges with free neighbours of the same segment;
+    segments are never returned to the device -- except on allocation failure under a
+    ``capacity``: then every completely free segment is released (``cudaFree``, as
+    ``release_cached_blocks`` does) and the allocation retried once; if it still does not fit
+    the replay records an OOM (the allocation is then made anyway, so the trace continues and
+    ``peak_reserved`` says by how much it overflowed).
+
+``peak_reserved`` is the high-water mark of the segment bytes (what Figure 7 plots);
+``peak_allocated`` the high-water mark of handed-out (rounded) block bytes; fragmentation =
+1 - peak_allocated / peak_reserved (cache that never held live blocks at once).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" request
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge
+
+
+def round_size(n: int) -> int:
+    """Bytes the allocator hands out for a request of ``n`` bytes."""
+    if n < MIN_BLOCK:
+        return MIN_BLOCK
+    return MIN_BLOCK * ((n + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def is_small(rounded: int) -> bool:
+    return rounded <= SMALL_SIZE
+
+
+def segment_size(rounded: int) -> int:
+    """``cudaMalloc`` size for a request that no cached block can serve."""
+    if rounded <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+def should_split(small: bool, block_size: int, rounded: int) -> bool:
+    remaining = block_size - rounded
+    return remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
+
+
+class _Block:
+    __slots__ = ("seg", "addr", "size", "allocated", "prev", "next", "small")
+
+    def __init__(self, seg: int, addr: int, size: int, small: bool):
+        self.seg, self.addr, self.size, self.small = seg, addr, size, small
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class AllocatorOOM(MemoryError):
+    pass
+
+
+@dataclass
+class ReplayResult:
+    peak_allocated: int = 0  # rounded block bytes handed out, high-water mark
+    peak_requested: int = 0  # requested (unrounded) bytes live, high-water mark
+    peak_reserved: int = 0  # segment bytes, high-water mark ("max cached memory")
+    reserved_end: int = 0
+    n_segments_peak: int = 0
+    n_mallocs: int = 0
+    n_releases: int = 0  # segments released on allocation failure
+    oom: bool = False
+    oom_request: int = 0  # first request that did not fit (rounded bytes)
+    capacity: float | None = None
+
+    @property
+    def fragmentation(self) -> float:
+        """Share of the cache never in use at once: 1 - peak_allocated / peak_reserved."""
+        if not self.peak_reserved:
+            return 0.0
+        return 1.0 - self.peak_allocated / self.peak_reserved
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["fragmentation"] = self.fragmentation
+        return d
+
+
+class CachingAllocator:
+    """Block bookkeeping of one device, one stream. Addresses are virtual (segments are laid
+    out one after another; only their order matters for best-fit ties)."""
+
+    def __init__(self, capacity: float | None = None):
+        self.capacity = capacity
+        self._free = {True: [], False: []}  # small? -> sorted [(size, addr, id)]
+        self._by_key: dict[tuple, _Block] = {}
+        self._segments: dict[int, tuple[int, int, bool]] = {}  # seg -> (addr, size, small)
+        self._seg_head: dict[int, _Block] = {}
+        self._next_addr = 0
+        self._next_seg = 0
+        self.reserved = self.allocated = self.requested = 0
+        self.result = ReplayResult(capacity=capacity)
+
+    # ------------------------------------------------------------------ free lists
+    def _insert_free(self, b: _Block) -> None:
+        key = (b.size, b.addr)
+        bisect.insort(self._free[b.small], key)
+        self._by_key[(b.small,) + key] = b
+
+    def _remove_free(self, b: _Block) -> None:
+        key = (b.size, b.addr)
+        lst = self._free[b.small]
+        i = bisect.bisect_left(lst, key)
+        del lst[i]
+        del self._by_key[(b.small,) + key]
+
+    def _best_fit(self, small: bool, rounded: int) -> _Block | None:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (rounded, -1))
+        if i == len(lst):
+            return None
+        size, addr = lst[i]
+        return self._by_key[(small, size, addr)]
+
+    # ------------------------------------------------------------------ segments
+    def _malloc_segment(self, small: bool, rounded: int) -> _Block | None:
+        size = segment_size(rounded)
+        if self.capacity is not None and self.reserved + size > self.capacity:
+            return None
+        seg = self._next_seg
+        self._next_seg += 1
+        b = _Block(seg, self._next_addr, size, small)
+        self._segments[seg] = (self._next_addr, size, small)
+        self._seg_head[seg] = b
+        self._next_addr += size
+        self.reserved += size
+        self.result.n_mallocs += 1
+        return b
+
+    def release_cached(self) -> int:
+        """cudaFree every segment that holds no allocated block; returns bytes released."""
+        freed = 0
+        for seg, head in list(self._seg_head.items()):
+            if head.allocated or head.next is not None or head.prev is not None:
+                continue  # split (some part may be allocated) or in use
+            self._remove_free(head)
+            freed += head.size
+            del self._seg_head[seg], self._segments[seg]
+            self.result.n_releases += 1
+        self.reserved -= freed
+        return freed
+
+    # ------------------------------------------------------------------ malloc / free
+    def malloc(self, nbytes: int) -> _Block | None:
+        if nbytes <= 0:
+            return None
+        rounded = round_size(nbytes)
+        small = is_small(rounded)
+        b = self._best_fit(small, rounded)
+        if b is not None:
+            self._remove_free(b)
+        else:
+            b = self._malloc_segment(small, rounded)
+            if b is None:
+                self.release_cached()
+                b = self._malloc_segment(small, rounded)
+            if b is None:  # a real run stops here with "CUDA out of memory"
+                if not self.result.oom:
+                    self.result.oom, self.result.oom_request = True, rounded
+                cap, self.capacity = self.capacity, None
+                b = self._malloc_segment(small, rounded)
+                self.capacity = cap
+        if should_split(small, b.size, rounded):
+            rest = _Block(b.seg, b.addr + rounded, b.size - rounded, small)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = rounded
+            self._insert_free(rest)
+        b.allocated = True
+        self.allocated += b.size
+        self.requested += nbytes
+        self._update_peaks()
+        return b
+
+    def free(self, b: _Block | None, nbytes: int = 0) -> None:
+        if b is None:
+            return
+        b.allocated = False
+        self.allocated -= b.size
+        self.requested -= nbytes
+        for nb in (b.prev, b.next):  # merge with free neighbours of the same segment
+            if nb is not None and not nb.allocated:
+                self._remove_free(nb)
+                if nb is b.prev:
+                    nb.size += b.size
+                    nb.next = b.next
+                    if b.next is not None:
+                        b.next.prev = nb
+                    b = nb
+                else:
+                    b.size += nb.size
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+        self._insert_free(b)
+
+    def _update_peaks(self) -> None:
+        r = self.result
+        r.peak_allocated = max(r.peak_allocated, self.allocated)
+        r.peak_requested = max(r.peak_requested, self.requested)
+        if self.reserved > r.peak_reserved:
+            r.peak_reserved = self.reserved
+            r.n_segments_peak = len(self._segments)
+
+
+def replay(events, capacity: float | None = None) -> ReplayResult:
+    """Replay (kind, sid, nbytes, ...) events (kind ``alloc``/``free``) through the model."""
+    alloc = CachingAllocator(capacity)
+    live: dict[int, tuple[_Block | None, int]] = {}
+    for ev in events:
+        kind, sid, nbytes = ev[0], ev[1], ev[2]
+        if kind == "alloc":
+            live[sid] = (alloc.malloc(nbytes), nbytes)
+        else:
+            blk = live.pop(sid, None)
+            if blk is not None:
+                alloc.free(*blk)
+    alloc.result.reserved_end = alloc.reserved
+    return alloc.result
+
+
+def training_trace(events) -> list:
+    """The trace as the allocator sees it after ``torch.cuda.empty_cache()`` at the end of the
+    build: allocations still alive after the build appear as the first events (in their
+    allocation order), build-time temporaries (e.g. the fp32 model the flat fp16 buffers were
+    copied from) do not."""
+    first = next((i for i, e in enumerate(events) if e[3] != "build"), len(events))
+    live: dict[int, tuple] = {}
+    for e in events[:first]:
+        if e[0] == "alloc":
+            live[e[1]] = e
+        else:
+            live.pop(e[1], None)
+    return list(live.values()) + list(events[first:])

@@ -1,0 +1,389 @@
+"""Paper-scale memory dry run: the REAL worker code path under fake tensors and a fake process
+group, with an allocation trace (paper §10.5, Figures 6-7; Tables 1-2 memory columns).
+
+``dry_run(cfg)`` does what one rank of ``zero_repro.worker`` does for a training run --
+``worker.build`` (GPT -> activation checkpointing -> ZeRO strategy, the same functions, no
+simulation copy), then ``iterations`` optimizer steps of forward / ``strategy.backward`` /
+``strategy.step`` / ``zero_grad`` in the configured precision -- but inside
+``FakeTensorMode`` (tensors carry shape, dtype and storage size, never data) on a ``fake``
+process group of ``parallel.world_size`` ranks (this process is rank ``rank``, e.g. rank 0 of
+400 with TP 16). Nothing is allocated, so a 100B-parameter rank fits in a laptop.
+
+What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
+  * the project's own ledgers (``strategy.memory_ledger()`` + the checkpointing handle):
+    model states equal Table 1 exactly, ``model_state_bytes(Ψ_padded, stage, N_d)``
+    (e.g. 2Ψ + 14Ψ/N_d for P_os+g), checkpoints b·s·h·l·2 (/m with P_a, 0 on device with
+    P_a+cpu);
+  * an allocation trace: every storage the runtime creates or frees, in order, with its bytes,
+    the phase (build / forward / backward / step) and the iteration. Mechanism: a
+    ``TorchDispatchMode`` stacked inside ``FakeTensorMode`` sees every aten op; each output
+    storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
+    (PyTorch keeps one Python object per live storage) records its free. Storages resized in
+    place (ZeRO-3 ``release``/``materialize``) are detected when an op touches them and, once
+    seen resizing, polled after every op (so from the second iteration on they are exact);
+  * the trace replayed through the CUDA caching-allocator model (``simulate.allocator``):
+    peak allocated, peak reserved ("max cached memory", Figure 7) and fragmentation.
+
+Data-dependent values do not exist under fake tensors: the dispatch mode answers every
+``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
+always takes the non-skipped path -- the one that allocates the most.
+
+Host vs device: on this CPU build fake tensors are CPU tensors. P_a+cpu checkpoints (the M_D
+arena in host memory, or the per-block CPU copies) are identified from the checkpointing
+handle and excluded from device numbers. On a GPU, P_a+cpu's unpack also makes a small device
+copy of the 1/m slice before the all-gather; the CPU path does not, so C5 is under-counted by
+one slice (b·s·h/m·2 bytes, 1 MB at 100B, b=32) -- negligible.
+
+The fake process group is global state of torch.distributed: one per process. ``dry_run``
+initialises it and destroys it on exit (so consecutive calls with different world sizes work in
+one process); inside a process that already has a process group use ``dry_run_subprocess``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zero_repro import config as C
+
+log = logging.getLogger(__name__)
+
+PHASES = ("build", "forward", "backward", "step")
+ALLOC, FREE = "alloc", "free"
+
+
+# ------------------------------------------------------------------------------ the tracer
+class AllocationTracer(TorchDispatchMode):
+    """Records storage allocations/frees of every aten op run inside it.
+
+    ``events``: list of (kind, sid, nbytes, phase, iteration) in program order; ``sid`` is a
+    sequence number per storage (Python ids are reused, sids are not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, int, str, int]] = []
+        self.phase, self.iteration = "build", 0
+        self._sid_of: dict[int, int] = {}  # id(live storage) -> sid
+        self._size: dict[int, int] = {}  # sid -> bytes currently held
+        self._resizable: dict[int, weakref.ref] = {}  # sid -> storage seen resizing in place
+        self._next = 0
+        self.n_ops = 0
+        self._how: dict = {}  # op -> "scalar" | "view" | "mutable" | "plain"
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str, iteration: int):
+        old = self.phase, self.iteration
+        self.phase, self.iteration = phase, iteration
+        try:
+            yield
+        finally:
+            self.phase, self.iteration = old
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        return self._sid_of.get(id(t.untyped_storage()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        how = self._how.get(func)
+        if how is None:
+            how = self._how[func] = _classify(func)
+        if how == "scalar":
+            return _neutral_scalar(args[0].dtype)  # no data under fake tensors
+        out = func(*args, **kwargs)
+        self.n_ops += 1
+        if how == "view":  # views and metadata queries share or touch no storage
+            return out
+        # outputs: new storages; mutated inputs: storages that may have been resized in place
+        for t in tree_flatten((out, args, kwargs) if how == "mutable" else out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._see(t.untyped_storage())
+        for sid, ref in list(self._resizable.items()):
+            st = ref()
+            if st is not None:
+                self._check_size(sid, st)
+        return out
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _record(self, kind: str, sid: int, nbytes: int) -> None:
+        self.events.append((kind, sid, nbytes, self.phase, self.iteration))
+
+    def _see(self, st) -> None:
+        sid = self._sid_of.get(id(st))
+        if sid is not None:
+            self._check_size(sid, st)
+            return
+        nbytes = st.nbytes()
+        sid = self._next
+        self._next += 1
+        self._sid_of[id(st)] = sid
+        self._size[sid] = nbytes
+        if nbytes:
+            self._record(ALLOC, sid, nbytes)
+        weakref.finalize(st, self._on_free, id(st), sid)
+
+    def _check_size(self, sid: int, st) -> None:
+        nbytes = st.nbytes()
+        old = self._size[sid]
+        if nbytes == old:
+            return
+        # an in-place storage resize (stage 3 release/materialize): free + allocate
+        if old:
+            self._record(FREE, sid, old)
+        if nbytes:
+            self._record(ALLOC, sid, nbytes)
+        self._size[sid] = nbytes
+        self._resizable[sid] = weakref.ref(st)
+
+    def _on_free(self, key: int, sid: int) -> None:
+        self._sid_of.pop(key, None)
+        self._resizable.pop(sid, None)
+        nbytes = self._size.pop(sid, 0)
+        if nbytes:
+            self._record(FREE, sid, nbytes)
+
+
+def _classify(func) -> str:
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return "scalar"
+    if getattr(func, "is_view", False) or func.namespace == "prim":
+        return "view"
+    return "mutable" if func._schema.is_mutable else "plain"
+
+
+def _neutral_scalar(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass
+class DryRunResult:
+    """One rank's memory at paper scale (bytes). ``trace`` is the raw event list."""
+
+    config: dict  # the identifying knobs (model, parallel, stage, zero_r)
+    psi: int  # this rank's parameters (exact, before padding)
+    psi_padded: int  # elements of this rank's flat buffers (padded to the bucket grid)
+    n_buckets: int
+    ledger: dict  # category -> bytes, the project's ledgers
+    model_state_bytes: int  # sum of the Table 1 categories of the ledger
+    live_peak: int  # peak of live device bytes (exact sizes, no allocator rounding)
+    live_peak_by_phase: dict  # phase -> peak live device bytes during it (all iterations)
+    live_peak_by_iteration: dict  # iteration -> peak live device bytes (training phases)
+    host_bytes: int  # bytes identified as host memory (P_a+cpu)
+    allocator: dict  # training-phase replay through the caching-allocator model
+    allocator_with_build: dict  # replay including the build phase (no empty_cache)
+    timings: dict  # seconds: build, per iteration, total
+    n_events: int
+    n_ops: int
+    trace: list = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("trace")
+        return d
+
+
+def device_events(events, host_sids: set[int]):
+    """The trace without host-memory storages."""
+    return [e for e in events if e[1] not in host_sids]
+
+
+def live_peaks(events) -> tuple[int, dict, dict]:
+    """(overall peak, peak per phase, peak per iteration of the training phases)."""
+    live = peak = 0
+    by_phase: dict[str, int] = {}
+    by_iter: dict[int, int] = {}
+    for kind, _sid, nbytes, phase, it in events:
+        live += nbytes if kind == ALLOC else -nbytes
+        peak = max(peak, live)
+        by_phase[phase] = max(by_phase.get(phase, 0), live)
+        if phase != "build":
+            by_iter[it] = max(by_iter.get(it, 0), live)
+    return peak, by_phase, by_iter
+
+
+# ------------------------------------------------------------------------------ the run
+def _host_sids(tracer: AllocationTracer, ckpt, host: set[int]) -> None:
+    """Storages the checkpointing handle keeps in host memory (P_a+cpu)."""
+    if ckpt is None or not getattr(ckpt, "cpu", False):
+        return
+    arena = getattr(ckpt, "arena", None)
+    if arena is not None and arena.buffer is not None:
+        sid = tracer.sid_of(arena.buffer)
+        if sid is not None:
+            host.add(sid)
+    for ref in list(getattr(ckpt, "_live_cpu", {}).values()):  # M_D off: per-block copies
+        stored = ref()
+        if stored is not None:
+            sid = tracer.sid_of(stored.data)
+            if sid is not None:
+                host.add(sid)
+
+
+def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
+            allocator_capacity: float | None = None) -> DryRunResult:
+    """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
+
+    ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
+    ``device_memory_gb``·1e9, unbounded when 0); an allocation the replay cannot place even
+    after releasing cached segments is reported as ``allocator["oom"]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zero_repro.dist import comm, launch
+    from zero_repro.dist.topology import Topology
+    from zero_repro.simulate import allocator as A
+    from zero_repro.worker import build
+
+    C.validate(cfg)
+    if comm.is_initialized():
+        raise RuntimeError("dry_run needs its own fake process group but one is already "
+                           "initialised in this process: use dry_run_subprocess(cfg)")
+    cap = allocator_capacity
+    if cap is None:
+        cap = cfg.cluster.device_memory_gb * 1e9 or None
+    m, t = cfg.model, cfg.train
+    tracer = AllocationTracer()
+    host: set[int] = set()
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    launch.init_fake(rank, cfg.parallel.world_size)
+    try:
+        with FakeTensorMode(), tracer:
+            topo = Topology.build(cfg.parallel.tp)
+            t0 = time.perf_counter()
+            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            timings["build_s"] = time.perf_counter() - t0
+            for it in range(iterations):
+                t0 = time.perf_counter()
+                _one_step(strategy, tracer, ckpt, host, cfg, it)
+                timings[f"iteration{it}_s"] = time.perf_counter() - t0
+            ledger = strategy.memory_ledger()
+            if ckpt is not None:
+                ckpt.add_to_ledger(ledger)
+            _host_sids(tracer, ckpt, host)
+            groups = strategy.groups
+            psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            psi_padded = sum(g.partition.padded_numel for g in groups)
+            n_buckets = sum(len(g.partition.buckets) for g in groups)
+            del model, ckpt, strategy, groups
+    finally:
+        comm.destroy_process_group()
+    events = tracer.events
+    dev = device_events(events, host)
+    host_bytes = sum(e[2] for e in events if e[1] in host and e[0] == ALLOC)
+    peak, by_phase, by_iter = live_peaks(dev)
+    train_only = A.training_trace(dev)
+    alloc_train = A.replay(train_only, capacity=cap).as_dict()
+    alloc_all = A.replay(dev, capacity=cap).as_dict()
+    timings["total_s"] = time.perf_counter() - t_start
+    ident = {"model": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+             "seq_len": m.seq_len, "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,
+             "stage": cfg.zero.stage, "dtype": cfg.zero.dtype, "zero_r": cfg.zero_r.name,
+             "micro_batch_size": t.micro_batch_size, "rank": rank}
+    led = ledger.as_dict()
+    log.info("dry run %s: %d events, peak live %.2f GB, peak reserved %.2f GB, %.1f s",
+             ident, len(events), peak / 1e9, alloc_train["peak_reserved"] / 1e9,
+             timings["total_s"])
+    return DryRunResult(config=ident, psi=psi, psi_padded=psi_padded, n_buckets=n_buckets,
+                        ledger=led, model_state_bytes=ledger.model_states(), live_peak=peak,
+                        live_peak_by_phase=by_phase, live_peak_by_iteration=by_iter,
+                        host_bytes=host_bytes, allocator=alloc_train,
+                        allocator_with_build=alloc_all, timings=timings,
+                        n_events=len(events), n_ops=tracer.n_ops,
+                        trace=events if keep_trace else [])
+
+
+def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], cfg: C.Config,
+              it: int) -> None:
+    """One optimizer step exactly as ``train.loop.train`` drives the strategy (``tracer``
+    None: a real run, e.g. ``real_ledgers``)."""
+    t, m = cfg.train, cfg.model
+    phase = tracer.in_phase if tracer is not None else (lambda *a: contextlib.nullcontext())
+    for _ in range(t.grad_accum):
+        with phase("forward", it):
+            x = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len))
+            y = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len))
+            _, loss = strategy.module(x, y)
+            if tracer is not None:  # per-block CPU copies are alive only until backward
+                _host_sids(tracer, ckpt, host)
+        with phase("backward", it):
+            strategy.backward(loss)
+            del loss, x, y
+    with phase("step", it):
+        strategy.step()
+        strategy.zero_grad()
+
+
+def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
+                 ) -> list[dict]:
+    """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
+    config, ``worker.build`` + ``iterations`` steps on real tensors, then the same ledgers.
+    Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded"}, ...]."""
+    from zero_repro.dist.topology import Topology
+    from zero_repro.worker import build
+
+    out = []
+    for d in cfg_dicts:
+        cfg = C.to_config(d)
+        topo = Topology.build(cfg.parallel.tp)
+        model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+        for it in range(iterations):
+            _one_step(strategy, None, ckpt, set(), cfg, it)
+        ledger = strategy.memory_ledger()
+        if ckpt is not None:
+            ckpt.add_to_ledger(ledger)
+        out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
+                    "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                    "psi_padded": sum(g.partition.padded_numel for g in strategy.groups)})
+        strategy.remove_hooks()
+    return out
+
+
+# ------------------------------------------------------------------------------ subprocess
+def _child(cfg_dict: dict, rank: int, iterations: int, keep_trace: bool, capacity, conn) -> None:
+    try:
+        res = dry_run(C.to_config(cfg_dict), rank, iterations, keep_trace, capacity)
+        conn.send(("ok", res))
+    except BaseException as e:  # noqa: BLE001 - report to the parent
+        import traceback
+
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def dry_run_subprocess(cfg: C.Config, rank: int = 0, iterations: int = 2,
+                       keep_trace: bool = False, allocator_capacity: float | None = None,
+                       timeout_s: float = 1800.0) -> DryRunResult:
+    """``dry_run`` in a fresh child process (for callers that already hold a process group)."""
+    import multiprocessing as mp
+
+    from omegaconf import OmegaConf
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    p = ctx.Process(target=_child, args=(cfg_dict, rank, iterations, keep_trace,
+                                         allocator_capacity, child))
+    p.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"dry run did not finish within {timeout_s:.0f}s")
+        status, value = parent.recv()
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if status != "ok":
+        raise RuntimeError(f"dry run failed in the child process: {value}")
+    return value
