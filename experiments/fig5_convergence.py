@@ -1,0 +1,300 @@
+"""Figure 5 analogue: convergence equivalence of ZeRO-DP stages 0-3 and ZeRO-R C1-C5.
+
+The paper's Figure 5 (§10.6) plots the validation perplexity of Turing-NLG (17B, trained with
+ZeRO-100B) against Megatron-LM 8.3B over 300K iterations. That run cannot be repeated here; what
+the figure rests on can: ZeRO changes *where* optimizer states, gradients, parameters and
+activation checkpoints live (§5, §6), never *what* is computed. With the same data and seed, an
+fp32 run must therefore follow the same loss curve under every stage and every Table 3
+configuration,
+
+    max_t |loss_t(config) - loss_t(stage 0, fp32)|  ~ 1e-6   (reduction order only),
+
+and an fp16/bf16 run (fp32 master weights, §5.1) must track it within a stated tolerance.
+
+Points (``conf/exp/fig5_convergence.yaml``): stages 0, 1, 2, 3 with ZeRO-R off and C1..C5 in
+fp32, plus fp16 and bf16 variants of a few configurations, all on one grid (default world 4 =
+TP 2 x DP 2, so both the DP sharding and P_a's 1/tp checkpoint slices are exercised), the same
+seed and the real-text ``pystdlib`` data, so the loss visibly falls.
+
+Rows (``kind=measured``): ``loss`` per ``step`` for each series; ``abs_dloss_vs_stage0_fp32`` per
+step; and one ``max_abs_dloss_vs_stage0_fp32`` row per series (listed first, so the CLI prints
+them) with its ``tolerance`` and ``within_tolerance``. The paper's Figure 5 values appear only in
+a side panel of the plot (kind ``paper``, read from ``results/paper/reference.csv``), labelled as
+a different experiment: they are not comparable with our numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from experiments.base import Point
+
+log = logging.getLogger(__name__)
+
+FIGURE = "fig5_convergence"
+PAPER_FIG = "fig5"  # reference-CSV id, for the context panel only (no join: other quantity)
+LOSS, DLOSS, MAXD = "loss", "abs_dloss_vs_stage0_fp32", "max_abs_dloss_vs_stage0_fp32"
+UNIT = "nats"
+STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+DEFAULTS = {
+    "world_size": 4, "tp": 2,  # TP 2 x DP 2: DP sharding and P_a both do something
+    "configs": ["stage0", "stage1", "stage2", "stage3", "C1", "C2", "C3", "C4", "C5"],
+    "mixed_configs": ["stage2", "C4"],
+    "mixed_dtypes": ["fp16", "bf16"],
+    # fp16's first loss scale, 2^power. The tiny model's gradients are O(1) per element, so the
+    # usual 2^16 overflows at the first gradient spike and dynamic scaling then skips steps
+    # until it has halved far enough (measured: 4 skipped steps, a transient 1.2-nat gap that
+    # closes again); 2^12 leaves 16x headroom below fp16's 65504 and no step is skipped.
+    "fp16_initial_scale_power": 12,
+    # max |loss - stage 0 fp32 loss| in nats: fp32 differs only in reduction order; fp16 (11-bit
+    # mantissa) and bf16 (8-bit) round activations and gradients, master weights stay fp32
+    "tol": {"fp32": 1e-5, "fp16": 0.05, "bf16": 0.15},
+}
+LOG_FLOOR = 1e-9  # exact agreement (|dloss| = 0) is drawn here on the log axis
+
+
+def params_of(cfg) -> dict:
+    return {**DEFAULTS, **dict(cfg.experiment.params or {})}
+
+
+# ------------------------------------------------------------------------------------ plan
+def config_overrides(name: str) -> dict:
+    """zero.stage + zero_r.* for ``stage0``..``stage3`` (ZeRO-R off) or Table 3's ``C1``..``C5``."""
+    from zero_repro.zero_r.configs import TABLE3, zero_r_config
+
+    key = name.lower()
+    if key.startswith("stage") and key[5:].isdigit():
+        stage, zr = int(key[5:]), zero_r_config("off")
+    elif key in TABLE3:
+        stage, zr = TABLE3[key].stage, zero_r_config(key)
+    else:
+        raise ValueError(f"fig5_convergence: unknown configuration {name!r}; use stage0..stage3 "
+                         f"or C1..C5 in experiment.params.configs / mixed_configs")
+    return {"zero.stage": stage, **{f"zero_r.{k}": v for k, v in dataclasses.asdict(zr).items()}}
+
+
+def label_of(name: str) -> str:
+    """'stage 2 (P_os+g)' / 'C4 (P_os+g | C_B+M_D+P_a)'."""
+    from zero_repro.config import ZeroRConfig
+    from zero_repro.zero_r.configs import describe
+
+    ov = config_overrides(name)
+    if name.lower().startswith("stage"):
+        return f"stage {ov['zero.stage']} ({STAGE_NAMES[ov['zero.stage']]})"
+    zr = ZeroRConfig(**{k[len("zero_r."):]: v for k, v in ov.items() if k.startswith("zero_r.")})
+    return f"{name.upper()} ({describe(ov['zero.stage'], zr)})"
+
+
+def plan(cfg) -> list[Point]:
+    p = params_of(cfg)
+    world, tp = int(p["world_size"]), int(p["tp"])
+    runs = [(c, "fp32") for c in p["configs"]]
+    runs += [(c, d) for c in p["mixed_configs"] for d in p["mixed_dtypes"]]
+    if ("stage0", "fp32") not in runs:  # every deviation is measured against this run
+        runs.insert(0, ("stage0", "fp32"))
+    points = []
+    for name, dtype in runs:
+        ov = {"parallel.world_size": world, "parallel.tp": tp, "zero.dtype": dtype,
+              **config_overrides(name)}
+        if dtype == "fp16":
+            ov["zero.initial_scale_power"] = int(p["fp16_initial_scale_power"])
+        points.append(Point(
+            name=f"{name} {dtype} w{world} tp{tp}",
+            params={"config": name, "dtype": dtype, "stage": ov["zero.stage"],
+                    "zero_r": ov["zero_r.name"], "world_size": world, "tp": tp},
+            overrides=ov, mode="measured"))
+    return points
+
+
+def run_point(cfg, point: Point) -> dict:
+    from zero_repro.worker import run_training  # heavy (torch): only when a point runs
+
+    result = run_training(cfg, point.run_dir)
+    m = result.setdefault("metrics", {})
+    losses = [x for x in (m.get("losses") or []) if x is not None]
+    if losses:
+        m["loss_decreased"] = bool(losses[-1] < losses[0])
+    return result
+
+
+# ------------------------------------------------------------------------------- summarize
+def _grid(r) -> str:
+    """What must be equal for two runs to be compared step by step: model, grid, training."""
+    c = r.config or {}
+    train = {k: v for k, v in (c.get("train") or {}).items() if k not in ("progress", "log_every")}
+    return json.dumps({"model": c.get("model"), "parallel": c.get("parallel"), "train": train},
+                      sort_keys=True, default=str)
+
+
+def _grid_label(r) -> str:
+    c = r.config or {}
+    par, tr = c.get("parallel") or {}, c.get("train") or {}
+    world, tp = par.get("world_size") or 0, par.get("tp") or 1
+    return (f"{(c.get('model') or {}).get('name', '?')} w{world}=tp{tp}xdp{world // tp} "
+            f"{tr.get('data', '?')} {tr.get('steps')} steps")
+
+
+def _is_reference(r) -> bool:
+    return r.params.get("config") == "stage0" and r.params.get("dtype") == "fp32"
+
+
+def summarize(records) -> list[dict]:
+    """Loss per step, |loss - stage 0 fp32 loss| per step, and its maximum per series."""
+    ok = [r for r in records if r.status == "ok" and r.metrics.get("losses")]
+    groups: dict[str, list] = {}
+    for r in ok:
+        groups.setdefault(_grid(r), []).append(r)
+    head, body = [], []
+    for recs in groups.values():
+        prefix = f"[{_grid_label(recs[0])}] " if len(groups) > 1 else ""
+        ref = next((r for r in recs if _is_reference(r)), None)
+        ref_losses = ref.metrics["losses"] if ref is not None else None
+        for r in recs:
+            h, b = _series_rows(r, prefix, ref_losses, r is ref)
+            head += h
+            body += b
+    return head + body
+
+
+def _series_rows(r, prefix: str, ref_losses, is_ref: bool) -> tuple[list, list]:
+    q = r.params
+    dtype = q.get("dtype", "fp32")
+    series = f"{prefix}{label_of(q['config'])} {dtype}"
+    extra = {"config": q["config"], "dtype": dtype, "grid": _grid_label(r),
+             "hardware": r.hardware.get("device_name", "")}
+    base = {"figure": FIGURE, "series": series, "x_name": "step", "unit": UNIT, "kind": r.mode}
+    losses = r.metrics["losses"]
+    skipped = set(r.metrics.get("skipped_at") or [])  # fp16 overflow: optimizer step skipped
+    body = [{**base, "x_value": t, "y_name": LOSS, "y_value": v, **extra,
+             "step_skipped": t in skipped} for t, v in enumerate(losses)]
+    if ref_losses is None or is_ref:
+        return [], body
+    diffs = [abs(a - b) if a is not None and b is not None else float("nan")
+             for a, b in zip(losses, ref_losses)]
+    body += [{**base, "x_value": t, "y_name": DLOSS, "y_value": d, **extra}
+             for t, d in enumerate(diffs)]
+    worst = max(diffs) if diffs and all(d == d for d in diffs) else float("nan")
+    tol = tolerance(r)
+    log.info("%-44s max |loss - stage 0 fp32| over %d steps = %.3g (tolerance %g)%s", series,
+             len(diffs), worst, tol, "" if worst <= tol else "  EXCEEDED")
+    head = [{**base, "x_name": "steps_compared", "x_value": len(diffs), "y_name": MAXD,
+             "y_value": worst, **extra, "tolerance": tol, "within_tolerance": bool(worst <= tol),
+             "skipped_steps": r.metrics.get("skipped_steps", 0)}]
+    return head, body
+
+
+def tolerance(r) -> float:
+    """The run's stated tolerance for its dtype (``experiment.params.tol``)."""
+    p = ((r.config or {}).get("experiment") or {}).get("params") or {}
+    tol = {**DEFAULTS["tol"], **dict(p.get("tol") or {})}
+    return float(tol[r.params.get("dtype", "fp32")])
+
+
+# ------------------------------------------------------------------------------------ plot
+def _paper_context(out_dir: str):
+    from experiments import paper
+
+    ref = paper.load_reference(paper.reference_path(os.path.dirname(os.path.abspath(out_dir))))
+    return paper.paper_rows(ref, PAPER_FIG, y_names=["validation_perplexity"])
+
+
+def plot(table, out_dir: str) -> list[str]:
+    """Main panel: loss vs step for every series (fp32 drawn with distinct line styles and
+    markers so that coinciding curves stay visible); second: |dloss| vs stage 0 fp32 on a log
+    axis; third, small: the paper's Figure 5 values, a different experiment, for context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    ours = table[table["kind"] != "paper"].copy()
+    ours["_y"] = pd.to_numeric(ours["y_value"], errors="coerce")
+    ours["_x"] = pd.to_numeric(ours["x_value"], errors="coerce")
+    fig = plt.figure(figsize=(15, 5.2))
+    gs = fig.add_gridspec(1, 3, width_ratios=[2.2, 1.6, 1.0])
+    ax_loss, ax_d, ax_p = (fig.add_subplot(gs[0, i]) for i in range(3))
+    styles = _styles(list(dict.fromkeys(ours.loc[ours["y_name"] == LOSS, "series"])), ours)
+    for series, g in ours[ours["y_name"] == LOSS].groupby("series", sort=False):
+        ax_loss.plot(g["_x"], g["_y"], label=series, **styles[series])
+        if "step_skipped" in g:
+            sk = g[g["step_skipped"].astype(str) == "True"]
+            if len(sk):
+                ax_loss.plot(sk["_x"], sk["_y"], "x", color="red", markersize=8,
+                             label=f"{series}: fp16 overflow, step skipped")
+    for series, g in ours[ours["y_name"] == DLOSS].groupby("series", sort=False):
+        ax_d.plot(g["_x"], g["_y"].clip(lower=LOG_FLOOR), label=series, **styles[series])
+    grid = ours["grid"].dropna().iloc[0] if "grid" in ours and len(ours) else ""
+    ax_loss.set(xlabel="step", ylabel=f"training loss [{UNIT}]",
+                title=f"measured: same data and seed ({grid})")
+    _annotate_worst(ax_d, ours[ours["y_name"] == MAXD])
+    ax_d.set(xlabel="step", ylabel=f"|loss - stage 0 fp32 loss| [{UNIT}]", yscale="log",
+             title=f"deviation from stage 0 fp32 (exact 0 drawn at {LOG_FLOOR:g})")
+    for ax in (ax_loss, ax_d):
+        ax.grid(True, alpha=0.3)
+        ax.title.set_fontsize(10)
+    ax_loss.legend(fontsize=6.5, loc="upper right", ncol=1)
+    _draw_paper(ax_p, _paper_context(out_dir))
+    hw = ours["hardware"].dropna().iloc[0] if "hardware" in ours and len(ours) else ""
+    fig.suptitle(f"Fig. 5 analogue: convergence equivalence (measured on {hw or 'CPU'}, gloo)",
+                 fontsize=11)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{FIGURE}.{ext}") for ext in ("png", "pdf")]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths
+
+
+_LINES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 2)), (0, (8, 2)),
+          (0, (4, 2, 1, 2, 1, 2))]
+_MARKERS = ["o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h", "p"]
+
+
+def _styles(series: list[str], ours) -> dict:
+    """fp32 series: thick-to-thin lines, each its own dash pattern and marker (they lie on top
+    of each other); fp16/bf16: thin, dimmer, their own markers."""
+    dtype = dict(zip(ours["series"], ours["dtype"])) if "dtype" in ours else {}
+    out = {}
+    for i, s in enumerate(series):
+        half = dtype.get(s, "fp32") != "fp32"
+        out[s] = {"color": f"C{i % 10}", "linestyle": _LINES[i % len(_LINES)],
+                  "marker": _MARKERS[i % len(_MARKERS)], "markevery": (i % 5, 5),
+                  "markersize": 4 if half else 5, "alpha": 0.6 if half else 0.9,
+                  "linewidth": 0.9 if half else max(0.8, 2.6 - 0.2 * i)}
+    return out
+
+
+def _annotate_worst(ax, maxd) -> None:
+    """The max |dloss| per dtype (and which series) in a corner of the deviation panel."""
+    lines = []
+    for dtype, g in maxd.groupby("dtype", sort=False):
+        y = g["_y"]
+        worst = g.loc[y.idxmax()] if y.notna().any() else None
+        if worst is None:
+            continue
+        tol = worst.get("tolerance", float("nan"))
+        lines.append(f"{dtype}: max {worst['_y']:.2g} ({worst['config']}), tol {tol:g}")
+    if lines:
+        ax.text(0.98, 0.22, "\n".join(lines), transform=ax.transAxes, fontsize=7,
+                ha="right", va="center", bbox={"facecolor": "white", "alpha": 0.8})
+
+
+def _draw_paper(ax, rows) -> None:
+    import pandas as pd
+
+    for i, (series, g) in enumerate(rows.groupby("series", sort=False)):
+        x = pd.to_numeric(g["x_value"], errors="coerce") / 1000.0
+        ax.plot(x, pd.to_numeric(g["y_value"], errors="coerce"), marker="X",
+                markeredgecolor="black", markersize=7, linestyle=":", color=f"C{7 + i}",
+                label=f"{series} [paper]")
+    ax.set(xlabel="iteration [thousands]", ylabel="validation perplexity [ppl]",
+           title="paper Fig. 5 (17B Turing-NLG, not comparable)")
+    ax.title.set_fontsize(9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax.text(0.02, 0.02, "different experiment: context only", transform=ax.transAxes,
+            fontsize=7, style="italic")
