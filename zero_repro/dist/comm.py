@@ -12,7 +12,8 @@ Counting convention (what the paper's §7 calls "communication volume", in eleme
   followed by an all-gather, §7.1);
 * ``reduce_scatter`` counts the full (unsharded) input n;
 * ``all_gather`` counts the full (gathered) output n;
-* ``broadcast`` counts n.
+* ``broadcast`` counts n;
+* ``reduce`` (to one root) counts n.
 
 With that convention baseline DP, P_os and P_os+g move 2Ψ elements per step and P_os+g+p 3Ψ.
 The ledger also records raw bytes and call counts. A group of size 1 performs no
@@ -34,7 +35,8 @@ if hasattr(dist.ReduceOp, "AVG"):
     _REDUCE_OPS["avg"] = dist.ReduceOp.AVG
 
 # paper-volume multiplier per op (see module docstring)
-_VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+_VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
+                  "reduce": 1}
 
 
 @dataclass
@@ -222,6 +224,17 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group: Group, async_op: bool
     group.ledger.record("broadcast", group.name, t.numel(), t.element_size())
     return dist.broadcast(t, src=group.global_rank(src_group_rank), group=group.pg,
                           async_op=async_op)
+
+
+def reduce(t: torch.Tensor, dst_group_rank: int, group: Group, op: str = "sum",
+           async_op: bool = False):
+    """``t`` on group rank ``dst_group_rank`` <- element-wise reduction of every rank's ``t``
+    (in place; the other ranks' ``t`` is undefined afterwards)."""
+    if group.size == 1:
+        return _Done() if async_op else None
+    group.ledger.record("reduce", group.name, t.numel(), t.element_size())
+    return dist.reduce(t, dst=group.global_rank(dst_group_rank), op=_op(op), group=group.pg,
+                       async_op=async_op)
 
 
 def barrier(group: Group | None = None) -> None:

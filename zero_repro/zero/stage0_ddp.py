@@ -9,6 +9,11 @@ consecutive ranges of that buffer (C_B elements each), so a bucket is all-reduce
 as soon as its last gradient arrives, overlapping the rest of backward (no separate fused copy:
 the flat gradient buffer is the fused buffer). Gradients are divided by N_d before the sum,
 so the reduced gradient is the mean over DP ranks. Stage 1 (P_os) subclasses this class.
+
+``zero_grad`` does not write the buffer: it marks every parameter's range as empty, the first
+gradient of a range after it is copied in (instead of added to zeros), and the ranges that got
+no gradient at all are zeroed when their bucket is reduced. Same result as zeroing, one pass
+over Ψ less per step.
 """
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ class Stage0DDP(Strategy):
         nb = len(g.partition.buckets)
         self._arrived = [0] * nb
         self._launched = [False] * nb
+        self._slot_idx = {id(p): i for i, p in enumerate(g.params)}
+        self._written = [False] * len(g.slots)  # slot got a gradient since zero_grad
+        # per bucket: (slot index, flat lo, flat hi) of every slot piece inside it
+        self._pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(nb)]
+        for i, s in enumerate(g.slots):
+            for b in g.partition.buckets_of(s.offset, s.numel):
+                lo, hi = intersect(b.start, b.end, s.offset, s.end)
+                self._pieces[b.index].append((i, lo, hi))
         self.inflight = InFlight(max_in_flight=1 << 30)
         return [g]
 
@@ -46,7 +59,12 @@ class Stage0DDP(Strategy):
     def _on_grad(self, p: torch.Tensor) -> None:
         g = self.flat
         s = g.slot_of[id(p)]
-        self.grad_flat[s.offset:s.end].add_(p.grad.reshape(-1))
+        i = self._slot_idx[id(p)]
+        if self._written[i]:
+            self.grad_flat[s.offset:s.end].add_(p.grad.reshape(-1))
+        else:
+            self.grad_flat[s.offset:s.end].copy_(p.grad.reshape(-1))
+            self._written[i] = True
         p.grad = None  # the flat buffer is the only persistent gradient storage
         if not self._is_last:
             return  # accumulate locally; reduce on the last micro-batch only
@@ -67,6 +85,12 @@ class Stage0DDP(Strategy):
 
     def _launch(self, b: Bucket) -> None:
         self._launched[b.index] = True
+        for i, lo, hi in self._pieces[b.index]:
+            if not self._written[i]:  # no gradient since zero_grad: reduce zeros
+                self.grad_flat[lo:hi].zero_()
+        numel = self.flat.partition.numel
+        if b.end > numel:  # padding: a rooted reduce may leave it undefined on non-owners
+            self.grad_flat[max(b.start, numel):b.end].zero_()
         buf = self.grad_flat[b.start:b.end]
         if self.n_d > 1:
             buf.div_(self.n_d)  # mean over DP ranks; dividing first keeps fp16 sums in range
@@ -91,7 +115,7 @@ class Stage0DDP(Strategy):
         return [self.grad_flat[b.owned(r)[0]:b.owned(r)[1]] for b in self.flat.partition.buckets]
 
     def _zero_grads(self) -> None:
-        self.grad_flat.zero_()
+        self._written = [False] * len(self._written)  # see the module docstring
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

@@ -5,10 +5,18 @@ shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gra
 all-gather of the updated parameters (Ψ) = 2Ψ elements, the same as baseline DP (§7.2.1).
 
 Full training-dtype gradients are accumulated as in stage 0; on the last micro-batch each
-bucket is reduce-scattered as soon as it is complete, and this rank's reduced chunk is copied
-back over its own range of the gradient buffer (the rest of the buffer is stale and unused).
-After the AdamW step on the fp32 shard, the updated chunks are all-gathered bucket by bucket
-(constant-size pieces) straight into the flat parameter buffer.
+bucket is reduce-scattered as soon as it is complete, and this rank's reduced chunk lands in its
+own range of the gradient buffer (the rest of the buffer is stale and unused). After the AdamW
+step on the fp32 shard, the updated chunks are all-gathered bucket by bucket (constant-size
+pieces) straight into the flat parameter buffer.
+
+Collectives: on NCCL (and the fake process group) a native reduce-scatter into a pooled output
+buffer (copied back over the own range) and an all-gather from a pooled copy of the own chunk
+(its input must not alias the output). On gloo, whose reduce-scatter / all-gather are emulated
+and slow, the same data movement runs as N_d rooted reduces / broadcasts per bucket, in place in
+the gradient / parameter buffer (``flat_buffer.rooted_collectives``): no pooled buffers, no
+copies, no limit on collectives in flight, and the same 2Ψ in the §7 ledger (recorded as
+``reduce`` Ψ + ``broadcast`` Ψ).
 """
 from __future__ import annotations
 
@@ -16,15 +24,20 @@ import torch
 
 from zero_repro.dist import comm
 from zero_repro.measure.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import BufferPool, FlatParams, InFlight
+from zero_repro.zero.flat_buffer import (BufferPool, FlatParams, InFlight, broadcast_chunks,
+                                         reduce_chunks, rooted_collectives)
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.stage0_ddp import Stage0DDP
 
 
-def gather_updated(g: FlatParams, rank: int, dp: comm.Group, pool: BufferPool,
+def gather_updated(g: FlatParams, rank: int, dp: comm.Group, pool: BufferPool | None,
                    inflight: InFlight) -> None:
-    """All-gather every bucket's owned chunks into ``g.flat`` (stages 1 and 2)."""
+    """All-gather every bucket's owned chunks into ``g.flat`` (stages 1 and 2); ``pool=None``:
+    in place, as rooted broadcasts (gloo)."""
     for b in g.partition.buckets:
+        if pool is None:
+            inflight.launch(broadcast_chunks(g.flat[b.start:b.end], b.chunk, dp), lambda: None)
+            continue
         lo, hi = b.owned(rank)
         buf = pool.acquire()
         tmp = buf[:b.chunk]
@@ -45,6 +58,12 @@ class Stage1Os(Stage0DDP):
 
     def _build_groups(self, named) -> list[FlatParams]:
         groups = super()._build_groups(named)
+        self.rooted = rooted_collectives()
+        if self.rooted:  # in place: nothing pooled, nothing limits the collectives in flight
+            self.inflight = InFlight(max_in_flight=1 << 30)
+            self.ag_inflight = InFlight(max_in_flight=1 << 30)
+            self.rs_pool = self.ag_pool = None
+            return groups
         chunk = max((b.chunk for b in self.flat.partition.buckets), default=0)
         self.inflight = InFlight(max_in_flight=2)
         self.rs_pool = BufferPool(chunk, self.dtype, self.inflight)
@@ -53,6 +72,9 @@ class Stage1Os(Stage0DDP):
         return groups
 
     def _reduce(self, b: Bucket, buf: torch.Tensor) -> None:
+        if self.rooted:  # the own chunk of buf (= its range of grad_flat) receives the sum
+            self.inflight.launch(reduce_chunks(buf, b.chunk, self.dp), lambda: None)
+            return
         full = self.rs_pool.acquire()
         out = full[:b.chunk]
         work = comm.reduce_scatter_into(out, buf, self.dp, async_op=True)
@@ -70,4 +92,5 @@ class Stage1Os(Stage0DDP):
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
         ledger.add("grads", self.grad_flat.numel() * self.grad_flat.element_size())
-        ledger.add("comm_buffers", self.rs_pool.capacity_bytes + self.ag_pool.capacity_bytes)
+        pools = [p for p in (self.rs_pool, self.ag_pool) if p is not None]
+        ledger.add("comm_buffers", sum(p.capacity_bytes for p in pools))

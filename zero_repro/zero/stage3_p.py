@@ -23,6 +23,10 @@ Schedule:
             (async) into the persistent gradient shard and the unit is released.
   step      nothing to gather: the updated shard is the parameter storage.
 
+On gloo the per-bucket all-gathers and reduce-scatters run as N_d rooted broadcasts / reduces
+in place in the unit's flat buffer / gradient buffer (``flat_buffer.rooted_collectives``: gloo
+emulates the native ones slowly; same elements, same 3Ψ ledger volume).
+
 Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
 fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
 directly instead of ``strategy.backward(loss)``).
@@ -37,7 +41,8 @@ from torch import nn
 
 from zero_repro.dist import comm
 from zero_repro.measure.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import FlatParams, InFlight, PeakBytes
+from zero_repro.zero.flat_buffer import (FlatParams, InFlight, PeakBytes, broadcast_chunks,
+                                         reduce_chunks, rooted_collectives)
 from zero_repro.zero.strategy import Strategy
 
 
@@ -78,6 +83,7 @@ class Stage3P(Strategy):
         for n, p in named:
             per_unit[owner.get(id(p), 0)].append((n, p))
         cap = self._bucket_capacity()
+        self.rooted = rooted_collectives()
         self.units: list[_Unit] = []
         self.block_units: list[_Unit | None] = [None] * len(block_list)
         self.root: _Unit | None = None
@@ -145,10 +151,18 @@ class Stage3P(Strategy):
         u.expect(UnitState.SHARDED, event="gather requested")
         u.group.materialize()
         self.gathered_peak.alloc(u.group.nbytes)
-        u.works = [comm.all_gather_into(u.group.flat[b.start:b.end],
-                                        u.shard[b.shard_offset:b.shard_offset + b.chunk],
-                                        self.dp, async_op=True)
-                   for b in u.group.partition.buckets]
+        flat, r = u.group.flat, self.dp_rank
+        if self.rooted:
+            u.works = []
+            for b in u.group.partition.buckets:
+                lo, hi = b.owned(r)
+                flat[lo:hi].copy_(u.shard[b.shard_offset:b.shard_offset + b.chunk])
+                u.works += broadcast_chunks(flat[b.start:b.end], b.chunk, self.dp)
+        else:
+            u.works = [comm.all_gather_into(flat[b.start:b.end],
+                                            u.shard[b.shard_offset:b.shard_offset + b.chunk],
+                                            self.dp, async_op=True)
+                       for b in u.group.partition.buckets]
         u.state = UnitState.GATHERING
 
     def _ensure(self, u: _Unit) -> None:
@@ -243,21 +257,29 @@ class Stage3P(Strategy):
         if self.n_d > 1:
             buf.div_(self.n_d)
         part = u.group.partition
-        out = torch.empty(part.shard_numel, dtype=self.dtype)
-        self.buffer_peak.alloc(out.numel() * out.element_size())
-        works = [comm.reduce_scatter_into(out[b.shard_offset:b.shard_offset + b.chunk],
-                                          buf[b.start:b.end], self.dp, async_op=True)
-                 for b in part.buckets]
+        r = self.dp_rank
+        if self.rooted:  # reduced in place: the own chunk of each bucket receives the sum
+            out = None
+            works = [w for b in part.buckets
+                     for w in reduce_chunks(buf[b.start:b.end], b.chunk, self.dp)]
+        else:
+            out = torch.empty(part.shard_numel, dtype=self.dtype)
+            self.buffer_peak.alloc(out.numel() * out.element_size())
+            works = [comm.reduce_scatter_into(out[b.shard_offset:b.shard_offset + b.chunk],
+                                              buf[b.start:b.end], self.dp, async_op=True)
+                     for b in part.buckets]
 
         def done():
             for k, b in enumerate(part.buckets):
-                piece = out[b.shard_offset:b.shard_offset + b.chunk]
+                piece = (buf[b.owned(r)[0]:b.owned(r)[1]] if out is None
+                         else out[b.shard_offset:b.shard_offset + b.chunk])
                 j = u.piece_base + k
                 if self._grad_pieces[j] is None:
                     self._grad_pieces[j] = piece.clone()  # M_D off: allocated as it arrives
                 else:
                     self._grad_pieces[j].add_(piece)
-            self.buffer_peak.free((buf.numel() + out.numel()) * buf.element_size())
+            n_out = 0 if out is None else out.numel()
+            self.buffer_peak.free((buf.numel() + n_out) * buf.element_size())
 
         self.inflight.launch(works, done)
 

@@ -21,7 +21,13 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``).
+stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``). On gloo
+the bucket reduce-scatters / all-gathers of stages 1-3 run as N_d rooted reduces / broadcasts
+of the chunks (same elements, same volume; ``flat_buffer.rooted_collectives``).
+
+Step cost outside the collectives: one multi-tensor norm over the owned gradients (``clip``;
+one host read of the agreed (norm, overflow) pair per step) and torch's fused AdamW kernel over
+the owned shard (``adam``).
 """
 from __future__ import annotations
 
@@ -157,8 +163,8 @@ class Strategy:
         self._wait_reductions()
         scale = self.scaler.scale
         grads = self._grad_chunks()
-        sumsq, bad = clip.local_stats(grads, self._counted, 1.0 / scale)
-        norm, overflow = clip.agree(sumsq, bad, self.topo.world)
+        stats = clip.local_stats(grads, self._counted, 1.0 / scale)
+        norm, overflow = clip.agree(stats, self.topo.world)
         self.scaler.update(overflow)
         if overflow:
             log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
