@@ -62,8 +62,13 @@ def build(cfg: C.Config, topo: Topology, device: torch.device):
     from zero_repro.model.gpt import GPT
     from zero_repro.zero.strategy import build_strategy
 
+    from zero_repro.zero.precision import lp_dtype
+
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model, tp_group=topo.tp_group, device=device)
+    # built directly in the training dtype: an fp32 build of a 100B model's rank (6.25B params
+    # at MP 16) would need 25 GB before the strategy even casts it (the fp32 master copy is made
+    # by the strategy, for this rank's shard only)
+    model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=lp_dtype(cfg.zero.dtype))
     ckpt = None
     if cfg.zero_r.activation_checkpointing:
         from zero_repro.zero_r.activation_ckpt import apply_activation_checkpointing
