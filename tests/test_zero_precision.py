@@ -3,16 +3,26 @@
 - fp16 and bf16 runs of every stage track the fp32 loss, and stages agree with each other;
 - an inf injected into one rank's gradients makes every rank skip the step, the fp16 loss
   scale halves, and the parameters stay unchanged and finite;
-- DynamicLossScaler window/hysteresis; N_d = 1 ledgers vs Table 1; stage-3 misuse errors.
+- DynamicLossScaler window/hysteresis (halving does not refill the hysteresis budget);
+- a genuine fp16 overflow streak (loss scale far too large) leaves no trace: on every skipped
+  step parameters, fp32 master, Adam m/v and step count are bitwise unchanged, and the first
+  applied step equals the same step of a run that started at the scale it backed off to;
+- N_d = 1 ledgers vs Table 1; stage-3 misuse errors.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from tests.test_zero_equivalence import CFG, batch, make, worker
+from tests.test_zero_equivalence import CFG, MICRO, SEED, batch, make, worker
+from zero_repro.config import TrainConfig, ZeroConfig
 from zero_repro.dist.launch import spawn
+from zero_repro.dist.topology import Topology
 from zero_repro.measure.ledger import MemoryLedger, table1_bytes
+from zero_repro.model.gpt import GPT
+from zero_repro.zero import build_strategy
 from zero_repro.zero.precision import DynamicLossScaler
 
 LOSS_TOL = {"fp16": 0.02, "bf16": 0.06}  # |loss - fp32 loss| over 6 steps at lr 3e-3 (one batch, memorised)
@@ -79,6 +89,117 @@ def test_dynamic_loss_scaler_window_and_hysteresis():
     s2 = DynamicLossScaler(4.0, 1, 1.0, 1)
     s2.load_state_dict(s.state_dict())
     assert s2.scale == 64.0
+
+
+def test_hysteresis_budget_not_refilled_by_halving():
+    # hysteresis 2 (DeepSpeed/Megatron semantics): one overflow tolerated, then every overflow
+    # halves until a clean window restores the budget. Backing off k powers of two costs 1 + k
+    # skipped steps; refilling the budget at each halving made it 2k (fig5 at 2^16: 4 skips)
+    s = DynamicLossScaler(2.0 ** 16, window=4, min_scale=1.0, hysteresis=2)
+    scales = []
+    for _ in range(4):
+        s.update(True)
+        scales.append(s.scale)
+    assert scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14, 2.0 ** 13]
+    for _ in range(3):
+        s.update(False)
+    s.update(True)  # a good step does not refill the budget either: only a clean window
+    assert s.scale == 2.0 ** 12
+    for _ in range(4):
+        s.update(False)
+    assert s.scale == 2.0 ** 13  # clean window: doubled, budget restored
+    s.update(True)
+    assert s.scale == 2.0 ** 13  # tolerated again
+    s.update(True)
+    assert s.scale == 2.0 ** 12
+    s3 = DynamicLossScaler(1.0, 1, 1.0, 2)  # an exhausted budget survives a checkpoint
+    s3.load_state_dict(s.state_dict())
+    s3.update(True)
+    assert s3.scale == 2.0 ** 11
+
+
+# ------------------------------------------------------------------ genuine overflow streak
+OVERFLOW_POWER = 24  # far above what the tiny model's fp16 gradients tolerate: a skip streak
+MAX_STREAK = 24
+
+
+def _fp16_strategy(stage: int, power: int):
+    topo = Topology.build(1)
+    model = GPT(CFG, topo.tp_group)
+    model.init_weights(SEED)
+    zero = ZeroConfig(stage=stage, dtype="fp16", reduce_bucket_size=6000,
+                      allgather_bucket_size=6000, initial_scale_power=power, hysteresis=2)
+    train = TrainConfig(micro_batch_size=MICRO, lr=3e-3, eps=1e-6, weight_decay=0.1)
+    return topo, build_strategy(model, topo, zero, train)
+
+
+def _state(strat) -> list[torch.Tensor]:
+    """Everything a step may change on this rank: owned fp16 shard, fp32 master, m, v."""
+    lp = [c.detach().clone() for c in strat._param_chunks()]
+    opt = strat.opt
+    return lp + [opt.master.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone()]
+
+
+def _one_step(strat, topo, step: int):
+    idx, tgt = batch(step, topo.dp * MICRO)
+    r0 = topo.dp_rank * MICRO
+    _, loss = strat(idx[r0:r0 + MICRO], tgt[r0:r0 + MICRO])
+    strat.backward(loss)
+    info = strat.step()
+    strat.zero_grad()
+    return info
+
+
+def overflow_worker(rank: int, world: int, stages: list[int]) -> list[dict]:
+    out = []
+    for stage in stages:
+        topo, a = _fp16_strategy(stage, OVERFLOW_POWER)
+        infos, moved, step = [], [], 0
+        while step < MAX_STREAK:
+            before, n_adam = _state(a), a.opt.step_count
+            info = _one_step(a, topo, step)
+            infos.append((info.skipped, info.loss_scale))
+            if not info.skipped:
+                break
+            after = _state(a)
+            moved.append(a.opt.step_count != n_adam or
+                         any(not torch.equal(x, y) for x, y in zip(before, after)))
+            step += 1
+        # the same step from a fresh run that starts at the scale the streak backed off to:
+        # a skip streak must leave no trace (no partial update, stale bucket, Adam state)
+        power = int(round(math.log2(infos[-1][1])))
+        topo_b, b = _fp16_strategy(stage, power)
+        info_b = _one_step(b, topo_b, step)
+        same = not info_b.skipped and all(torch.equal(x, y)
+                                          for x, y in zip(_state(a), _state(b)))
+        out.append({"infos": infos, "moved": moved, "same_as_fresh": same,
+                    "adam_steps": a.opt.step_count})
+        a.remove_hooks()
+        b.remove_hooks()
+    return out
+
+
+def test_overflow_streak_leaves_no_trace():
+    stages = [0, 1, 2, 3]
+    results = spawn(overflow_worker, 2, stages)
+    for i, stage in enumerate(stages):
+        ref = results[0][i]["infos"]
+        for rank, rank_results in enumerate(results):
+            r = rank_results[i]
+            label = f"stage {stage} rank {rank}"
+            assert r["infos"] == ref, f"{label}: ranks disagree on skips {r['infos']} vs {ref}"
+            skips = [sk for sk, _ in r["infos"]]
+            assert len(skips) >= 4 and skips[-1] is False and all(skips[:-1]), (
+                f"{label}: expected a streak of skips then an applied step, got {skips}")
+            # hysteresis 2: first overflow tolerated, then one halving per overflow
+            scales = [sc for _, sc in r["infos"]]
+            want = [2.0 ** OVERFLOW_POWER] * 2 + [2.0 ** (OVERFLOW_POWER - k)
+                                                  for k in range(1, len(scales) - 1)]
+            assert scales == want, f"{label}: loss scales {scales}, expected {want}"
+            assert not any(r["moved"]), f"{label}: state changed on skipped steps {r['moved']}"
+            assert r["adam_steps"] == 1, f"{label}: {r['adam_steps']} Adam steps, expected 1"
+            assert r["same_as_fresh"], (f"{label}: first applied step after the skips differs "
+                                        f"from a fresh run at the backed-off scale")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -8,9 +8,15 @@ In fp32 mode the parameters themselves are the master copy: no separate fp32 cop
 Loss scaling: the loss is multiplied by ``scale`` before backward and gradients are divided by
 it in the step. The overflow decision must be the same on every rank of the world (DP × TP):
 the strategy all-reduces a flag over ``topo.world`` before calling ``update``, so either every
-rank skips the step or none does. ``hysteresis`` is the number of overflows tolerated before
-the scale is halved (1 = halve on every overflow); after ``window`` consecutive good steps the
-scale doubles and the hysteresis budget is restored.
+rank skips the step or none does. A skipped step changes nothing but the scaler: parameters,
+fp32 master, Adam m/v and the Adam step count stay as they were.
+
+Hysteresis (DeepSpeed's ``hysteresis`` = delayed shift, Megatron's ``hysteresis``): a budget of
+``hysteresis`` overflows; the overflow that exhausts it halves the scale, and so does every
+further overflow until the budget is restored, which happens only when the scale doubles after
+``window`` consecutive good steps (1 = halve on every overflow). Backing off from a scale that
+is 2^k too large thus costs hysteresis - 1 + k skipped steps, not hysteresis × k: halving must
+not refill the budget.
 """
 from __future__ import annotations
 
@@ -50,8 +56,9 @@ class StaticScaler:
 
 
 class DynamicLossScaler:
-    """fp16 dynamic loss scale: halve on (hysteresis) overflows, double after ``window`` good
-    steps, never below ``min_scale``."""
+    """fp16 dynamic loss scale: the first ``hysteresis - 1`` overflows are tolerated, every one
+    after that halves the scale (never below ``min_scale``); ``window`` consecutive good steps
+    double it and restore the hysteresis budget (module docstring)."""
 
     def __init__(self, initial_scale: float, window: int, min_scale: float, hysteresis: int):
         if initial_scale <= 0 or window < 1 or min_scale <= 0 or hysteresis < 1:
@@ -66,10 +73,11 @@ class DynamicLossScaler:
         """Call once per step with the overflow flag agreed over the world."""
         if overflow:
             self._good_steps = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
+            # the budget stays exhausted after a halving (refilled only by a clean window below):
+            # refilling it here would double the skipped steps of every further back-off
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+            if self._hysteresis_left == 0:
                 self.scale = max(self.scale / 2.0, self.min_scale)
-                self._hysteresis_left = self.hysteresis
             return
         self._good_steps += 1
         if self._good_steps >= self.window:
