@@ -99,7 +99,8 @@ def plot(table, out_dir: str) -> list[str]:
                 color=f"C{i % 10}", markeredgecolor="black", markersize=8)
     a1.set(xscale="log", yscale="log", xlabel="N_d", ylabel="model-state memory per GPU [GB]",
            title="Table 1: analytic (^) vs paper (X)")
-    a1.legend(fontsize=5, ncol=2)
+    a1.set_ylim(1e-3, 1e5)  # room below the data for the legend
+    a1.legend(fontsize=6.5, ncol=3, loc="lower left", framealpha=0.9)
     meas = table[table["figure"] == f"{FIGURE}_measured"]
     for i, (series, g) in enumerate(meas.groupby("series", sort=False)):
         g = g.assign(x=pd.to_numeric(g["x_value"])).sort_values("x")
@@ -108,7 +109,11 @@ def plot(table, out_dir: str) -> list[str]:
     ok = bool(meas["matches_formula"].all()) if len(meas) else False
     a2.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",
            title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}")
-    a2.legend(fontsize=6)
+    if len(meas):
+        xs = sorted(pd.to_numeric(meas["x_value"]).unique())
+        a2.set_xticks(xs, [str(int(x)) for x in xs])
+    a2.set_ylim(bottom=0)
+    a2.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     paths = [os.path.join(out_dir, f"table1_memory.{e}") for e in ("png", "pdf")]
     for p in paths:

@@ -91,3 +91,56 @@ def summarize(records) -> list[dict]:
                          "paper_B": None if pv is None else pv / 1e9,
                          "rel_error_vs_paper_printed": None if pv is None else (val - pv) / pv})
     return rows
+
+
+def plot(table, out_dir: str) -> list[str]:
+    """Table 2 as a figure: max model size (B parameters, log scale) vs MP, one colour per
+    scheme; theoretical (analytic, dotted), dry-run judged (simulated, squares) and the
+    paper's printed values (X) -- both its theoretical and its measured columns."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paper = _paper()
+    fig, ax = plt.subplots(figsize=(7.4, 4.8))
+    colour = {name: f"C{i}" for i, name in enumerate(SCHEMES.values())}
+    for stage, name in SCHEMES.items():
+        c = colour[name]
+        th = table[table["series"] == f"theoretical {name}"].sort_values("x_value")
+        if len(th):
+            ax.plot(th["x_value"].astype(int), th["y_value"].astype(float), ls=":", marker="^",
+                    ms=4, color=c, label=f"{name}: theoretical [analytic]")
+        pts = sorted((mp, v / 1e9) for (s, mp), (_, v) in paper.items()
+                     if s == f"theoretical {name}")
+        if pts:
+            ax.plot(*zip(*pts), ls="none", marker="X", ms=8, mfc="none", color=c)
+        if stage in MEASURED:
+            ms = table[table["series"] == MEASURED[stage]].sort_values("x_value")
+            if len(ms):
+                ax.plot(ms["x_value"].astype(int), ms["y_value"].astype(float), ls="--",
+                        marker="s", ms=10, color=c, mec="white", zorder=6, alpha=0.85,
+                        label=f"{name}: dry-run judged [simulated]")
+            pm = sorted((mp, v / 1e9) for (s, mp), (_, v) in paper.items()
+                        if s == MEASURED[stage])
+            if pm:
+                ax.plot(*zip(*pm), ls="-", lw=0.8, marker="X", ms=7, color=c, zorder=4,
+                        markeredgecolor="black", label=f"{name}: measured [paper]")
+    ax.plot([], [], ls="none", marker="X", ms=8, mfc="none", color="0.3",
+            label="theoretical [paper, printed]")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([1, 2, 4, 8, 16], ["1 (64)", "2 (128)", "4 (256)", "8 (512)", "16 (1024)"])
+    ax.set_xlabel("MP (GPUs), N_d = 64")
+    ax.set_ylabel("Max model size (B parameters)")
+    ax.set_title("Table 2: max model size on 32 GB V100s", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    paths = [os.path.join(out_dir, f"table2_max_model.{e}") for e in ("png", "pdf")]
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths

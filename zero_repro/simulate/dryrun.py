@@ -24,6 +24,16 @@ What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
   * the trace replayed through the CUDA caching-allocator model (``simulate.allocator``):
     peak allocated, peak reserved ("max cached memory", Figure 7) and fragmentation.
 
+One training step is the default: a further step repeats the first one's allocations except
+the state the first creates lazily (C_B buffers, the M_D arena, ...), so ``live_peak_steady``
+-- the last step's live curve plus the lazily created bytes allocated after each point --
+predicts the next step's peak from one step's trace (tests check it equals a real second
+step for C1, C4, C5 and stage 3; at 100B C4, 1 and 2 steps give the same peak live and peak
+reserved bytes). The cost is nearly all FakeTensorMode dispatch (~100-500 us per aten op; the
+tracer and the allocator replay are ~3% of a run); the first step also pays fake-tensor cache
+misses (parameters are views at distinct storage offsets) and costs ~2x a later one.
+Benchmark: ``python -m zero_repro.simulate.dryrun --bench`` (100B, 400 GPUs, C4).
+
 Data-dependent values do not exist under fake tensors: the dispatch mode answers every
 ``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
 always takes the non-skipped path -- the one that allocates the most.
@@ -90,24 +100,33 @@ class AllocationTracer(TorchDispatchMode):
         return self._sid_of.get(id(t.untyped_storage()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
+        # metadata queries (prim.device), which only pass through
+        self.n_ops += 1
         how = self._how.get(func)
         if how is None:
             how = self._how[func] = _classify(func)
+        if how == "view":  # views and metadata queries share or touch no storage
+            return func(*args, **(kwargs or {}))
         if how == "scalar":
             return _neutral_scalar(args[0].dtype)  # no data under fake tensors
+        kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.n_ops += 1
-        if how == "view":  # views and metadata queries share or touch no storage
-            return out
         # outputs: new storages; mutated inputs: storages that may have been resized in place
-        for t in tree_flatten((out, args, kwargs) if how == "mutable" else out)[0]:
+        if how == "mutable":
+            flat = tree_flatten((out, args, kwargs))[0]
+        else:
+            flat = out if isinstance(out, (list, tuple)) else (out,)
+            if any(isinstance(t, (list, tuple)) for t in flat):
+                flat = tree_flatten(out)[0]
+        for t in flat:
             if isinstance(t, torch.Tensor):
                 self._see(t.untyped_storage())
-        for sid, ref in list(self._resizable.items()):
-            st = ref()
-            if st is not None:
-                self._check_size(sid, st)
+        if self._resizable:
+            for sid, ref in list(self._resizable.items()):
+                st = ref()
+                if st is not None:
+                    self._check_size(sid, st)
         return out
 
     # ------------------------------------------------------------------ bookkeeping
@@ -183,17 +202,64 @@ class DryRunResult:
     timings: dict  # seconds: build, per iteration, total
     n_events: int
     n_ops: int
+    # live peak the NEXT iteration would reach: the last iteration's live curve plus the state
+    # it created lazily (alive at its end, so present from the start of the next one); equal to
+    # the last iteration's peak when one iteration already shows the steady state
+    live_peak_steady: int = 0
     trace: list = field(default_factory=list, repr=False)
+    host_sids: frozenset = frozenset()
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("trace")
+        d.pop("host_sids")
         return d
+
+    def replay(self, capacity: float | None) -> dict:
+        """The training-phase allocator replay again, with another capacity (needs the trace:
+        ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
+        from zero_repro.simulate import allocator as A
+
+        if not self.trace:
+            raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
+        dev = device_events(self.trace, set(self.host_sids))
+        return A.replay(A.training_trace(dev), capacity=capacity).as_dict()
 
 
 def device_events(events, host_sids: set[int]):
     """The trace without host-memory storages."""
     return [e for e in events if e[1] not in host_sids]
+
+
+def steady_peak(events) -> int:
+    """Live peak of a further iteration, predicted from the last one's trace: at every point
+    of the last iteration, its live bytes plus the bytes it allocated later that are still
+    alive at its end (lazily created state -- Adam moments, C_B buffers, the M_D arena --
+    which a further iteration finds already allocated). Exact when the next iteration repeats
+    the last one's allocations minus the lazy ones (fake tensors: no data-dependent paths)."""
+    train = [e for e in events if e[3] != "build"]
+    if not train:
+        return 0
+    last = train[-1][4]
+    start = next(i for i, e in enumerate(events) if e[3] != "build" and e[4] == last)
+    alive: dict[int, int] = {}
+    for kind, sid, nbytes, _ph, _it in events[start:]:
+        if kind == ALLOC:
+            alive[sid] = nbytes
+        else:
+            alive.pop(sid, None)
+    live = sum(e[2] if e[0] == ALLOC else -e[2] for e in events[:start])
+    curve = []
+    for kind, _sid, nbytes, _ph, _it in events[start:]:
+        live += nbytes if kind == ALLOC else -nbytes
+        curve.append(live)
+    later, best = 0, 0
+    for i in range(len(curve) - 1, -1, -1):  # backwards: lazy bytes allocated after i
+        best = max(best, curve[i] + later)
+        kind, sid, nbytes = events[start + i][:3]
+        if kind == ALLOC and alive.get(sid) == nbytes:
+            later += nbytes
+    return best
 
 
 def live_peaks(events) -> tuple[int, dict, dict]:
@@ -228,7 +294,7 @@ def _host_sids(tracer: AllocationTracer, ckpt, host: set[int]) -> None:
                 host.add(sid)
 
 
-def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
+def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool = True,
             allocator_capacity: float | None = None) -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
@@ -298,7 +364,8 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                         host_bytes=host_bytes, allocator=alloc_train,
                         allocator_with_build=alloc_all, timings=timings,
                         n_events=len(events), n_ops=tracer.n_ops,
-                        trace=events if keep_trace else [])
+                        live_peak_steady=steady_peak(dev),
+                        trace=events if keep_trace else [], host_sids=frozenset(host))
 
 
 def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], cfg: C.Config,
@@ -387,3 +454,50 @@ def dry_run_subprocess(cfg: C.Config, rank: int = 0, iterations: int = 2,
     if status != "ok":
         raise RuntimeError(f"dry run failed in the child process: {value}")
     return value
+
+
+# ------------------------------------------------------------------------------ benchmark
+def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = "dgx2_v100"):
+    """The paper's 100B setup (Table 8: 125 x 8192, 64 heads, batch 32/GPU, 400 GPUs, MP 16)
+    under ``zero_config`` with the paper harness's buckets."""
+    from zero_repro.simulate import maxsize
+    from zero_repro.simulate.paper_setups import setups
+
+    s = next(s for s in setups("fig7") if s.size_label == "100B")
+    ov = maxsize.setup_overrides(s, cluster)
+    ov.update(maxsize.paper_overrides(n_layer, s.hidden, s.heads, s.gpus, s.mp,
+                                      s.batch_per_gpu, zero_config))
+    return maxsize.apply_overrides(C.Config(), ov)
+
+
+def main(argv=None) -> int:
+    """``python -m zero_repro.simulate.dryrun --bench``: time one paper-scale dry run (100B,
+    400 GPUs, C4 by default) and print one line: wall time, phases, ops, peaks."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--bench", action="store_true", help="run the benchmark (the default)")
+    ap.add_argument("--config", default="C4", help="ZeRO configuration C1..C5")
+    ap.add_argument("--layers", type=int, default=125)
+    ap.add_argument("--iterations", type=int, default=1)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cfg = bench_config(args.layers, args.config)
+    t0 = time.perf_counter()
+    r = dry_run(cfg, iterations=args.iterations, keep_trace=False)
+    wall = time.perf_counter() - t0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
+                   if k.startswith("iteration"))
+    print(f"dry-run bench: {cfg.model.name} {args.config} world {cfg.parallel.world_size} "
+          f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
+          f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops, {r.n_events} events, "
+          f"{r.n_buckets} buckets) peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
+          f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
+          f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, load {load:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

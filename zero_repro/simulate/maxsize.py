@@ -7,11 +7,19 @@ with capacity C: the model fits iff that replay never runs out of memory (after 
 cached segments, as PyTorch does before raising "CUDA out of memory").
 
 Search: memory per rank is affine in l to a very good approximation (model states and
-checkpoints grow linearly, working memory does not), so two cheap dry runs at small l give a
-seed ``l* = l_a + (C - M(l_a)) / slope`` (M = the allocator model's peak allocated bytes); the
+checkpoints grow linearly, working memory does not) once l is past the depth where the
+gradient buckets are full (``probe_depths``), so two cheap dry runs there give a seed
+``l* = l_b + (C - M(l_b)) / slope`` (M = the allocator model's peak allocated bytes); the
 dry run at full size then decides, and secant steps through the judged points close the
-bracket [fits, does not fit] (each judgement a full dry run; results are memoised). The analytic model (``measure.analytic``) is the fallback seed. Returns the
-largest l that fits and its parameter count ``flops.param_count`` (padded vocabulary, TP 1).
+bracket [fits, does not fit] (each judgement a full dry run, typically two per search; results
+are memoised and shared within the process). The analytic model (``measure.analytic``) is
+logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
+count ``flops.param_count`` (padded vocabulary, TP 1).
+
+Judged on the training trace (the allocator after ``empty_cache()`` following the build): the
+runtime's build keeps the model's own fp16 parameters alive while it copies them into the flat
+buffers, a transient 2x of the fp16 weights that a real run at the searched depth has to keep
+off the device (e.g. build on the host, then move); ``Judgement.build_peak_live`` records it.
 """
 from __future__ import annotations
 
@@ -75,7 +83,8 @@ class Judgement:
     peak_allocated: int  # allocator model, rounded blocks
     peak_live: int  # exact live bytes, last iteration
     ledger_model_states: int
-    seconds: float
+    seconds: float  # the dry run's own wall time (it may have run as a probe or in parallel)
+    build_peak_live: int = 0  # live bytes during the build (not judged: see module docstring)
 
 
 @dataclass
@@ -87,38 +96,104 @@ class MaxSizeResult:
     seed_from: str  # "probe" (two small dry runs) | "analytic"
     judgements: list = field(default_factory=list)  # Judgement, in evaluation order
     seconds: float = 0.0
+    analytic_seed: int = 0  # the closed-form model's answer (measure.analytic)
+    probes: list = field(default_factory=list)  # [(n_layer, peak_allocated, seconds)]
+    n_dry_runs: int = 0  # dry runs actually executed (probes + judgements, cache misses)
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        return d
+        return dataclasses.asdict(self)
 
 
 class DryRunJudge:
-    """``judge(n_layer) -> bool``: the dry run at that depth fits ``capacity``. Memoised."""
+    """``judge(n_layer) -> bool``: the dry run at that depth fits ``capacity``. Memoised; one
+    dry run per depth serves both a probe and a judgement (its trace is replayed again with the
+    capacity), and results are shared by judges of the same configuration in this process
+    (``_shared``: e.g. Table 2 and Figure 6 asking about the same setup)."""
 
-    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
+    _shared: dict = {}  # (resolved config, iterations) -> DryRunResult; bounded below
+    _SHARED_MAX = 48
+
+    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 1):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
         self.memo: dict[int, Judgement] = {}
         self.order: list[Judgement] = []
+        self.n_runs = 0
+        self._pool = None  # one spawned helper process for a second dry run in parallel
 
-    def run(self, n_layer: int, capacity: float | None):
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def _cfg_at(self, n_layer: int) -> C.Config:
+        return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model,
+                                                                         n_layer=n_layer))
+
+    def _store(self, key: tuple, res) -> None:
+        if len(self._shared) >= self._SHARED_MAX:
+            self._shared.pop(next(iter(self._shared)))
+        self._shared[key] = res
+
+    def run_pair(self, n_a: int, n_b: int) -> None:
+        """Dry runs at two depths at once: ``n_b`` in a helper process, ``n_a`` here (the
+        dry run is single-threaded Python; a second core halves the wall time of the pair
+        the search needs at the end: the last depth that fits and the first that does not)."""
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        from omegaconf import OmegaConf
+
+        cfg_b = self._cfg_at(n_b)
+        key_b = self._key(cfg_b)
+        if key_b in self._shared:
+            self.run(n_a)
+            return
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+        fut = self._pool.submit(_child_dry_run,
+                                OmegaConf.to_container(OmegaConf.structured(cfg_b),
+                                                       resolve=True), self.iterations)
+        self.run(n_a)
+        try:
+            self._store(key_b, fut.result())
+            self.n_runs += 1
+        except Exception as e:  # noqa: BLE001 - the search then judges n_b itself
+            log.warning("parallel dry run at %d layers failed (%s); continuing serially",
+                        n_b, e)
+            self.close()
+
+    def _key(self, cfg: C.Config) -> tuple:
+        import json
+
+        d = dataclasses.asdict(cfg)
+        return json.dumps(d, sort_keys=True, default=str), self.iterations
+
+    def run(self, n_layer: int):
+        """The dry run at ``n_layer`` (trace kept for replays), from the cache if done."""
         from zero_repro.simulate.dryrun import dry_run
 
-        cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model,
-                                                                        n_layer=n_layer))
-        return dry_run(cfg, iterations=self.iterations, keep_trace=False,
-                       allocator_capacity=capacity)
+        cfg = self._cfg_at(n_layer)
+        key = self._key(cfg)
+        res = self._shared.get(key)
+        if res is None:
+            res = dry_run(cfg, iterations=self.iterations, keep_trace=True)
+            self.n_runs += 1
+            self._store(key, res)
+        return res
 
     def __call__(self, n_layer: int) -> bool:
         if n_layer in self.memo:
             return self.memo[n_layer].fits
-        t0 = time.perf_counter()
-        res = self.run(n_layer, self.capacity)
-        a = res.allocator
+        res = self.run(n_layer)
+        a = res.replay(self.capacity)
         j = Judgement(n_layer, not a["oom"], a["peak_reserved"], a["peak_allocated"],
-                      res.live_peak_by_iteration.get(max(res.live_peak_by_iteration, default=0),
-                                                     0),
-                      res.model_state_bytes, time.perf_counter() - t0)
+                      max(res.live_peak_by_iteration.values(), default=0),
+                      res.model_state_bytes, res.timings.get("total_s", 0.0),
+                      res.live_peak_by_phase.get("build", 0))
+        if res.live_peak_steady > 1.001 * j.peak_live:
+            log.warning("%d layers: a further iteration would peak at %.2f GB live (this one "
+                        "%.2f GB): judge with more iterations", n_layer,
+                        res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
         log.info("dry-run judge: %d layers -> %s (reserved %.2f GB, %.1f s)", n_layer,
@@ -126,8 +201,15 @@ class DryRunJudge:
         return j.fits
 
     def probe(self, n_layer: int) -> int:
-        """Peak allocated bytes (allocator model) at a small depth, for the seed."""
-        return self.run(n_layer, None).allocator["peak_allocated"]
+        """Peak allocated bytes (allocator model) at a small depth, far below the capacity."""
+        return self.run(n_layer).allocator["peak_allocated"]
+
+
+def _child_dry_run(cfg_dict: dict, iterations: int):
+    """A dry run in the judge's helper process (module level: pickled by name)."""
+    from zero_repro.simulate.dryrun import dry_run
+
+    return dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True)
 
 
 def _analytic_seed(cfg: C.Config, capacity: float) -> int:
@@ -144,32 +226,71 @@ def _analytic_seed(cfg: C.Config, capacity: float) -> int:
     return max(n, 1)
 
 
-def max_layers(cfg: C.Config, capacity: float | None = None, probes: tuple[int, int] = (2, 6),
-               max_n: int = 2000, iterations: int = 2) -> MaxSizeResult:
+def probe_depths(cfg: C.Config, analytic_seed: int) -> tuple[int, int]:
+    """Two small depths past the point where the gradient buckets are full: below it the
+    peak also grows by the not-yet-bucketed gradients (2 bytes/parameter), above it only by
+    model states and checkpoints, so a slope measured there extrapolates."""
+    m, z = cfg.model, cfg.zero
+    per_layer = 12 * m.n_embd * m.n_embd / cfg.parallel.tp  # this rank's block parameters
+    full = int(2 * max(z.reduce_bucket_size, z.allgather_bucket_size) // per_layer) + 2
+    a = max(4, min(full, analytic_seed // 4))
+    b = max(a + 4, min(2 * a, analytic_seed // 2))
+    return a, b
+
+
+def max_layers(cfg: C.Config, capacity: float | None = None,
+               probes: tuple[int, int] | None = None, max_n: int = 2000,
+               iterations: int = 1, parallel: bool | None = None) -> MaxSizeResult:
     """Largest ``model.n_layer`` (hidden, heads and everything else from ``cfg``) whose dry run
-    fits ``capacity`` bytes (default: the cluster's device memory)."""
+    fits ``capacity`` bytes (default: the cluster's device memory).
+
+    Seed: two probe dry runs at small depths (``probe_depths`` unless ``probes`` is given)
+    measure the per-layer slope of the peak; the seed extrapolates from the deeper probe. The
+    analytic model's answer is logged next to it and is the fallback seed. ``parallel``
+    (default: when the machine has 2+ cores) judges the seed and seed + 1 at once."""
+    import os
+
     from zero_repro.model import flops
 
     t0 = time.perf_counter()
     cap = capacity_of(cfg) if capacity is None else capacity
     judge = DryRunJudge(cfg, cap, iterations)
+    n_analytic = _analytic_seed(cfg, cap)
     points: list[tuple[int, float]] = []
+    probe_log: list = []
     try:
-        a, b = probes
-        ma, mb = judge.probe(a), judge.probe(b)
-        points = [(a, ma), (b, mb)]
+        a, b = probes or probe_depths(cfg, n_analytic)
+        for n in (a, b):
+            tp = time.perf_counter()
+            points.append((n, judge.probe(n)))
+            probe_log.append((n, points[-1][1], time.perf_counter() - tp))
+        (a, ma), (b, mb) = points
         slope = (mb - ma) / (b - a)
-        seed, seed_from = int(a + (cap - ma) // slope), "probe"
         if slope <= 0:
             raise ValueError("memory does not grow with depth")
+        # aim at the capacity less half the probe's reserved-over-allocated slack: the judge
+        # counts reserved bytes, but its replay releases cached segments before an OOM, so
+        # only part of the slack counts (with the full slack / none, the five Figure 6 seeds
+        # were 1 layer low / high; with half, all five were the last depth that fits)
+        pb = judge.run(b).allocator
+        x = b + (cap - (pb["peak_reserved"] - pb["peak_allocated"]) / 2 - mb) / slope
+        seed, seed_from = int(x), "probe"
     except (ValueError, ZeroDivisionError) as e:
         log.warning("probe seed failed (%s); using the analytic seed", e)
-        seed, seed_from = _analytic_seed(cfg, cap), "analytic"
+        seed, seed_from = n_analytic, "analytic"
     seed = min(max(seed, 1), max_n)
-    n = _search(judge, seed, max_n, points, cap)
+    log.info("max-layers seed %d (%s; analytic %d)", seed, seed_from, n_analytic)
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) >= 2
+    try:
+        if parallel and seed < max_n:  # the pair the search needs: last fit, first OOM
+            judge.run_pair(seed, seed + 1)
+        n = _search(judge, seed, max_n, points, cap)
+    finally:
+        judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
     return MaxSizeResult(n, params, cap, seed, seed_from, list(judge.order),
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, n_analytic, probe_log, judge.n_runs)
 
 
 def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None = None,
@@ -178,9 +299,12 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
 
     Secant steps on the judged peak allocated bytes (memory is ~affine in n) pick the next
     depth inside the open bracket (lo fits, hi does not); each judged depth shrinks it, so the
-    search ends, usually after 2-4 full dry runs."""
+    search ends, usually after 2-3 full dry runs. The step aims at the capacity less the
+    reserved-over-allocated slack seen so far (segment rounding and fragmentation), so the
+    first full run lands on the last depth that fits rather than just past it."""
     pts = list(points or [])
     lo, hi, n = 0, max_n + 1, seed
+    slack = 0.0
     while hi - lo > 1:
         n = min(max(n, lo + 1), hi - 1)
         ok = judge(n)
@@ -192,10 +316,14 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         if capacity is None or n not in memo:
             n = (lo + hi) // 2
             continue
-        pts = [p for p in pts if p[0] != n] + [(n, memo[n].peak_allocated)]
+        j = memo[n]
+        if ok:
+            slack = max(slack, j.peak_reserved - j.peak_allocated)
+        pts = [p for p in pts if p[0] != n] + [(n, j.peak_allocated)]
         (n1, p1), (n2, p2) = sorted(pts)[-2:] if len(pts) > 1 else ((0, 0.0), pts[0])
         slope = (p2 - p1) / (n2 - n1) if n2 != n1 else 0.0
-        est = n + int((capacity - memo[n].peak_allocated) // slope) if slope > 0 else n
+        target = capacity - slack
+        est = n + int((target - j.peak_allocated) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
         n = est if lo < est < hi else (lo + 1 if ok else hi - 1)
     return lo
