@@ -91,6 +91,20 @@ _REGISTERED: dict[str, Any] = {}
 _NOT_EXPERIMENTS = {"base", "plot", "paper"}
 
 
+def save_figure(fig, out_dir: str, name: str, dpi: int = 150) -> list[str]:
+    """Write ``fig`` as ``out_dir/name.png`` and ``.pdf`` (every experiment plots both), close it,
+    and return the two paths."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "pdf")]
+    for p in paths:
+        fig.savefig(p, dpi=dpi)
+    plt.close(fig)
+    return paths
+
+
 def register(name: str, experiment: Any) -> None:
     """Register an experiment object under ``name`` (overrides ``experiments/<name>.py``)."""
     _check(name, experiment)

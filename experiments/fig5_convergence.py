@@ -29,7 +29,7 @@ import json
 import logging
 import os
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +242,7 @@ def plot(table, out_dir: str) -> list[str]:
                  fontsize=11)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, f"{FIGURE}.{ext}") for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, FIGURE, dpi=120)
     return paths
 
 

@@ -18,7 +18,7 @@ peak reserved bytes at 100B C4).
 """
 from __future__ import annotations
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"
@@ -80,7 +80,6 @@ def summarize(records) -> list[dict]:
 def plot(table, out_dir: str) -> list[str]:
     """The paper's Figure 6 layout: one bar per configuration C1..C5 (max model size, B
     parameters), the paper's value as a hatched bar beside ours, our relative error above."""
-    import os
 
     import matplotlib
 
@@ -129,8 +128,5 @@ def plot(table, out_dir: str) -> list[str]:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"fig6_max_model.{e}") for e in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, 'fig6_max_model', dpi=150)
     return paths

@@ -17,7 +17,7 @@ none: the prediction is whether they fit).
 """
 from __future__ import annotations
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 FIGURE = "fig7"
 GB = 1e9
@@ -98,7 +98,6 @@ def plot(table, out_dir: str) -> list[str]:
     """The paper's Figure 7 layout: max cached memory (GB) per configuration C1..C5, one bar
     per model size (40B, 100B; M_D-off variants hatched), peak allocated as a tick on each bar,
     the 32 GB device as a line; the C4->C5 change per size in the title."""
-    import os
 
     import matplotlib
 
@@ -152,8 +151,5 @@ def plot(table, out_dir: str) -> list[str]:
                  "withheld)" + (f"\n{note}" if note else ""), fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"fig7_cached_memory.{e}") for e in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, 'fig7_cached_memory', dpi=150)
     return paths

@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import os
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,7 @@ def plot(table, out_dir: str) -> list[str]:
     fig.suptitle("ZeRO stages vs peers (measured, world 2, fp32, CPU/gloo; blue torch, "
                  "orange DeepSpeed, green zero_repro)", fontsize=10)
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"{FIGURE}.{ext}") for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, FIGURE, dpi=130)
     paths.append(_write_report(t, out_dir))
     return paths
 

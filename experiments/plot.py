@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from experiments import base, paper
+from experiments.base import save_figure
 from zero_repro.measure import records as R
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,7 @@ def default_plot(table: pd.DataFrame, out_dir: str, name: str) -> list[str]:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, name, dpi=150)
     return paths
 
 

@@ -11,7 +11,7 @@ fp16 + Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 """
 from __future__ import annotations
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"
@@ -80,7 +80,6 @@ def summarize(records) -> list[dict]:
 
 def plot(table, out_dir: str) -> list[str]:
     """Table 1 as a grid of paper vs ours (log scale), plus the measured-vs-formula panel."""
-    import os
 
     import matplotlib
 
@@ -115,8 +114,5 @@ def plot(table, out_dir: str) -> list[str]:
     a2.set_ylim(bottom=0)
     a2.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"table1_memory.{e}") for e in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, 'table1_memory', dpi=150)
     return paths

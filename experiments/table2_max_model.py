@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 FIGURE = "table2"
 SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
@@ -97,7 +97,6 @@ def plot(table, out_dir: str) -> list[str]:
     """Table 2 as a figure: max model size (B parameters, log scale) vs MP, one colour per
     scheme; theoretical (analytic, dotted), dry-run judged (simulated, squares) and the
     paper's printed values (X) -- both its theoretical and its measured columns."""
-    import os
 
     import matplotlib
 
@@ -139,8 +138,5 @@ def plot(table, out_dir: str) -> list[str]:
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"table2_max_model.{e}") for e in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, 'table2_max_model', dpi=150)
     return paths

@@ -29,7 +29,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from experiments.base import Point
+from experiments.base import Point, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -535,13 +535,8 @@ def draw_lines(ax, df, logx: bool = False) -> None:
 
 
 def save(fig, out_dir: str, name: str) -> list[str]:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
+    paths = save_figure(fig, out_dir, name, dpi=130)
     return paths
 
 

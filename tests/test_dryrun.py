@@ -130,7 +130,7 @@ def test_max_layers_search_is_tight():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_100b_model_states_equal_table1(stage):
     res = dry_run(paper_cfg(125, "c4", stage=stage, batch=32), keep_trace=False)
     _check_model_states(res, stage, n_d=25)
