@@ -49,6 +49,12 @@ INNER = "block"  # child name of the wrapped block
 _WRAPPED_NAME = re.compile(r"((?:^|\.)blocks\.\d+\.)" + INNER + r"\.")
 
 
+def _identity(t: torch.Tensor) -> tuple:
+    """Which tensor a saved-tensor hook sees: the storage (by its C++ object, since
+    ``data_ptr()`` is deprecated on the fake tensors of the memory dry run), offset, shape, dtype."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+
+
 def canonical_name(name: str) -> str:
     """``blocks.3.block.attn.c_attn.weight`` -> ``blocks.3.attn.c_attn.weight``."""
     return _WRAPPED_NAME.sub(r"\1", name, count=1)
@@ -184,7 +190,7 @@ class ActivationCheckpointing:
     def run_block(self, index: int, block: nn.Module, x: torch.Tensor, *args, **kwargs):
         if self.tracker.n_live == 0:
             self.begin_step()  # previous backward released everything: a new step starts
-        key = (x.data_ptr(), tuple(x.shape), x.dtype)
+        key = _identity(x)
         pack = lambda t: self._pack(index, key, t)  # noqa: E731
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             return checkpoint(block, x, *args, use_reentrant=False, **kwargs)
@@ -203,7 +209,7 @@ class ActivationCheckpointing:
     def _pack(self, index: int, key, t: torch.Tensor):
         if t.numel() == 0:
             return t  # checkpoint's own zero-size marker
-        if (t.data_ptr(), tuple(t.shape), t.dtype) != key:
+        if _identity(t) != key:
             # another tensor argument of the block (e.g. a mask): kept as is, counted
             return self._keep(index, t.detach(), t, partitioned=False, copy=False)
         src = t.detach().reshape(-1)  # [B*S*H]
