@@ -178,7 +178,13 @@ class Runner:
                                  weight_decay=t.weight_decay)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        raise NotImplementedError
+        """One optimizer step of a plain torch model + ``self.opt`` (overridden where the
+        framework wraps the model or owns the step)."""
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
 
     def views(self):
         """(name, tensor this rank holds, row offset into the full tensor or None)."""
@@ -205,13 +211,6 @@ class Reference(Runner):
         self.stage, self.family = -1, "reference"
         self.model = GPT(spec.model, seed=spec.train.seed)
         self.opt = self.adamw(self.model.parameters())
-
-    def step(self, x, y):
-        _, loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
 
 class TorchDDP(Runner):
@@ -274,13 +273,6 @@ class FSDP2(Runner):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=self.reshard)
         self.opt = self.adamw(self.model.parameters())
-
-    def step(self, x, y):
-        _, loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
     def views(self):
         # FSDP2 shards dim 0 in torch.chunk pieces: rank r holds rows [r*c, r*c + local rows)
