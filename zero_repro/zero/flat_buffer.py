@@ -184,3 +184,37 @@ class PeakBytes:
 
     def free(self, nbytes: int) -> None:
         self.live -= nbytes
+
+
+class GradShards:
+    """This rank's reduced gradient shard, one piece per bucket (stages 2 and 3).
+
+    M_D (paper §6.3) on: one pre-allocated contiguous buffer of Ψ/N_d elements and a view per
+    piece, so the long-lived gradient shard never interleaves with short-lived tensors. Off: each
+    piece is allocated when its first reduced gradient arrives (the fragmenting behaviour M_D
+    removes). Pieces accumulate across micro-batches until ``zero``.
+    """
+
+    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, contiguous: bool):
+        self.buffer = torch.zeros(sum(sizes), dtype=dtype) if contiguous else None  # (Ψ/N_d,)
+        self.pieces: list[torch.Tensor | None] = [None] * len(sizes)
+        if self.buffer is not None:
+            offsets = [0]
+            for n in sizes:
+                offsets.append(offsets[-1] + n)
+            self.pieces = [self.buffer[a:b] for a, b in zip(offsets, offsets[1:])]
+
+    def accumulate(self, index: int, reduced: torch.Tensor) -> None:
+        if self.pieces[index] is None:
+            self.pieces[index] = reduced.clone()  # M_D off: allocated as it arrives
+        else:
+            self.pieces[index].add_(reduced)
+
+    def chunks(self) -> list[torch.Tensor | None]:
+        return list(self.pieces)
+
+    def zero(self) -> None:
+        if self.buffer is not None:
+            self.buffer.zero_()
+        else:
+            self.pieces = [None] * len(self.pieces)

@@ -28,8 +28,8 @@ import torch
 
 from zero_repro.dist import comm
 from zero_repro.measure.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import (BufferPool, FlatParams, InFlight, reduce_chunks,
-                                         rooted_collectives)
+from zero_repro.zero.flat_buffer import (BufferPool, FlatParams, GradShards, InFlight,
+                                         reduce_chunks, rooted_collectives)
 from zero_repro.zero.partition import Bucket, intersect
 from zero_repro.zero.stage1_os import gather_updated
 from zero_repro.zero.strategy import Strategy
@@ -60,13 +60,8 @@ class Stage2G(Strategy):
             self.pool = BufferPool(self.cap + self.cap_chunk, self.dtype, self.inflight)
             self.ag_inflight = InFlight(max_in_flight=2)
             self.ag_pool = BufferPool(self.cap_chunk, self.dtype, self.ag_inflight)
-        if self.zero_r.contiguous_memory:
-            self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)  # (Ψ/N_d,)
-            self._grad_pieces: list[torch.Tensor | None] = [
-                self.grad_shard[b.shard_offset:b.shard_offset + b.chunk] for b in part.buckets]
-        else:
-            self.grad_shard = None
-            self._grad_pieces = [None] * nb
+        self.grads = GradShards([b.chunk for b in part.buckets], self.dtype,
+                                self.zero_r.contiguous_memory)
         self._filling: dict[int, torch.Tensor] = {}  # bucket index -> pool buffer
         self._filled = [0] * nb
         self._slot_idx = {id(p): i for i, p in enumerate(g.params)}
@@ -132,11 +127,7 @@ class Stage2G(Strategy):
         self.inflight.launch(works, done)
 
     def _accumulate(self, b: Bucket, out: torch.Tensor) -> None:
-        piece = self._grad_pieces[b.index]
-        if piece is None:
-            self._grad_pieces[b.index] = out.clone()  # M_D off: allocated as it arrives
-        else:
-            piece.add_(out)
+        self.grads.accumulate(b.index, out)
 
     def _finish_backward(self) -> None:
         # buckets with parameters that got no gradient this micro-batch: send what arrived
@@ -151,16 +142,13 @@ class Stage2G(Strategy):
         return self.flat.owned_chunks(self.dp_rank)
 
     def _grad_chunks(self) -> list[torch.Tensor | None]:
-        return list(self._grad_pieces)
+        return self.grads.chunks()
 
     def _publish(self) -> None:
         gather_updated(self.flat, self.dp_rank, self.dp, self.ag_pool, self.ag_inflight)
 
     def _zero_grads(self) -> None:
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
-        else:
-            self._grad_pieces = [None] * len(self._grad_pieces)
+        self.grads.zero()
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

@@ -41,8 +41,8 @@ from torch import nn
 
 from zero_repro.dist import comm
 from zero_repro.measure.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import (FlatParams, InFlight, PeakBytes, broadcast_chunks,
-                                         reduce_chunks, rooted_collectives)
+from zero_repro.zero.flat_buffer import (FlatParams, GradShards, InFlight, PeakBytes,
+                                         broadcast_chunks, reduce_chunks, rooted_collectives)
 from zero_repro.zero.strategy import Strategy
 
 
@@ -115,20 +115,11 @@ class Stage3P(Strategy):
         return [u.group for u in self.units]
 
     def _init_grad_storage(self, n_pieces: int) -> None:
-        shards = [(u, b) for u in self.units for b in u.group.partition.buckets]
-        if self.zero_r.contiguous_memory:  # M_D: one pre-allocated buffer for all shards
-            total = sum(u.group.partition.shard_numel for u in self.units)
-            self.grad_shard = torch.zeros(total, dtype=self.dtype)  # (Ψ/N_d,)
-            pieces, base = [], 0
-            for u in self.units:
-                for b in u.group.partition.buckets:
-                    pieces.append(self.grad_shard[base + b.shard_offset:
-                                                  base + b.shard_offset + b.chunk])
-                base += u.group.partition.shard_numel
-            self._grad_pieces: list[torch.Tensor | None] = pieces
-        else:
-            self.grad_shard = None
-            self._grad_pieces = [None] * len(shards)
+        sizes = [b.chunk for u in self.units for b in u.group.partition.buckets]
+        assert len(sizes) == n_pieces
+        # buckets are laid out unit after unit, each unit's shard contiguous: the same order
+        # as the optimizer's chunks (``_param_chunks``)
+        self.grads = GradShards(sizes, self.dtype, self.zero_r.contiguous_memory)
 
     def _register_module_hooks(self, block_list) -> list:
         hooks = [self.module.register_forward_pre_hook(self._root_pre),
@@ -273,11 +264,7 @@ class Stage3P(Strategy):
             for k, b in enumerate(part.buckets):
                 piece = (buf[b.owned(r)[0]:b.owned(r)[1]] if out is None
                          else out[b.shard_offset:b.shard_offset + b.chunk])
-                j = u.piece_base + k
-                if self._grad_pieces[j] is None:
-                    self._grad_pieces[j] = piece.clone()  # M_D off: allocated as it arrives
-                else:
-                    self._grad_pieces[j].add_(piece)
+                self.grads.accumulate(u.piece_base + k, piece)
             n_out = 0 if out is None else out.numel()
             self.buffer_peak.free((buf.numel() + n_out) * buf.element_size())
 
@@ -303,13 +290,10 @@ class Stage3P(Strategy):
                 for u in self.units for b in u.group.partition.buckets]
 
     def _grad_chunks(self) -> list[torch.Tensor | None]:
-        return list(self._grad_pieces)
+        return self.grads.chunks()
 
     def _zero_grads(self) -> None:
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
-        else:
-            self._grad_pieces = [None] * len(self._grad_pieces)
+        self.grads.zero()
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
