@@ -50,7 +50,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.dist.launch import spawn
+    from zero_repro.distributed.launch import spawn
     from zero_repro.peers import report
     from zero_repro.peers.runners import PeerSpec, run_peers
 

@@ -39,7 +39,7 @@ def run_point(cfg, point: Point) -> dict:
 
     from omegaconf import OmegaConf
 
-    from zero_repro.dist.launch import spawn
+    from zero_repro.distributed.launch import spawn
     from zero_repro.simulate.dryrun import real_ledgers
 
     stages = list(cfg.experiment.params.get("stages", [0, 1, 2, 3]))

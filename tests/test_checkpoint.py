@@ -20,9 +20,9 @@ import torch
 
 from zero_repro import checkpoint as ck
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.dist import comm
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology, grid_rank
+from zero_repro.distributed import comm
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology, grid_rank
 from zero_repro.model.gpt import GPT
 from zero_repro.zero import build_strategy
 

@@ -8,8 +8,8 @@ at most prefetch + 2 in flight), so they depend on the block size, not on the nu
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT
 from zero_repro.model.flops import param_count
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_repro.dist import launch
+from zero_repro.distributed import launch
 from zero_repro.train import data
 
 

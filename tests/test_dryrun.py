@@ -71,7 +71,7 @@ def test_checkpoints_partitioned_and_offloaded():
 
 
 def test_dry_run_matches_real_gloo_run():
-    from zero_repro.dist.launch import spawn
+    from zero_repro.distributed.launch import spawn
 
     cfgs = [tiny_cfg(2, 1, st) for st in (0, 1, 2, 3)] + [tiny_cfg(2, 2, 2, "c4"),
                                                           tiny_cfg(2, 2, 1, "c1")]

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.test_model_tp import ROOT, load_model_cfg
 from zero_repro.config import ModelConfig, padded_vocab
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.model import flops
 from zero_repro.model.gpt import GPT
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from zero_repro.config import ModelConfig, padded_vocab
-from zero_repro.dist import comm
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
 from zero_repro.model import flops
 from zero_repro.model.gpt import GPT, gather_full_state, shard_full_state
 from zero_repro.model.tp import (ColumnParallelLinear, RowParallelLinear,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.dist.launch import spawn
+from zero_repro.distributed.launch import spawn
 from zero_repro.peers import report
 from zero_repro.peers.runners import (DEEPSPEED_PEERS, OURS, TORCH_PEERS, PeerSpec, Reference,
                                       digest, run_peers)

@@ -128,7 +128,7 @@ def test_oom_is_recorded_and_sweep_continues(tmp_path):
     orchestrate.run_sweep(cfg, exp2)
     assert exp2.calls == [2]
     # a WorkerFailed from a remote rank carrying an OOM traceback is an OOM too
-    from zero_repro.dist.launch import WorkerFailed
+    from zero_repro.distributed.launch import WorkerFailed
 
     assert R.classify_failure(WorkerFailed(1, "OutOfMemoryError: CUDA out of memory"))[0] == "oom"
     assert R.classify_failure(MemoryError())[0] == "oom"

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT, gather_full_state
 from zero_repro.zero import build_strategy
 

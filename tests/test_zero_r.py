@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from zero_repro.config import ModelConfig, ZeroRConfig, register_configs, to_config, validate
-from zero_repro.dist import comm
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
 from zero_repro.measure.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT, gather_full_state
 from zero_repro.zero_r import (TABLE3, CheckpointArena, apply_activation_checkpointing,

@@ -16,8 +16,8 @@ import time
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.dist.launch import spawn
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
 
 
 def model_config(name: str) -> ModelConfig:

@@ -49,8 +49,8 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
 
-from zero_repro.dist import comm
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm
+from zero_repro.distributed.topology import Topology
 from zero_repro.zero.partition import intersect
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ import time
 import torch
 
 from zero_repro import config as C
-from zero_repro.dist import comm, launch
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm, launch
+from zero_repro.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
 

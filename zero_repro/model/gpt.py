@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zero_repro.config import ModelConfig, padded_vocab
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.model.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                  copy_to_tp, vocab_parallel_cross_entropy)
 

@@ -19,7 +19,7 @@ the backward pass: 4 all-reduces of B·s·h per block per step, 6 with activatio
 "12 × seq × hidden" of Megatron MP traffic per block. With a TP group of size 1 every function
 here is the plain op and communicates nothing.
 
-All communication goes through ``zero_repro.dist.comm`` (never torch.distributed) so that it
+All communication goes through ``zero_repro.distributed.comm`` (never torch.distributed) so that it
 lands in the communication ledger. Which dimension of each parameter is split over TP is
 declared per layer class in ``PARTITION_DIMS`` (a side table; nothing is attached to Parameters).
 """
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 
 # ------------------------------------------------------------------------- f / g regions
 

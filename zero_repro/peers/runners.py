@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.train.data import make_source, rank_batch
 
 log = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ class ZeroRepro(Runner):
     def __init__(self, spec, rank, world):  # noqa: D107
         from dataclasses import replace
 
-        from zero_repro.dist.topology import Topology
+        from zero_repro.distributed.topology import Topology
         from zero_repro.zero.strategy import build_strategy
 
         super().__init__(spec, rank, world)
@@ -491,7 +491,7 @@ def _counted_step(runner: Runner, trace: Trace, x, y) -> float:
     if own is not None:
         own.reset()
         loss = runner.step(x, y)
-        trace.comm = {"source": "zero_repro.dist.comm ledger", **own.as_dict()}
+        trace.comm = {"source": "zero_repro.distributed.comm ledger", **own.as_dict()}
         return loss
     ledger = comm.CommLedger()
     with CommCounter(ledger):

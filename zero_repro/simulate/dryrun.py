@@ -303,8 +303,8 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
     after releasing cached segments is reported as ``allocator["oom"]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zero_repro.dist import comm, launch
-    from zero_repro.dist.topology import Topology
+    from zero_repro.distributed import comm, launch
+    from zero_repro.distributed.topology import Topology
     from zero_repro.simulate import allocator as A
     from zero_repro.worker import build
 
@@ -394,7 +394,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
     config, ``worker.build`` + ``iterations`` steps on real tensors, then the same ledgers.
     Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded"}, ...]."""
-    from zero_repro.dist.topology import Topology
+    from zero_repro.distributed.topology import Topology
     from zero_repro.worker import build
 
     out = []

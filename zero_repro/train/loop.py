@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zero_repro.config import Config
-from zero_repro.dist import comm
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm
+from zero_repro.distributed.topology import Topology
 from zero_repro.train.data import TokenSource, rank_batch
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 
 
 def _segments(n: int, ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, int]],

@@ -14,7 +14,7 @@ for backward see the re-gathered values).
 ``BufferPool`` hands out constant-size fused buffers (C_B) and records its capacity for the
 memory ledger. ``reduce_chunks`` / ``broadcast_chunks`` realise a bucket's reduce-scatter /
 all-gather as N_d rooted reduces / broadcasts, one per chunk, in place (used on gloo, see
-``rooted_collectives``). Collectives go through ``zero_repro.dist.comm`` only.
+``rooted_collectives``). Collectives go through ``zero_repro.distributed.comm`` only.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.zero.partition import Partition, Slot, layout
 
 

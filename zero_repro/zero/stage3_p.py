@@ -39,7 +39,7 @@ import functools
 import torch
 from torch import nn
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.measure.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import (FlatParams, GradShards, InFlight, PeakBytes,
                                          broadcast_chunks, reduce_chunks, rooted_collectives)

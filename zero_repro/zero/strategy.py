@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.dist import comm
-from zero_repro.dist.topology import Topology
+from zero_repro.distributed import comm
+from zero_repro.distributed.topology import Topology
 from zero_repro.measure.ledger import MemoryLedger
 from zero_repro.zero import clip, precision
 from zero_repro.zero.adam import ShardAdamW

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 from zero_repro.zero_r.arena import CheckpointArena
 
 log = logging.getLogger(__name__)

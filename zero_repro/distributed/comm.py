@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-if hasattr(dist.ReduceOp, "AVG"):
-    _REDUCE_OPS["avg"] = dist.ReduceOp.AVG
+_REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+if hasattr(tdist.ReduceOp, "AVG"):
+    _REDUCE_OPS["avg"] = tdist.ReduceOp.AVG
 
 # paper-volume multiplier per op (see module docstring)
 _VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
@@ -107,7 +107,7 @@ class _Done:
 
 # ---------------------------------------------------------------- process-group management
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return tdist.is_available() and tdist.is_initialized()
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 300.0,
@@ -118,7 +118,7 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
         kwargs["store"] = store
     elif init_method is not None:
         kwargs["init_method"] = init_method
-    dist.init_process_group(**kwargs)
+    tdist.init_process_group(**kwargs)
 
 
 def default_timeout() -> datetime.timedelta | None:
@@ -126,7 +126,7 @@ def default_timeout() -> datetime.timedelta | None:
     if not is_initialized():
         return None
     try:
-        pg = dist.distributed_c10d._get_default_group()
+        pg = tdist.distributed_c10d._get_default_group()
         return pg._get_backend(torch.device("cpu" if backend() == "gloo" else "cuda"))\
             .options._timeout
     except (AttributeError, RuntimeError):  # other backends / torch versions: torch's default
@@ -135,19 +135,19 @@ def default_timeout() -> datetime.timedelta | None:
 
 def destroy_process_group() -> None:
     if is_initialized():
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
 
 
 def world_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
+    return tdist.get_rank() if is_initialized() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
+    return tdist.get_world_size() if is_initialized() else 1
 
 
 def backend() -> str:
-    return str(dist.get_backend()) if is_initialized() else "none"
+    return str(tdist.get_backend()) if is_initialized() else "none"
 
 
 def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int) -> Group:
@@ -159,7 +159,7 @@ def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int)
         # torch gives a new group its backend's *default* timeout (30 min on gloo), not the one
         # the world was initialised with: a dead peer would then hang DP/TP collectives for
         # half an hour. Every group inherits the world's timeout instead.
-        pg = dist.new_group(list(ranks), timeout=default_timeout())
+        pg = tdist.new_group(list(ranks), timeout=default_timeout())
     if my_rank not in ranks:
         return None  # type: ignore[return-value]
     return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger)
@@ -181,7 +181,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
     if group.size == 1:
         return _Done() if async_op else None
     group.ledger.record("all_reduce", group.name, t.numel(), t.element_size())
-    return dist.all_reduce(t, op=_op(op), group=group.pg, async_op=async_op)
+    return tdist.all_reduce(t, op=_op(op), group=group.pg, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -191,7 +191,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op
             out.copy_(inp.reshape(out.shape))
         return _Done() if async_op else None
     group.ledger.record("all_gather", group.name, out.numel(), out.element_size())
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
     return fn(out, inp, group=group.pg, async_op=async_op)
 
 
@@ -201,7 +201,7 @@ def all_gather_list(tensors: list[torch.Tensor], inp: torch.Tensor, group: Group
         tensors[0].copy_(inp)
         return _Done() if async_op else None
     group.ledger.record("all_gather", group.name, inp.numel() * group.size, inp.element_size())
-    return dist.all_gather(tensors, inp, group=group.pg, async_op=async_op)
+    return tdist.all_gather(tensors, inp, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, op: str = "sum",
@@ -214,7 +214,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, op: 
             pass  # average over one rank is the identity
         return _Done() if async_op else None
     group.ledger.record("reduce_scatter", group.name, inp.numel(), inp.element_size())
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
     return fn(out, inp, op=_op(op), group=group.pg, async_op=async_op)
 
 
@@ -222,7 +222,7 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group: Group, async_op: bool
     if group.size == 1:
         return _Done() if async_op else None
     group.ledger.record("broadcast", group.name, t.numel(), t.element_size())
-    return dist.broadcast(t, src=group.global_rank(src_group_rank), group=group.pg,
+    return tdist.broadcast(t, src=group.global_rank(src_group_rank), group=group.pg,
                           async_op=async_op)
 
 
@@ -233,13 +233,13 @@ def reduce(t: torch.Tensor, dst_group_rank: int, group: Group, op: str = "sum",
     if group.size == 1:
         return _Done() if async_op else None
     group.ledger.record("reduce", group.name, t.numel(), t.element_size())
-    return dist.reduce(t, dst=group.global_rank(dst_group_rank), op=_op(op), group=group.pg,
+    return tdist.reduce(t, dst=group.global_rank(dst_group_rank), op=_op(op), group=group.pg,
                        async_op=async_op)
 
 
 def barrier(group: Group | None = None) -> None:
     if is_initialized() and (group is None or group.size > 1):
-        dist.barrier(group=None if group is None else group.pg)
+        tdist.barrier(group=None if group is None else group.pg)
 
 
 def all_gather_object(obj, group: Group) -> list:
@@ -247,7 +247,7 @@ def all_gather_object(obj, group: Group) -> list:
     if group.size == 1:
         return [obj]
     out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
+    tdist.all_gather_object(out, obj, group=group.pg)
     return out
 
 

@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 
 
 class WorkerFailed(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_repro.dist import comm
+from zero_repro.distributed import comm
 
 
 def grid_coords(rank: int, tp: int) -> tuple[int, int]:
