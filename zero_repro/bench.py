@@ -14,10 +14,14 @@ import statistics
 import time
 
 import torch
+from omegaconf import OmegaConf
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
+from zero_repro.model.gpt import GPT
+from zero_repro.train.step import train_step
+from zero_repro.zero import build_strategy
 
 
 def model_config(name: str) -> ModelConfig:
@@ -26,8 +30,6 @@ def model_config(name: str) -> ModelConfig:
                            vocab_pad_multiple=8)
     path = os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{name}.yaml")
     if os.path.exists(path):
-        from omegaconf import OmegaConf
-
         raw = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items()
                if k != "defaults"}
         return ModelConfig(**raw)
@@ -39,9 +41,6 @@ def model_config(name: str) -> ModelConfig:
 
 def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: int,
                   micro: int, dtype: str) -> dict:
-    from zero_repro.model.gpt import GPT
-    from zero_repro.zero import build_strategy
-
     out = {}
     for stage in range(4):
         topo = Topology.build(1)
@@ -54,14 +53,12 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
         for step in range(warmup + steps):
             idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
             t0 = time.perf_counter()
-            _, loss = strat(idx, idx)
-            strat.backward(loss)
-            strat.step()
-            strat.zero_grad()
+            step_losses: list[torch.Tensor] = []
+            train_step(strat, [(idx, idx)], on_loss=step_losses.append)
             dt = time.perf_counter() - t0
             if step >= warmup:
                 times.append(dt)
-            losses.append(loss.item())
+            losses.append(step_losses[0].item())
         out[stage] = {"median_s": statistics.median(times), "last_loss": losses[-1],
                       "psi": sum(p.numel() for p in model.parameters())}
         strat.remove_hooks()

@@ -9,7 +9,7 @@ rank). ``run_training`` starts the ranks with the configured launcher:
   started ``python -m zero_repro.worker --config resolved.yaml`` on every rank); each calls
   ``rank_main`` after initialising from the environment.
 
-Parallelism is applied to the model from outside in a fixed order:
+Parallelism is applied to the model from outside in a fixed order by ``train.build``:
 TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO wrap -> optimizer.
 
 Checkpoints (``checkpoint`` config, ``zero_repro.checkpoint``): saved every
@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
 
+from zero_repro import checkpoint
 from zero_repro import config as C
 from zero_repro.distributed import comm, launch
 from zero_repro.distributed.topology import Topology
+from zero_repro.model import flops
+from zero_repro.train import data, loop
+from zero_repro.train.build import build, device_for
 
 log = logging.getLogger(__name__)
 
@@ -46,38 +53,6 @@ def hardware_info(device: torch.device) -> dict:
     return info
 
 
-def _device(cfg: C.Config, local_rank: int) -> torch.device:
-    if cfg.cluster.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
-                               "use cluster=local")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def build(cfg: C.Config, topo: Topology, device: torch.device):
-    """Model -> activation checkpointing -> ZeRO strategy, in that order. Returns
-    (model, checkpointing handle or None, strategy)."""
-    from zero_repro.model.gpt import GPT
-    from zero_repro.zero.strategy import build_strategy
-
-    from zero_repro.zero.precision import lp_dtype
-
-    torch.manual_seed(cfg.train.seed)
-    # built directly in the training dtype: an fp32 build of a 100B model's rank (6.25B params
-    # at MP 16) would need 25 GB before the strategy even casts it (the fp32 master copy is made
-    # by the strategy, for this rank's shard only)
-    model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=lp_dtype(cfg.zero.dtype))
-    ckpt = None
-    if cfg.zero_r.activation_checkpointing:
-        from zero_repro.zero_r.activation_ckpt import apply_activation_checkpointing
-
-        ckpt = apply_activation_checkpointing(model, topo, cfg.zero_r)
-    strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
-    return model, ckpt, strategy
-
-
 def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
     return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
 
@@ -85,8 +60,6 @@ def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
 def resume_path(cfg: C.Config, run_dir: str) -> str | None:
     """The checkpoint to resume from (None: start fresh). ValueError if ``resume=latest`` and
     there is none; called before any rank starts, so that is a user error."""
-    from zero_repro import checkpoint
-
     how = cfg.checkpoint.resume
     if not how:
         return None
@@ -115,13 +88,8 @@ def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
 
 
 def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
-    from zero_repro.model import flops
-    from zero_repro.train import data, loop
-
-    from zero_repro import checkpoint
-
     cfg = C.load(config_path)
-    device = _device(cfg, rank if local_rank is None else local_rank)
+    device = device_for(cfg, rank if local_rank is None else local_rank)
     topo = Topology.build(cfg.parallel.tp)
     model, ckpt, strategy = build(cfg, topo, device)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
@@ -191,8 +159,6 @@ def run_training(cfg: C.Config, run_dir: str) -> dict:
 
 def launch_command(cfg: C.Config, config_path: str, out_path: str) -> list[str]:
     """The command that starts every rank of one point under torchrun or srun."""
-    import sys
-
     worker = [sys.executable, "-m", "zero_repro.worker", "--config", config_path,
               "--out", out_path]
     per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
@@ -209,9 +175,6 @@ def launch_command(cfg: C.Config, config_path: str, out_path: str) -> list[str]:
 
 
 def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
-    import json
-    import subprocess
-
     out_path = os.path.join(run_dir, "result.json")
     cmd = launch_command(cfg, config_path, out_path)
     log.info("launching: %s", " ".join(cmd))
@@ -225,8 +188,6 @@ def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
 def main(argv=None) -> None:
     """``python -m zero_repro.worker --config resolved.yaml [--out result.json]`` on every rank
     (torchrun / srun)."""
-    import json
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", default="")

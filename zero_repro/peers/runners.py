@@ -29,14 +29,22 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
 from zero_repro.distributed import comm
+from zero_repro.distributed.topology import Topology
+from zero_repro.model.gpt import GPT
 from zero_repro.train.data import make_source, rank_batch
+from zero_repro.train.step import train_step
+from zero_repro.zero import build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +174,6 @@ class Runner:
     name = ""
 
     def __init__(self, spec: PeerSpec, rank: int, world: int):
-        from zero_repro.model.gpt import GPT
-
         self.spec, self.rank, self.world = spec, rank, world
         self.stage, self.family = FRAMEWORKS[self.name]
         self.model = GPT(spec.model, seed=spec.train.seed)
@@ -205,8 +211,6 @@ class Reference(Runner):
     name = "reference"
 
     def __init__(self, spec, rank, world):  # noqa: D107
-        from zero_repro.model.gpt import GPT
-
         self.spec, self.rank, self.world = spec, rank, world
         self.stage, self.family = -1, "reference"
         self.model = GPT(spec.model, seed=spec.train.seed)
@@ -217,8 +221,6 @@ class TorchDDP(Runner):
     name = "torch_ddp"
 
     def __init__(self, spec, rank, world):  # noqa: D107
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         super().__init__(spec, rank, world)
         self.ddp = DDP(self.model, gradient_as_bucket_view=True)
         self.opt = self._optimizer()
@@ -245,8 +247,6 @@ class TorchZeroRedundancy(TorchDDP):
     name = "torch_zero_redundancy"
 
     def _optimizer(self):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         t = self.spec.train
         return ZeroRedundancyOptimizer(self.ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
@@ -264,9 +264,6 @@ class FSDP2(Runner):
     reshard = True
 
     def __init__(self, spec, rank, world):  # noqa: D107
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         super().__init__(spec, rank, world)
         mesh = init_device_mesh("cpu", (world,))
         for block in self.model.blocks:
@@ -370,22 +367,15 @@ class ZeroRepro(Runner):
     """This project's ZeRO-DP stage (zero_repro.zero.strategy), fp32, no clipping."""
 
     def __init__(self, spec, rank, world):  # noqa: D107
-        from dataclasses import replace
-
-        from zero_repro.distributed.topology import Topology
-        from zero_repro.zero.strategy import build_strategy
-
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
         zero = replace(spec.zero, stage=self.stage, grad_clip=0.0)
         self.strategy = build_strategy(self.model, self.topo, zero, spec.train)
 
     def step(self, x, y):
-        _, loss = self.strategy.module(x, y)
-        self.strategy.backward(loss)
-        self.strategy.step()
-        self.strategy.zero_grad()
-        return float(loss.detach())
+        losses: list[torch.Tensor] = []
+        train_step(self.strategy, [(x, y)], on_loss=losses.append)
+        return float(losses[0])
 
     def views(self):
         for n, p in self.strategy.full_parameters().items():
@@ -502,8 +492,6 @@ def _counted_step(runner: Runner, trace: Trace, x, y) -> float:
 
 def _single(name: str):
     def run(rank: int, world_size: int, spec: PeerSpec) -> dict:
-        from dataclasses import replace
-
         return run_peers(rank, world_size, replace(spec, frameworks=(name,)))
 
     run.__name__ = run.__qualname__ = f"run_{name}"

@@ -2,7 +2,7 @@
 group, with an allocation trace (paper §10.5, Figures 6-7; Tables 1-2 memory columns).
 
 ``dry_run(cfg)`` does what one rank of ``zero_repro.worker`` does for a training run --
-``worker.build`` (GPT -> activation checkpointing -> ZeRO strategy, the same functions, no
+``train.build.build`` (GPT -> activation checkpointing -> ZeRO strategy, the same functions, no
 simulation copy), then ``iterations`` optimizer steps of forward / ``strategy.backward`` /
 ``strategy.step`` / ``zero_grad`` in the configured precision -- but inside
 ``FakeTensorMode`` (tensors carry shape, dtype and storage size, never data) on a ``fake``
@@ -62,6 +62,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zero_repro import config as C
+from zero_repro.train.build import build
+from zero_repro.train.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +308,6 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
     from zero_repro.distributed import comm, launch
     from zero_repro.distributed.topology import Topology
     from zero_repro.simulate import allocator as A
-    from zero_repro.worker import build
 
     C.validate(cfg)
     if comm.is_initialized():
@@ -373,29 +374,26 @@ def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], c
     """One optimizer step exactly as ``train.loop.train`` drives the strategy (``tracer``
     None: a real run, e.g. ``real_ledgers``)."""
     t, m = cfg.train, cfg.model
-    phase = tracer.in_phase if tracer is not None else (lambda *a: contextlib.nullcontext())
-    for _ in range(t.grad_accum):
-        with phase("forward", it):
-            x = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len))
-            y = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len))
-            _, loss = strategy.module(x, y)
-            if tracer is not None:  # per-block CPU copies are alive only until backward
-                _host_sids(tracer, ckpt, host)
-        with phase("backward", it):
-            strategy.backward(loss)
-            del loss, x, y
-    with phase("step", it):
-        strategy.step()
-        strategy.zero_grad()
+
+    def phase(name: str):
+        return tracer.in_phase(name, it) if tracer is not None else contextlib.nullcontext()
+
+    def after_forward() -> None:
+        if tracer is not None:  # per-block CPU copies are alive only until backward
+            _host_sids(tracer, ckpt, host)
+
+    batches = ((torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)),
+                torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)))
+               for _ in range(t.grad_accum))
+    train_step(strategy, batches, phase=phase, after_forward=after_forward)
 
 
 def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
                  ) -> list[dict]:
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
-    config, ``worker.build`` + ``iterations`` steps on real tensors, then the same ledgers.
+    config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
     Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded"}, ...]."""
     from zero_repro.distributed.topology import Topology
-    from zero_repro.worker import build
 
     out = []
     for d in cfg_dicts:

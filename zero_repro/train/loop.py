@@ -1,8 +1,8 @@
 """The training loop: warm-up steps, timed steps, per-step loss and throughput.
 
-One optimizer step = ``grad_accum`` micro-batches of forward + backward through the strategy,
-then ``strategy.step()``. The first ``warmup_steps`` steps are run but not timed (allocator
-warm-up, lazy optimizer state, gloo connection set-up). Per-step wall time is measured with
+One optimizer step (``train.step.train_step``) = ``grad_accum`` micro-batches of forward +
+backward through the strategy, then ``strategy.step()``. The first ``warmup_steps`` steps are
+run but not timed (allocator warm-up, lazy optimizer state, gloo connection set-up). Per-step wall time is measured with
 ``time.perf_counter`` after a device synchronize (CUDA events would time only the GPU work;
 the step time the paper reports is wall clock).
 
@@ -16,17 +16,20 @@ kept, and each one logged.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from zero_repro.config import Config
 from zero_repro.distributed import comm
 from zero_repro.distributed.topology import Topology
 from zero_repro.train.data import TokenSource, rank_batch
+from zero_repro.train.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
     show = t.progress and topo.rank == 0
     bar = None
     if show:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=t.steps, initial=start_step, desc=f"train stage{cfg.zero.stage}",
                    leave=False)
     local_losses = []
@@ -72,18 +73,17 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
             topo.ledger.reset()  # the ledger of exactly one (the last) step
         _sync(device)
         t0 = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        batches = (rank_batch(source, step, t.micro_batch_size, topo.dp, topo.dp_rank, k,
+                              t.grad_accum) for k in range(t.grad_accum))
+        info = train_step(strategy, ((x.to(device, non_blocking=True),
+                                      y.to(device, non_blocking=True)) for x, y in batches),
+                          on_loss=losses.append,
+                          before_update=None if before_step is None
+                          else functools.partial(before_step, step))
         step_loss = 0.0
-        for k in range(t.grad_accum):
-            x, y = rank_batch(source, step, t.micro_batch_size, topo.dp, topo.dp_rank, k,
-                              t.grad_accum)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            _, loss = strategy.module(x, y)
-            strategy.backward(loss)
-            step_loss += float(loss.detach()) / t.grad_accum
-        if before_step is not None:
-            before_step(step)
-        info = strategy.step()
-        strategy.zero_grad()
+        for loss in losses:  # same order and arithmetic as summing inside the micro-batch loop
+            step_loss += float(loss) / t.grad_accum
         _sync(device)
         dt = time.perf_counter() - t0
         if step >= start_step + t.warmup_steps or step == t.steps - 1:

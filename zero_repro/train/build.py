@@ -1,0 +1,51 @@
+"""One build step for a training run: the model and every parallelism applied to it from
+outside, in a fixed order (as torchtitan's ``parallelize_llama`` applies TP, activation
+checkpointing, then FSDP):
+
+    1. TP (Megatron §3): the GPT is constructed with the TP group, its linears column/row
+       parallel and its embedding vocab-parallel;
+    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, M_D arena) wraps the blocks;
+    3. ZeRO-DP wrap (§5: stage 0-3 strategy): parameters re-pointed into flat buffers in the
+       training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
+       by the strategy.
+
+Used by the worker, the dry run (``simulate.dryrun``: under FakeTensorMode + the fake process
+group), the stage benchmark and the tests. The model is built directly in the training dtype:
+an fp32 build of one rank of a 100B model (6.25B parameters at TP 16) would need 25 GB before
+the strategy even casts it; the fp32 master is made by the strategy for its shard only.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_repro import config as C
+from zero_repro.distributed.topology import Topology
+from zero_repro.model.gpt import GPT
+from zero_repro.zero import build_strategy
+from zero_repro.zero.precision import lp_dtype
+from zero_repro.zero.strategy import Strategy
+from zero_repro.zero_r.activation_ckpt import ActivationCheckpointing, apply_activation_checkpointing
+
+
+def build(cfg: C.Config, topo: Topology, device: torch.device
+          ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
+    """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
+    handle or None, strategy)."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=lp_dtype(cfg.zero.dtype))
+    ckpt = None
+    if cfg.zero_r.activation_checkpointing:
+        ckpt = apply_activation_checkpointing(model, topo, cfg.zero_r)
+    strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
+    return model, ckpt, strategy
+
+
+def device_for(cfg: C.Config, local_rank: int) -> torch.device:
+    """The device of this rank (``cluster.device``); CUDA selects ``local_rank``'s GPU."""
+    if cfg.cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
+                               "use cluster=local")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
