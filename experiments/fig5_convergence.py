@@ -29,7 +29,8 @@ import json
 import logging
 import os
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def tolerance(r) -> float:
 
 # ------------------------------------------------------------------------------------ plot
 def _paper_context(out_dir: str):
-    from experiments import paper
+    from zero_repro.harness import paper_compare as paper
 
     ref = paper.load_reference(paper.reference_path(os.path.dirname(os.path.abspath(out_dir))))
     return paper.paper_rows(ref, PAPER_FIG, y_names=["validation_perplexity"])

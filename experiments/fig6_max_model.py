@@ -18,7 +18,8 @@ peak reserved bytes at 100B C4).
 """
 from __future__ import annotations
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"

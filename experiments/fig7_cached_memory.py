@@ -17,7 +17,8 @@ none: the prediction is whether they fit).
 """
 from __future__ import annotations
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 FIGURE = "fig7"
 GB = 1e9

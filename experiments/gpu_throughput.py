@@ -19,6 +19,9 @@ import json
 import os
 import sys
 import time
+from zero_repro import config as C
+from zero_repro.simulate.hardware import load_cluster
+from zero_repro.worker import run_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -36,9 +39,6 @@ def cluster_for(device_name: str) -> str | None:
 def make_config(model: str, stage: int, batch: int, steps: int, warmup: int, cluster: str,
                 checkpointing: bool):
     from omegaconf import OmegaConf
-
-    from zero_repro import config as C
-    from zero_repro.simulate.hardware import load_cluster
 
     raw = OmegaConf.load(os.path.join(REPO, "conf", "model", f"{model}.yaml"))
     raw.pop("defaults", None)
@@ -76,8 +76,6 @@ def main(argv=None) -> int:
         print("error: experiments/gpu_throughput.py needs a CUDA GPU and none is visible "
               "(torch.cuda.is_available() is False); nothing was run", file=sys.stderr)
         return 2
-    from zero_repro.worker import run_training
-
     device = torch.cuda.get_device_name(0)
     cluster = args.cluster or cluster_for(device)
     if not cluster:

@@ -17,7 +17,12 @@ import importlib.util
 import logging
 import os
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
+from zero_repro.peers.runners import DEEPSPEED_PEERS, FRAMEWORKS
+from zero_repro.distributed.launch import spawn
+from zero_repro.peers import report
+from zero_repro.peers.runners import PeerSpec, run_peers
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +32,6 @@ Y_UNITS = {"step_time_s": "s", "ratio_to_best_peer": "x", "ratio_to_ddp": "x",
 
 
 def _frameworks(cfg) -> list[str]:
-    from zero_repro.peers.runners import DEEPSPEED_PEERS, FRAMEWORKS
-
     wanted = list(cfg.experiment.params.get("frameworks") or FRAMEWORKS)
     if importlib.util.find_spec("deepspeed") is None:
         dropped = [f for f in wanted if f in DEEPSPEED_PEERS]
@@ -50,10 +53,6 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.distributed.launch import spawn
-    from zero_repro.peers import report
-    from zero_repro.peers.runners import PeerSpec, run_peers
-
     p = cfg.experiment.params
     spec = PeerSpec(cfg.model, cfg.train, cfg.zero, frameworks=tuple(point.params["frameworks"]),
                     digest_every=int(p.get("digest_every", 1)))

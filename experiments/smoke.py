@@ -7,7 +7,8 @@ that matters: the loss goes down (``metrics.loss_decreased``).
 """
 from __future__ import annotations
 
-from experiments.base import Point
+from zero_repro.harness.points import Point
+from zero_repro.worker import run_training
 
 FIGURE = "smoke"
 
@@ -20,8 +21,6 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.worker import run_training  # heavy (torch): only when a point runs
-
     result = run_training(cfg, point.run_dir)
     m = result.setdefault("metrics", {})
     losses = m.get("losses") or []

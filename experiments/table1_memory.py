@@ -11,7 +11,8 @@ fp16 + Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 """
 from __future__ import annotations
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"

@@ -24,7 +24,8 @@ and the first that does not, run in parallel on 2 cores): 2-50 s each, ~3 min fo
 """
 from __future__ import annotations
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 FIGURE = "table2"
 SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}

@@ -29,7 +29,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from experiments.base import Point, save_figure
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def max_fit_batch(s, zc: str, cluster_cfg, p: dict, base_cfg=None) -> tuple[int,
     judge = p["max_fit_judge"]
     if base_cfg is None or judge == "analytic" or (judge == "auto" and not _dryrun_available()):
         return largest_true(analytic), "max_fit (analytic memory model)"
-    from zero_repro import orchestrate
+    from zero_repro.harness import sweep as orchestrate
     from zero_repro import config as C
 
     pcfg = orchestrate.point_config(base_cfg, {**paper_overrides(s, zc, 1, p),
@@ -515,7 +516,7 @@ def draw_lines(ax, df, logx: bool = False) -> None:
     """Lines over a numeric x: one per (series, kind); paper values as X markers."""
     import pandas as pd
 
-    from experiments.plot import LINESTYLES, MARKERS
+    from zero_repro.harness.regenerate import LINESTYLES, MARKERS
 
     xnum = pd.to_numeric(df["x_value"], errors="coerce")
     for _, r in df[xnum.isna()].iterrows():  # the paper's reference lines (x = "all")

@@ -28,8 +28,8 @@ def run_cli(*args, cwd=REPO, env=None):
 
 @pytest.mark.parametrize("name", EXPS)
 def test_every_experiment_overlay_composes_and_validates(name):
-    from experiments import base
-    from zero_repro import orchestrate
+    from zero_repro.harness import registry as base
+    from zero_repro.harness import sweep as orchestrate
 
     C.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
@@ -95,7 +95,7 @@ def test_plan_lists_points_and_writes_point_files(tmp_path):
 
 def test_plot_action_regenerates_from_results_alone(tmp_path):
     """A smoke record on disk -> table.csv + smoke.png/.pdf, via run.py and experiments.plot."""
-    from zero_repro.measure.records import Record
+    from zero_repro.harness.records import Record
 
     rec = Record(key="k1", experiment="smoke", point="tiny", params={}, mode="measured",
                  status="ok", metrics={"losses": [6.2, 5.1, 4.0]},

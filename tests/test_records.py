@@ -9,11 +9,14 @@ import os
 import pandas as pd
 import pytest
 
-from experiments import base, paper, plot
-from experiments.base import Point
+from zero_repro.harness import paper_compare as paper
+from zero_repro.harness import regenerate as plot
+from zero_repro.harness import registry as base
+from zero_repro.harness import points
+from zero_repro.harness.points import Point
 from zero_repro import config as C
-from zero_repro import orchestrate
-from zero_repro.measure import records as R
+from zero_repro.harness import sweep as orchestrate
+from zero_repro.harness import records as R
 
 
 def make_cfg(tmp_path, name="fake", **experiment) -> C.Config:

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from experiments.base import Point
+from zero_repro.harness.points import Point
 from zero_repro import config as C
-from zero_repro import orchestrate
-from zero_repro.measure import records as R
+from zero_repro.harness import sweep as orchestrate
+from zero_repro.harness import records as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,10 +12,11 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments import base, paper
+from zero_repro.harness import paper_compare as paper
+from zero_repro.harness import registry as base
 from experiments import throughput_common as T
 from zero_repro import config as C
-from zero_repro import orchestrate
+from zero_repro.harness import sweep as orchestrate
 from zero_repro.cli import conf_dir
 from zero_repro.simulate import calibrate
 from zero_repro.simulate.paper_setups import setups

@@ -7,8 +7,8 @@ import os
 import sys
 
 from zero_repro import config as C
-from zero_repro import orchestrate
-from zero_repro.measure.records import Record
+from zero_repro.harness import sweep as orchestrate
+from zero_repro.harness.records import Record
 from zero_repro.wandb_log import WandbMirror, flatten
 
 

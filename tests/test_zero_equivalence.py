@@ -169,7 +169,7 @@ def ledger_configs() -> list[dict]:
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
-    from zero_repro.measure.ledger import table1_bytes
+    from zero_repro.zero.ledger import table1_bytes
 
     for rank_results in results:
         for c, r in zip(configs, rank_results):

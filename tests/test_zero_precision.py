@@ -20,7 +20,7 @@ from tests.test_zero_equivalence import CFG, MICRO, SEED, batch, make, worker
 from zero_repro.config import TrainConfig, ZeroConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
-from zero_repro.measure.ledger import MemoryLedger, table1_bytes
+from zero_repro.zero.ledger import MemoryLedger, table1_bytes
 from zero_repro.model.gpt import GPT
 from zero_repro.zero import build_strategy
 from zero_repro.zero.precision import DynamicLossScaler

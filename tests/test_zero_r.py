@@ -19,7 +19,7 @@ from zero_repro.config import ModelConfig, ZeroRConfig, register_configs, to_con
 from zero_repro.distributed import comm
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
-from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT, gather_full_state
 from zero_repro.zero_r import (TABLE3, CheckpointArena, apply_activation_checkpointing,
                                canonical_name, fragmentation_stats)

@@ -7,7 +7,7 @@ experiment's points are planned and each point's config validated -> only then d
 run. ``experiment.action`` selects what happens:
 
 * ``run`` (default): run the points not yet in ``results/NAME/points.jsonl``
-  (``zero_repro.orchestrate.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
+  (``zero_repro.harness.sweep.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
   to W&B when ``logging.wandb=true``, regenerate ``table.csv`` and ``NAME.png/.pdf``, print a
   summary. Exit status 1 if a point failed (OOM is a result, not a failure).
 * ``plot``: regenerate table and figures from ``results/`` alone (no run).
@@ -25,6 +25,16 @@ import os
 import re
 import sys
 from pathlib import Path
+
+import hydra
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from zero_repro import config
+from zero_repro.harness import regenerate, registry, sweep
+from zero_repro.harness.records import RecordStore
+from zero_repro.wandb_log import WandbMirror
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +79,6 @@ def check_group_choices(argv: list[str], conf: str) -> None:
 
 
 def main() -> None:
-    import hydra
-
-    from zero_repro import config
-
     check_group_choices(sys.argv[1:], conf_dir())
     config.register_configs()
     started = {"task": False}
@@ -95,15 +101,10 @@ def main() -> None:
 
 def prepare(dcfg):
     """DictConfig -> (validated Config, experiment, planned points); UserError if invalid."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from experiments import base
-    from zero_repro import config, orchestrate
-
     try:
         cfg = config.validate(config.to_config(dcfg))
-        experiment = base.get(cfg.experiment.name)
-        planned = orchestrate.plan(cfg, experiment) if cfg.experiment.action != "plot" else []
+        experiment = registry.get(cfg.experiment.name)
+        planned = sweep.plan(cfg, experiment) if cfg.experiment.action != "plot" else []
     except (ValueError, OmegaConfBaseException) as e:
         raise UserError(str(e).strip().splitlines()[0]) from None
     return cfg, experiment, planned
@@ -126,14 +127,11 @@ def dispatch(dcfg) -> None:
 
 
 def run(cfg, experiment) -> None:
-    from zero_repro import orchestrate
-    from zero_repro.wandb_log import WandbMirror
-
     name = cfg.experiment.name
-    sweep_id = orchestrate.new_sweep_id(name)
+    sweep_id = sweep.new_sweep_id(name)
     mirror = WandbMirror(cfg.logging, sweep_id)
     try:
-        result = orchestrate.run_sweep(cfg, experiment, mirror=mirror, sweep_id=sweep_id)
+        result = sweep.run_sweep(cfg, experiment, mirror=mirror, sweep_id=sweep_id)
     finally:
         mirror.close()
     out = _regenerate(cfg, experiment)
@@ -149,14 +147,10 @@ def run(cfg, experiment) -> None:
 
 
 def _regenerate(cfg, experiment) -> dict:
-    from experiments import plot
-
-    return plot.regenerate(cfg.experiment.name, cfg.experiment.results_dir, experiment)
+    return regenerate.regenerate(cfg.experiment.name, cfg.experiment.results_dir, experiment)
 
 
 def print_outputs(out: dict) -> None:
-    import pandas as pd
-
     table = pd.read_csv(out["table"]) if out["rows"] else None
     if table is not None:
         ours = table[table["kind"] != "paper"]
@@ -173,9 +167,6 @@ def print_outputs(out: dict) -> None:
 
 
 def print_plan(cfg, experiment, planned) -> None:
-    from zero_repro import orchestrate
-    from zero_repro.measure.records import RecordStore
-
     done = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name).done_keys()
     print(f"experiment {cfg.experiment.name}: {len(planned)} points "
           f"(launcher={cfg.launcher.name}, cluster={cfg.cluster.name})")
@@ -186,13 +177,11 @@ def print_plan(cfg, experiment, planned) -> None:
               f"world={pp.cfg.parallel.world_size:<4} tp={pp.cfg.parallel.tp:<3} "
               f"{pp.point.name}  {ov}")
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         out_dir = os.path.join(HydraConfig.get().runtime.output_dir, "points")
     except ValueError:  # not under Hydra (called from Python)
         out_dir = os.path.join(cfg.experiment.results_dir, cfg.experiment.name, "runs", "plan")
     try:
-        paths = orchestrate.write_point_files(planned, experiment, "plan", out_dir)
+        paths = sweep.write_point_files(planned, experiment, "plan", out_dir)
     except TypeError:  # a registered (non-module) experiment cannot run from a point file
         return
     if paths:

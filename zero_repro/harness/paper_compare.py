@@ -15,7 +15,7 @@ import os
 
 import pandas as pd
 
-from experiments.base import TABLE_COLUMNS
+from zero_repro.harness.points import TABLE_COLUMNS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_REFERENCE = os.path.join(REPO, "results", "paper", "reference.csv")

@@ -37,6 +37,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from filelock import FileLock
+
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "oom", "failed")
@@ -208,16 +210,12 @@ class RecordStore:
 
     def put(self, record: Record) -> None:
         """Insert/replace ``record`` (by key) atomically; see the module docstring."""
-        from filelock import FileLock  # a torch dependency, so always present
-
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         with FileLock(self.lock_path, timeout=600):
             kept = [r for r in self.load() if r.key != record.key]
             _atomic_write_lines(self.path, [r.to_json() for r in kept] + [record.to_json()])
 
     def remove(self, keys: Iterable[str]) -> int:
-        from filelock import FileLock
-
         keys = set(keys)
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         with FileLock(self.lock_path, timeout=600):

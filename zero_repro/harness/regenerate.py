@@ -1,6 +1,7 @@
 """Tables and figures regenerated from ``results/`` alone.
 
-``python -m experiments.plot NAME`` (or ``python run.py +exp=NAME experiment.action=plot``)
+``python -m experiments.plot NAME`` (= ``python -m zero_repro.harness.regenerate NAME``, or
+``python run.py +exp=NAME experiment.action=plot``)
 reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writes
 
 * ``results/NAME/table.csv``: the experiment's ``summarize`` rows (newest record per point) in
@@ -21,9 +22,11 @@ from typing import Any
 
 import pandas as pd
 
-from experiments import base, paper
-from experiments.base import save_figure
-from zero_repro.measure import records as R
+from zero_repro.harness import paper_compare as paper
+from zero_repro.harness import records as R
+from zero_repro.harness import registry
+from zero_repro.harness.figures import plt, save_figure
+from zero_repro.harness.points import MODES, TABLE_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +37,14 @@ LINESTYLES = {"measured": "-", "simulated": "--", "analytic": ":", "paper": "non
 def summary_frame(experiment: Any, records: list) -> pd.DataFrame:
     rows = experiment.summarize(R.latest(records))
     df = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows or []))
-    missing = [c for c in base.TABLE_COLUMNS if c not in df.columns]
+    missing = [c for c in TABLE_COLUMNS if c not in df.columns]
     if len(df) and missing:
-        raise ValueError(f"summarize() rows lack columns {missing} (see experiments/base.py)")
+        raise ValueError(f"summarize() rows lack columns {missing} (see zero_repro/harness/points.py)")
     if not len(df):
-        return pd.DataFrame(columns=base.TABLE_COLUMNS)
-    bad = sorted(set(df["kind"]) - set(base.MODES))
+        return pd.DataFrame(columns=TABLE_COLUMNS)
+    bad = sorted(set(df["kind"]) - set(MODES))
     if bad:
-        raise ValueError(f"summarize() rows have kind {bad}: use one of {list(base.MODES)} "
+        raise ValueError(f"summarize() rows have kind {bad}: use one of {list(MODES)} "
                          f"(paper rows come from the reference CSV)")
     return df
 
@@ -61,7 +64,7 @@ def build_table(experiment: Any, records: list, ref: pd.DataFrame) -> pd.DataFra
 def regenerate(name: str, results_dir: str = "results", experiment: Any = None,
                records: list | None = None) -> dict:
     """Write table.csv and NAME.png/.pdf for experiment ``name``; return their paths."""
-    experiment = experiment or base.get(name)
+    experiment = experiment or registry.get(name)
     out_dir = os.path.join(results_dir, name)
     if records is None:
         records = R.RecordStore.for_experiment(results_dir, name).load()
@@ -88,11 +91,6 @@ def _panel_keys(table: pd.DataFrame) -> list[tuple[str, str]]:
 
 def default_plot(table: pd.DataFrame, out_dir: str, name: str) -> list[str]:
     """One panel per (figure, y_name); colour = series family, marker/line = kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = _panel_keys(table)
     ncol = min(2, len(panels))
     nrow = -(-len(panels) // ncol)

@@ -1,7 +1,7 @@
 """Sweep runner: plan points -> skip those already done -> run each -> record it.
 
 Implements the experiment loop behind every figure reproduction (paper §10): an experiment
-module (``experiments/<name>.py``, protocol in ``experiments/base.py``) plans its points; each
+module (``experiments/<name>.py``, protocol in ``zero_repro/harness/points.py``) plans its points; each
 point's config is the experiment config plus the point's overrides, validated *before any point
 runs* (a bad point is a user error, not a record). A point whose key is already recorded with
 status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
@@ -20,12 +20,13 @@ runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: sallo
 script, a hydra-submitit job) every point runs here, in that allocation.
 
 Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
-``python -m zero_repro.orchestrate --point-file FILE`` (files written by ``write_point_files``).
+``python -m zero_repro.harness.sweep --point-file FILE`` (files written by ``write_point_files``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import dataclasses
 import datetime
 import logging
@@ -36,10 +37,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import submitit
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from zero_repro import config as C
-from zero_repro.measure import records as R
+from zero_repro.harness import records as R
+from zero_repro.harness.points import Point
+from zero_repro.harness.registry import module_path
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ RESULT_SECTIONS = ("memory", "comm", "topology", "hardware")
 
 @dataclass
 class PlannedPoint:
-    point: Any  # experiments.base.Point (run_dir filled in)
+    point: Any  # zero_repro.harness.points.Point (run_dir filled in)
     cfg: C.Config  # the point's own validated config
     key: str
 
@@ -90,14 +95,12 @@ def point_config(cfg: C.Config, overrides: dict) -> C.Config:
 def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
     """The experiment's points with their configs and keys; raises ValueError before anything
     runs if a point's config is invalid or two points share a key."""
-    from experiments.base import Point
-
     name = cfg.experiment.name
     out: list[PlannedPoint] = []
     seen: dict[str, str] = {}
     for point in experiment.plan(cfg):
         if not isinstance(point, Point):
-            raise TypeError(f"{name}.plan() must return experiments.base.Point objects")
+            raise TypeError(f"{name}.plan() must return zero_repro.harness.points.Point objects")
         try:
             pcfg = point_config(cfg, point.overrides)
         except ValueError as e:
@@ -166,8 +169,6 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
 
     ``mirror``: an object with ``log_record(record)`` (``zero_repro.wandb_log.WandbMirror``).
     ``submit``: replaces the Slurm submission (tests); default ``submit_slurm``."""
-    from tqdm.auto import tqdm
-
     name = cfg.experiment.name
     sweep_id = sweep_id or new_sweep_id(name)
     store = R.RecordStore.for_experiment(cfg.experiment.results_dir, name)
@@ -236,9 +237,6 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
                  on_record: Callable[[R.Record], None]) -> None:
     """Submit every point as its own job, then wait for them (records are written by the jobs;
     a job that dies without writing one is recorded here as failed)."""
-    import submitit
-    from experiments.base import module_path
-
     modname = module_path(experiment)
     jobs = []
     for pp in points:
@@ -265,8 +263,6 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
 
 
 def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
-    import importlib
-
     logging.basicConfig(level=logging.INFO)
     return run_and_record(importlib.import_module(modname), pp, sweep_id)
 
@@ -275,8 +271,6 @@ def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
 def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
                       out_dir: str) -> list[str]:
     """One YAML per point for ``sbatch slurm/<cluster>.sbatch FILE`` (see slurm/README.md)."""
-    from experiments.base import module_path
-
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for pp in planned:
@@ -291,10 +285,6 @@ def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: st
 
 def run_point_file(path: str) -> R.Record:
     """Run the point described by a point file and record it (on a compute node)."""
-    import importlib
-
-    from experiments.base import Point
-
     doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     cfg = C.validate(C.to_config(OmegaConf.create(doc["config"])))
     pp = PlannedPoint(Point.from_dict(doc["point"]), cfg, doc["key"])
@@ -303,7 +293,7 @@ def run_point_file(path: str) -> R.Record:
 
 
 def main(argv=None) -> int:
-    """``python -m zero_repro.orchestrate --point-file FILE``: run one planned point."""
+    """``python -m zero_repro.harness.sweep --point-file FILE``: run one planned point."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--point-file", required=True)
     args = ap.parse_args(argv)

@@ -1,2 +1,3 @@
-"""Measurement: memory ledger, records."""
-from zero_repro.measure.ledger import MemoryLedger, table1_bytes  # noqa: F401
+"""Measurement at paper scale and on this machine: the closed-form memory model (analytic).
+(The memory ledger type the runtime fills lives in ``zero_repro.zero.ledger``; run records in
+``zero_repro.harness.records``.)"""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zero_repro.distributed import comm
-from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import FlatParams, InFlight
 from zero_repro.zero.partition import Bucket, intersect
 from zero_repro.zero.strategy import Strategy

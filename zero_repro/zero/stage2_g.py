@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from zero_repro.distributed import comm
-from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import (BufferPool, FlatParams, GradShards, InFlight,
                                          reduce_chunks, rooted_collectives)
 from zero_repro.zero.partition import Bucket, intersect

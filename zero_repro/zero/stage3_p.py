@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from zero_repro.distributed import comm
-from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import (FlatParams, GradShards, InFlight, PeakBytes,
                                          broadcast_chunks, reduce_chunks, rooted_collectives)
 from zero_repro.zero.strategy import Strategy

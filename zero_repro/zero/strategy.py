@@ -41,7 +41,7 @@ from torch import nn
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed import comm
 from zero_repro.distributed.topology import Topology
-from zero_repro.measure.ledger import MemoryLedger
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero import clip, precision
 from zero_repro.zero.adam import ShardAdamW
 from zero_repro.zero.flat_buffer import FlatParams

@@ -1,8 +1,9 @@
-"""The Experiment protocol and the experiment registry (one module per paper table/figure).
+"""Points and the experiment protocol: what a figure module under ``experiments/`` gives the
+harness (paper §10: each figure is a sweep of run points).
 
 A figure of the paper (arXiv:1910.02054, §10) is reproduced by ``conf/exp/<name>.yaml`` (which
 sets ``experiment.name: <name>`` and the knobs) plus ``experiments/<name>.py``, a module that
-implements the protocol below. The orchestrator (``zero_repro.orchestrate``) plans the points,
+implements the protocol below. The sweep runner (``zero_repro.harness.sweep``) plans the points,
 skips those already in ``results/<name>/points.jsonl``, runs the rest and records them; the
 experiment module never writes files itself (except in its optional ``plot``).
 
@@ -21,22 +22,18 @@ Contract of an experiment module (functions at module level):
   of ``results/paper/reference.csv`` (``TABLE_COLUMNS``), ``kind`` in measured | simulated |
   analytic. Paper rows are added by the framework from the reference CSV, never by the module.
 * optional ``plot(table: DataFrame, out_dir: str) -> list[str]``: custom figure; the default
-  (``experiments.plot.default_plot``) draws one panel per y_name with paper values overlaid.
+  (``zero_repro.harness.regenerate.default_plot``) draws one panel per y_name with paper values
+  overlaid.
 * optional ``PAPER_FIGURE: str | list[str]``: reference-CSV ``figure`` ids to overlay/compare.
 * optional ``SERIES_FAMILY: dict[str, str]``: our series name -> the paper's series name, used
   to join our rows to the paper's on (figure, x_value, y_name) for ``rel_error_vs_paper``.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-import types
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from zero_repro.config import Config
-    from zero_repro.measure.records import Record
+from zero_repro.config import Config
 
 MODES = ("measured", "simulated", "analytic")
 KINDS = ("paper",) + MODES
@@ -78,79 +75,8 @@ class Point:
 class Experiment(Protocol):
     """What the orchestrator needs from an experiment (usually a module)."""
 
-    def plan(self, cfg: "Config") -> list[Point]: ...
+    def plan(self, cfg: Config) -> list[Point]: ...
 
-    def run_point(self, cfg: "Config", point: Point) -> dict[str, Any]: ...
+    def run_point(self, cfg: Config, point: Point) -> dict[str, Any]: ...
 
-    def summarize(self, records: list["Record"]) -> Any: ...
-
-
-# name -> experiment object registered at run time (tests, notebooks); modules under
-# experiments/ are found by import and need no registration
-_REGISTERED: dict[str, Any] = {}
-_NOT_EXPERIMENTS = {"base", "plot", "paper"}
-
-
-def save_figure(fig, out_dir: str, name: str, dpi: int = 150) -> list[str]:
-    """Write ``fig`` as ``out_dir/name.png`` and ``.pdf`` (every experiment plots both), close it,
-    and return the two paths."""
-    import os
-
-    import matplotlib.pyplot as plt
-
-    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=dpi)
-    plt.close(fig)
-    return paths
-
-
-def register(name: str, experiment: Any) -> None:
-    """Register an experiment object under ``name`` (overrides ``experiments/<name>.py``)."""
-    _check(name, experiment)
-    _REGISTERED[name] = experiment
-
-
-def unregister(name: str) -> None:
-    _REGISTERED.pop(name, None)
-
-
-def available() -> list[str]:
-    """Names of the experiment modules under experiments/ plus registered ones."""
-    import experiments
-
-    names = {m.name for m in pkgutil.iter_modules(experiments.__path__)
-             if not m.name.startswith("_") and m.name not in _NOT_EXPERIMENTS}
-    return sorted(names | set(_REGISTERED))
-
-
-def get(name: str) -> Any:
-    """The experiment called ``name``; ValueError (listing the choices) when there is none."""
-    if name in _REGISTERED:
-        return _REGISTERED[name]
-    if not name.isidentifier() or name in _NOT_EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}: choose one of {available()}")
-    modname = f"experiments.{name}"
-    try:
-        module = importlib.import_module(modname)
-    except ModuleNotFoundError as e:
-        if e.name != modname:  # the module exists but one of its imports is missing
-            raise
-        raise ValueError(f"unknown experiment {name!r}: choose one of {available()} "
-                         f"(or add experiments/{name}.py and conf/exp/{name}.yaml)") from None
-    _check(name, module)
-    return module
-
-
-def module_path(experiment: Any) -> str:
-    """Importable name of an experiment module (how a Slurm job finds it again)."""
-    if isinstance(experiment, types.ModuleType):
-        return experiment.__name__
-    raise TypeError("only experiment modules can run as Slurm jobs (the job imports them by name)")
-
-
-def _check(name: str, experiment: Any) -> None:
-    missing = [f for f in ("plan", "run_point", "summarize")
-               if not callable(getattr(experiment, f, None))]
-    if missing:
-        raise ValueError(f"experiment {name!r} does not define {missing} (see experiments/base.py)")
+    def summarize(self, records: list) -> Any: ...

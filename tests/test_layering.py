@@ -1,0 +1,170 @@
+"""The project's layers only point down, and nothing imports the project from inside a function.
+
+Read from the source with ``ast`` (nothing is imported). Every project module belongs to one
+layer (``LAYERS``, bottom first; the longest matching prefix decides). A module-level import of
+a project module in a higher layer fails the test, as does any import of a project module inside
+a function (they hide cycles and upward imports) and any import cycle among project modules.
+Third-party imports inside functions are not checked: optional dependencies (deepspeed, wandb)
+are imported where they are used, with a comment saying why.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("zero_repro", "experiments")
+
+# bottom first; a module may import its own layer and the layers below it
+LAYERS: list[tuple[str, ...]] = [
+    ("zero_repro", "zero_repro.config", "zero_repro.paths", "zero_repro.paper"),
+    ("zero_repro.distributed",),
+    ("zero_repro.model",),
+    ("zero_repro.zero", "zero_repro.zero_r"),
+    ("zero_repro.train", "zero_repro.checkpoint", "zero_repro.worker"),
+    ("zero_repro.measure", "zero_repro.simulate", "zero_repro.peers", "zero_repro.bench"),
+    ("zero_repro.harness", "zero_repro.wandb_log"),
+    ("experiments",),
+    ("zero_repro.cli", "run"),
+]
+
+
+def layer_of(module: str) -> int:
+    best, layer = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    if layer is None:
+        raise AssertionError(f"module {module} is in no layer: add it to LAYERS")
+    return layer
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def project_files() -> list[Path]:
+    files = [ROOT / "run.py"]
+    for pkg in PACKAGES:
+        files += sorted((ROOT / pkg).rglob("*.py"))
+    return files
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_project(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES or name == "run"
+
+
+def _type_checking_only(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported project module, line, inside a function) for every project import."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module, is_pkg = module_name(path), path.name == "__init__.py"
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(node, module, is_pkg)
+            # `from pkg import sub` imports the submodule pkg.sub when there is one
+            names = [f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target
+                     for a in node.names]
+        else:
+            continue
+        if _type_checking_only(node, parents):
+            continue
+        in_func, p = False, node
+        while p in parents:
+            p = parents[p]
+            if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                in_func = True
+                break
+        out += [(n, node.lineno, in_func) for n in names if _is_project(n)]
+    return out
+
+
+def _is_module(name: str) -> bool:
+    p = ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def test_every_module_has_a_layer():
+    for f in project_files():
+        layer_of(module_name(f))
+
+
+def test_imports_point_down():
+    upward = []
+    for f in project_files():
+        src = module_name(f)
+        for target, line, _ in imports_of(f):
+            if layer_of(target) > layer_of(src):
+                upward.append(f"{f.relative_to(ROOT)}:{line}: {src} (layer {layer_of(src)}) "
+                              f"imports {target} (layer {layer_of(target)})")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_project_import_inside_a_function():
+    hidden = [f"{f.relative_to(ROOT)}:{line}: imports {target} inside a function"
+              for f in project_files() for target, line, in_func in imports_of(f) if in_func]
+    assert not hidden, "\n".join(hidden)
+
+
+def test_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for f in project_files():
+        graph[module_name(f)] = {t for t, _, in_func in imports_of(f) if not in_func}
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+
+    def visit(m: str, stack: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if t == m or t not in graph:
+                continue
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t] if t in stack else [m, t]
+            if state.get(t) is None:
+                cyc = visit(t, stack + [t])
+                if cyc:
+                    return cyc
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if state.get(m) is None:
+            cyc = visit(m, [m])
+            assert cyc is None, "import cycle: " + " -> ".join(cyc)
+
+
+@pytest.mark.parametrize("src,target,bad", [
+    ("zero_repro.zero.stage2_g", "zero_repro.harness.records", True),
+    ("zero_repro.harness.sweep", "zero_repro.zero.strategy", False),
+    ("zero_repro.simulate.dryrun", "zero_repro.worker", False),
+    ("zero_repro.train.build", "zero_repro.simulate.dryrun", True),
+    ("experiments.fig6_max_model", "zero_repro.cli", True),
+])
+def test_layer_order_catches_upward_imports(src, target, bad):
+    """The rule itself: a planted upward import is caught, a downward one is not."""
+    assert (layer_of(target) > layer_of(src)) is bad
