@@ -202,7 +202,7 @@ def test_table_and_plot_from_results_alone(tmp_path):
     finally:
         base.unregister("fig3like")
     table = pd.read_csv(out["table"])
-    assert list(table.columns[:8]) == base.TABLE_COLUMNS
+    assert list(table.columns[:8]) == points.TABLE_COLUMNS
     ours = table[table.kind == "simulated"].set_index("x_value")
     for g in (64, 128):
         expect = (30.0 - paper_at[g]) / paper_at[g]

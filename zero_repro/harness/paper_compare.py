@@ -17,7 +17,7 @@ import pandas as pd
 
 from zero_repro.harness.points import TABLE_COLUMNS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_REFERENCE = os.path.join(REPO, "results", "paper", "reference.csv")
 
 

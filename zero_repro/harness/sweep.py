@@ -212,7 +212,7 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
     (the point runner, on the first node) in an allocation of one task per GPU that
     ``run_training`` fills with ``srun``."""
     per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # submitit counts nodes * ntasks_per_node tasks and waits for a result from each; the
     # point runner is ONE process (use_srun=False), so submitit is told 1 x 1 and the real
     # allocation goes in through additional_parameters, which override those #SBATCH lines
