@@ -24,6 +24,7 @@ from zero_repro.distributed import comm
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology, grid_rank
 from zero_repro.model.gpt import GPT
+from zero_repro.train.step import train_step
 from zero_repro.zero import build_strategy
 
 CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
@@ -67,10 +68,7 @@ def train(strategy, topo: Topology, steps) -> None:
         x = torch.randint(0, CFG.vocab_size, (ROWS, CFG.seq_len), generator=g)
         y = torch.randint(0, CFG.vocab_size, (ROWS, CFG.seq_len), generator=g)
         lo = topo.dp_rank * mb
-        _, loss = strategy.module(x[lo:lo + mb], y[lo:lo + mb])
-        strategy.backward(loss)
-        strategy.step()
-        strategy.zero_grad()
+        train_step(strategy, [(x[lo:lo + mb], y[lo:lo + mb])])
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -18,6 +18,7 @@ from torch import nn
 from zero_repro.config import ModelConfig, ZeroRConfig, register_configs, to_config, validate
 from zero_repro.distributed import comm
 from zero_repro.distributed.launch import spawn
+from zero_repro.train.step import train_step
 from zero_repro.distributed.topology import Topology
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT, gather_full_state
@@ -100,11 +101,7 @@ def _train_strategy(topo: Topology, stage: int, kw: dict | None, model_kw: dict 
     strategy = build_strategy(model, topo, ZeroConfig(stage=stage, dtype=dtype),
                               TrainConfig(lr=1e-2, weight_decay=0.1), _zr(kw))
     for step in range(STEPS):
-        idx, tgt = _batch(step, topo.dp_rank, cfg)
-        _, loss = strategy.module(idx, tgt)
-        strategy.backward(loss)
-        strategy.step()
-        strategy.zero_grad()
+        train_step(strategy, [_batch(step, topo.dp_rank, cfg)])
     params = {canonical_name(k): v for k, v in strategy.full_parameters().items()}
     return dict(params=params, memory=handle.memory())
 
