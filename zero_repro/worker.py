@@ -60,7 +60,7 @@ def build(cfg: C.Config, topo: Topology, device: torch.device):
     """Model -> activation checkpointing -> ZeRO strategy, in that order. Returns
     (model, checkpointing handle or None, strategy)."""
     from zero_repro.model.gpt import GPT
-    from zero_repro.zero.strategy import build_strategy
+    from zero_repro.zero import build_strategy
 
     from zero_repro.zero.precision import lp_dtype
 

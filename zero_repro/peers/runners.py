@@ -373,7 +373,7 @@ class ZeroRepro(Runner):
         from dataclasses import replace
 
         from zero_repro.distributed.topology import Topology
-        from zero_repro.zero.strategy import build_strategy
+        from zero_repro.zero import build_strategy
 
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
