@@ -32,7 +32,7 @@ memory ledger. Collectives go through ``comm`` only.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

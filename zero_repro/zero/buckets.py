@@ -16,7 +16,7 @@ Communication itself goes through the group's transport (``distributed.transport
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

@@ -99,7 +99,8 @@ class Strategy:
         for g in self.groups:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
-        self.opt = ShardAdamW(chunks, self._param_chunks(), precision.needs_master(self.zero.dtype))
+        self.opt = ShardAdamW(chunks, self._param_chunks(),
+                              precision.needs_master(self.zero.dtype))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
 
     # ------------------------------------------------------------------ stage interface
