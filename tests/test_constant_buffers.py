@@ -12,6 +12,7 @@ from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT
 from zero_repro.model.flops import param_count
+from zero_repro.zero import build_strategy
 
 BUCKET = 20_000  # elements; far below either model's size so every buffer is at capacity
 
@@ -38,8 +39,6 @@ def _buffers(rank, world, n_layer, stage, constant):
 
 
 def build(model, topo, stage, zr):
-    from zero_repro.zero.strategy import build_strategy
-
     zc = ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
     return build_strategy(model, topo, zc, TrainConfig(lr=1e-3), zr)
 

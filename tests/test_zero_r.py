@@ -93,7 +93,7 @@ def _train_strategy(topo: Topology, stage: int, kw: dict | None, model_kw: dict 
                     dtype: str = "fp32") -> dict:
     """Same run through the ZeRO-DP strategy of ``stage`` (checkpointing applied before it)."""
     from zero_repro.config import TrainConfig, ZeroConfig
-    from zero_repro.zero.strategy import build_strategy
+    from zero_repro.zero import build_strategy
 
     cfg = ModelConfig(**model_kw)
     model = GPT(cfg, topo.tp_group, seed=7)

@@ -86,6 +86,7 @@ class Group:
     rank: int  # this process's index inside ``ranks``
     pg: object | None
     ledger: CommLedger
+    backend: str = "none"  # the backend its collectives run on (picks the bucket transport)
 
     @property
     def size(self) -> int:
@@ -150,6 +151,11 @@ def backend() -> str:
     return str(tdist.get_backend()) if is_initialized() else "none"
 
 
+def group_backend(pg) -> str:
+    """The backend of process group ``pg``; ``None`` (a single-rank group): the world's."""
+    return str(tdist.get_backend(pg)) if pg is not None else backend()
+
+
 def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int) -> Group:
     """Create a group. Every process must call this for every group (torch requirement);
     processes outside ``ranks`` get ``None`` back."""
@@ -162,11 +168,13 @@ def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int)
         pg = tdist.new_group(list(ranks), timeout=default_timeout())
     if my_rank not in ranks:
         return None  # type: ignore[return-value]
-    return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger)
+    return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger,
+                 backend=group_backend(pg))
 
 
 def single_group(name: str, ledger: CommLedger) -> Group:
-    return Group(name=name, ranks=(world_rank(),), rank=0, pg=None, ledger=ledger)
+    return Group(name=name, ranks=(world_rank(),), rank=0, pg=None, ledger=ledger,
+                 backend=backend())
 
 
 # ---------------------------------------------------------------- collectives

@@ -18,75 +18,64 @@ reduced gradient arrives and frees them all in ``zero_grad`` (fragmenting the he
 
 A fused buffer is not zeroed when it is taken from the pool: every gradient is copied into it,
 and only what stays unwritten (padding, parameters without a gradient this micro-batch) is
-zeroed when the bucket is launched. On gloo the reduce-scatter runs as N_d rooted reduces in
-place in the fused buffer and the parameter all-gather as N_d rooted broadcasts in place in the
-flat parameters (``flat_buffer.rooted_collectives``; same 2Ψ ledger volume).
+zeroed when the bucket is launched. Collectives go through the DP group's transport
+(``distributed.transport``): a pool entry is the fused bucket plus the transport's scratch for
+the reduced chunk (none for the rooted, in-place transport of gloo, which also keeps 4 fused
+buckets in flight instead of 2); the parameter all-gather is ``buckets.gather_updated``, shared
+with stage 1. Same 2Ψ ledger volume either way.
 """
 from __future__ import annotations
 
 import torch
 
-from zero_repro.distributed import comm
+from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
+from zero_repro.distributed.topology import Topology
+from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import (BufferPool, FlatParams, GradShards, InFlight,
-                                         reduce_chunks, rooted_collectives)
-from zero_repro.zero.partition import Bucket, intersect
-from zero_repro.zero.stage1_os import gather_updated
+from zero_repro.zero.buckets import Arrivals, bucket_pieces, gather_updated, slot_pieces
+from zero_repro.zero.flat_buffer import FlatParams, GradShards
+from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
 
 class Stage2G(Strategy):
     stage = 2
 
-    def _build_groups(self, named) -> list[FlatParams]:
-        g = FlatParams("model", named, self.dtype, self.n_d, self._bucket_capacity())
-        self.flat = g
-        part = g.partition
-        nb = len(part.buckets)
+    def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
+                 train: TrainConfig, zero_r: ZeroRConfig | None = None):
+        super().__init__(model, topo, zero, train, zero_r)
+        self.flat = FlatParams("model", self.named, self.dtype, self.n_d,
+                               self._bucket_capacity())
+        part = self.flat.partition
         self.cap = part.capacity
         self.cap_chunk = max((b.chunk for b in part.buckets), default=0)
-        self.rooted = rooted_collectives()
-        if self.rooted:
-            # reduced in place: a pool entry is just the fused bucket; 4 of them (instead of
-            # 2) let backward run on while gloo's slower collectives drain (measured: with 2
-            # the gradient hook blocked backward ~0.2 s per step on GPT-20M)
-            self.inflight = InFlight(max_in_flight=4)
-            self.pool = BufferPool(self.cap, self.dtype, self.inflight, max_buffers=4)
-            self.ag_inflight = InFlight(max_in_flight=1 << 30)  # gathered in place
-            self.ag_pool = None
-        else:
-            self.inflight = InFlight(max_in_flight=2)
-            # one pool entry = fused input bucket [0, cap) + reduce-scatter output
-            self.pool = BufferPool(self.cap + self.cap_chunk, self.dtype, self.inflight)
-            self.ag_inflight = InFlight(max_in_flight=2)
-            self.ag_pool = BufferPool(self.cap_chunk, self.dtype, self.ag_inflight)
+        t = self.transport = bucket_transport(self.dp_group)
+        # one collective in flight per fused bucket; a pool entry = fused input bucket
+        # [0, cap) + the transport's scratch for the reduced chunk
+        self.inflight = InFlight(max_in_flight=t.fused_buffers)
+        self.pool = BufferPool(self.cap + t.scratch_numel(self.cap_chunk), self.dtype,
+                               self.inflight, max_buffers=t.fused_buffers)
+        self.ag_inflight = InFlight(t.in_flight_limit)
+        self.ag_pool = t.scratch_pool(self.cap_chunk, self.dtype, self.ag_inflight)
         self.grads = GradShards([b.chunk for b in part.buckets], self.dtype,
                                 self.zero_r.contiguous_memory)
         self._filling: dict[int, torch.Tensor] = {}  # bucket index -> pool buffer
-        self._filled = [0] * nb
-        self._slot_idx = {id(p): i for i, p in enumerate(g.params)}
-        self._got: list[set[int]] = [set() for _ in range(nb)]  # slots copied into the bucket
-        # per bucket: (slot index, flat lo, flat hi) of every slot piece inside it
-        self._pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(nb)]
-        for i, s in enumerate(g.slots):
-            for b in part.buckets_of(s.offset, s.numel):
-                lo, hi = intersect(b.start, b.end, s.offset, s.end)
-                self._pieces[b.index].append((i, lo, hi))
-        return [g]
+        self._arrivals = Arrivals(part)
+        self._slot_idx = {id(p): i for i, p in enumerate(self.flat.params)}
+        self._got: list[set[int]] = [set() for _ in part.buckets]  # slots copied into bucket
+        self._pieces = slot_pieces(self.flat)
+        self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        part = self.flat.partition
         s = self.flat.slot_of[id(p)]
         grad = p.grad.reshape(-1)
-        for b in part.buckets_of(s.offset, s.numel):
+        for b, lo, hi in bucket_pieces(self.flat.partition, s):
             buf = self._bucket_buffer(b)
-            lo, hi = intersect(b.start, b.end, s.offset, s.end)
             buf[lo - b.start:hi - b.start].copy_(grad[lo - s.offset:hi - s.offset])
             self._got[b.index].add(self._slot_idx[id(p)])
-            self._filled[b.index] += hi - lo
-            if self._filled[b.index] == part.real_in_bucket(b):
+            if self._arrivals.add(b, hi - lo):
                 self._launch(b)
         p.grad = None  # only the shard is kept
 
@@ -101,33 +90,25 @@ class Stage2G(Strategy):
         buf = self._filling.pop(b.index)
         part = self.flat.partition
         got = self._got[b.index]
-        if self._filled[b.index] < part.real_in_bucket(b):  # missing gradients reduce as zeros
+        if not self._arrivals.complete(b):  # missing gradients reduce as zeros
             for i, lo, hi in self._pieces[b.index]:
                 if i not in got:
                     buf[lo - b.start:hi - b.start].zero_()
         if b.end > part.numel:  # padding
             buf[max(part.numel - b.start, 0):b.size].zero_()
-        self._filled[b.index] = 0
+        self._arrivals.reset(b)
         self._got[b.index] = set()
         inp = buf[:b.size]
         if self.n_d > 1:
             inp.div_(self.n_d)
-        if self.rooted:  # the own chunk of the fused buffer receives the sum
-            r = self.dp_rank
-            out = inp[r * b.chunk:(r + 1) * b.chunk]
-            works = reduce_chunks(inp, b.chunk, self.dp)
-        else:
-            out = buf[self.cap:self.cap + b.chunk]
-            works = [comm.reduce_scatter_into(out, inp, self.dp, async_op=True)]
+        # the reduced own chunk: in the scratch after the fused bucket, or (in place) in it
+        works, out = self.transport.reduce_scatter(inp, buf[self.cap:self.cap + b.chunk])
 
         def done():
-            self._accumulate(b, out)
+            self.grads.accumulate(b.index, out)
             self.pool.release(buf)
 
         self.inflight.launch(works, done)
-
-    def _accumulate(self, b: Bucket, out: torch.Tensor) -> None:
-        self.grads.accumulate(b.index, out)
 
     def _finish_backward(self) -> None:
         # buckets with parameters that got no gradient this micro-batch: send what arrived
@@ -145,7 +126,7 @@ class Stage2G(Strategy):
         return self.grads.chunks()
 
     def _publish(self) -> None:
-        gather_updated(self.flat, self.dp_rank, self.dp, self.ag_pool, self.ag_inflight)
+        gather_updated(self.flat, self.transport, self.ag_pool, self.ag_inflight)
 
     def _zero_grads(self) -> None:
         self.grads.zero()
@@ -154,5 +135,4 @@ class Stage2G(Strategy):
         ledger.add("params_lp", self.flat.nbytes)
         elt = torch.empty((), dtype=self.dtype).element_size()
         ledger.add("grads", self.flat.partition.shard_numel * elt)  # persistent shard
-        ag = self.ag_pool.capacity_bytes if self.ag_pool is not None else 0
-        ledger.add("comm_buffers", self.pool.capacity_bytes + ag)
+        ledger.add("comm_buffers", self.pool.capacity_bytes + self.ag_pool.capacity_bytes)

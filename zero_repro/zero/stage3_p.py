@@ -23,9 +23,10 @@ Schedule:
             (async) into the persistent gradient shard and the unit is released.
   step      nothing to gather: the updated shard is the parameter storage.
 
-On gloo the per-bucket all-gathers and reduce-scatters run as N_d rooted broadcasts / reduces
-in place in the unit's flat buffer / gradient buffer (``flat_buffer.rooted_collectives``: gloo
-emulates the native ones slowly; same elements, same 3Ψ ledger volume).
+The per-bucket all-gathers and reduce-scatters go through the DP group's transport
+(``distributed.transport``): native ones gather straight from the shard and reduce into one
+unit-shard output per reduction in flight; the rooted one of gloo broadcasts / reduces in place
+in the unit's flat buffer / gradient buffer (scratch of 0 elements). Same 3Ψ ledger volume.
 
 Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
 fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
@@ -39,10 +40,11 @@ import functools
 import torch
 from torch import nn
 
-from zero_repro.distributed import comm
+from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
+from zero_repro.distributed.topology import Topology
+from zero_repro.distributed.transport import InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.flat_buffer import (FlatParams, GradShards, InFlight, PeakBytes,
-                                         broadcast_chunks, reduce_chunks, rooted_collectives)
+from zero_repro.zero.flat_buffer import FlatParams, GradShards, PeakBytes
 from zero_repro.zero.strategy import Strategy
 
 
@@ -72,7 +74,19 @@ class _Unit:
 class Stage3P(Strategy):
     stage = 3
 
-    def _build_groups(self, named) -> list[FlatParams]:
+    def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
+                 zero_r: ZeroRConfig | None = None):
+        super().__init__(model, topo, zero, train, zero_r)
+        self.transport = bucket_transport(self.dp_group)
+        block_list = self._build_units()
+        self.inflight = InFlight(max_in_flight=2)
+        self.gathered_peak, self.buffer_peak = PeakBytes(), PeakBytes()
+        self._phase = "idle"
+        self._module_hooks = self._register_module_hooks(block_list)
+        self._attach([u.group for u in self.units], shard_rank=self.dp_rank, counts_norm=True)
+
+    def _build_units(self) -> list[nn.Module]:
+        """One flat, sharded unit per block plus the root; returns the blocks."""
         blocks = getattr(self.module, "blocks", None)
         block_list = list(blocks) if isinstance(blocks, nn.ModuleList) else []
         owner: dict[int, int] = {}
@@ -80,10 +94,9 @@ class Stage3P(Strategy):
             for p in blk.parameters():
                 owner.setdefault(id(p), i + 1)
         per_unit: list[list] = [[] for _ in range(len(block_list) + 1)]
-        for n, p in named:
+        for n, p in self.named:
             per_unit[owner.get(id(p), 0)].append((n, p))
         cap = self._bucket_capacity()
-        self.rooted = rooted_collectives()
         self.units: list[_Unit] = []
         self.block_units: list[_Unit | None] = [None] * len(block_list)
         self.root: _Unit | None = None
@@ -108,11 +121,7 @@ class Stage3P(Strategy):
             for _, p in params:
                 self.unit_of[id(p)] = u
         self._init_grad_storage(piece_base)
-        self.inflight = InFlight(max_in_flight=2)
-        self.gathered_peak, self.buffer_peak = PeakBytes(), PeakBytes()
-        self._phase = "idle"
-        self._module_hooks = self._register_module_hooks(block_list)
-        return [u.group for u in self.units]
+        return block_list
 
     def _init_grad_storage(self, n_pieces: int) -> None:
         sizes = [b.chunk for u in self.units for b in u.group.partition.buckets]
@@ -142,18 +151,10 @@ class Stage3P(Strategy):
         u.expect(UnitState.SHARDED, event="gather requested")
         u.group.materialize()
         self.gathered_peak.alloc(u.group.nbytes)
-        flat, r = u.group.flat, self.dp_rank
-        if self.rooted:
-            u.works = []
-            for b in u.group.partition.buckets:
-                lo, hi = b.owned(r)
-                flat[lo:hi].copy_(u.shard[b.shard_offset:b.shard_offset + b.chunk])
-                u.works += broadcast_chunks(flat[b.start:b.end], b.chunk, self.dp)
-        else:
-            u.works = [comm.all_gather_into(flat[b.start:b.end],
-                                            u.shard[b.shard_offset:b.shard_offset + b.chunk],
-                                            self.dp, async_op=True)
-                       for b in u.group.partition.buckets]
+        flat = u.group.flat
+        u.works = [w for b in u.group.partition.buckets
+                   for w in self.transport.all_gather(
+                       flat[b.start:b.end], u.shard[b.shard_offset:b.shard_offset + b.chunk])]
         u.state = UnitState.GATHERING
 
     def _ensure(self, u: _Unit) -> None:
@@ -248,25 +249,20 @@ class Stage3P(Strategy):
         if self.n_d > 1:
             buf.div_(self.n_d)
         part = u.group.partition
-        r = self.dp_rank
-        if self.rooted:  # reduced in place: the own chunk of each bucket receives the sum
-            out = None
-            works = [w for b in part.buckets
-                     for w in reduce_chunks(buf[b.start:b.end], b.chunk, self.dp)]
-        else:
-            out = torch.empty(part.shard_numel, dtype=self.dtype)
-            self.buffer_peak.alloc(out.numel() * out.element_size())
-            works = [comm.reduce_scatter_into(out[b.shard_offset:b.shard_offset + b.chunk],
-                                              buf[b.start:b.end], self.dp, async_op=True)
-                     for b in part.buckets]
+        # the transport's scratch for the reduced shard: none when it reduces in place
+        out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype)
+        self.buffer_peak.alloc(out.numel() * out.element_size())
+        works, reduced = [], []
+        for b in part.buckets:
+            w, piece = self.transport.reduce_scatter(
+                buf[b.start:b.end], out[b.shard_offset:b.shard_offset + b.chunk])
+            works += w
+            reduced.append(piece)
 
         def done():
-            for k, b in enumerate(part.buckets):
-                piece = (buf[b.owned(r)[0]:b.owned(r)[1]] if out is None
-                         else out[b.shard_offset:b.shard_offset + b.chunk])
+            for k, piece in enumerate(reduced):
                 self.grads.accumulate(u.piece_base + k, piece)
-            n_out = 0 if out is None else out.numel()
-            self.buffer_peak.free((buf.numel() + n_out) * buf.element_size())
+            self.buffer_peak.free((buf.numel() + out.numel()) * buf.element_size())
 
         self.inflight.launch(works, done)
 

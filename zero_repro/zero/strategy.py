@@ -1,4 +1,5 @@
-"""The one interface every ZeRO-DP stage implements (paper §5), and ``build_strategy``.
+"""The one interface every ZeRO-DP stage implements (paper §5); the stages side by side and
+``build_strategy`` are in ``zero_repro.zero`` (``__init__``).
 
 A ``Strategy`` wraps an ``nn.Module`` the way DDP does: call ``strategy.module(...)`` (or
 ``strategy.forward``), then ``strategy.backward(loss)`` and ``strategy.step()``.
@@ -21,9 +22,14 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``). On gloo
-the bucket reduce-scatters / all-gathers of stages 1-3 run as N_d rooted reduces / broadcasts
-of the chunks (same elements, same volume; ``flat_buffer.rooted_collectives``).
+stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``). How the
+bucket reduce-scatters / all-gathers of stages 1-3 travel (native, or N_d rooted reduces /
+broadcasts of the chunks on gloo: same elements, same volume) is the DP group's transport
+(``distributed.transport.bucket_transport``), picked once when a stage is built.
+
+Construction: ``Strategy.__init__`` sets what every stage shares (configs, DP group, N_d,
+dtype, loss scaler, the trainable parameters); each stage's ``__init__`` builds the storage it
+owns and ends with ``_attach`` (optimizer over the owned chunks, norm ranges, gradient hooks).
 
 Step cost outside the collectives: one multi-tensor norm over the owned gradients (``clip``;
 one host read of the agreed (norm, overflow) pair per step) and torch's fused AdamW kernel over
@@ -64,41 +70,45 @@ class Strategy:
 
     def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
                  zero_r: ZeroRConfig | None = None):
+        """The parts every stage shares; a stage's own ``__init__`` then builds its storage
+        and finishes with ``_attach``."""
         self.module = model
         self.topo, self.zero, self.train = topo, zero, train
         # None = the C_B and M_D behaviour ZeRO recommends (constant buffers, contiguous grads)
         self.zero_r = zero_r or ZeroRConfig(constant_buffers=True, contiguous_memory=True)
-        self.dp = topo.dp_group
-        self.n_d, self.dp_rank = self.dp.size, self.dp.rank
+        self.dp_group = topo.dp_group
+        self.n_d, self.dp_rank = self.dp_group.size, self.dp_group.rank
         self.dtype = precision.lp_dtype(zero.dtype)
         self.scaler = precision.build_scaler(zero)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.groups: list[FlatParams] = self._build_groups(named)
-        self._counted = self._counted_ranges(model)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in self.named]
+        self._micro = 0
+        self._is_last = True
+        self._no_sync = False
+
+    def _attach(self, groups: list[FlatParams], shard_rank: int, counts_norm: bool) -> None:
+        """Shared end of every stage's ``__init__``: the fp32 optimizer state over the owned
+        chunks (one per bucket, ``_param_chunks``), the gradient-norm ranges, the gradient hooks.
+
+        ``shard_rank``: which chunk of each bucket this rank owns (0 when nothing is sharded);
+        ``counts_norm``: whether this DP rank's gradient elements enter the global norm."""
+        self.groups = groups
+        self.shard_rank = shard_rank
+        self._counted = self._counted_ranges(self.module, counts_norm)
         chunks, base = [], 0
         for g in self.groups:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
-        self.opt = ShardAdamW(chunks, self._param_chunks(), precision.needs_master(zero.dtype))
-        self._micro = 0
-        self._is_last = True
-        self._no_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.opt = ShardAdamW(chunks, self._param_chunks(),
+                              precision.needs_master(self.zero.dtype))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
 
-    # ------------------------------------------------------------------ subclass interface
-    def _partition_world(self) -> int:
-        """How many ranks the optimizer state is split over (1 for baseline DP)."""
-        return self.n_d
-
+    # ------------------------------------------------------------------ stage interface
     def _bucket_capacity(self) -> int:
         """C_B: constant fused-buffer elements, or the whole model (paper's baseline)."""
         if self.zero_r.constant_buffers:
             return min(self.zero.reduce_bucket_size, self.zero.allgather_bucket_size)
         return 1 << 62  # one bucket per group: the fused buffer grows with the model
-
-    def _build_groups(self, named) -> list[FlatParams]:
-        raise NotImplementedError
 
     def _param_chunks(self) -> list[torch.Tensor]:
         """Training-dtype tensors holding this rank's owned elements, one per bucket."""
@@ -129,10 +139,6 @@ class Strategy:
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         raise NotImplementedError
-
-    def _counts_norm(self) -> bool:
-        """Whether this DP rank's gradient elements enter the global norm."""
-        return True
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -207,7 +213,8 @@ class Strategy:
                     if g.partition.world == 1:
                         full[b.start:b.end].copy_(mine)
                     else:
-                        comm.all_gather_into(full[b.start:b.end], mine.contiguous(), self.dp)
+                        comm.all_gather_into(full[b.start:b.end], mine.contiguous(),
+                                             self.dp_group)
                     i += 1
                 for s in g.slots:
                     out[s.name] = full[s.offset:s.end].view(s.shape).clone()
@@ -228,7 +235,7 @@ class Strategy:
             groups.append({
                 "name": g.name, "slots": [(s.name, s.offset, s.numel, s.shape) for s in g.slots],
                 "partition": g.partition.describe(),
-                "shard_ranges": g.partition.shard_ranges(self._shard_rank()),
+                "shard_ranges": g.partition.shard_ranges(self.shard_rank),
                 "master": master.clone(), "exp_avg": self.opt.exp_avg[base:base + n].clone(),
                 "exp_avg_sq": self.opt.exp_avg_sq[base:base + n].clone()})
             base += n
@@ -262,34 +269,18 @@ class Strategy:
         self._publish()
 
     # ------------------------------------------------------------------ helpers
-    def _shard_rank(self) -> int:
-        return self.dp_rank if self._partition_world() > 1 else 0
-
-    def _counted_ranges(self, model: nn.Module) -> list[list[tuple[int, int]]]:
+    def _counted_ranges(self, model: nn.Module,
+                        counts_norm: bool) -> list[list[tuple[int, int]]]:
         """Per owned chunk, the sub-ranges that enter the global grad norm on this rank."""
         dims_fn = getattr(model, "tp_partition_dims", None)
         dims = dims_fn() if callable(dims_fn) else {}
         tp_rank = self.topo.tp_group.rank if self.topo.tp_group is not None else 0
         counted = {n for n in self.names
-                   if dims.get(n) is not None or tp_rank == 0} if self._counts_norm() else set()
-        out, rank = [], self._shard_rank()
+                   if dims.get(n) is not None or tp_rank == 0} if counts_norm else set()
+        out, rank = [], self.shard_rank
         for g in self.groups:
             for b in g.partition.buckets:
                 lo, hi = b.owned(rank)
                 out.append(counted_subranges(g.slots, counted, lo, hi))
         return out
 
-
-def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
-                   zero_r: ZeroRConfig | None = None) -> Strategy:
-    """The strategy class for ``zero.stage`` wrapping ``model`` (parameters are re-pointed into
-    flat buffers and cast to ``zero.dtype``; build it after TP and activation checkpointing)."""
-    from zero_repro.zero.stage0_ddp import Stage0DDP
-    from zero_repro.zero.stage1_os import Stage1Os
-    from zero_repro.zero.stage2_g import Stage2G
-    from zero_repro.zero.stage3_p import Stage3P
-
-    classes = {0: Stage0DDP, 1: Stage1Os, 2: Stage2G, 3: Stage3P}
-    if zero.stage not in classes:
-        raise ValueError(f"zero.stage={zero.stage} is not one of {sorted(classes)}")
-    return classes[zero.stage](model, topo, zero, train, zero_r)
