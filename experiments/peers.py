@@ -1,38 +1,56 @@
 """Peers experiment: this project's ZeRO-DP stages side by side with torch DDP,
-DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7).
+DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7),
+racing like with like, with the distance of every framework to a lower bound.
 
-One measured point runs every framework in one set of ranks, interleaved step by step with a
-single-process reference (``zero_repro.peers.runners.run_peers``), so all speeds come from
-the same run under the same machine load. The record keeps, per framework, the per-step loss,
-the per-step max |Δθ| vs the reference with the tensor and rank where it is largest, the first
-divergence beyond tolerance, step times, the memory each rank holds and the communication of
-one step. ``summarize`` emits rows with figure ``peers``, series ``<framework>/stage<k>``,
-x_name ``framework`` and y_name step_time_s | ratio_to_best_peer | ratio_to_ddp |
-max_abs_dparam | max_abs_dloss | comm_volume_elements (all ``kind=measured``); ``plot`` draws
-grouped bars by stage and writes ``report.md`` (the ratio table).
+Points (each one record):
+  * ``same_kernel`` (the headline): every peer's AdamW is ``torch.optim.AdamW(fused=True)``,
+    the kernel this project's ShardAdamW runs; all frameworks + the lower bound (compute only:
+    the micro-batch's forward + backward, no communication, plus the fused AdamW on Ψ/N_d) +
+    the single-process reference (equivalence), on ``model`` (gpt_20m);
+  * ``as_shipped``: the same with the peers' default optimizers (on CPU torch's AdamW takes its
+    single-tensor path), a second table;
+  * ``size``: the size series, stage 2 and 3 frameworks on larger models (gpt_124m, the GPT-2
+    small shape), fused kernel, few steps, no reference (equivalence is checked at gpt_20m).
+A point runs one ``launch.spawn`` per process set (``runners.process_sets``: DeepSpeed ZeRO-3
+patches ``torch.nn.functional.linear`` for the whole process, so it runs in a set of its own;
+the lower bound runs in every set and puts the sets on one scale). Inside a set, frameworks
+are interleaved step by step (``runners.run_peers``), so load from other programs on the
+machine hits every framework alike; the timed steps are split into ``repeats`` blocks and the
+spread of the block medians is reported.
+
+``summarize`` emits rows with figure ``peers``, series ``<table>/<framework>/stage<k>``,
+x_name ``framework`` and y_name step_time_s | ratio_to_bound | ratio_to_best_peer |
+ratio_to_ddp | max_abs_dparam | tolerance_ratio | max_abs_dloss | comm_volume_elements (all
+``kind=measured``; extra columns table, model, params, stage, best_peer, repeats, detail);
+``plot`` draws the ratios on linear axes and writes ``report.md``.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 
+from experiments.throughput_common import model_conf
+from zero_repro.distributed.launch import spawn
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
-from zero_repro.peers.runners import DEEPSPEED_PEERS, FRAMEWORKS
-from zero_repro.distributed.launch import spawn
+from zero_repro.model.flops import param_count
 from zero_repro.peers import report
-from zero_repro.peers.runners import PeerSpec, run_peers
+from zero_repro.peers.runners import (DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH,
+                                      PeerSpec, process_sets, run_peers)
 
 log = logging.getLogger(__name__)
 
 FIGURE = "peers"
-Y_UNITS = {"step_time_s": "s", "ratio_to_best_peer": "x", "ratio_to_ddp": "x",
-           "max_abs_dparam": "abs", "max_abs_dloss": "nats", "comm_volume_elements": "elements"}
+TABLES = ("same_kernel", "as_shipped", "size")
+Y_UNITS = {"step_time_s": "s", "ratio_to_bound": "x", "ratio_to_best_peer": "x",
+           "ratio_to_ddp": "x", "max_abs_dparam": "abs", "tolerance_ratio": "x",
+           "max_abs_dloss": "nats", "comm_volume_elements": "elements"}
 
 
-def _frameworks(cfg) -> list[str]:
-    wanted = list(cfg.experiment.params.get("frameworks") or FRAMEWORKS)
+def _available(wanted) -> list[str]:
+    wanted = list(wanted)
     if importlib.util.find_spec("deepspeed") is None:
         dropped = [f for f in wanted if f in DEEPSPEED_PEERS]
         if dropped:
@@ -42,33 +60,80 @@ def _frameworks(cfg) -> list[str]:
     return wanted
 
 
+def _frameworks(cfg) -> list[str]:
+    return _available(cfg.experiment.params.get("frameworks") or FRAMEWORKS)
+
+
 def plan(cfg) -> list[Point]:
+    p = cfg.experiment.params
     fws = _frameworks(cfg)
     m, w = cfg.model, cfg.parallel.world_size
     if cfg.parallel.tp != 1:
         raise ValueError("the peers experiment compares data parallelism only: set parallel.tp=1")
-    return [Point(name=f"peers_{m.name}_w{w}",
-                  params={"model": m.name, "world_size": w, "frameworks": fws},
-                  mode="measured")]
+    tables = list(p.get("tables") or ["same_kernel"])
+    unknown = [t for t in tables if t not in TABLES]
+    if unknown:
+        raise ValueError(f"experiment.params.tables: unknown {unknown}; choose from {TABLES}")
+    pts = []
+    for table in tables:
+        if table == "size":
+            continue
+        opt = "fused" if table == "same_kernel" else "as_shipped"
+        pts.append(Point(name=f"peers_{m.name}_w{w}_{table}",
+                         params={"model": m.name, "world_size": w, "frameworks": fws,
+                                 "optimizer": opt, "table": table, "reference": True,
+                                 "by_stage": False}, mode="measured"))
+    if "size" in tables:
+        s = p.get("size_series") or {}
+        size_fws = _available(s.get("frameworks") or [])
+        for name in s.get("models") or []:
+            ov = {f"model.{k}": v for k, v in model_conf(name).items()}
+            ov["train.steps"] = int(s.get("steps", cfg.train.steps))
+            pts.append(Point(name=f"peers_{name}_w{w}_size",
+                             params={"model": name, "world_size": w, "frameworks": size_fws,
+                                     "optimizer": "fused", "table": "size",
+                                     "reference": bool(s.get("reference", False)),
+                                     "by_stage": True, "steps": ov["train.steps"]},
+                             overrides=ov, mode="measured"))
+    return pts
 
 
 def run_point(cfg, point: Point) -> dict:
-    p = cfg.experiment.params
-    spec = PeerSpec(cfg.model, cfg.train, cfg.zero, frameworks=tuple(point.params["frameworks"]),
-                    digest_every=int(p.get("digest_every", 1)))
-    results = spawn(run_peers, cfg.parallel.world_size, spec, backend=cfg.cluster.backend,
-                    timeout_s=cfg.launcher.collective_timeout_s)
-    eq = report.equivalence(results, cfg.train.lr, float(p.get("param_tol_rel_lr", 0.05)),
-                            float(p.get("loss_tol", 1e-4)))
-    sp = report.speed(results, cfg.train.warmup_steps)
-    log.info("peers (world %d, %s, fp32, measured):\n%s", cfg.parallel.world_size,
-             cfg.model.name, report.format_report(eq, sp))
-    r0 = min(results, key=lambda r: r["rank"])
-    fw = r0["frameworks"]
-    return {"metrics": {"equivalence": eq, "speed": sp,
+    p, pp = cfg.experiment.params, point.params
+    spec = PeerSpec(cfg.model, cfg.train, cfg.zero, optimizer=pp["optimizer"],
+                    reference=bool(pp.get("reference", True)),
+                    digest_every=int(p.get("digest_every", 1)),
+                    param_tol_rel_lr=float(p.get("param_tol_rel_lr", 0.05)),
+                    grad_rounding_rel=float(p.get("grad_rounding_rel", 1e-5)))
+    sets = process_sets(pp["frameworks"], by_stage=bool(pp.get("by_stage")))
+    load = [os.getloadavg()[0]]
+    results = []
+    for fws in sets:  # one set of processes each (a patching framework alone + the bound)
+        log.info("peers: process set %s", fws)
+        results.append(spawn(run_peers, cfg.parallel.world_size,
+                             PeerSpec(**{**vars(spec), "frameworks": tuple(fws)}),
+                             backend=cfg.cluster.backend,
+                             timeout_s=cfg.launcher.collective_timeout_s))
+        load.append(os.getloadavg()[0])
+    repeats = int(p.get("repeats", 3))
+    eq = (report.equivalence(report.merge_sets(results), cfg.train.lr,
+                             spec.param_tol_rel_lr, float(p.get("loss_tol", 1e-4)))
+          if spec.reference else {})
+    sp = report.speed_sets(results, cfg.train.warmup_steps, repeats)
+    log.info("peers %s (world %d, %s, fp32, %s AdamW, measured):\n%s", pp["table"],
+             cfg.parallel.world_size, cfg.model.name, spec.optimizer,
+             report.format_report(eq, sp))
+    fw = {n: tr for rs in results for n, tr in min(rs, key=lambda r: r["rank"])[
+        "frameworks"].items()}
+    return {"metrics": {"table": pp["table"], "model": cfg.model.name,
+                        "params": param_count(cfg.model), "optimizer": spec.optimizer,
+                        "process_sets": [list(s) for s in sets],
+                        "patches_torch": {n: PATCHES_TORCH[n] for n in fw if n in PATCHES_TORCH},
+                        "loadavg_1min": load, "repeats": repeats,
+                        "equivalence": eq, "speed": sp,
                         "build_s": {n: fw[n]["build_s"] for n in fw}},
-            "memory": {n: {f"rank{r['rank']}": r["frameworks"][n]["memory"] for r in results}
-                       for n in fw},
+            "memory": {n: {f"rank{r['rank']}": r["frameworks"][n]["memory"]
+                           for rs in results for r in rs if n in r["frameworks"]} for n in fw},
             "comm": {n: fw[n]["comm"] for n in fw}}
 
 
@@ -77,39 +142,75 @@ def _detail(e: dict) -> str:
     if fd:
         return f"first beyond tolerance: step {fd['step']} {fd['tensor']} rank {fd['rank']}"
     at = [w for w in e.get("worst_at") or [] if w]
-    return f"within tolerance; largest in {at[-1][0]} (rank {at[-1][1]})" if at else ""
+    if not at:
+        return ""
+    n = e.get("elements_within_budget_only") or 0
+    extra = f"; {n} element-steps needed the conditioning budget" if n else ""
+    return f"within tolerance; largest in {at[-1][0]} (rank {at[-1][1]}){extra}"
+
+
+def _spread(xs) -> str:
+    xs = [x for x in xs or [] if x is not None]
+    return f"{min(xs):.3f}-{max(xs):.3f}" if xs else ""
 
 
 def summarize(records) -> list[dict]:
+    newest: dict = {}
+    for r in records:  # the newest ok record of every point (older runs stay as history)
+        if r.status == "ok" and (r.point not in newest
+                                 or r.timestamp >= newest[r.point].timestamp):
+            newest[r.point] = r
     rows = []
-    for r in records:
-        if r.status != "ok":
-            continue
-        eq, sp = r.metrics.get("equivalence", {}), r.metrics.get("speed", {})
+    for r in newest.values():
+        m = r.metrics
+        if "table" not in m:
+            continue  # a record of the earlier race (default AdamW peers, no bound): history
+        eq, sp = m.get("equivalence", {}), m.get("speed", {})
+        table = m["table"]
         for name, s in sp.items():
             e = eq.get(name, {})
             comm = r.comm.get(name, {})
             vol = sum(v.get("volume", 0) for k, v in comm.items()
                       if isinstance(v, dict) and k.endswith("/dp"))
-            values = {"step_time_s": s.get("step_time_s"),
-                      "ratio_to_best_peer": s.get("ratio_to_best_peer"),
-                      "ratio_to_ddp": s.get("ratio_to_ddp"),
-                      "max_abs_dparam": e.get("max_abs_dparam_all"),
-                      "max_abs_dloss": e.get("max_abs_dloss_all"),
-                      "comm_volume_elements": vol or None}
-            for y_name, y in values.items():
+            values = {"step_time_s": (s.get("step_time_s"), s.get("repeats_s")),
+                      "ratio_to_bound": (s.get("ratio_to_bound"),
+                                         s.get("ratio_to_bound_repeats")),
+                      "ratio_to_best_peer": (s.get("ratio_to_best_peer"),
+                                             s.get("ratio_to_best_peer_repeats")),
+                      "ratio_to_ddp": (s.get("ratio_to_ddp"), None),
+                      "max_abs_dparam": (e.get("max_abs_dparam_all"), None),
+                      "tolerance_ratio": (e.get("max_tolerance_ratio"), None),
+                      "max_abs_dloss": (e.get("max_abs_dloss_all"), None),
+                      "comm_volume_elements": (vol or None, None)}
+            for y_name, (y, reps) in values.items():
                 if y is None:
                     continue
-                rows.append({"figure": FIGURE, "series": f"{name}/stage{s['stage']}",
+                rows.append({"figure": FIGURE, "series": f"{table}/{name}/stage{s['stage']}",
                              "x_name": "framework", "x_value": name, "y_name": y_name,
                              "y_value": y, "unit": Y_UNITS[y_name], "kind": r.mode,
-                             "stage": s["stage"], "best_peer": s.get("best_peer") or "",
+                             "table": table, "model": m.get("model", r.params.get("model")),
+                             "params": m.get("params"), "stage": s["stage"],
+                             "process_set": s.get("process_set", 0),
+                             "best_peer": s.get("best_peer") or "",
+                             "repeats": json.dumps([round(x, 4) for x in reps]) if reps else "",
                              "detail": _detail(e) if y_name == "max_abs_dparam" else ""})
     return rows
 
 
+def _color(name: str) -> str:
+    return ("C2" if name.startswith("zero_repro") else "C1" if name.startswith("deepspeed")
+            else "0.5" if name == LOWER_BOUND else "C0")
+
+
+def _reps(v) -> list[float]:
+    return json.loads(v) if isinstance(v, str) and v else []
+
+
 def plot(table, out_dir: str) -> list[str]:
-    """Grouped bars by stage (step time, ratio to the best peer, max |Δθ|) + report.md."""
+    """Linear axes: (a) every framework's step time / the lower bound, same kernel; (b) the
+    project's stage k / the best peer at stage k, same kernel vs as shipped; (c) the size
+    series, step time / lower bound at stages 2 and 3 against the parameter count. Error bars:
+    min-max over the repeats. Writes report.md."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,51 +219,167 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["kind"] != "paper"].copy()
     t["y"] = pd.to_numeric(t["y_value"], errors="coerce")
-    panels = [("step_time_s", "median step time [s]", False),
-              ("ratio_to_best_peer", "step time / best peer at the same stage", False),
-              ("max_abs_dparam", "max |θ - θ_ref| over steps", True)]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for ax, (y_name, label, logy) in zip(axes, panels):
-        d = t[t["y_name"] == y_name].sort_values(["stage", "x_value"])
-        colors = ["C2" if str(x).startswith("zero_repro") else
-                  "C1" if str(x).startswith("deepspeed") else "C0" for x in d["x_value"]]
-        ax.bar(range(len(d)), d["y"], color=colors)
-        ax.set_xticks(range(len(d)), [f"{x}\n(s{s})" for x, s in zip(d["x_value"], d["stage"])],
-                      rotation=60, fontsize=7, ha="right")
-        ax.set_ylabel(label)
-        if logy and (d["y"] > 0).any():
-            ax.set_yscale("log")
-        if y_name == "ratio_to_best_peer":
-            ax.axhline(0.9, color="red", linestyle="--", linewidth=1, label="goal 0.9")
-            ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
-            ax.legend(fontsize=7)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("ZeRO stages vs peers (measured, world 2, fp32, CPU/gloo; blue torch, "
-                 "orange DeepSpeed, green zero_repro)", fontsize=10)
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1.2]})
+    _panel_bound(axes[0], t)
+    _panel_best_peer(axes[1], t)
+    _panel_size(axes[2], t)
+    fig.suptitle("ZeRO stages vs peers, measured on CPU/gloo, world 2, fp32 (blue torch, orange "
+                 "DeepSpeed, green zero_repro, grey lower bound; bars: median, whiskers: min-max "
+                 "of 3 repeats)", fontsize=10)
     fig.tight_layout()
     paths = save_figure(fig, out_dir, FIGURE, dpi=130)
     paths.append(_write_report(t, out_dir))
     return paths
 
 
-def _write_report(t, out_dir: str) -> str:
-    wide = t.pivot_table(index=["stage", "x_value"], columns="y_name", values="y",
+def _errbar(ys, reps):
+    lo = [y - min(r) if r else 0 for y, r in zip(ys, reps)]
+    hi = [max(r) - y if r else 0 for y, r in zip(ys, reps)]
+    return [[max(0, v) for v in lo], [max(0, v) for v in hi]]
+
+
+def _panel_bound(ax, t) -> None:
+    d = t[(t["table"] == "same_kernel") & (t["y_name"] == "ratio_to_bound")]
+    d = d.sort_values(["stage", "x_value"])
+    reps = [_reps(v) for v in d["repeats"]]
+    ax.bar(range(len(d)), d["y"], color=[_color(x) for x in d["x_value"]],
+           yerr=_errbar(list(d["y"]), reps), capsize=2)
+    ax.set_xticks(range(len(d)), [f"{x}\n(stage {s})" if s >= 0 else f"{x}" for x, s in
+                                  zip(d["x_value"], d["stage"])],
+                  rotation=60, fontsize=7, ha="right")
+    ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="lower bound (1.0)")
+    ax.axhline(report.GOAL_BOUND, color="red", linestyle="--", linewidth=1,
+               label=f"issue 17 goal for zero_repro ({report.GOAL_BOUND:.2f})")
+    top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
+    ax.set_ylim(0, top * 1.08)  # whiskers included
+    ax.set_ylabel("step time / lower bound [x], same fused AdamW")
+    ax.set_title("(a) distance to the lower bound (gpt_20m)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _panel_best_peer(ax, t) -> None:
+    d = t[(t["y_name"] == "ratio_to_best_peer") & t["x_value"].str.startswith("zero_repro")
+          & t["table"].isin(["same_kernel", "as_shipped"])]
+    width = 0.38
+    for i, (table, hatch) in enumerate((("same_kernel", ""), ("as_shipped", "//"))):
+        e = d[d["table"] == table].sort_values("stage")
+        if e.empty:  # not measured: no legend entry
+            continue
+        reps = [_reps(v) for v in e["repeats"]]
+        ax.bar(e["stage"] + (i - 0.5) * width, e["y"], width=width, color="C2" if i == 0 else
+               "#a6dba0", hatch=hatch, edgecolor="0.3", yerr=_errbar(list(e["y"]), reps),
+               capsize=2, label="peers with fused AdamW (same kernel)" if i == 0 else
+               "peers as shipped (default AdamW)")
+    for k, g in report.GOAL_RATIO.items():
+        ax.hlines(g, k - 0.45, k + 0.45, color="red", linestyle="--", linewidth=1,
+                  label="issue 17 goal" if k == 0 else None)
+    ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="parity with the best peer")
+    ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
+    tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]
+    ax.set_ylim(0, max([1.3] + tops) * 1.25)  # room for the legend above the bars
+    ax.set_ylabel("zero_repro / best peer at the stage [x]")
+    ax.set_title("(b) step time vs the best peer (gpt_20m)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _panel_size(ax, t) -> None:
+    d = t[(t["y_name"] == "ratio_to_bound") & (t["stage"].isin([2, 3]))
+          & t["table"].isin(["same_kernel", "size"])].copy()
+    d["params_m"] = pd_numeric(d["params"]) / 1e6
+    for (name, stage), e in d.groupby(["x_value", "stage"]):
+        e = e.sort_values("params_m")
+        reps = [_reps(v) for v in e["repeats"]]
+        ax.errorbar(e["params_m"], e["y"], yerr=_errbar(list(e["y"]), reps), marker="o",
+                    color=_color(name), linestyle="-" if stage == 2 else "--", capsize=2,
+                    label=f"{name} (stage {stage})")
+    ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("model parameters [M] (seq 64, micro-batch 4 per rank)")
+    ax.set_ylabel("step time / lower bound [x], same fused AdamW")
+    ax.set_title("(c) size series, stages 2 (solid) and 3 (dashed)", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(True, alpha=0.3)
+
+
+def pd_numeric(s):
+    import pandas as pd
+
+    return pd.to_numeric(s, errors="coerce")
+
+
+def _fmt(v, fmt: str) -> str:
+    return format(v, fmt) if v is not None and v == v else "-"
+
+
+def _speed_table(t, table: str) -> list[str]:
+    d = t[t["table"] == table]
+    if d.empty:
+        return ["(not measured)"]
+    wide = d.pivot_table(index=["model", "stage", "x_value"], columns="y_name", values="y",
                          aggfunc="first").reset_index()
-    detail = t[t["y_name"] == "max_abs_dparam"].set_index("x_value")["detail"]
-    peer = t.drop_duplicates("x_value").set_index("x_value")["best_peer"]
-    lines = ["# Peers: measured step time and equivalence (world 2, fp32, CPU/gloo)", "",
-             "| stage | framework | median step [s] | / best peer | best peer | / DDP | "
-             "max abs dθ | equivalence |", "|---|---|---|---|---|---|---|---|"]
-    for _, r in wide.iterrows():
-        def f(k, fmt):
-            v = r.get(k)
-            return format(v, fmt) if v == v and v is not None else "-"
-        lines.append(f"| {r['stage']} | {r['x_value']} | {f('step_time_s', '.3f')} | "
-                     f"{f('ratio_to_best_peer', '.2f')} | {peer.get(r['x_value'], '') or '-'} | "
-                     f"{f('ratio_to_ddp', '.2f')} | {f('max_abs_dparam', '.1e')} | "
-                     f"{detail.get(r['x_value'], '')} |")
+    reps = d.set_index(["model", "x_value", "y_name"])["repeats"]
+    peer = d.drop_duplicates(["model", "x_value"]).set_index(["model", "x_value"])
+    detail = d[d["y_name"] == "max_abs_dparam"].set_index(["model", "x_value"])["detail"]
+    lines = ["| model | stage | framework | median step [s] (3 repeats) | / lower bound "
+             "(repeats) | / best peer (repeats) | best peer | / DDP | process set | "
+             "max abs dθ | tolerance ratio | equivalence |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, r in wide.sort_values(["model", "stage", "x_value"]).iterrows():
+        key = (r["model"], r["x_value"])
+
+        def rep(y):
+            return _spread(_reps(reps.get((*key, y), "")))
+
+        lines.append(
+            f"| {r['model']} | {r['stage'] if r['stage'] >= 0 else '-'} | {r['x_value']} | "
+            f"{_fmt(r.get('step_time_s'), '.3f')} ({rep('step_time_s')}) | "
+            f"{_fmt(r.get('ratio_to_bound'), '.2f')} ({rep('ratio_to_bound')}) | "
+            f"{_fmt(r.get('ratio_to_best_peer'), '.2f')} ({rep('ratio_to_best_peer')}) | "
+            f"{peer.loc[key, 'best_peer'] or '-'} | {_fmt(r.get('ratio_to_ddp'), '.2f')} | "
+            f"{peer.loc[key, 'process_set']} | {_fmt(r.get('max_abs_dparam'), '.1e')} | "
+            f"{_fmt(r.get('tolerance_ratio'), '.2f')} | {detail.get(key, '') or '-'} |")
+    return lines
+
+
+def _write_report(t, out_dir: str) -> str:
+    lines = ["# Peers: measured step time, distance to the lower bound and equivalence",
+             "", "World 2, fp32, CPU/gloo on a shared 2-core machine (other programs were "
+             "running: the 1-minute load average is in each record's `loadavg_1min`; "
+             "frameworks of one process set are interleaved step by step, so load hits them "
+             "alike, and the spread of 3 repeats, i.e. the medians of 3 consecutive blocks of "
+             "the timed steps, is shown in brackets).", "",
+             "## Same kernel: every peer with torch.optim.AdamW(fused=True)", "",
+             *_speed_table(t, "same_kernel"), "",
+             "## As shipped: the peers' default optimizers (zero_repro's fused AdamW as always)",
+             "", *_speed_table(t, "as_shipped"), "",
+             "## Size series (stages 2 and 3, fused AdamW, few steps, no reference)", "",
+             *_speed_table(t, "size"), "",
+             "## How to read it", "",
+             "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
+             "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
+             "framework's distance to it (issue 17 goal for zero_repro: <= "
+             f"{report.GOAL_BOUND:.2f}).",
+             "- `/ best peer`: the fastest other framework at the same ZeRO stage (issue 17 goal "
+             "for zero_repro: <= 0.95 at stages 0-1, <= 0.80 at stages 2-3). Within a process "
+             "set the step times are divided directly; across sets through each set's lower "
+             "bound.",
+             "- Process sets: DeepSpeed ZeRO-3 replaces `torch.nn.functional.linear` for the "
+             "whole process (measured with DeepSpeed 0.19.8; ZeRO-1/2 patch nothing), so it "
+             "runs in a process set of its own and no other framework runs through its linear "
+             "(isolated, not assumed harmless). The size series runs one set per stage (fewer "
+             "model copies per process).",
+             "- Equivalence: per element |θ_f - θ_ref| <= 0.05·lr·(s+1) + B_e(s), B_e the "
+             "conditioning budget Σ_k lr·min(2, 2δ_k/(√v̂_k+eps)), δ_k = 1e-5·max|g_k| of the "
+             "tensor (fp32 rounding of a gradient summed in another order). Adam divides that "
+             "rounding by ~eps where a gradient is below eps, so such an element may flip its "
+             "first update's sign in any framework, DDP included; elsewhere B_e ~ 0 and a real "
+             "bug (~lr per step on many elements) is still caught. `tolerance ratio` = max "
+             "|Δθ|/allowed (<= 1: equivalent)."]
     path = os.path.join(out_dir, "report.md")
     with open(path + ".tmp", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     os.replace(path + ".tmp", path)
     return path
+

@@ -18,8 +18,19 @@ import torch
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.peers import report
-from zero_repro.peers.runners import (DEEPSPEED_PEERS, OURS, TORCH_PEERS, PeerSpec, Reference,
-                                      digest, run_peers)
+import os
+
+import pandas as pd
+from hydra import compose, initialize_config_dir
+
+from experiments import peers as exp
+from zero_repro import config as C
+from zero_repro.cli import conf_dir
+from zero_repro.harness import regenerate
+from zero_repro.harness import sweep
+from zero_repro.peers.runners import (DEEPSPEED_PEERS, LOWER_BOUND, OURS, PATCHES_TORCH,
+                                      TORCH_PEERS, PeerSpec, Reference, compare, digest,
+                                      process_sets, run_peers)
 
 TINY = ModelConfig(name="tiny", n_layer=2, n_embd=64, n_head=4, seq_len=64, vocab_size=512,
                    vocab_pad_multiple=8)
@@ -154,3 +165,110 @@ def test_deepspeed_absent_is_skipped_with_a_message(monkeypatch):
     cfg.experiment.params = {"frameworks": ["torch_ddp", "deepspeed_z2", "zero_repro_s2"]}
     (point,) = exp.plan(cfg)
     assert point.params["frameworks"] == ["torch_ddp", "zero_repro_s2"]
+
+
+def test_process_sets_isolate_the_frameworks_that_patch_torch():
+    names = ["torch_ddp", "deepspeed_z2", "deepspeed_z3", "zero_repro_s3", LOWER_BOUND]
+    sets = process_sets(names)
+    assert "deepspeed_z3" in PATCHES_TORCH
+    assert sets == [("torch_ddp", "deepspeed_z2", "zero_repro_s3", LOWER_BOUND),
+                    ("deepspeed_z3", LOWER_BOUND)]
+    by_stage = process_sets(names, by_stage=True)
+    assert by_stage == [("torch_ddp", LOWER_BOUND), ("deepspeed_z2", LOWER_BOUND),
+                        ("zero_repro_s3", LOWER_BOUND), ("deepspeed_z3", LOWER_BOUND)]
+
+
+def test_conditioning_budget_allows_rounding_below_eps_but_not_a_missed_update():
+    """One reference step with eps 1e-8: an element whose gradient is below eps may differ by
+    up to a sign flip (2 lr) from rounding; a well-conditioned element that did not update
+    (a bug: ~lr off) is beyond tolerance."""
+    spec = _spec(("torch_ddp",))
+    spec = PeerSpec(spec.model, TrainConfig(steps=1, micro_batch_size=2, lr=1e-3, eps=1e-8,
+                                            progress=False), spec.zero, frameworks=())
+    ref = Reference(spec, 0, 1)
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    before = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    ref.step(x, x)
+    after = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    name = "blocks.0.mlp.fc.weight"
+    budget = ref.budget[name]
+    moved = (after[name] - before[name]).abs()
+    # gradient-dominated elements moved by ~lr and have (almost) no budget; only the few whose
+    # gradient is within the tensor's rounding scale (δ = 1e-5 max|g|) of zero have one
+    well = (moved > 0.9e-3) & (budget < 1e-5)
+    assert well.sum() > 0.95 * moved.numel()
+    abs_tol = 0.05 * 1e-3
+
+    class Fake:  # a framework whose parameters we set by hand
+        def __init__(self, params):
+            self.params = params
+
+        def views(self):
+            for n, p in self.params.items():
+                yield n, p, None
+
+    # a missed update of one well-conditioned element: beyond tolerance
+    bad = {n: p.clone() for n, p in after.items()}
+    i = int(well.flatten().nonzero()[0])
+    bad[name].view(-1)[i] = before[name].view(-1)[i]
+    q = compare(Fake(bad), after, ref.budget, abs_tol)[2]
+    assert q > 10
+    # an element given a tiny gradient (below eps) flipping its update: within its budget
+    flip = {n: p.clone() for n, p in after.items()}
+    j = int(budget.flatten().argmax())
+    b = float(budget.view(-1)[j])
+    assert b > 4 * abs_tol  # such an element exists in the test's GPT
+    off = 0.9 * (abs_tol + b)  # far beyond the floor, within floor + budget
+    flip[name].view(-1)[j] = after[name].view(-1)[j] + off
+    w, where, q, n_cond = compare(Fake(flip), after, ref.budget, abs_tol)
+    assert where == name and w == pytest.approx(off, rel=1e-3) and q <= 1 and n_cond == 1
+    # the same offset on a gradient-dominated element is beyond tolerance
+    flip[name].view(-1)[j] = after[name].view(-1)[j]
+    flip[name].view(-1)[i] = after[name].view(-1)[i] + off
+    assert compare(Fake(flip), after, ref.budget, abs_tol)[2] > 1
+
+
+def _cfg(*overrides: str) -> C.Config:
+    C.register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        dcfg = compose("config", overrides=["+exp=peers", *overrides])
+    return C.validate(C.to_config(dcfg))
+
+
+@pytest.mark.slow  # 4 tiny spawns at world 2: ~30-60 s on 2 shared cores
+def test_experiment_tables_bound_and_size_series_end_to_end(tmp_path):
+    """The experiment at tiny size: same-kernel and as-shipped tables, a size series point,
+    the lower bound in every process set, ratios with the spread of the repeats, the
+    figure and report written."""
+    cfg = _cfg("model=tiny", "train.steps=5", "experiment.params.digest_every=1",
+               "experiment.params.frameworks=[torch_ddp,zero_repro_s0,zero_repro_s3,"
+               "fsdp2_reshard,lower_bound]",
+               "experiment.params.size_series.models=[small]",
+               "experiment.params.size_series.steps=5",
+               "experiment.params.size_series.frameworks=[fsdp2_reshard,zero_repro_s3,"
+               "lower_bound]", f"experiment.results_dir={tmp_path}")
+    res = sweep.run_sweep(cfg, exp, progress=False)
+    assert res.count("ok") == 3, [r.reason for r in res.records]
+    by = {r.metrics["table"]: r for r in res.records}
+    assert set(by) == {"same_kernel", "as_shipped", "size"}
+    assert by["same_kernel"].metrics["optimizer"] == "fused"
+    assert by["as_shipped"].metrics["optimizer"] == "as_shipped"
+    sp = by["same_kernel"].metrics["speed"]
+    assert sp[LOWER_BOUND]["ratio_to_bound"] == pytest.approx(1.0)
+    for n in ("torch_ddp", "zero_repro_s0", "zero_repro_s3", "fsdp2_reshard"):
+        assert sp[n]["ratio_to_bound"] > 0 and len(sp[n]["repeats_s"]) == 3
+    assert sp["zero_repro_s3"]["best_peer"] == "fsdp2_reshard"
+    assert len(sp["zero_repro_s3"]["ratio_to_best_peer_repeats"]) == 3
+    eq = by["same_kernel"].metrics["equivalence"]
+    assert LOWER_BOUND not in eq and all(e["equivalent"] for e in eq.values()), eq
+    size = by["size"].metrics
+    assert size["model"] == "small" and size["equivalence"] == {}
+    assert size["process_sets"] == [["fsdp2_reshard", "zero_repro_s3", LOWER_BOUND]]  # by stage
+    out = regenerate.regenerate("peers", str(tmp_path), experiment=exp)
+    table = pd.read_csv(out["table"])
+    assert {"same_kernel", "as_shipped", "size"} <= set(table["table"])
+    assert {"ratio_to_bound", "ratio_to_best_peer", "tolerance_ratio"} <= set(table["y_name"])
+    text = open(os.path.join(tmp_path, "peers", "report.md")).read()
+    assert "Same kernel" in text and "As shipped" in text and "Size series" in text
+    assert "| tiny | 3 | zero_repro_s3 |" in text and "| small | 3 | zero_repro_s3 |" in text
+    assert any(p.endswith("peers.png") for p in out["figures"])

@@ -13,7 +13,15 @@ snapshot is stored or sent anywhere.
 Speed: frameworks are interleaved step by step (the order rotates every step) inside one set of
 processes, so load from other programs on the machine hits every framework alike. A timed step
 is barrier -> forward/backward/step/zero_grad -> clock; the step time of a step is the slowest
-rank's.
+rank's. Like with like: with ``optimizer="fused"`` every peer runs ``torch.optim.AdamW(
+fused=True)``, the kernel of this project's ShardAdamW (``"as_shipped"``: the peers' defaults).
+``lower_bound`` is the floor: the same micro-batch's forward + backward with no communication
+plus the fused AdamW on Ψ/N_d elements.
+
+Isolation: a framework that replaces a torch function for the whole process (``PATCHES_TORCH``:
+DeepSpeed ZeRO-3 sets ``torch.nn.functional.linear``, measured) runs in its own process set
+(``process_sets``), so no other framework runs through its functions; the lower bound runs in
+every set and puts the sets on one scale (report.py).
 
 Communication: one untimed warm-up step per framework runs under ``CommCounter`` (a
 ``TorchDispatchMode`` that sees every c10d collective, including DDP's C++ reducer calls) and is
@@ -61,10 +69,36 @@ FRAMEWORKS: dict[str, tuple[int, str]] = {
     "zero_repro_s1": (1, "zero_repro"),
     "zero_repro_s2": (2, "zero_repro"),
     "zero_repro_s3": (3, "zero_repro"),
+    "lower_bound": (-1, "bound"),  # compute only: not a framework, the floor of every stage
 }
 TORCH_PEERS = ("torch_ddp", "torch_zero_redundancy", "fsdp2_no_reshard", "fsdp2_reshard")
 DEEPSPEED_PEERS = ("deepspeed_z1", "deepspeed_z2", "deepspeed_z3")
 OURS = ("zero_repro_s0", "zero_repro_s1", "zero_repro_s2", "zero_repro_s3")
+LOWER_BOUND = "lower_bound"
+# frameworks that replace a torch function for the whole process (measured: DeepSpeed 0.19.8's
+# ZeRO-3 engine sets torch.nn.functional.linear to its own autograd function; stages 1-2 leave
+# torch's functions alone). Every framework sharing the process would run through it, so they
+# run in a process set of their own (``process_sets``).
+PATCHES_TORCH: dict[str, str] = {"deepspeed_z3": "torch.nn.functional.linear"}
+OPTIMIZERS = ("fused", "as_shipped")
+
+
+def process_sets(frameworks, anchors=(LOWER_BOUND,), by_stage: bool = False
+                 ) -> list[tuple[str, ...]]:
+    """Split ``frameworks`` into process sets: one for every framework that does not patch
+    torch (one per ZeRO stage with ``by_stage``: fewer model copies per process for large
+    models), one per patching framework. ``anchors`` (the lower bound) run in every set, so
+    each set's times can be put on one scale (ratios across sets divide by the set's bound)."""
+    fws = [f for f in frameworks if f not in anchors]
+    plain = [f for f in fws if f not in PATCHES_TORCH]
+    if by_stage:
+        stages = sorted({FRAMEWORKS[f][0] for f in plain})
+        sets = [[f for f in plain if FRAMEWORKS[f][0] == k] for k in stages]
+    else:
+        sets = [plain] if plain else []
+    sets += [[f] for f in fws if f in PATCHES_TORCH]
+    anchors = [a for a in anchors if a in frameworks]
+    return [tuple(s + anchors) for s in sets] or ([tuple(anchors)] if anchors else [])
 
 
 @dataclass
@@ -77,6 +111,15 @@ class PeerSpec:
     frameworks: tuple = ()
     digest_every: int = 1  # compare with the reference every k steps (and at the last step)
     comm_step: int = -1  # step counted by CommCounter (untimed); -1: the last warm-up step
+    param_tol_rel_lr: float = 0.05  # |Δθ| floor at step s: param_tol_rel_lr · lr · (s + 1)
+    # "fused": every peer's AdamW is torch.optim.AdamW(fused=True), the kernel this project's
+    # ShardAdamW runs (like with like); "as_shipped": the peers' defaults (on CPU torch's
+    # AdamW then takes its single-tensor path). The project's stages run fused in both.
+    optimizer: str = "fused"
+    reference: bool = True  # train the single-process reference and compare (equivalence)
+    # fp32 rounding of a gradient, relative to the largest gradient of its tensor, that the
+    # conditioning budget assumes (report.py: principled parameter tolerance)
+    grad_rounding_rel: float = 1e-5
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.frameworks if f not in FRAMEWORKS]
@@ -86,6 +129,8 @@ class PeerSpec:
             raise ValueError("peer comparisons run in fp32: set zero.dtype=fp32")
         if self.train.grad_accum != 1:
             raise ValueError("peer comparisons use train.grad_accum=1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose from {list(OPTIMIZERS)}")
 
 
 def deepspeed_available() -> tuple[bool, str]:
@@ -178,10 +223,16 @@ class Runner:
         self.stage, self.family = FRAMEWORKS[self.name]
         self.model = GPT(spec.model, seed=spec.train.seed)
 
-    def adamw(self, params):
+    def adamw_kwargs(self) -> dict:
         t = self.spec.train
-        return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                 weight_decay=t.weight_decay)
+        kw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps,
+              "weight_decay": t.weight_decay}
+        if self.spec.optimizer == "fused":
+            kw["fused"] = True  # torch's fused AdamW kernel (CPU since torch 2.4)
+        return kw
+
+    def adamw(self, params):
+        return torch.optim.AdamW(params, **self.adamw_kwargs())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step of a plain torch model + ``self.opt`` (overridden where the
@@ -206,7 +257,15 @@ class Runner:
 
 
 class Reference(Runner):
-    """Single process, TP=1 model, full global batch, torch.optim.AdamW."""
+    """Single process, TP=1 model, full global batch, torch.optim.AdamW (single-tensor path:
+    the plainest arithmetic, independent of every framework's kernel).
+
+    ``budget[name]``: per element, the parameter difference that fp32 rounding of the
+    gradients can explain after the steps so far (the conditioning budget of report.py):
+    sum over steps k of lr·min(2, 2δ_k/(√v̂_k + eps)), δ_k = grad_rounding_rel · max|g_k| of
+    the tensor. Adam's update u = lr·m̂/(√v̂+eps) moves by at most lr·2δ/(√v̂+eps) when m̂ and
+    √v̂ move by δ (|m̂| ≤ √v̂), and never by more than 2·lr (a sign flip): large where the
+    gradient is below eps (Adam amplifies its rounding by lr/eps), ~0 elsewhere."""
 
     name = "reference"
 
@@ -214,7 +273,30 @@ class Reference(Runner):
         self.spec, self.rank, self.world = spec, rank, world
         self.stage, self.family = -1, "reference"
         self.model = GPT(spec.model, seed=spec.train.seed)
-        self.opt = self.adamw(self.model.parameters())
+        t = spec.train
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                     eps=t.eps, weight_decay=t.weight_decay, foreach=False)
+        self.budget = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
+
+    def step(self, x, y):
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self._grow_budget()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def _grow_budget(self) -> None:
+        t = self.spec.train
+        for n, p in self.model.named_parameters():
+            st = self.opt.state.get(p)
+            if p.grad is None or not st:
+                continue
+            k = float(st["step"])
+            v_hat_sqrt = (st["exp_avg_sq"] / (1 - t.beta2 ** k)).sqrt_()
+            delta = self.spec.grad_rounding_rel * float(p.grad.abs().max())
+            self.budget[n].add_((2 * delta / (v_hat_sqrt + t.eps)).clamp_(max=2.0), alpha=t.lr)
 
 
 class TorchDDP(Runner):
@@ -247,10 +329,8 @@ class TorchZeroRedundancy(TorchDDP):
     name = "torch_zero_redundancy"
 
     def _optimizer(self):
-        t = self.spec.train
         return ZeroRedundancyOptimizer(self.ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                       weight_decay=t.weight_decay)
+                                       **self.adamw_kwargs())
 
     def memory(self):
         out = super().memory()
@@ -363,6 +443,35 @@ class DeepSpeedZ3(DeepSpeedZero):
     name, ds_stage = "deepspeed_z3", 3
 
 
+class LowerBound(Runner):
+    """The floor of any ZeRO-DP stage on this machine: this rank's micro-batch forward +
+    backward with no communication, then the fused AdamW kernel on Ψ/N_d elements (the shard
+    every stage >= 1 updates). Not a framework: it trains nothing (its update runs on flat
+    stand-in tensors), so it has no equivalence verdict."""
+
+    name = LOWER_BOUND
+
+    def __init__(self, spec, rank, world):  # noqa: D107
+        super().__init__(spec, rank, world)
+        psi = sum(p.numel() for p in self.model.parameters())
+        shard = -(-psi // world)
+        self.flat = torch.nn.Parameter(torch.zeros(shard))
+        self.flat.grad = torch.full((shard,), 1e-3)
+        kw = self.adamw_kwargs()
+        kw["fused"] = True  # the fastest kernel: a bound, whatever the peers run
+        self.opt = torch.optim.AdamW([self.flat], **kw)
+
+    def step(self, x, y):
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.model.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def views(self):
+        return iter(())
+
+
 class ZeroRepro(Runner):
     """This project's ZeRO-DP stage (zero_repro.zero.strategy), fp32, no clipping."""
 
@@ -394,7 +503,7 @@ def _ours(stage: int):
 
 RUNNERS: dict[str, type] = {c.name: c for c in (
     TorchDDP, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
-    DeepSpeedZ3, *(_ours(k) for k in range(4)))}
+    DeepSpeedZ3, LowerBound, *(_ours(k) for k in range(4)))}
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -412,18 +521,43 @@ class Trace:
 
 def digest(runner: Runner, ref: dict[str, torch.Tensor]) -> tuple[float, str]:
     """(max |θ_f - θ_ref| over the elements this rank holds, the tensor where it is largest)."""
-    worst, where = 0.0, ""
+    c = compare(runner, ref)
+    return c[0], c[1]
+
+
+def compare(runner: Runner, ref: dict[str, torch.Tensor],
+            budget: dict[str, torch.Tensor] | None = None, abs_tol: float = 0.0
+            ) -> tuple[float, str, float, int]:
+    """(max |Δθ|, its tensor, max over elements of |Δθ| / (abs_tol + budget), elements beyond
+    ``abs_tol`` but within their budget) over the elements this rank holds, Δθ = θ_f - θ_ref.
+
+    The third value is the verdict (<= 1: equivalent); without ``budget`` it is
+    max |Δθ| / abs_tol (inf when abs_tol is 0 and Δθ is not)."""
+    worst, where, ratio, n_cond = 0.0, "", 0.0, 0
     for name, t, row0 in runner.views():
+        if t.numel() == 0:
+            continue
         r = ref[name]
+        b = budget.get(name) if budget is not None else None
         if row0 is not None:
             rows = t.shape[0] if t.dim() else 0
             r = r.narrow(0, min(row0, r.shape[0]), rows) if rows else r[:0]
-        if t.numel() == 0:
-            continue
-        d = float((t.float() - r.reshape(t.shape)).abs().max())
+            if b is not None:
+                b = b.narrow(0, min(row0, b.shape[0]), rows) if rows else b[:0]
+        diff = (t.float() - r.reshape(t.shape)).abs()
+        d = float(diff.max())
         if d > worst or not where or math.isnan(d):
             worst, where = d, name
-    return worst, where
+        allowed = abs_tol + (b.reshape(t.shape) if b is not None else 0.0)
+        if isinstance(allowed, float) and allowed == 0.0:
+            q = 0.0 if d == 0 else math.inf
+        else:
+            q = float((diff / allowed).max()) if not math.isnan(d) else math.nan
+        if not q <= ratio:  # NaN counts as the worst
+            ratio = q
+        if b is not None:
+            n_cond += int(((diff > abs_tol) & (diff <= allowed)).sum())
+    return worst, where, ratio, n_cond
 
 
 def _timed_step(runner: Runner, x, y, world: comm.Group) -> tuple[float, float]:
@@ -434,14 +568,17 @@ def _timed_step(runner: Runner, x, y, world: comm.Group) -> tuple[float, float]:
 
 
 def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
-    """Train every framework of ``spec`` and the reference in lock step on this rank.
+    """Train every framework of ``spec`` (and the reference, unless ``spec.reference`` is
+    false) in lock step on this rank.
 
     Returns ``{"frameworks": {name: Trace as dict}, "reference_losses": [...], "rank": r}``;
-    losses are this rank's local losses (the global loss is the mean over ranks)."""
+    losses are this rank's local losses (the global loss is the mean over ranks). ``dparam``
+    entries are ``compare``'s (max |Δθ|, tensor, tolerance ratio, elements within budget
+    only)."""
     t = spec.train
     world = None  # comm.barrier(None): the default group, every rank
     source = make_source(t.data, spec.model.seq_len, spec.model.vocab_size, t.seed)
-    ref = Reference(spec, rank, world_size)
+    ref = Reference(spec, rank, world_size) if spec.reference else None
     runners: dict[str, Runner] = {}
     traces: dict[str, Trace] = {}
     for name in spec.frameworks:
@@ -452,11 +589,14 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
     ref_losses = []
     names = list(runners)
     for step in range(t.steps):
-        gx, gy = rank_batch(source, step, t.micro_batch_size * world_size, 1, 0)
-        ref_losses.append(ref.step(gx, gy))
-        ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+        ref_params = None
+        if ref is not None:
+            gx, gy = rank_batch(source, step, t.micro_batch_size * world_size, 1, 0)
+            ref_losses.append(ref.step(gx, gy))
+            ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
         x, y = rank_batch(source, step, t.micro_batch_size, world_size, rank)
         k = step % max(1, len(names))
+        last = step == t.steps - 1
         for name in names[k:] + names[:k]:  # rotate: no framework always runs first
             r, tr = runners[name], traces[name]
             if step == comm_step:
@@ -466,9 +606,10 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
                 loss, dt = _timed_step(r, x, y, world)
                 tr.losses.append(loss)
                 tr.step_times.append(dt)
-            last = step == t.steps - 1
-            tr.dparam.append(digest(r, ref_params) if last or step % spec.digest_every == 0
-                             else None)
+            check = ref_params is not None and name != LOWER_BOUND and (
+                last or step % spec.digest_every == 0)
+            abs_tol = spec.param_tol_rel_lr * t.lr * (step + 1)
+            tr.dparam.append(compare(r, ref_params, ref.budget, abs_tol) if check else None)
             if last:
                 tr.memory = r.memory()
     return {"rank": rank, "reference_losses": ref_losses,
@@ -510,3 +651,4 @@ run_zero_repro_s0 = _single("zero_repro_s0")
 run_zero_repro_s1 = _single("zero_repro_s1")
 run_zero_repro_s2 = _single("zero_repro_s2")
 run_zero_repro_s3 = _single("zero_repro_s3")
+run_lower_bound = _single(LOWER_BOUND)
