@@ -23,12 +23,11 @@ import pandas as pd
 
 from experiments import base, paper
 from experiments.base import save_figure
+from zero_repro.harness.throughput_plots import LINESTYLES, MARKERS
 from zero_repro.measure import records as R
 
 log = logging.getLogger(__name__)
 
-MARKERS = {"measured": "o", "simulated": "s", "analytic": "^", "paper": "X"}
-LINESTYLES = {"measured": "-", "simulated": "--", "analytic": ":", "paper": "none"}
 
 
 def summary_frame(experiment: Any, records: list) -> pd.DataFrame:

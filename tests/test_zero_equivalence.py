@@ -169,8 +169,6 @@ def ledger_configs() -> list[dict]:
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
-    from zero_repro.measure.ledger import table1_bytes
-
     for rank_results in results:
         for c, r in zip(configs, rank_results):
             if not c.get("ledger_check"):
@@ -179,7 +177,7 @@ def check_ledgers(results: list[dict], configs: list[dict]) -> None:
             led = r["ledger"]
             model_states = sum(led[k] for k in ("params_lp", "grads", "master_fp32",
                                                 "adam_m", "adam_v"))
-            ratio = model_states / table1_bytes(stage, psi, n_d)
+            ratio = model_states / model_state_bytes(psi, stage, n_d)
             assert 1.0 <= ratio <= 1.01, (f"stage {stage} N_d={n_d}: model states "
                                           f"{model_states} B / Table 1 = {ratio:.4f}")
             assert not r["infos"][0][0], f"stage {stage}: fp16 step skipped"

@@ -1,2 +1,2 @@
 """Measurement: memory ledger, records."""
-from zero_repro.measure.ledger import MemoryLedger, table1_bytes  # noqa: F401
+from zero_repro.measure.ledger import MemoryLedger  # noqa: F401

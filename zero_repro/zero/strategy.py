@@ -21,7 +21,7 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``). On gloo
+stage 3 moves 3Ψ; memory per rank follows Table 1 (``paper.table1.model_state_bytes``). On gloo
 the bucket reduce-scatters / all-gathers of stages 1-3 run as N_d rooted reduces / broadcasts
 of the chunks (same elements, same volume; ``flat_buffer.rooted_collectives``).
 
