@@ -11,7 +11,6 @@ Values are kept as text there (some are ranges or ">=24"); ``load_reference`` ad
 """
 from __future__ import annotations
 
-
 import pandas as pd
 
 from experiments.base import TABLE_COLUMNS

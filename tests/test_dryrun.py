@@ -21,8 +21,13 @@ from zero_repro.paper.overrides import paper_overrides
 from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.paper.table3 import zero_r_config
 from zero_repro.simulate import maxsize
-from zero_repro.simulate.dryrun import (apply_overrides, dry_run, live_peaks, real_ledgers,
-                                        steady_peak)
+from zero_repro.simulate.dryrun import (
+    apply_overrides,
+    dry_run,
+    live_peaks,
+    real_ledgers,
+    steady_peak,
+)
 
 MODEL_STATES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
 

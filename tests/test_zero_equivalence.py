@@ -12,7 +12,7 @@ its computed gradient is pure rounding noise (~1e-10) that differs with the summ
 (DP sums vs one batch); Adam divides by sqrt(v)+eps and would turn that noise into updates of
 size ~lr for eps << noise. eps = 1e-6 keeps such updates below ~1e-7, well inside tolerance.
 The same runs also provide the fp16/bf16 loss-tracking, ledger, communication and inf-injection
-checks (tests in test_zero_precision_ledger.py use the same worker).
+checks (tests in test_zero_precision.py use the same worker).
 """
 from __future__ import annotations
 

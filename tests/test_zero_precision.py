@@ -21,8 +21,8 @@ from zero_repro.config import TrainConfig, ZeroConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.measure.ledger import MemoryLedger
-from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.model.gpt import GPT
+from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.zero import build_strategy
 from zero_repro.zero.precision import DynamicLossScaler
 

@@ -42,8 +42,13 @@ from zero_repro.paper.setups import PaperSetup, setups
 from zero_repro.paper.table3 import zero_overrides
 from zero_repro.paths import conf_group_dir
 from zero_repro.simulate import dryrun
-from zero_repro.simulate.calibrate import (calibration, calibration_summary, workload_for,
-                                           write_calibration, zero_config_for)
+from zero_repro.simulate.calibrate import (
+    calibration,
+    calibration_summary,
+    workload_for,
+    write_calibration,
+    zero_config_for,
+)
 from zero_repro.simulate.hardware import Hardware, cpu_model, hardware
 from zero_repro.simulate.perf_model import step_time
 from zero_repro.worker import run_training
@@ -105,10 +110,20 @@ def model_conf(name: str) -> dict:
         raise ValueError(f"no conf/model/{name}.yaml; choose one of {sorted(_model_files())}")
 
 
+def model_name_for_setup(s: PaperSetup) -> str:
+    """The conf/model file of a paper setup's shape when there is one, else paper_<l>x<h>."""
+    return next((n for n, d in _model_files().items()
+                 if d.get("n_layer") == s.n_layer and d.get("n_embd") == s.hidden
+                 and d.get("seq_len") == 1024), f"paper_{s.n_layer}x{s.hidden}")
+
+
 def paper_point_overrides(s: PaperSetup, zc: str, batch: int, p: dict,
-                          dtype: str = "fp16") -> dict:
-    """``paper.overrides.setup_overrides`` with this experiment's C_B bucket sizes."""
-    return setup_overrides(s, zc, int(batch), dtype=dtype,
+                          dtype: str | None = None) -> dict:
+    """``paper.overrides.setup_overrides`` with this experiment's C_B bucket sizes, the model
+    named after its conf/model file and the paper's size label; ``dtype`` None keeps the
+    configured precision (simulated points: the performance model assumes fp16 anyway)."""
+    return setup_overrides(s, zc, int(batch), dtype=dtype, name=model_name_for_setup(s),
+                           nominal=s.size_label,
                            buckets={"zero.reduce_bucket_size": int(p["reduce_bucket"]),
                                     "zero.allgather_bucket_size": int(p["allgather_bucket"])})
 

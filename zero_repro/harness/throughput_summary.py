@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from zero_repro.harness.throughput import X_NAME, Y_NAME, UNIT, find_setup
+from zero_repro.harness.throughput import UNIT, X_NAME, Y_NAME, find_setup
 
 _WORKLOAD_COLUMNS = ("n_layer", "hidden", "heads", "gpus", "mp", "batch_per_gpu", "stage",
                      "checkpointing", "p_a", "p_a_cpu", "overlap_comm")

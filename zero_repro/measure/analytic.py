@@ -28,8 +28,13 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Callable
 
 from zero_repro.model.flops import param_count_formula
-from zero_repro.paper.table1 import (K_ADAM, STAGE_NAMES, TABLE1_ND, TABLE1_PSI,  # noqa: F401
-                                     model_state_bytes)
+from zero_repro.paper.table1 import (
+    K_ADAM,
+    STAGE_NAMES,
+    TABLE1_ND,
+    TABLE1_PSI,
+    model_state_bytes,
+)
 from zero_repro.paper.table3 import BASELINE, TABLE3, Table3Row
 
 GB = 1e9
