@@ -25,6 +25,7 @@ from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT, gather_full_state
+from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.zero import build_strategy
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
