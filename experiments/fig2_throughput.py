@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from experiments import throughput_common as T
+from zero_repro.harness import throughput as T
+from zero_repro.harness import throughput_plots as TP
+from zero_repro.harness import throughput_summary as TS
 
 FIGURE = "fig2"
 PAPER_FIGURE = "fig2"
@@ -31,7 +33,7 @@ GPUS_PER_NODE = 16  # DGX-2: the paper's split of the baseline into two series
 def series_of(s) -> str:
     if s.series == "ZeRO":
         return ZERO
-    return BASE_IN if s.mp <= GPUS_PER_NODE else BASE_OUT
+    return BASE_IN if s.tp <= GPUS_PER_NODE else BASE_OUT
 
 
 def _local(cfg, p: dict) -> list:
@@ -66,17 +68,17 @@ def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[di
 
 
 def summarize(records) -> list[dict]:
-    rows = T.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
+    rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
     rows += _speedups(rows, ZERO, (BASE_IN, BASE_OUT), SPEEDUP)
     local = []
-    for r in T.ok_records(records, "measured_local"):
+    for r in TS.ok_records(records, "measured_local"):
         q = r.params
         if q["series"] == "ZeRO":
             name = "local ZeRO: P_os+g + ZeRO-R (C3), DP 2"
         else:
             name = f"local baseline: stage 0, Megatron TP {q['tp']}"
         x = round(r.metrics["params_total"] / 1e9, 6)
-        local.append(T.base_row(r, FIGURE, name, x, r.metrics["tflops_per_gpu"]))
+        local.append(TS.base_row(r, FIGURE, name, x, r.metrics["tflops_per_gpu"]))
     zero_local = "local ZeRO: P_os+g + ZeRO-R (C3), DP 2"
     bases = tuple({r["series"] for r in local} - {zero_local})
     local += _speedups(local, zero_local, bases, "local speed-up (ZeRO/baseline)")
@@ -84,6 +86,6 @@ def summarize(records) -> list[dict]:
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    return T.plot_standard(table, out_dir, "fig2_throughput",
+    return TP.plot_standard(table, out_dir, "fig2_throughput",
                            "Fig 2: 400 V100 GPUs, ZeRO-100B vs Megatron-LM (paper scale)",
                            categorical=False)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from experiments import throughput_common as T
+from zero_repro.harness import throughput as T
+from zero_repro.harness import throughput_plots as TP
+from zero_repro.harness import throughput_summary as TS
 
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"
@@ -63,13 +65,13 @@ def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pair
 
 
 def summarize(records) -> list[dict]:
-    rows = T.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
+    rows = TS.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
     rows += _aggregate_and_speedups(rows, BARS, AGG, PAIRS)
     local = []
-    for r in T.ok_records(records, "measured_local"):
+    for r in TS.ok_records(records, "measured_local"):
         q = r.params
         series = f"local {q['model']}: P_os+g (C3), TP 1"
-        local.append(T.base_row(r, FIGURE, series, q["world_size"], r.metrics["tflops_per_gpu"]))
+        local.append(TS.base_row(r, FIGURE, series, q["world_size"], r.metrics["tflops_per_gpu"]))
     worlds = sorted({r["x_value"] for r in local})
     pairs = [(a, b) for a, b in zip(worlds, worlds[1:])]
     for model in dict.fromkeys(r["series"] for r in local):
@@ -81,7 +83,7 @@ def summarize(records) -> list[dict]:
 def _panel(ax, df, title: str, linear_from: str | None) -> None:
     per = df[df["y_name"] == T.Y_NAME]
     xs = sorted({int(x) for x in per["x_value"]})
-    T.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs)
+    TP.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs)
     ax2 = ax.twinx()
     agg = df[df["y_name"] == T.AGG_NAME].copy()
     agg["_x"] = agg["x_value"].astype(float).map(lambda v: xs.index(int(v)))
@@ -92,7 +94,7 @@ def _panel(ax, df, title: str, linear_from: str | None) -> None:
         if series == LINEAR:
             m, ls = "", ":"
         ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls,
-                 color=f"C{i + 4}", label=T.label(series, kind))
+                 color=f"C{i + 4}", label=TP.label(series, kind))
     sim = agg[(agg["kind"].isin(["simulated", "measured"])) & (agg["series"] != LINEAR)]
     if len(sim) and linear_from is not None:  # our own perfect-linear reference
         first = sim.sort_values("_x").groupby("kind").head(1)
@@ -104,7 +106,7 @@ def _panel(ax, df, title: str, linear_from: str | None) -> None:
         ax2.set_yscale("log", base=2)
         ax2.set_ylabel(f"{T.AGG_NAME} [{T.AGG_UNIT}] (log2)")
     ax.set_xlabel(per["x_name"].iloc[0] if len(per) else "num_gpus")
-    ax.set_title(title + T._mean_err(per), fontsize=9)
+    ax.set_title(title + TP.mean_err(per), fontsize=9)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper left")
@@ -116,12 +118,12 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    T.write_predictions(table, out_dir)
-    big, local = T.split(table)
+    TS.write_predictions(table, out_dir)
+    big, local = TP.split(table)
     big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])]
     n = 1 + bool(len(local))
     fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 5.2), squeeze=False)
     _panel(axes[0][0], big, "Fig 3: 60B model, 64-400 V100 GPUs (paper scale)", "sim")
     if len(local):
-        _panel(axes[0][1], local, T.local_title(local), "local")
-    return T.save(fig, out_dir, "fig3_scaling")
+        _panel(axes[0][1], local, TP.local_title(local), "local")
+    return TP.save(fig, out_dir, "fig3_scaling")

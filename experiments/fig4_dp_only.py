@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from experiments import throughput_common as T
+from zero_repro.harness import throughput as T
+from zero_repro.harness import throughput_plots as TP
+from zero_repro.harness import throughput_summary as TS
 
 FIGURE = "fig4"
 PAPER_FIGURE = "fig4"
@@ -48,16 +50,16 @@ def run_point(cfg, point) -> dict:
 
 
 def summarize(records) -> list[dict]:
-    rows = T.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
-    for r in T.ok_records(records, "measured_local"):
+    rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
+    for r in TS.ok_records(records, "measured_local"):
         name = ("local ZeRO-DP: stage 2 (C3), TP 1" if r.params["series"] == "ZeRO"
                 else "local baseline DP: stage 0, TP 1")
         x = round(r.metrics["params_total"] / 1e9, 6)
-        rows.append(T.base_row(r, FIGURE, name, x, r.metrics["tflops_per_gpu"]))
+        rows.append(TS.base_row(r, FIGURE, name, x, r.metrics["tflops_per_gpu"]))
     return rows
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    return T.plot_standard(table, out_dir, "fig4_dp_only",
+    return TP.plot_standard(table, out_dir, "fig4_dp_only",
                            "Fig 4: ZeRO-DP only, 128 V100 GPUs (PREDICTION; paper withheld)",
                            categorical=False)

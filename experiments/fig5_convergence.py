@@ -31,6 +31,11 @@ import os
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
+from zero_repro.zero_r.configs import TABLE3, zero_r_config
+from zero_repro.config import ZeroRConfig
+from zero_repro.zero_r.configs import describe
+from zero_repro.worker import run_training
+from zero_repro.harness import paper_compare as paper
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +68,6 @@ def params_of(cfg) -> dict:
 # ------------------------------------------------------------------------------------ plan
 def config_overrides(name: str) -> dict:
     """zero.stage + zero_r.* for ``stage0``..``stage3`` (ZeRO-R off) or Table 3's ``C1``..``C5``."""
-    from zero_repro.zero_r.configs import TABLE3, zero_r_config
-
     key = name.lower()
     if key.startswith("stage") and key[5:].isdigit():
         stage, zr = int(key[5:]), zero_r_config("off")
@@ -78,9 +81,6 @@ def config_overrides(name: str) -> dict:
 
 def label_of(name: str) -> str:
     """'stage 2 (P_os+g)' / 'C4 (P_os+g | C_B+M_D+P_a)'."""
-    from zero_repro.config import ZeroRConfig
-    from zero_repro.zero_r.configs import describe
-
     ov = config_overrides(name)
     if name.lower().startswith("stage"):
         return f"stage {ov['zero.stage']} ({STAGE_NAMES[ov['zero.stage']]})"
@@ -110,8 +110,6 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.worker import run_training  # heavy (torch): only when a point runs
-
     result = run_training(cfg, point.run_dir)
     m = result.setdefault("metrics", {})
     losses = [x for x in (m.get("losses") or []) if x is not None]
@@ -195,8 +193,6 @@ def tolerance(r) -> float:
 
 # ------------------------------------------------------------------------------------ plot
 def _paper_context(out_dir: str):
-    from zero_repro.harness import paper_compare as paper
-
     ref = paper.load_reference(paper.reference_path(os.path.dirname(os.path.abspath(out_dir))))
     return paper.paper_rows(ref, PAPER_FIG, y_names=["validation_perplexity"])
 

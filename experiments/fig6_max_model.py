@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
+from zero_repro.paper.setups import setups
+from zero_repro.simulate import maxsize
+from zero_repro.simulate.dryrun import setup_overrides
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"
@@ -30,9 +33,6 @@ PAPER_ORDER = ("C1", "C3", "C2", "C4", "C5")  # ascending max size in the paper 
 
 
 def plan(cfg) -> list[Point]:
-    from zero_repro.simulate import maxsize
-    from zero_repro.simulate.paper_setups import setups
-
     p = cfg.experiment.params
     cluster = p.get("cluster", "dgx2_v100")
     only = p.get("configs") or None
@@ -44,13 +44,11 @@ def plan(cfg) -> list[Point]:
                          params={"zero_config": s.zero_config, "hidden": s.hidden,
                                  "heads": s.heads, "table7_layers": s.n_layer,
                                  "cluster": cluster, "iterations": int(p.get("iterations", 1))},
-                         overrides=maxsize.setup_overrides(s, cluster), mode="simulated"))
+                         overrides=setup_overrides(s, cluster), mode="simulated"))
     return pts
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.simulate import maxsize
-
     r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 1)))
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
             "capacity_bytes": r.capacity, "seed": r.seed, "seed_from": r.seed_from,

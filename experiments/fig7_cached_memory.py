@@ -19,17 +19,16 @@ from __future__ import annotations
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
+import dataclasses
+
+from zero_repro.paper.setups import setups
+from zero_repro.simulate.dryrun import dry_run, setup_overrides
 
 FIGURE = "fig7"
 GB = 1e9
 
 
 def plan(cfg) -> list[Point]:
-    import dataclasses
-
-    from zero_repro.simulate import maxsize
-    from zero_repro.simulate.paper_setups import setups
-
     p = cfg.experiment.params
     cluster = p.get("cluster", "dgx2_v100")
     its = int(p.get("iterations", 1))
@@ -41,7 +40,7 @@ def plan(cfg) -> list[Point]:
     pts = []
     for s in todo:
         for md in ([True, False] if p.get("md_off") else [True]):
-            ov = maxsize.setup_overrides(s, cluster)
+            ov = setup_overrides(s, cluster)
             if not md:
                 ov["zero_r.contiguous_memory"] = False
             name = f"{s.size_label} {s.zero_config}" + ("" if md else " M_D off")
@@ -53,8 +52,6 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    from zero_repro.simulate.dryrun import dry_run
-
     r = dry_run(cfg, iterations=int(point.params.get("iterations", 1)), keep_trace=False)
     a = r.allocator
     return {"metrics": {"max_cached_memory_GB": a["peak_reserved"] / GB,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from experiments import throughput_common as T
+from zero_repro.harness import throughput as T
+from zero_repro.harness import throughput_plots as TP
+from zero_repro.harness import throughput_summary as TS
 
 FIGURE = "fig8"
 PAPER_FIGURE = "fig8"
@@ -25,7 +27,7 @@ CONFIGS = ("C1", "C2", "C3", "C4", "C5")
 
 
 def series_of(s) -> str:
-    return f"{s.size_label} ({s.gpus} GPUs, MP {s.mp})"
+    return f"{s.size_label} ({s.gpus} GPUs, MP {s.tp})"
 
 
 def _local(cfg, p: dict) -> list:
@@ -44,15 +46,15 @@ def run_point(cfg, point) -> dict:
 
 
 def summarize(records) -> list[dict]:
-    rows = T.paper_scale_rows(records, FIGURE, series_of, lambda s: s.zero_config)
-    for r in sorted(T.ok_records(records, "measured_local"),
+    rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.zero_config)
+    for r in sorted(TS.ok_records(records, "measured_local"),
                     key=lambda r: r.params["zero_config"]):
         q = r.params
         name = f"local {q['model']}: world {q['world_size']}, TP {q['tp']}"
-        rows.append(T.base_row(r, FIGURE, name, q["zero_config"], r.metrics["tflops_per_gpu"]))
+        rows.append(TS.base_row(r, FIGURE, name, q["zero_config"], r.metrics["tflops_per_gpu"]))
     return rows
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    return T.plot_standard(table, out_dir, "fig8_configs",
+    return TP.plot_standard(table, out_dir, "fig8_configs",
                            "Fig 8: C1-C5 (PREDICTION; paper withheld)", categorical=True)

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from experiments.throughput_common import model_conf
+from zero_repro.harness.throughput import model_conf
 from zero_repro import config as C
 from zero_repro.distributed import comm, launch
 from zero_repro.distributed.launch import spawn
@@ -48,7 +48,7 @@ from zero_repro.model.gpt import GPT
 from zero_repro.simulate import maxsize
 from zero_repro.simulate.dryrun import dry_run
 from zero_repro.simulate.hardware import load_cluster
-from zero_repro.simulate.paper_setups import setups
+from zero_repro.paper.setups import setups
 from zero_repro.train.build import build
 from zero_repro.train.data import make_source, rank_batch
 from zero_repro.train.step import train_step

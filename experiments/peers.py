@@ -31,7 +31,7 @@ import json
 import logging
 import os
 
-from experiments.throughput_common import model_conf
+from zero_repro.harness.throughput import model_conf
 from zero_repro.distributed.launch import spawn
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
+from zero_repro.distributed.launch import spawn
+from zero_repro.simulate.dryrun import real_ledgers
+from zero_repro.measure.analytic import model_state_bytes
+from zero_repro.measure import analytic
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"
@@ -33,15 +37,10 @@ def plan(cfg) -> list[Point]:
 
 def run_point(cfg, point: Point) -> dict:
     if point.mode == "analytic":
-        from zero_repro.measure import analytic
-
         return {"cells": [vars(c) for c in analytic.table1()]}
     import dataclasses
 
     from omegaconf import OmegaConf
-
-    from zero_repro.distributed.launch import spawn
-    from zero_repro.simulate.dryrun import real_ledgers
 
     stages = list(cfg.experiment.params.get("stages", [0, 1, 2, 3]))
     dicts = [OmegaConf.to_container(OmegaConf.structured(
@@ -51,8 +50,6 @@ def run_point(cfg, point: Point) -> dict:
 
 
 def summarize(records) -> list[dict]:
-    from zero_repro.measure.analytic import model_state_bytes
-
     rows = []
     for r in records:
         if r.status != "ok":

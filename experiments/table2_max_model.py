@@ -26,34 +26,38 @@ from __future__ import annotations
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
+from zero_repro.measure.analytic import max_params
+from zero_repro.paper.buckets import PAPER_BUCKETS
+from zero_repro.paper.clusters import DRYRUN_FIELDS, cluster_overrides
+from zero_repro.paper.overrides import paper_overrides
+from zero_repro.paper.setups import reference_rows
+from zero_repro.simulate import maxsize
 
 FIGURE = "table2"
 SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 MEASURED = {0: "measured Baseline", 1: "measured ZeRO-DP(Pos)"}
 
 
-def _family(mp: int) -> tuple[int, int]:
-    return (4096, 32) if mp <= 2 else (8192, 64)
+def _family(tp: int) -> tuple[int, int]:
+    return (4096, 32) if tp <= 2 else (8192, 64)
 
 
 def plan(cfg) -> list[Point]:
-    from zero_repro.simulate import maxsize
-
     p = cfg.experiment.params
     pts = [Point(name="table2 theory", params={"part": "theory"}, mode="analytic")]
-    for mp in p.get("measured_mp", [1, 2, 4, 8, 16]):
+    for tp in p.get("measured_mp", [1, 2, 4, 8, 16]):
         for stage in p.get("measured_stages", [0, 1]):
-            h, heads = _family(int(mp))
-            ov = maxsize.paper_overrides(8, h, heads, 64 * int(mp), int(mp), 1, "c1")
-            ov.update(maxsize.cluster_overrides(p.get("cluster", "dgx2_v100")))
+            h, heads = _family(int(tp))
+            ov = paper_overrides(8, h, heads, 64 * int(tp), int(tp), 1, "c1")
+            ov.update(cluster_overrides(p.get("cluster", "dgx2_v100"), DRYRUN_FIELDS))
             ov["zero.stage"] = stage
             if stage == 0:  # Megatron/DDP baseline: checkpointing, no ZeRO-R buffers/arenas
                 ov.update({"zero_r.name": "custom", "zero_r.constant_buffers": False,
                            "zero_r.contiguous_memory": False})
             else:
-                ov.update(maxsize.PAPER_BUCKETS)
-            pts.append(Point(name=f"{SCHEMES[stage]} MP{mp}",
-                             params={"part": "dry-run", "stage": stage, "mp": int(mp),
+                ov.update(PAPER_BUCKETS)
+            pts.append(Point(name=f"{SCHEMES[stage]} MP{tp}",
+                             params={"part": "dry-run", "stage": stage, "mp": int(tp),
                                      "hidden": h, "batch": 1,
                                      "iterations": int(p.get("iterations", 1))},
                              overrides=ov, mode="simulated"))
@@ -62,21 +66,15 @@ def plan(cfg) -> list[Point]:
 
 def run_point(cfg, point: Point) -> dict:
     if point.mode == "analytic":
-        from zero_repro.measure.analytic import max_params
-
         cap = 32e9
-        return {"cells": [{"stage": s, "mp": mp, "params": max_params(cap, s, 64, mp)}
-                          for s in SCHEMES for mp in (1, 2, 4, 8, 16)]}
-    from zero_repro.simulate import maxsize
-
+        return {"cells": [{"stage": s, "mp": tp, "params": max_params(cap, s, 64, tp)}
+                          for s in SCHEMES for tp in (1, 2, 4, 8, 16)]}
     r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 1)))
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
             "search_s": r.seconds, "judgements": [vars(j) for j in r.judgements]}
 
 
 def _paper() -> dict:
-    from zero_repro.simulate.paper_setups import reference_rows
-
     out = {}
     for r in reference_rows("table2"):
         v = r["y_value"].strip()
@@ -95,10 +93,10 @@ def summarize(records) -> list[dict]:
                      for c in r.metrics["cells"]]
         else:
             cells = [(MEASURED[r.params["stage"]], r.params["mp"], r.metrics["max_params"])]
-        for series, mp, val in cells:
-            text, pv = paper.get((series, mp), ("", None))
+        for series, tp, val in cells:
+            text, pv = paper.get((series, tp), ("", None))
             rows.append({"figure": FIGURE, "series": series, "x_name": "MP (GPUs)",
-                         "x_value": mp, "y_name": "max_model_size", "y_value": val / 1e9,
+                         "x_value": tp, "y_name": "max_model_size", "y_value": val / 1e9,
                          "unit": "B params", "kind": r.mode, "paper_printed": text,
                          "paper_B": None if pv is None else pv / 1e9,
                          "rel_error_vs_paper_printed": None if pv is None else (val - pv) / pv})

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from zero_repro.measure import analytic as A
-from zero_repro.simulate.paper_setups import reference_rows, setups
+from zero_repro.paper.setups import reference_rows, setups
 
 
 def _num(text: str) -> float:
@@ -77,10 +77,10 @@ def test_stated_activation_examples():
     full = A.checkpoint_bytes(32, 1024, 8192, 125)
     assert full / 2 / A.GB == pytest.approx(33, rel=0.03)
     assert full / A.GB == pytest.approx(60, rel=0.15)
-    pa = A.checkpoint_bytes(32, 1024, 8192, 125, mp=16, p_a=True)
+    pa = A.checkpoint_bytes(32, 1024, 8192, 125, tp=16, p_a=True)
     assert pa / 2 / A.GB == pytest.approx(2, rel=0.06)  # "≈2 GB" (same element reading)
     assert pa == full / 16
-    assert A.checkpoint_bytes(32, 1024, 8192, 125, mp=16, p_a=True, cpu=True) == 0.0
+    assert A.checkpoint_bytes(32, 1024, 8192, 125, tp=16, p_a=True, cpu=True) == 0.0
     # fused fp32 buffer without C_B: 6 GB for 1.5B, 12 GB for 3B; with C_B independent of Ψ
     assert A.buffer_bytes(1.5e9, False) / A.GB == pytest.approx(6)
     assert A.buffer_bytes(3e9, False) / A.GB == pytest.approx(12)
@@ -108,7 +108,7 @@ def test_memory_breakdown_configs_order():
 @pytest.mark.parametrize("cfg", ["C1", "C4", "C5"])
 def test_max_model_size_bisection_consistent_with_fits(cfg):
     dev = 32e9
-    args = dict(mp=16, n_d=25, batch_per_gpu=16, hidden=8192, heads=64)
+    args = dict(tp=16, n_d=25, batch_per_gpu=16, hidden=8192, heads=64)
     n, params = A.max_model_size(dev, cfg, **args)
     fit = lambda k: A.fits(dev, k, 8192, 64, 16, 25, 16, cfg)  # noqa: E731
     assert n > 0 and fit(n) and not fit(n + 1)

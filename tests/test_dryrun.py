@@ -2,7 +2,7 @@
 
 * model-state bytes of the dry run equal Table 1 exactly, every stage, at a paper-shaped
   configuration (hidden 8192, TP 16, 400 ranks; 2 layers by default, the full 100B slow);
-* checkpoint bytes: P_a keeps 1/m, P_a+cpu keeps nothing on the device;
+* checkpoint bytes: P_a keeps 1/tp, P_a+cpu keeps nothing on the device;
 * faithfulness: a real gloo run (world 2) and the dry run of the same configuration report the
   same bytes in every ledger category;
 * the allocation trace is consistent (allocator peaks >= exact live peak >= model states).
@@ -15,24 +15,32 @@ import pytest
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
-from zero_repro.measure.analytic import model_state_bytes
+from zero_repro.distributed.launch import spawn
+from zero_repro.paper.buckets import PAPER_BUCKETS
+from zero_repro.paper.overrides import paper_overrides
+from zero_repro.paper.table1 import model_state_bytes
+from zero_repro.paper.table3 import zero_r_config
 from zero_repro.simulate import maxsize
-from zero_repro.simulate.dryrun import dry_run, live_peaks, real_ledgers, steady_peak
+from zero_repro.simulate.dryrun import (
+    apply_overrides,
+    dry_run,
+    live_peaks,
+    real_ledgers,
+    steady_peak,
+)
 
 MODEL_STATES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
 
 
 def paper_cfg(n_layer: int, zc: str, stage: int | None = None, batch: int = 1,
               buckets: dict | None = None) -> C.Config:
-    ov = maxsize.paper_overrides(n_layer, 8192, 64, 400, 16, batch, zc)
+    ov = paper_overrides(n_layer, 8192, 64, 400, 16, batch, zc)
     if stage is not None:
         ov["zero.stage"] = stage
-    return maxsize.apply_overrides(C.Config(), {**ov, **(buckets or maxsize.PAPER_BUCKETS)})
+    return apply_overrides(C.Config(), {**ov, **(buckets or PAPER_BUCKETS)})
 
 
 def tiny_cfg(world: int, tp: int, stage: int, zr: str = "off") -> C.Config:
-    from zero_repro.zero_r.configs import zero_r_config
-
     cfg = C.Config()  # the tiny model
     cfg.parallel = C.ParallelConfig(world_size=world, tp=tp)
     cfg.zero = dataclasses.replace(cfg.zero, stage=stage, dtype="fp16")
@@ -71,8 +79,6 @@ def test_checkpoints_partitioned_and_offloaded():
 
 
 def test_dry_run_matches_real_gloo_run():
-    from zero_repro.distributed.launch import spawn
-
     cfgs = [tiny_cfg(2, 1, st) for st in (0, 1, 2, 3)] + [tiny_cfg(2, 2, 2, "c4"),
                                                           tiny_cfg(2, 2, 1, "c1")]
     real = spawn(real_ledgers, 2, [OmegaConf.to_container(OmegaConf.structured(c))

@@ -10,7 +10,7 @@ from zero_repro.simulate.hardware import hardware, list_clusters, load_cluster
 
 HW = hardware("dgx2_v100")
 PP = P.PerfParams(e_max=0.5, x_half=1.2e4, comm_eff=0.3)
-W100 = P.Workload(n_layer=125, hidden=8192, heads=64, gpus=400, mp=16, batch_per_gpu=32,
+W100 = P.Workload(n_layer=125, hidden=8192, heads=64, gpus=400, tp=16, batch_per_gpu=32,
                   stage=2, p_a=True)
 
 
@@ -51,14 +51,14 @@ def test_topology_links():
     assert bw_tp == HW.intra_bw
     assert bw_dp == pytest.approx(HW.inter_bw_node / 16 * 0.5)
     # MP 1: one DP group per node -> the whole NIC bandwidth (capped by NVSwitch)
-    w1 = dataclasses.replace(W100, mp=1)
+    w1 = dataclasses.replace(W100, tp=1)
     assert P.dp_link(w1, HW, 1.0)[0] == pytest.approx(min(HW.intra_bw, HW.inter_bw_node))
     # baseline MP 128 spans 8 nodes: TP all-reduces over InfiniBand
-    wb = dataclasses.replace(W100, mp=128, gpus=384, heads=128)
+    wb = dataclasses.replace(W100, tp=128, gpus=384, heads=128)
     assert P.tp_link(wb, HW, 0.5)[0] == pytest.approx(HW.inter_bw_node * 0.5)
     # DP per-node NIC load is independent of MP when MP <= GPUs/node: 2(n-1)/n·Ψ·2 bytes
     for mp in (1, 4, 16):
-        w = dataclasses.replace(W100, mp=mp)
+        w = dataclasses.replace(W100, tp=mp)
         bw, _ = P.dp_link(w, HW, 1.0)
         per_node = P.ring_all_reduce_time(w.params / mp * 2, w.dp, bw) * HW.inter_bw_node
         assert per_node == pytest.approx(2 * (w.dp - 1) / w.dp * w.params * 2, rel=1e-9)
@@ -72,7 +72,7 @@ def test_flops_hand_count():
     want = 4 * fwd_block * l + 3 * logits  # fwd + 2x bwd + recompute; head not recomputed
     assert flops_per_iteration(b, s, l, h, V, recompute=True) == pytest.approx(want)
     assert P.flops_per_gpu(dataclasses.replace(W100, batch_per_gpu=b, seq=s, n_layer=l,
-                                               hidden=h, heads=4, vocab=V, mp=4)) == \
+                                               hidden=h, heads=4, vocab=V, tp=4)) == \
         pytest.approx(want / 4)
 
 
@@ -89,7 +89,7 @@ def test_breakdown_components_add_up():
 
 
 def test_monotonic_in_bandwidth_and_batch():
-    for w in (W100, dataclasses.replace(W100, mp=128, gpus=384, heads=128, stage=0, p_a=False),
+    for w in (W100, dataclasses.replace(W100, tp=128, gpus=384, heads=128, stage=0, p_a=False),
               dataclasses.replace(W100, p_a_cpu=True)):
         base = P.step_time(w, HW, PP)["total"]
         for kw in ({"intra": 2}, {"inter": 2}, {"pcie": 2}):
@@ -104,7 +104,7 @@ def test_monotonic_in_bandwidth_and_batch():
 
 def test_baseline_internode_mp_collapses():
     zero = P.step_time(W100, HW, PP)["tflops_per_gpu"]
-    base = P.step_time(dataclasses.replace(W100, mp=128, gpus=384, heads=128, stage=0,
+    base = P.step_time(dataclasses.replace(W100, tp=128, gpus=384, heads=128, stage=0,
                                            p_a=False, batch_per_gpu=2), HW, PP)["tflops_per_gpu"]
     assert zero > 5 * base
 

@@ -9,17 +9,22 @@ import os
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
+from experiments import gpu_throughput
 from zero_repro.harness import paper_compare as paper
 from zero_repro.harness import registry as base
-from experiments import throughput_common as T
 from zero_repro import config as C
 from zero_repro.harness import sweep as orchestrate
 from zero_repro.cli import conf_dir
+from zero_repro.harness import throughput as T
+from zero_repro.paper.clusters import load_cluster
+from zero_repro.paper.setups import setups
+from zero_repro.paper.table3 import zero_overrides
 from zero_repro.simulate import calibrate
-from zero_repro.simulate.paper_setups import setups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPS = {"fig2_throughput": "fig2", "fig3_scaling": "fig3", "fig4_dp_only": "fig4",
@@ -74,11 +79,11 @@ def test_plans_local_and_paper_cluster(name, results_dir):
     for pp, s in zip(real, setups(fig)):
         c = pp.cfg
         assert (c.parallel.world_size, c.parallel.tp, c.train.micro_batch_size) == (
-            s.gpus, s.mp, s.batch_per_gpu)
+            s.gpus, s.tp, s.batch_per_gpu)
         assert (c.model.n_layer, c.model.n_embd, c.model.n_head) == (s.n_layer, s.hidden, s.heads)
         assert pp.point.mode == "measured" and pp.nodes == math.ceil(s.gpus / 16)
         assert c.zero.stage == (0 if s.series == "Baseline" else
-                                T.zero_overrides(pp.point.params["zero_config"])["zero.stage"])
+                                zero_overrides(pp.point.params["zero_config"])["zero.stage"])
         assert c.zero.dtype == "fp16" and c.zero_r.activation_checkpointing
 
 
@@ -107,7 +112,7 @@ def test_simulated_rows_names_and_values(name, results_dir):
         (fig, T.X_NAME[fig], "TFLOPs/GPU", "simulated")}
     # the per-point simulation is the calibrated model's prediction (incl. Fig 4's DDP overlap)
     ours = sorted(r["y_value"] for r in rows)
-    theirs = sorted(r["y_value"] for r in PREDICT[fig](T.calibration("dgx2_v100")))
+    theirs = sorted(r["y_value"] for r in PREDICT[fig](calibrate.calibration("dgx2_v100")))
     assert ours == pytest.approx(theirs, rel=1e-9)
     assert all("dgx2_v100" in r["hardware"] and r["batch_source"].startswith("paper")
                for r in rows)
@@ -125,8 +130,6 @@ def test_fig3_superlinear_and_fig2_fit(results_dir):
     per = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == T.Y_NAME}
     assert agg[128] == pytest.approx(per[128] * 128)
     exp2, recs2 = _simulated_records("fig2_throughput", results_dir)
-    import pandas as pd
-
     table = paper.compare(pd.DataFrame(exp2.summarize(recs2)), paper.load_reference())
     zero = table[(table["series"] == exp2.ZERO) & (table["y_name"] == T.Y_NAME)]
     assert len(zero) == 9 and zero["rel_error_vs_paper"].notna().all()
@@ -136,8 +139,6 @@ def test_fig3_superlinear_and_fig2_fit(results_dir):
 
 
 def test_max_fit_batches_grow_with_dp():
-    from zero_repro.simulate.hardware import load_cluster
-
     p = dict(T.DEFAULTS, batch="max_fit", max_fit_judge="analytic")
     v100 = load_cluster("dgx2_v100")
     s64, s128 = setups("fig3")[:2]
@@ -181,12 +182,8 @@ def test_local_measured_point_end_to_end(tmp_path):
 
 
 def test_gpu_script_refuses_without_cuda(capsys):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the real check is test_gpu_throughput_targets")
-    from experiments import gpu_throughput
-
     assert gpu_throughput.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert gpu_throughput.cluster_for("NVIDIA H200") == "h200"

@@ -12,7 +12,7 @@ its computed gradient is pure rounding noise (~1e-10) that differs with the summ
 (DP sums vs one batch); Adam divides by sqrt(v)+eps and would turn that noise into updates of
 size ~lr for eps << noise. eps = 1e-6 keeps such updates below ~1e-7, well inside tolerance.
 The same runs also provide the fp16/bf16 loss-tracking, ledger, communication and inf-injection
-checks (tests in test_zero_precision_ledger.py use the same worker).
+checks (tests in test_zero_precision.py use the same worker).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT, gather_full_state
+from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.zero import build_strategy
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
@@ -169,8 +170,6 @@ def ledger_configs() -> list[dict]:
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
-    from zero_repro.zero.ledger import table1_bytes
-
     for rank_results in results:
         for c, r in zip(configs, rank_results):
             if not c.get("ledger_check"):
@@ -179,7 +178,7 @@ def check_ledgers(results: list[dict], configs: list[dict]) -> None:
             led = r["ledger"]
             model_states = sum(led[k] for k in ("params_lp", "grads", "master_fp32",
                                                 "adam_m", "adam_v"))
-            ratio = model_states / table1_bytes(stage, psi, n_d)
+            ratio = model_states / model_state_bytes(psi, stage, n_d)
             assert 1.0 <= ratio <= 1.01, (f"stage {stage} N_d={n_d}: model states "
                                           f"{model_states} B / Table 1 = {ratio:.4f}")
             assert not r["infos"][0][0], f"stage {stage}: fp16 step skipped"

@@ -20,8 +20,9 @@ from tests.test_zero_equivalence import CFG, MICRO, SEED, batch, make, worker
 from zero_repro.config import TrainConfig, ZeroConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
-from zero_repro.zero.ledger import MemoryLedger, table1_bytes
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT
+from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.zero import build_strategy
 from zero_repro.zero.precision import DynamicLossScaler
 
@@ -208,7 +209,7 @@ def test_single_rank_ledger_matches_table1(stage):
     psi = sum(p.numel() for p in model.parameters())
     led = strat.memory_ledger()
     assert isinstance(led, MemoryLedger)
-    ratio = led.model_states() / table1_bytes(stage, psi, 1)
+    ratio = led.model_states() / model_state_bytes(psi, stage, 1)
     assert 1.0 <= ratio <= 1.01, f"stage {stage}: {led} ratio {ratio}"
     assert 4 * psi <= led.get("master_fp32") <= 4 * psi * 1.01  # fp16: separate fp32 master
     _, _, strat32, _ = make({"stage": stage, "dtype": "fp32"})

@@ -10,20 +10,38 @@ backward, nothing else); the Table 3 Hydra configs; arena reuse and its errors.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from torch import nn
 
-from zero_repro.config import ModelConfig, ZeroRConfig, register_configs, to_config, validate
+from zero_repro.config import (
+    ModelConfig,
+    TrainConfig,
+    ZeroConfig,
+    ZeroRConfig,
+    register_configs,
+    to_config,
+    validate,
+)
 from zero_repro.distributed import comm
 from zero_repro.distributed.launch import spawn
 from zero_repro.train.step import train_step
 from zero_repro.distributed.topology import Topology
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT, gather_full_state
-from zero_repro.zero_r import (TABLE3, CheckpointArena, apply_activation_checkpointing,
-                               canonical_name, fragmentation_stats)
+from zero_repro.paper.table3 import zero_overrides, zero_r_config
+from zero_repro.zero.strategy import build_strategy
+from zero_repro.zero_r import (
+    TABLE3,
+    CheckpointArena,
+    apply_activation_checkpointing,
+    canonical_name,
+    fragmentation_stats,
+)
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=96, vocab_pad_multiple=8)
 BATCH = 2
@@ -92,9 +110,6 @@ def _train(topo: Topology, kw: dict | None) -> dict:
 def _train_strategy(topo: Topology, stage: int, kw: dict | None, model_kw: dict = MODEL,
                     dtype: str = "fp32") -> dict:
     """Same run through the ZeRO-DP strategy of ``stage`` (checkpointing applied before it)."""
-    from zero_repro.config import TrainConfig, ZeroConfig
-    from zero_repro.zero import build_strategy
-
     cfg = ModelConfig(**model_kw)
     model = GPT(cfg, topo.tp_group, seed=7)
     handle = apply_activation_checkpointing(model, topo, _zr(kw))
@@ -317,9 +332,6 @@ def test_odd_tp_all_stages_fp32_bf16():
 
 # ----------------------------------------------------------------------- Hydra (Table 3)
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-    from pathlib import Path
-
     register_configs()
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base=None):
@@ -327,13 +339,14 @@ def _compose(overrides):
 
 
 def test_table3_configs_compose():
+    """conf/zero_r/c*.yaml equal the one definition, zero_repro.paper.table3."""
     for name, row in TABLE3.items():
         cfg = validate(_compose([f"zero_r={name}"]))
-        zr = cfg.zero_r
-        assert cfg.zero.stage == row.stage and zr.name == name
-        assert (zr.activation_checkpointing, zr.partition_activations, zr.cpu_checkpointing,
-                zr.constant_buffers, zr.contiguous_memory) == (
-            True, row.partition_activations, row.cpu_checkpointing, True, True)
+        assert cfg.zero.stage == row.stage
+        assert cfg.zero_r == zero_r_config(name)  # every field
+        assert zero_overrides(name) == {"zero.stage": cfg.zero.stage, **{
+            f"zero_r.{k}": v for k, v in dataclasses.asdict(cfg.zero_r).items()}}
+    assert validate(_compose(["zero_r=off"])).zero_r == zero_r_config("off")
     assert [TABLE3[c].stage for c in ("c1", "c2", "c3", "c4", "c5")] == [1, 1, 2, 2, 2]
     cfg = _compose(["zero_r=c4"])
     assert cfg.zero.stage == 2 and cfg.zero_r.partition_activations

@@ -1,15 +1,15 @@
 """Step-time benchmark of the ZeRO-DP stages (paper §5/§7, measured on local gloo ranks).
 
-``python -m zero_repro.bench [--model tiny|gpt_20m] [--world 2] [--steps N]`` spawns ``world``
-CPU ranks, trains the same model on the same synthetic data with each stage in turn and prints
-the median step time (after warm-up) per stage and its ratio to stage 0. Times are *measured*
-on this machine's CPUs over gloo; they say nothing about GPU clusters (gloo's reduce-scatter is
-emulated and slower than its all-reduce, see PLATFORM_NOTES.md).
+``python -m zero_repro.bench [--model tiny|<conf/model name>] [--world 2] [--steps N]`` spawns
+``world`` CPU ranks, trains the same model on the same random tokens with each stage 0-3 in turn
+(TP 1, no ZeRO-R) and prints the median step time (after warm-up) per stage and its ratio to
+stage 0. Times are *measured* on this machine's CPUs over gloo; they say nothing about GPU
+clusters (gloo has no reduce-scatter / all-gather of flat buffers: stages 1-3 run them as N_d
+rooted reduces / broadcasts, ``zero.flat_buffer.rooted_collectives``, slower than all-reduce).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -21,6 +21,7 @@ from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT
 from zero_repro.train.step import train_step
+from zero_repro.paths import conf_group_dir
 from zero_repro.zero import build_strategy
 
 
@@ -28,8 +29,8 @@ def model_config(name: str) -> ModelConfig:
     if name == "tiny":
         return ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                            vocab_pad_multiple=8)
-    path = os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{name}.yaml")
-    if os.path.exists(path):
+    path = conf_group_dir("model") / f"{name}.yaml"
+    if path.exists():
         raw = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items()
                if k != "defaults"}
         return ModelConfig(**raw)

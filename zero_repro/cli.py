@@ -24,7 +24,8 @@ import logging
 import os
 import re
 import sys
-from pathlib import Path
+
+from zero_repro import paths
 
 import hydra
 import pandas as pd
@@ -44,13 +45,7 @@ USAGE_ERROR = 2
 def conf_dir() -> str:
     """Absolute path of the ``conf/`` directory: ``$ZERO_REPRO_CONF_DIR``, else the one next to
     the package (source checkout), else ``./conf``."""
-    env = os.environ.get("ZERO_REPRO_CONF_DIR")
-    if env:
-        return str(Path(env).resolve())
-    beside = Path(__file__).resolve().parent.parent / "conf"
-    if (beside / "config.yaml").is_file():
-        return str(beside)
-    return str((Path.cwd() / "conf").resolve())
+    return str(paths.conf_dir())
 
 
 class UserError(Exception):

@@ -50,6 +50,9 @@ class ZeroConfig:
     # C_B: constant-size fused buffers, in elements (independent of the model size)
     reduce_bucket_size: int = 2_000_000
     allgather_bucket_size: int = 2_000_000
+    # read only by the DeepSpeed peer (peers/runners.py); this runtime reduces each bucket as
+    # it fills, on the compute stream. Kept in the schema because every point key hashes the
+    # zero section (measure.records.point_key): removing it would orphan the committed records
     overlap_comm: bool = True
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
     grad_clip: float = 1.0  # global-norm clip; 0 disables
@@ -105,7 +108,6 @@ class ClusterConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | torchrun | slurm
-    nodes: int = 1
     timeout_min: int = 60
     partition: str = ""
     account: str = ""

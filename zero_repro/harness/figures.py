@@ -8,6 +8,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+# marker and line style of each row ``kind`` (measured | simulated | analytic | paper), every plot
+MARKERS = {"measured": "o", "simulated": "s", "analytic": "^", "paper": "X"}
+LINESTYLES = {"measured": "-", "simulated": "--", "analytic": ":", "paper": "none"}
+
 
 def save_figure(fig, out_dir: str, name: str, dpi: int = 150) -> list[str]:
     """Write ``fig`` as ``out_dir/name.png`` and ``.pdf`` (every experiment plots both), close it,

@@ -11,23 +11,17 @@ Values are kept as text there (some are ranges or ">=24"); ``load_reference`` ad
 """
 from __future__ import annotations
 
-import os
-
 import pandas as pd
 
+from zero_repro import paths
 from zero_repro.harness.points import TABLE_COLUMNS
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_REFERENCE = os.path.join(REPO, "results", "paper", "reference.csv")
+DEFAULT_REFERENCE = str(paths.REFERENCE_CSV)
 
 
 def reference_path(results_dir: str | None = None) -> str:
     """``<results_dir>/paper/reference.csv`` if present, else the repository's copy."""
-    if results_dir:
-        p = os.path.join(results_dir, "paper", "reference.csv")
-        if os.path.exists(p):
-            return p
-    return DEFAULT_REFERENCE
+    return str(paths.reference_csv(results_dir))
 
 
 def _num(s: pd.Series) -> pd.Series:

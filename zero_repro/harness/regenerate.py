@@ -25,14 +25,10 @@ import pandas as pd
 from zero_repro.harness import paper_compare as paper
 from zero_repro.harness import records as R
 from zero_repro.harness import registry
-from zero_repro.harness.figures import plt, save_figure
+from zero_repro.harness.figures import LINESTYLES, MARKERS, plt, save_figure
 from zero_repro.harness.points import MODES, TABLE_COLUMNS
 
 log = logging.getLogger(__name__)
-
-MARKERS = {"measured": "o", "simulated": "s", "analytic": "^", "paper": "X"}
-LINESTYLES = {"measured": "-", "simulated": "--", "analytic": ":", "paper": "none"}
-
 
 def summary_frame(experiment: Any, records: list) -> pd.DataFrame:
     rows = experiment.summarize(R.latest(records))

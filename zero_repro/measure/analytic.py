@@ -1,19 +1,15 @@
 """Closed-form per-rank memory model of ZeRO (paper §3, §5, §6; Tables 1-2, Figure 6 seed).
 
-Model states per data-parallel rank (Ψ = parameters of one TP shard = param_count / MP, K = 12
-for mixed-precision Adam, lp = bytes of a low-precision value, 2 for fp16):
-
-    baseline  (2·lp + K)·Ψ                 = 16Ψ
-    P_os      2·lp·Ψ + K·Ψ/N_d             = 4Ψ + KΨ/N_d
-    P_os+g    lp·Ψ + (lp + K)·Ψ/N_d        = 2Ψ + 14Ψ/N_d
-    P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
+Model states per data-parallel rank: Table 1's formula, ``zero_repro.paper.table1``
+(Ψ = parameters of one TP shard = param_count / tp, K = 12 for mixed-precision Adam):
+baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
 
 Residual states (§3.2, §6):
   * activations without checkpointing: the paper's footnote counts ≈12·h·b·s·l *elements*
     (fp16, so 24·h·b·s·l bytes: GPT-2 1.5B, s=1K, b=32 -> 60 GB). ``activation_bytes_per_layer``
     is a finer per-op count of one Megatron block on one TP rank (op enumeration in its doc).
   * checkpoints (one block input per layer): b·s·h elements per layer, 2 bytes each; P_a keeps
-    1/MP of them; P_a+cpu keeps none on the device. The paper's §6.1 example (100B, b=32, s=1024,
+    1/tp of them; P_a+cpu keeps none on the device. The paper's §6.1 example (100B, b=32, s=1024,
     MP=16, "≈33 GB -> ≈2 GB") matches the *element count* b·s·h·l = 33.5e9 of the Table 5 100B
     shape (125 x 8192); in fp16 bytes that is 67 GB, consistent with §3.2's "≈60 GB" for the same
     model. We compute bytes; the tests document the discrepancy.
@@ -32,27 +28,19 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Callable
 
 from zero_repro.model.flops import param_count_formula
+from zero_repro.paper.table1 import (
+    K_ADAM,
+    STAGE_NAMES,
+    TABLE1_ND,
+    TABLE1_PSI,
+    model_state_bytes,
+)
+from zero_repro.paper.table3 import BASELINE, TABLE3, Table3Row
 
 GB = 1e9
-K_ADAM = 12
-STAGE_NAMES = {0: "baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
-TABLE1_PSI = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}
-TABLE1_ND = (1, 4, 16, 64, 256, 1024)
 
 
 # ----------------------------------------------------------------------------- model states
-def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2
-                      ) -> float:
-    """Per-rank bytes of fp16 params + fp16 grads + K bytes/param optimizer state (Table 1)."""
-    if stage == 0:
-        return (2 * lp_bytes + K) * psi
-    if stage == 1:
-        return 2 * lp_bytes * psi + K * psi / n_d
-    if stage == 2:
-        return lp_bytes * psi + (lp_bytes + K) * psi / n_d
-    if stage == 3:
-        return (2 * lp_bytes + K) * psi / n_d
-    raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
 
 
 def model_state_breakdown(psi: float, stage: int, n_d: int, lp_bytes: int = 2
@@ -103,10 +91,10 @@ def table1() -> list[Table1Cell]:
     return cells
 
 
-def max_params(device_bytes: float, stage: int, n_d: int, mp: int = 1, K: int = K_ADAM
+def max_params(device_bytes: float, stage: int, n_d: int, tp: int = 1, K: int = K_ADAM
                ) -> float:
     """Table 2 theory: largest total Ψ whose model states fit (activations ignored)."""
-    return device_bytes / model_state_bytes(1.0, stage, n_d, K) * mp
+    return device_bytes / model_state_bytes(1.0, stage, n_d, K) * tp
 
 
 # ------------------------------------------------------------------------------ activations
@@ -115,39 +103,39 @@ def activation_elements_footnote(hidden: int, batch: int, seq: int, n_layer: int
     return 12.0 * hidden * batch * seq * n_layer
 
 
-def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, mp: int = 1,
+def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, tp: int = 1,
                                dropout: bool = True, lp_bytes: int = 2) -> float:
     """Bytes one Megatron block keeps for backward on one TP rank (no checkpointing).
 
     Op enumeration (elements; masks are 1 byte): replicated across TP: LN1 in, QKV in (=LN1 out),
     LN2 in, fc1 in (=LN2 out) -> 4·bsh, plus 2 dropout masks bsh; split over TP: Q, K, V,
-    proj in -> 4·bsh/t, GELU in and fc2 in -> 8·bsh/t; attention: softmax out a·b·s²/t (+ its
-    dropout mask and output). With fp16 and dropout: bsh·(10 + 24/t) + 5·a·b·s²/t bytes.
+    proj in -> 4·bsh/tp, GELU in and fc2 in -> 8·bsh/tp; attention: softmax out a·b·s²/tp (+
+    its dropout mask and output). With fp16 and dropout: bsh·(10 + 24/tp) + 5·a·b·s²/tp bytes.
     """
-    b, s, h, a, t = batch, seq, hidden, heads, mp
+    b, s, h, a = batch, seq, hidden, heads
     bsh = b * s * h
     rep = 4 * bsh * lp_bytes + (2 * bsh if dropout else 0)
-    split = 12 * bsh / t * lp_bytes
-    scores = a * b * s * s / t
+    split = 12 * bsh / tp * lp_bytes
+    scores = a * b * s * s / tp
     attn = scores * lp_bytes + (scores * (1 + lp_bytes) if dropout else 0)
     return rep + split + attn
 
 
-def checkpoint_bytes(batch: int, seq: int, hidden: int, n_layer: int, mp: int = 1,
+def checkpoint_bytes(batch: int, seq: int, hidden: int, n_layer: int, tp: int = 1,
                      p_a: bool = False, cpu: bool = False, lp_bytes: int = 2) -> float:
     """Device bytes of activation checkpoints (one block input b·s·h per layer).
 
-    P_a: each TP rank keeps 1/mp of every checkpoint; P_a+cpu: all of them live in host memory.
+    P_a: each TP rank keeps 1/tp of every checkpoint; P_a+cpu: all of them live in host memory.
     """
     if cpu:
         return 0.0
     full = float(batch) * seq * hidden * n_layer * lp_bytes
-    return full / mp if p_a else full
+    return full / tp if p_a else full
 
 
-def logits_bytes(batch: int, seq: int, vocab: int, mp: int = 1, lp_bytes: int = 2) -> float:
-    """LM-head logits (vocab-parallel: V/mp per rank) in lp + their fp32 copy for the loss."""
-    return float(batch) * seq * vocab / mp * (lp_bytes + 4)
+def logits_bytes(batch: int, seq: int, vocab: int, tp: int = 1, lp_bytes: int = 2) -> float:
+    """LM-head logits (vocab-parallel: V/tp per rank) in lp + their fp32 copy for the loss."""
+    return float(batch) * seq * vocab / tp * (lp_bytes + 4)
 
 
 def buffer_bytes(psi: float, constant_buffers: bool, reduce_bucket: int = 2_000_000,
@@ -169,13 +157,16 @@ class MemConfig:
     c_b: bool = True
     m_d: bool = True  # contiguous arenas: no fragmentation term in this closed form either way
 
+    @classmethod
+    def from_table3(cls, row: Table3Row) -> "MemConfig":
+        return cls(stage=row.stage, checkpointing=row.activation_checkpointing,
+                   p_a=row.partition_activations, cpu=row.cpu_checkpointing,
+                   c_b=row.constant_buffers, m_d=row.contiguous_memory)
 
-ZERO_CONFIGS = {
-    "C1": MemConfig(stage=1, p_a=False), "C2": MemConfig(stage=1, p_a=True),
-    "C3": MemConfig(stage=2, p_a=False), "C4": MemConfig(stage=2, p_a=True),
-    "C5": MemConfig(stage=2, p_a=True, cpu=True),
-    "baseline": MemConfig(stage=0, c_b=False, m_d=False),
-}
+
+# Table 3 (``paper.table3``) as the memory model's flags, keyed C1..C5 and baseline
+ZERO_CONFIGS = {**{name.upper(): MemConfig.from_table3(r) for name, r in TABLE3.items()},
+                "baseline": MemConfig.from_table3(BASELINE)}
 
 
 def as_mem_config(config: str | MemConfig | tuple) -> MemConfig:
@@ -190,26 +181,26 @@ def as_mem_config(config: str | MemConfig | tuple) -> MemConfig:
     return MemConfig(stage=stage, p_a=p_a, cpu=cpu, c_b=c_b, m_d=m_d)
 
 
-def memory_breakdown(n_layer: int, hidden: int, heads: int, mp: int, n_d: int,
+def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
                      batch_per_gpu: int, config: str | MemConfig | tuple = "C4",
                      seq: int = 1024, vocab: int = 50257, reduce_bucket: int = 2_000_000,
                      allgather_bucket: int = 2_000_000, dropout: bool = True
                      ) -> dict[str, float]:
     """Per-GPU bytes by category for one training step at its peak (closed form)."""
     c = as_mem_config(config)
-    psi = param_count_formula(n_layer, hidden, vocab, seq) / mp
+    psi = param_count_formula(n_layer, hidden, vocab, seq) / tp
     out = model_state_breakdown(psi, c.stage, n_d)
-    layer = activation_bytes_per_layer(batch_per_gpu, seq, hidden, heads, mp, dropout)
+    layer = activation_bytes_per_layer(batch_per_gpu, seq, hidden, heads, tp, dropout)
     if c.checkpointing:
         out["activation_checkpoints"] = checkpoint_bytes(batch_per_gpu, seq, hidden, n_layer,
-                                                         mp, c.p_a, c.cpu)
+                                                         tp, c.p_a, c.cpu)
         # recompute of one block: its activations, plus the all-gathered input under P_a
         gathered = batch_per_gpu * seq * hidden * 2.0 if c.p_a else 0.0
         out["activation_working"] = layer + gathered
     else:
         out["activation_checkpoints"] = 0.0
         out["activation_working"] = layer * n_layer
-    out["logits"] = logits_bytes(batch_per_gpu, seq, vocab, mp)
+    out["logits"] = logits_bytes(batch_per_gpu, seq, vocab, tp)
     out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket)
     return out
 
@@ -219,7 +210,7 @@ def fits(device_bytes: float, *args, usable_fraction: float = 1.0, **kwargs) -> 
     return sum(memory_breakdown(*args, **kwargs).values()) <= usable_fraction * device_bytes
 
 
-def max_model_size(device_bytes: float, config: str | MemConfig | tuple, mp: int, n_d: int,
+def max_model_size(device_bytes: float, config: str | MemConfig | tuple, tp: int, n_d: int,
                    batch_per_gpu: int, hidden: int, heads: int, seq: int = 1024,
                    vocab: int = 50257, fits_fn: Callable[[int], bool] | None = None,
                    max_layers: int = 100_000, **kwargs) -> tuple[int, int]:
@@ -231,13 +222,13 @@ def max_model_size(device_bytes: float, config: str | MemConfig | tuple, mp: int
     monotonicity. Returns (0, 0) if not even one layer fits.
     """
     def analytic(n: int) -> bool:
-        return fits(device_bytes, n, hidden, heads, mp, n_d, batch_per_gpu, config, seq=seq,
+        return fits(device_bytes, n, hidden, heads, tp, n_d, batch_per_gpu, config, seq=seq,
                     vocab=vocab, **kwargs)
 
     judge = fits_fn or analytic
-    m0 = sum(memory_breakdown(0, hidden, heads, mp, n_d, batch_per_gpu, config, seq, vocab,
+    m0 = sum(memory_breakdown(0, hidden, heads, tp, n_d, batch_per_gpu, config, seq, vocab,
                               **kwargs).values())
-    m1 = sum(memory_breakdown(1, hidden, heads, mp, n_d, batch_per_gpu, config, seq, vocab,
+    m1 = sum(memory_breakdown(1, hidden, heads, tp, n_d, batch_per_gpu, config, seq, vocab,
                               **kwargs).values())
     seed = int((device_bytes - m0) // max(m1 - m0, 1.0))
     seed = min(max(seed, 1), max_layers)

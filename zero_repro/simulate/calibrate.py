@@ -3,7 +3,7 @@ series (and optionally Figure 3), and predictions of Figures 2 (baseline), 3, 4 
 refitting (paper §10.2-10.5).
 
 Discipline: the only inputs taken from the paper are hardware specs (§10.1 -> conf/cluster/
-dgx2_v100.yaml), the experiment setups (Tables 5, 6, 9, 10 via ``paper_setups``) and the fit
+dgx2_v100.yaml), the experiment setups (Tables 5, 6, 9, 10 via ``zero_repro.paper.setups``) and the fit
 targets (Figure 2 "ZeRO-100B" per-GPU TFLOPs; with ``use_fig3`` also the Figure 3 bars).
 Objective: sum of squared relative errors measured as log(simulated/paper) (symmetric in over-
 and under-prediction), minimised by a deterministic Nelder-Mead on the log of the parameters
@@ -21,14 +21,21 @@ MP = 1 (P_a is a no-op without MP), and C5 (P_a+cpu) when C4 does not fit — th
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Sequence
 
+import pandas as pd
+
 from zero_repro.measure.analytic import ZERO_CONFIGS, fits
+from zero_repro.paper.buckets import ALLGATHER_BUCKET, REDUCE_BUCKET
+from zero_repro.paper.setups import PaperSetup, paper_values, setups
 from zero_repro.simulate.hardware import Hardware, hardware
-from zero_repro.simulate.paper_setups import PaperSetup, paper_values, setups
 from zero_repro.simulate.perf_model import PerfParams, Workload, step_time
 
 log = logging.getLogger(__name__)
@@ -55,18 +62,18 @@ def zero_config_for(s: PaperSetup, hw: Hardware) -> str:
     """The ZeRO-R configuration assumed for a setup (see module doc)."""
     if s.zero_config.startswith("C") or s.zero_config == "baseline":
         return s.zero_config
-    first = "C4" if s.mp > 1 else "C3"
-    ok = fits(hw.device_bytes, s.n_layer, s.hidden, s.heads, s.mp, s.dp, s.batch_per_gpu,
-              first, reduce_bucket=int(5e8), allgather_bucket=int(2e8))
-    return first if ok or s.mp == 1 else "C5"
+    first = "C4" if s.tp > 1 else "C3"
+    ok = fits(hw.device_bytes, s.n_layer, s.hidden, s.heads, s.tp, s.dp, s.batch_per_gpu,
+              first, reduce_bucket=REDUCE_BUCKET, allgather_bucket=ALLGATHER_BUCKET)
+    return first if ok or s.tp == 1 else "C5"
 
 
 def workload_for(s: PaperSetup, hw: Hardware, **overrides) -> Workload:
     cfg = zero_config_for(s, hw)
     mc = ZERO_CONFIGS[cfg]
-    kw = dict(n_layer=s.n_layer, hidden=s.hidden, heads=s.heads, gpus=s.gpus, mp=s.mp,
+    kw = dict(n_layer=s.n_layer, hidden=s.hidden, heads=s.heads, gpus=s.gpus, tp=s.tp,
               batch_per_gpu=s.batch_per_gpu, stage=mc.stage, checkpointing=mc.checkpointing,
-              p_a=mc.p_a and s.mp > 1, p_a_cpu=mc.cpu)
+              p_a=mc.p_a and s.tp > 1, p_a_cpu=mc.cpu)
     kw.update(overrides)
     return Workload(**kw)
 
@@ -213,3 +220,35 @@ def errors_vs_paper(cal: Calibration) -> dict[str, list[dict]]:
     return {"fig2_zero": _residuals(cal.params, hw, fig2_points("ZeRO"), "fig2"),
             "fig2_baseline": _residuals(cal.params, hw, fig2_points("Baseline"), "fig2"),
             "fig3": _residuals(cal.params, hw, fig3_points(), "fig3")}
+
+
+# ------------------------------------------------------------------------ shared fit, files
+@lru_cache(maxsize=4)
+def calibration(cluster: str = "dgx2_v100", use_fig3: bool = False) -> Calibration:
+    """``fit`` once per process (Figures 2, 3, 4 and 8 share one calibration)."""
+    return fit(cluster=cluster, use_fig3=use_fig3)
+
+
+def calibration_summary(cal: Calibration) -> dict:
+    """Fitted values, fit error and the prediction errors of the unfitted series."""
+    errs = errors_vs_paper(cal)
+    worst = {k: max(abs(r["rel_err"]) for r in v) for k, v in errs.items() if v}
+    return {"cluster": cal.cluster, "fitted_on": cal.targets, "n_free": cal.n_free,
+            "params": dataclasses.asdict(cal.params), "objective": cal.objective,
+            "max_abs_rel_err": worst, "residuals": errs}
+
+
+def write_calibration(cal: Calibration, results_dir: str) -> list[str]:
+    """results/calibration/<cluster>_<targets>.json and .csv: fitted values, fit error, and the
+    prediction errors of the unfitted series (Fig 2 baseline, Fig 3). Written atomically."""
+    out = os.path.join(results_dir, "calibration")
+    os.makedirs(out, exist_ok=True)
+    summ = calibration_summary(cal)
+    stem = os.path.join(out, f"{cal.cluster}_{'+'.join(t.split()[0] for t in cal.targets)}")
+    with open(stem + ".json.tmp", "w") as f:
+        json.dump(summ, f, indent=1)
+    os.replace(stem + ".json.tmp", stem + ".json")
+    rows = [{"series": k, "fitted": k in ("fig2_zero",) or (k == "fig3" and len(cal.targets) > 1),
+             **r} for k, v in summ["residuals"].items() for r in v]
+    pd.DataFrame(rows).to_csv(stem + ".csv", index=False)
+    return [stem + ".json", stem + ".csv"]

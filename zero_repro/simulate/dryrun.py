@@ -50,18 +50,31 @@ one process); inside a process that already has a process group use ``dry_run_su
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
+import os
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from zero_repro import config as C
+from zero_repro.distributed import comm, launch
+from zero_repro.distributed.topology import Topology
+from zero_repro.paper.clusters import DRYRUN_FIELDS, PAPER_CLUSTER, cluster_overrides
+from zero_repro.paper.overrides import paper_overrides
+from zero_repro.paper.overrides import setup_overrides as paper_setup_overrides
+from zero_repro.paper.setups import PaperSetup, setups
+from zero_repro.simulate import allocator as A
 from zero_repro.train.build import build
 from zero_repro.train.step import train_step
 
@@ -220,8 +233,6 @@ class DryRunResult:
     def replay(self, capacity: float | None) -> dict:
         """The training-phase allocator replay again, with another capacity (needs the trace:
         ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
-        from zero_repro.simulate import allocator as A
-
         if not self.trace:
             raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
         dev = device_events(self.trace, set(self.host_sids))
@@ -303,12 +314,6 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
     ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
     ``device_memory_gb``·1e9, unbounded when 0); an allocation the replay cannot place even
     after releasing cached segments is reported as ``allocator["oom"]``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from zero_repro.distributed import comm, launch
-    from zero_repro.distributed.topology import Topology
-    from zero_repro.simulate import allocator as A
-
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -393,8 +398,6 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
     config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
     Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded"}, ...]."""
-    from zero_repro.distributed.topology import Topology
-
     out = []
     for d in cfg_dicts:
         cfg = C.to_config(d)
@@ -418,8 +421,6 @@ def _child(cfg_dict: dict, rank: int, iterations: int, keep_trace: bool, capacit
         res = dry_run(C.to_config(cfg_dict), rank, iterations, keep_trace, capacity)
         conn.send(("ok", res))
     except BaseException as e:  # noqa: BLE001 - report to the parent
-        import traceback
-
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         conn.close()
@@ -429,11 +430,7 @@ def dry_run_subprocess(cfg: C.Config, rank: int = 0, iterations: int = 2,
                        keep_trace: bool = False, allocator_capacity: float | None = None,
                        timeout_s: float = 1800.0) -> DryRunResult:
     """``dry_run`` in a fresh child process (for callers that already hold a process group)."""
-    import multiprocessing as mp
-
-    from omegaconf import OmegaConf
-
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     p = ctx.Process(target=_child, args=(cfg_dict, rank, iterations, keep_trace,
@@ -455,25 +452,33 @@ def dry_run_subprocess(cfg: C.Config, rank: int = 0, iterations: int = 2,
 
 
 # ------------------------------------------------------------------------------ benchmark
-def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = "dgx2_v100"):
+def apply_overrides(cfg: C.Config, overrides: dict) -> C.Config:
+    """``cfg`` with dotted ``overrides`` applied, validated."""
+    base = OmegaConf.structured(cfg)
+    for k, v in overrides.items():
+        OmegaConf.update(base, k, v, merge=False)
+    return C.validate(C.to_config(base))
+
+
+def setup_overrides(s: PaperSetup, cluster: str = PAPER_CLUSTER, **kw) -> dict:
+    """Overrides for a dry run of paper setup ``s`` (``paper.overrides.setup_overrides``, ``kw``
+    passed on) with the device facts of ``cluster``."""
+    return {**paper_setup_overrides(s, **kw), **cluster_overrides(cluster, DRYRUN_FIELDS)}
+
+
+def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = PAPER_CLUSTER):
     """The paper's 100B setup (Table 8: 125 x 8192, 64 heads, batch 32/GPU, 400 GPUs, MP 16)
     under ``zero_config`` with the paper harness's buckets."""
-    from zero_repro.simulate import maxsize
-    from zero_repro.simulate.paper_setups import setups
-
     s = next(s for s in setups("fig7") if s.size_label == "100B")
-    ov = maxsize.setup_overrides(s, cluster)
-    ov.update(maxsize.paper_overrides(n_layer, s.hidden, s.heads, s.gpus, s.mp,
-                                      s.batch_per_gpu, zero_config))
-    return maxsize.apply_overrides(C.Config(), ov)
+    ov = setup_overrides(s, cluster)
+    ov.update(paper_overrides(n_layer, s.hidden, s.heads, s.gpus, s.tp, s.batch_per_gpu,
+                              zero_config))
+    return apply_overrides(C.Config(), ov)
 
 
 def main(argv=None) -> int:
     """``python -m zero_repro.simulate.dryrun --bench``: time one paper-scale dry run (100B,
     400 GPUs, C4 by default) and print one line: wall time, phases, ops, peaks."""
-    import argparse
-    import os
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--bench", action="store_true", help="run the benchmark (the default)")
     ap.add_argument("--config", default="C4", help="ZeRO configuration C1..C5")

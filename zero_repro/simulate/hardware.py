@@ -1,6 +1,6 @@
-"""Cluster hardware specs as data, loaded from ``conf/cluster/*.yaml`` (the one source of truth;
-schema: ``zero_repro.config.ClusterConfig``), plus the unit conversions the performance model
-needs (paper §10.1: DGX-2 nodes of 16 V100-32GB, NVSwitch 300 GB/s, 800 Gbps internode).
+"""Cluster hardware specs as data, loaded from ``conf/cluster/*.yaml`` (the one source of
+truth, read by ``zero_repro.paper.clusters``; schema: ``zero_repro.config.ClusterConfig``), plus
+the unit conversions the performance model needs (paper §10.1: DGX-2 nodes of 16 V100-32GB, NVSwitch 300 GB/s, 800 Gbps internode).
 
 Conventions of the YAML fields (vendor figures, as printed on data sheets and in the paper):
   * ``intra_node_gbps`` GB/s per GPU over NVLink/NVSwitch, counting *both* directions (V100
@@ -12,31 +12,13 @@ Conventions of the YAML fields (vendor figures, as printed on data sheets and in
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
-
-from omegaconf import OmegaConf
 
 from zero_repro.config import ClusterConfig
+from zero_repro.paper.clusters import list_clusters, load_cluster
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "conf" / "cluster"
-
-
-@lru_cache(maxsize=None)
-def load_cluster(name: str) -> ClusterConfig:
-    """Read ``conf/cluster/<name>.yaml`` into a typed ClusterConfig (Hydra defaults skipped)."""
-    path = CLUSTER_DIR / f"{name}.yaml"
-    if not path.exists():
-        raise ValueError(f"cluster={name!r}: no {path}; choose one of {list_clusters()}")
-    raw = OmegaConf.load(path)
-    raw.pop("defaults", None)
-    merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), raw)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def list_clusters() -> list[str]:
-    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+__all__ = ["Hardware", "cpu_model", "hardware", "list_clusters", "load_cluster"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +50,16 @@ class Hardware:
 def hardware(name: str) -> Hardware:
     """``Hardware`` for ``conf/cluster/<name>.yaml``."""
     return Hardware.from_config(load_cluster(name))
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (``/proc/cpuinfo``; else what ``platform`` knows), for the
+    ``hardware`` column of locally measured points."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

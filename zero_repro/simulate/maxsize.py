@@ -23,49 +23,23 @@ off the device (e.g. build on the host, then move); ``Judgement.build_peak_live`
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import json
 import logging
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass, field
 
+from omegaconf import OmegaConf
+
 from zero_repro import config as C
+from zero_repro.measure import analytic
+from zero_repro.model import flops
+from zero_repro.simulate.dryrun import dry_run
 
 log = logging.getLogger(__name__)
-
-# paper harness bucket sizes (REFERENCE.md, DeepSpeedExamples hyperscale scripts, inferred):
-# reduce 5e8, all-gather 2e8 elements. Used by the paper-scale memory experiments.
-PAPER_BUCKETS = {"zero.reduce_bucket_size": 500_000_000,
-                 "zero.allgather_bucket_size": 200_000_000}
-
-
-def paper_overrides(n_layer: int, hidden: int, heads: int, gpus: int, mp: int, batch: int,
-                    zero_config: str, seq: int = 1024, vocab: int = 50257) -> dict:
-    """Dotted config overrides for one paper setup (fp16, Table 3 configuration C1..C5)."""
-    from zero_repro.zero_r.configs import TABLE3
-
-    zc = zero_config.lower()
-    row = TABLE3[zc]
-    return {"model.name": f"gpt_{n_layer}x{hidden}", "model.n_layer": n_layer,
-            "model.n_embd": hidden, "model.n_head": heads, "model.seq_len": seq,
-            "model.vocab_size": vocab, "model.vocab_pad_multiple": 128, "model.dropout": 0.0,
-            "parallel.world_size": gpus, "parallel.tp": mp, "zero.stage": row.stage,
-            "zero.dtype": "fp16", "zero_r.name": zc,
-            "zero_r.activation_checkpointing": row.activation_checkpointing,
-            "zero_r.partition_activations": row.partition_activations,
-            "zero_r.cpu_checkpointing": row.cpu_checkpointing,
-            "zero_r.constant_buffers": row.constant_buffers,
-            "zero_r.contiguous_memory": row.contiguous_memory,
-            "train.micro_batch_size": batch, "train.grad_accum": 1}
-
-
-def apply_overrides(cfg: C.Config, overrides: dict) -> C.Config:
-    from omegaconf import OmegaConf
-
-    base = OmegaConf.structured(cfg)
-    for k, v in overrides.items():
-        OmegaConf.update(base, k, v, merge=False)
-    return C.validate(C.to_config(base))
-
 
 def capacity_of(cfg: C.Config) -> float:
     cap = cfg.cluster.device_memory_gb * 1e9
@@ -138,18 +112,13 @@ class DryRunJudge:
         """Dry runs at two depths at once: ``n_b`` in a helper process, ``n_a`` here (the
         dry run is single-threaded Python; a second core halves the wall time of the pair
         the search needs at the end: the last depth that fits and the first that does not)."""
-        import concurrent.futures as cf
-        import multiprocessing as mp
-
-        from omegaconf import OmegaConf
-
         cfg_b = self._cfg_at(n_b)
         key_b = self._key(cfg_b)
         if key_b in self._shared:
             self.run(n_a)
             return
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+            self._pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = self._pool.submit(_child_dry_run,
                                 OmegaConf.to_container(OmegaConf.structured(cfg_b),
                                                        resolve=True), self.iterations)
@@ -163,15 +132,11 @@ class DryRunJudge:
             self.close()
 
     def _key(self, cfg: C.Config) -> tuple:
-        import json
-
         d = dataclasses.asdict(cfg)
         return json.dumps(d, sort_keys=True, default=str), self.iterations
 
     def run(self, n_layer: int):
         """The dry run at ``n_layer`` (trace kept for replays), from the cache if done."""
-        from zero_repro.simulate.dryrun import dry_run
-
         cfg = self._cfg_at(n_layer)
         key = self._key(cfg)
         res = self._shared.get(key)
@@ -207,14 +172,10 @@ class DryRunJudge:
 
 def _child_dry_run(cfg_dict: dict, iterations: int):
     """A dry run in the judge's helper process (module level: pickled by name)."""
-    from zero_repro.simulate.dryrun import dry_run
-
     return dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True)
 
 
 def _analytic_seed(cfg: C.Config, capacity: float) -> int:
-    from zero_repro.measure import analytic
-
     m, p = cfg.model, cfg.parallel
     zr = cfg.zero_r
     mc = analytic.MemConfig(stage=cfg.zero.stage, checkpointing=zr.activation_checkpointing,
@@ -248,10 +209,6 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     measure the per-layer slope of the peak; the seed extrapolates from the deeper probe. The
     analytic model's answer is logged next to it and is the fallback seed. ``parallel``
     (default: when the machine has 2+ cores) judges the seed and seed + 1 at once."""
-    import os
-
-    from zero_repro.model import flops
-
     t0 = time.perf_counter()
     cap = capacity_of(cfg) if capacity is None else capacity
     judge = DryRunJudge(cfg, cap, iterations)
@@ -328,19 +285,3 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         n = est if lo < est < hi else (lo + 1 if ok else hi - 1)
     return lo
 
-
-def cluster_overrides(name: str) -> dict:
-    """The device facts of ``conf/cluster/<name>.yaml`` the memory dry run needs, as overrides
-    (device and backend stay local: a dry run runs on this machine with the fake backend)."""
-    from zero_repro.simulate.hardware import load_cluster
-
-    c = load_cluster(name)
-    return {"cluster.name": c.name, "cluster.device_memory_gb": c.device_memory_gb,
-            "cluster.gpus_per_node": c.gpus_per_node}
-
-
-def setup_overrides(s, cluster: str, buckets: dict | None = None) -> dict:
-    """Overrides for a ``simulate.paper_setups.PaperSetup`` on ``cluster``."""
-    return {**paper_overrides(s.n_layer, s.hidden, s.heads, s.gpus, s.mp, s.batch_per_gpu,
-                              s.zero_config),
-            **(PAPER_BUCKETS if buckets is None else buckets), **cluster_overrides(cluster)}

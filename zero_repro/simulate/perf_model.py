@@ -40,6 +40,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from zero_repro.model.flops import flops_per_iteration
+from zero_repro.paper.buckets import REDUCE_BUCKET
 from zero_repro.simulate.hardware import Hardware
 
 # Per-step latencies of a ring (NCCL-like), not fitted: they matter only for the baseline's
@@ -55,7 +56,7 @@ class Workload:
     hidden: int
     heads: int
     gpus: int
-    mp: int
+    tp: int  # Megatron tensor-parallel degree (the paper's MP)
     batch_per_gpu: int  # micro-batch per data-parallel rank (all MP ranks share it)
     seq: int = 1024
     vocab: int = 50257
@@ -66,11 +67,11 @@ class Workload:
     overlap_comm: bool = False  # DeepSpeed's default in the paper's era
     lp_bytes: int = 2
     dropout: bool = True
-    bucket_elems: float = 5e8  # DP collective call size (latency count only)
+    bucket_elems: float = float(REDUCE_BUCKET)  # DP collective call size (latency only)
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.mp
+        return self.gpus // self.tp
 
     @property
     def params(self) -> float:
@@ -119,14 +120,14 @@ def group_link(hw: Hardware, n: int, members_per_node: int, groups_per_node: int
 
 def tp_link(w: Workload, hw: Hardware, comm_eff: float) -> tuple[float, float]:
     g = hw.gpus_per_node
-    if w.mp <= g:
-        return group_link(hw, w.mp, w.mp, g // w.mp, comm_eff)
-    return group_link(hw, w.mp, g, 1, comm_eff)  # the node's GPUs all belong to one TP group
+    if w.tp <= g:
+        return group_link(hw, w.tp, w.tp, g // w.tp, comm_eff)
+    return group_link(hw, w.tp, g, 1, comm_eff)  # the node's GPUs all belong to one TP group
 
 
 def dp_link(w: Workload, hw: Hardware, comm_eff: float) -> tuple[float, float]:
     g = hw.gpus_per_node
-    k = max(1, g // w.mp)  # members of one DP group per node (TP groups packed in nodes)
+    k = max(1, g // w.tp)  # members of one DP group per node (TP groups packed in nodes)
     return group_link(hw, w.dp, k, g // k, comm_eff)
 
 
@@ -139,15 +140,15 @@ def compute_efficiency(w: Workload, p: PerfParams) -> float:
     x = 72·h²·(1 + s/(6h))/(a·s). Wide models run closer to e_max, small ones (1.5B: h=1600,
     s=1024) lose ~40% to the s² attention traffic.
     """
-    block_flops = flops_per_iteration(w.batch_per_gpu, w.seq, 1, w.hidden, 0, False) / w.mp
-    scores = float(w.batch_per_gpu) * w.heads * w.seq * w.seq / w.mp
+    block_flops = flops_per_iteration(w.batch_per_gpu, w.seq, 1, w.hidden, 0, False) / w.tp
+    scores = float(w.batch_per_gpu) * w.heads * w.seq * w.seq / w.tp
     x = block_flops / scores
     return p.e_max * x / (x + p.x_half)
 
 
 def flops_per_gpu(w: Workload) -> float:
     return flops_per_iteration(w.batch_per_gpu, w.seq, w.n_layer, w.hidden, w.vocab,
-                               w.checkpointing) / w.mp
+                               w.checkpointing) / w.tp
 
 
 # -------------------------------------------------------------------------------- the model
@@ -164,16 +165,16 @@ def step_time(w: Workload, hw: Hardware, p: PerfParams) -> dict[str, float]:
     act_msg = float(w.batch_per_gpu) * w.seq * w.hidden * w.lp_bytes
     n_tp = w.n_layer * (6 if w.checkpointing else 4) + 2
     tp_bw, tp_alpha = tp_link(w, hw, eta)
-    t_tp = n_tp * ring_all_reduce_time(act_msg, w.mp, tp_bw, tp_alpha)
+    t_tp = n_tp * ring_all_reduce_time(act_msg, w.tp, tp_bw, tp_alpha)
 
     t_dp = _dp_exposed(w, hw, eta, t_fwd, t_bwd_window)
 
     t_pa = 0.0
     if w.p_a and w.checkpointing:
-        t_pa = w.n_layer * ring_all_gather_time(act_msg, w.mp, tp_bw, tp_alpha)
+        t_pa = w.n_layer * ring_all_gather_time(act_msg, w.tp, tp_bw, tp_alpha)
     t_cpu = 0.0
     if w.p_a_cpu:
-        ckpt = w.n_layer * act_msg / (w.mp if w.p_a else 1)
+        ckpt = w.n_layer * act_msg / (w.tp if w.p_a else 1)
         pcie = hw.pcie_bw * eta
         t_cpu = max(0.0, ckpt / pcie - t_fwd) + ckpt / pcie
 
@@ -187,9 +188,9 @@ def _dp_exposed(w: Workload, hw: Hardware, eta: float, t_fwd: float, t_bwd: floa
     """Exposed data-parallel communication of one iteration (see module doc)."""
     if w.dp <= 1:
         return 0.0
-    grad_bytes = w.params / w.mp * w.lp_bytes
+    grad_bytes = w.params / w.tp * w.lp_bytes
     bw, alpha = dp_link(w, hw, eta)
-    calls = max(1, math.ceil(w.params / w.mp / w.bucket_elems))
+    calls = max(1, math.ceil(w.params / w.tp / w.bucket_elems))
     rs = ring_reduce_scatter_time(grad_bytes, w.dp, bw, alpha) + (calls - 1) * (w.dp - 1) * alpha
     ag = ring_all_gather_time(grad_bytes, w.dp, bw, alpha) + (calls - 1) * (w.dp - 1) * alpha
     hide = (lambda t, window: max(0.0, t - window)) if w.overlap_comm else (lambda t, _: t)

@@ -55,15 +55,3 @@ class MemoryLedger:
         body = ", ".join(f"{k}={v}" for k, v in self._bytes.items())
         return f"MemoryLedger({body})"
 
-
-def table1_bytes(stage: int, psi: int, n_d: int, k: int = 12) -> float:
-    """Table 1 model-state bytes per rank: (2 + 2 + K)Ψ split by stage."""
-    if stage == 0:
-        return (4 + k) * psi
-    if stage == 1:
-        return 4 * psi + k * psi / n_d
-    if stage == 2:
-        return 2 * psi + (2 + k) * psi / n_d
-    if stage == 3:
-        return (4 + k) * psi / n_d
-    raise ValueError(f"stage {stage} is not one of 0, 1, 2, 3")

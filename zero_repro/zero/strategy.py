@@ -22,7 +22,7 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``measure.ledger.table1_bytes``). How the
+stage 3 moves 3Ψ; memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
 bucket reduce-scatters / all-gathers of stages 1-3 travel (native, or N_d rooted reduces /
 broadcasts of the chunks on gloo: same elements, same volume) is the DP group's transport
 (``distributed.transport.bucket_transport``), picked once when a stage is built.

@@ -15,7 +15,7 @@ multiple of m) per block per backward, issued when the recompute needs the input
 Mechanism: ``saved_tensors_hooks`` placed *around* ``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)``. Around the call the hooks see only what the checkpoint itself saves
 (the block input); placed inside the checkpointed function they would replace checkpointing
-with plain saving (PLATFORM_NOTES). ``pack`` keeps this rank's slice, ``unpack`` gathers it.
+with plain saving of every intermediate. ``pack`` keeps this rank's slice, ``unpack`` gathers it.
 
 Parameter names: ``model.blocks[i]`` is replaced by a ``CheckpointedBlock`` that holds the
 original block as its child ``block``, so ``named_parameters()`` reads
@@ -56,7 +56,8 @@ def _identity(t: torch.Tensor) -> tuple:
 
 
 def canonical_name(name: str) -> str:
-    """``blocks.3.block.attn.c_attn.weight`` -> ``blocks.3.attn.c_attn.weight``."""
+    """``blocks.3.block.attn.qkv.weight`` -> ``blocks.3.attn.qkv.weight`` (the wrapper's child
+    ``block`` dropped; names without it are returned unchanged)."""
     return _WRAPPED_NAME.sub(r"\1", name, count=1)
 
 

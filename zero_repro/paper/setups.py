@@ -1,5 +1,5 @@
-"""The paper's experiment setups (appendix Tables 5-10) and reference values, read from
-``results/paper/reference.csv`` (never retyped here).
+"""The paper's experiment setups (appendix Tables 4-10) and reference values, read from
+``results/paper/reference.csv`` (never retyped here; ``zero_repro.paths.REFERENCE_CSV``).
 
 Rows ``figX_config`` hold one (series, point, field) triple each: fields num_gpus, mp_degree,
 layers, hidden_size, attention_heads, batch_size_per_gpu, total_batch_size. ``setups(figure)``
@@ -12,10 +12,8 @@ import csv
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_CSV = REPO_ROOT / "results" / "paper" / "reference.csv"
+from zero_repro.paths import REFERENCE_CSV
 
 
 @dataclass(frozen=True)
@@ -28,14 +26,14 @@ class PaperSetup:
     hidden: int
     heads: int
     gpus: int
-    mp: int
+    tp: int  # the tables' "MP" (Megatron tensor-parallel degree)
     batch_per_gpu: int
     total_batch: int
     zero_config: str  # "C1".."C5" when the table names it, "ZeRO" (unspecified), "baseline"
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.mp
+        return self.gpus // self.tp
 
     @property
     def size_b(self) -> float:
@@ -48,7 +46,7 @@ def _rows(path: str = str(REFERENCE_CSV)) -> tuple[dict, ...]:
         return tuple(csv.DictReader(f))
 
 
-_FIELDS = {"num_gpus": "gpus", "mp_degree": "mp", "layers": "n_layer", "hidden_size": "hidden",
+_FIELDS = {"num_gpus": "gpus", "mp_degree": "tp", "layers": "n_layer", "hidden_size": "hidden",
            "attention_heads": "heads", "batch_size_per_gpu": "batch_per_gpu",
            "total_batch_size": "total_batch"}
 

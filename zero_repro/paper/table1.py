@@ -1,0 +1,34 @@
+"""Table 1 (paper §5): per-device bytes of the model states under each ZeRO-DP stage.
+
+Mixed-precision Adam keeps lp-byte parameters and gradients (lp = 2 for fp16) and K = 12 bytes
+per parameter of fp32 master weights, momentum and variance. With Ψ parameters (of this TP
+shard) and N_d data-parallel ranks:
+
+    baseline  (2·lp + K)·Ψ                 = 16Ψ
+    P_os      2·lp·Ψ + K·Ψ/N_d             = 4Ψ + KΨ/N_d
+    P_os+g    lp·Ψ + (lp + K)·Ψ/N_d        = 2Ψ + 14Ψ/N_d
+    P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
+
+The one statement of this formula: the memory model, the dry run's checks, Table 1's experiment
+and the runtime's ledger tests all call ``model_state_bytes``.
+"""
+from __future__ import annotations
+
+K_ADAM = 12  # bytes of optimizer state per parameter (fp32 master + Adam m + v)
+STAGE_NAMES = {0: "baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+TABLE1_PSI = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}  # the table's model sizes
+TABLE1_ND = (1, 4, 16, 64, 256, 1024)  # the table's DP degrees
+
+
+def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2
+                      ) -> float:
+    """Per-rank bytes of lp params + lp grads + K bytes/param optimizer state (Table 1)."""
+    if stage == 0:
+        return (2 * lp_bytes + K) * psi
+    if stage == 1:
+        return 2 * lp_bytes * psi + K * psi / n_d
+    if stage == 2:
+        return lp_bytes * psi + (lp_bytes + K) * psi / n_d
+    if stage == 3:
+        return (2 * lp_bytes + K) * psi / n_d
+    raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
