@@ -39,7 +39,9 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro.harness import slurm as S
 from zero_repro.measure import records as R
+from zero_repro.wandb_log import point_environment
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +126,26 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
     os.makedirs(point.run_dir, exist_ok=True)
     t0 = time.perf_counter()
     status, reason, result = "ok", "", {}
+    # names the point's live W&B run (logged by its rank 0, which inherits the environment)
+    saved = {k: os.environ.get(k) for k in point_environment("", "", "")}
+    os.environ.update(point_environment(sweep_id, cfg.experiment.name, point.name))
     try:
         result = experiment.run_point(cfg, point) or {}
     except Exception as e:  # noqa: BLE001 - every failure of a point is data
         status, reason = R.classify_failure(e)
+        job = os.environ.get("SLURM_JOB_ID", "")
+        if job:  # inside a Slurm job: Slurm knows whether it was cancelled / out of time
+            logs = S.job_logs(job)
+            status, reason = S.correct_status(status, reason, job, logs)
+            if logs and "log" not in reason.split("\n", 1)[0]:
+                reason += "\njob log: " + " ".join(logs)
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
                          time.perf_counter() - t0)
     store.put(record)
@@ -220,7 +237,8 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
         "time": cfg.launcher.timeout_min, "use_srun": False,
         "additional_parameters": {"nodes": nodes_for(cfg), "ntasks_per_node": per_node},
         "setup": [f"source {os.path.join(repo, 'slurm', 'env.sh')}"],
-        "signal_delay_s": 120,
+        # --signal=USR2@<s>: the ranks note it and go on (zero_repro.worker)
+        "signal_delay_s": cfg.launcher.signal_delay_s,
     }
     if cfg.cluster.device == "cuda":
         params["gpus_per_node"] = per_node
@@ -234,8 +252,10 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
 
 def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
                  on_record: Callable[[R.Record], None]) -> None:
-    """Submit every point as its own job, then wait for them (records are written by the jobs;
-    a job that dies without writing one is recorded here as failed)."""
+    """Submit every point as its own job, then wait for them. Records are written by the jobs; a
+    job that ends without one (cancelled, out of time, killed) is recorded here with Slurm's
+    state as its status (``harness.slurm``), and so is a job whose own record only saw its
+    ranks die because Slurm cancelled it."""
     import submitit
     from experiments.base import module_path
 
@@ -253,15 +273,40 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
         job = ex.submit(_slurm_job, modname, pp, sweep_id)
         log.info("point %s -> Slurm job %s (%d nodes)", pp.point.name, job.job_id, pp.nodes)
         jobs.append((pp, job))
-    for pp, job in jobs:
-        try:
-            rec = job.result()
-        except Exception as e:  # noqa: BLE001 - the job died before it could record
-            status, reason = R.classify_failure(e)
+
+    def store_of(pp: PlannedPoint) -> R.RecordStore:
+        return R.RecordStore.for_experiment(pp.cfg.experiment.results_dir, pp.cfg.experiment.name)
+
+    def on_result(item, value) -> None:
+        pp, job = item
+        if isinstance(value, R.Record):
+            status, reason = S.correct_status(value.status, value.reason, job.job_id,
+                                              _logs(job))
+            rec = value
+            if status != value.status:
+                rec = dataclasses.replace(value, status=status, reason=reason)
+                store_of(pp).put(rec)
+        else:  # the job raised outside run_and_record
+            status, reason = R.classify_failure(value)
+            status, reason = S.correct_status(status, reason, job.job_id, _logs(job))
             rec = make_record(pp.cfg, pp.point, pp.key, status, reason, {}, sweep_id, 0.0)
-            R.RecordStore.for_experiment(pp.cfg.experiment.results_dir,
-                                         pp.cfg.experiment.name).put(rec)
+            store_of(pp).put(rec)
         on_record(rec)
+
+    def on_lost(item, job, state, code) -> None:
+        pp, _ = item
+        reason = S.describe_end(job.job_id, state, code, _logs(job))
+        rec = make_record(pp.cfg, pp.point, pp.key, S.status_of(state), reason,
+                          {"slurm_job_id": job.job_id}, sweep_id, 0.0)
+        log.warning("point %s: %s", pp.point.name, reason.splitlines()[0])
+        store_of(pp).put(rec)
+        on_record(rec)
+
+    S.wait_for_jobs([((pp, job), job) for pp, job in jobs], on_result, on_lost)
+
+
+def _logs(job) -> list[str]:
+    return [str(p) for p in (job.paths.stderr, job.paths.stdout) if p.exists()]
 
 
 def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
@@ -273,13 +318,17 @@ def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
 
 # --------------------------------------------------------------- point files (manual sbatch)
 def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
-                      out_dir: str) -> list[str]:
-    """One YAML per point for ``sbatch slurm/<cluster>.sbatch FILE`` (see slurm/README.md)."""
+                      out_dir: str, done: set | frozenset = frozenset()) -> list[str]:
+    """One YAML per point that needs a cluster (measured, not in ``done``) for
+    ``sbatch slurm/<template> FILE`` (``harness.slurm.sbatch_command``; slurm/README.md).
+    Simulated/analytic points run where they are planned."""
     from experiments.base import module_path
 
-    os.makedirs(out_dir, exist_ok=True)
+    todo = [pp for pp in planned if pp.point.mode == "measured" and pp.key not in done]
+    if todo:
+        os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for pp in planned:
+    for pp in todo:
         doc = {"experiment_module": module_path(experiment), "sweep_id": sweep_id, "key": pp.key,
                "nodes": pp.nodes, "point": pp.point.as_dict(), "config": C.summary(pp.cfg)}
         path = os.path.join(out_dir, f"{pp.key}.yaml")
