@@ -296,7 +296,9 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
     def on_lost(item, job, state, code) -> None:
         pp, _ = item
         reason = S.describe_end(job.job_id, state, code, _logs(job))
-        rec = make_record(pp.cfg, pp.point, pp.key, S.status_of(state), reason,
+        # COMPLETED without a record: the runner died quietly (e.g. a killed child): failed
+        status = S.status_of(state) if state != "COMPLETED" else "failed"
+        rec = make_record(pp.cfg, pp.point, pp.key, status, reason,
                           {"slurm_job_id": job.job_id}, sweep_id, 0.0)
         log.warning("point %s: %s", pp.point.name, reason.splitlines()[0])
         store_of(pp).put(rec)
