@@ -164,7 +164,9 @@ node_up() { sinfo -h -n "$NODE" -o %T | grep -Eq '^(idle|mixed|allocated)'; }
 
 do_start() {
   local t0=$SECONDS d
-  for d in "${DAEMONS[@]}"; do running "$d" && die "$d already running (pid $(pid_of "$d")): stop first"; done
+  for d in "${DAEMONS[@]}"; do
+    if running "$d"; then say "a cluster from $DIR is still running: stopping it first"; do_stop; break; fi
+  done
   install_packages
   rm -rf "$DIR"
   mkdir -p "$DIR"/{etc,state,spool,log,run,munge,mysql}

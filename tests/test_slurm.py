@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ $header = 1 ] && echo "${fmt//,/|}"
-for j in "${jobs[@]}"; do
+for j in ${jobs[@]//,/ }; do
   if [ -f "$FAKE_SLURM_DIR/job_$j.rc" ]; then s=COMPLETED; c="$(cat "$FAKE_SLURM_DIR/job_$j.rc"):0"
   else s=RUNNING; c=0:0; fi
   line=""

@@ -43,18 +43,31 @@ def _run(cmd: list[str]) -> str:
     return p.stdout if p.returncode == 0 else ""
 
 
+def job_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (state, exit code)} of the jobs' allocations, e.g. ("CANCELLED", "0:15"), from
+    one ``sacct`` call; ``scontrol show job`` for those sacct does not know (no accounting, or
+    not yet). A job neither knows is left out."""
+    ids = [str(j) for j in job_ids]
+    out: dict[str, tuple[str, str]] = {}
+    if ids:
+        text = _run(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,State,ExitCode"])
+        for line in text.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) >= 3 and parts[0] in ids and parts[1]:
+                out[parts[0]] = (parts[1].split()[0].rstrip("+"), parts[2])
+    for job in ids:
+        if job not in out:
+            text = _run(["scontrol", "-o", "show", "job", job])
+            state = re.search(r"\bJobState=(\S+)", text)
+            code = re.search(r"\bExitCode=(\S+)", text)
+            if state:
+                out[job] = (state[1], code[1] if code else "")
+    return out
+
+
 def job_state(job_id: str) -> tuple[str, str]:
-    """(state, exit code) of a job's allocation, e.g. ("CANCELLED", "0:15"); ("", "") if Slurm
-    does not know it (yet)."""
-    out = _run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobID,State,ExitCode"])
-    for line in out.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 3 and parts[0] == str(job_id) and parts[1]:
-            return parts[1].split()[0].rstrip("+"), parts[2]
-    out = _run(["scontrol", "-o", "show", "job", str(job_id)])
-    state = re.search(r"\bJobState=(\S+)", out)
-    code = re.search(r"\bExitCode=(\S+)", out)
-    return (state[1] if state else ""), (code[1] if code else "")
+    """(state, exit code) of one job; ("", "") if Slurm does not know it."""
+    return job_states([job_id]).get(str(job_id), ("", ""))
 
 
 def status_of(state: str) -> str:
@@ -131,8 +144,9 @@ def wait_for_jobs(jobs: list[tuple[Any, Any]], on_result: Callable[[Any, Any], N
                     value = e
                 on_result(item, value)
                 pending.remove((item, job))
-                continue
-            state, code = job_state(job.job_id)
+        states = job_states([job.job_id for _, job in pending])
+        for item, job in list(pending):
+            state, code = states.get(str(job.job_id), ("", ""))
             if state and state not in ACTIVE_STATES:
                 first = ended_at.setdefault(job.job_id, time.monotonic())
                 if time.monotonic() - first >= grace_s:
