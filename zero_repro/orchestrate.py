@@ -17,7 +17,10 @@ own Slurm job through ``submitit`` with that point's node count
 (``srun`` inside ``run_training`` starts one rank per GPU) and writes the record itself, so a
 record survives even if this process dies. Simulated/analytic points are cheap single-process
 runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: salloc, an sbatch
-script, a hydra-submitit job) every point runs here, in that allocation.
+script, a hydra-submitit job) every point runs here, in that allocation. A job that Slurm
+stopped (scancel, time limit, lost node) or that died without a record is recorded with
+Slurm's own state as its status (``cancelled``, ``timeout``, ``node_fail``, ...) and the job
+log's last error lines (``zero_repro.harness.slurm``).
 
 Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
 ``python -m zero_repro.orchestrate --point-file FILE`` (files written by ``write_point_files``).
@@ -126,26 +129,13 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
     os.makedirs(point.run_dir, exist_ok=True)
     t0 = time.perf_counter()
     status, reason, result = "ok", "", {}
-    # names the point's live W&B run (logged by its rank 0, which inherits the environment)
-    saved = {k: os.environ.get(k) for k in point_environment("", "", "")}
-    os.environ.update(point_environment(sweep_id, cfg.experiment.name, point.name))
     try:
-        result = experiment.run_point(cfg, point) or {}
+        # names the point's live W&B run (logged by its rank 0, which inherits the environment)
+        with point_environment(sweep_id, cfg.experiment.name, point.name):
+            result = experiment.run_point(cfg, point) or {}
     except Exception as e:  # noqa: BLE001 - every failure of a point is data
-        status, reason = R.classify_failure(e)
-        job = os.environ.get("SLURM_JOB_ID", "")
-        if job:  # inside a Slurm job: Slurm knows whether it was cancelled / out of time
-            logs = S.job_logs(job)
-            status, reason = S.correct_status(status, reason, job, logs)
-            if logs and "log" not in reason.split("\n", 1)[0]:
-                reason += "\njob log: " + " ".join(logs)
+        status, reason = S.in_job(*R.classify_failure(e))  # Slurm's word, if inside a job
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
                          time.perf_counter() - t0)
     store.put(record)

@@ -19,6 +19,7 @@ The ``backend`` argument is a seam for tests (any object with wandb's ``init`` A
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -31,9 +32,21 @@ STEP_SERIES = {"losses": "loss", "step_times_s": "step_time_s", "grad_norms": "g
                "loss_scales": "loss_scale"}
 
 
-def point_environment(sweep_id: str, experiment: str, point: str) -> dict:
-    """W&B's own variables naming the live run of one point (inherited by every rank)."""
-    return {"WANDB_RUN_GROUP": experiment, "WANDB_JOB_TYPE": sweep_id, "WANDB_NAME": point}
+@contextlib.contextmanager
+def point_environment(sweep_id: str, experiment: str, point: str):
+    """W&B's own variables naming the live run of one point, set while it runs (every rank
+    inherits them), restored afterwards."""
+    names = {"WANDB_RUN_GROUP": experiment, "WANDB_JOB_TYPE": sweep_id, "WANDB_NAME": point}
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield names
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def step_rows(metrics: dict) -> list[dict]:

@@ -124,6 +124,19 @@ def correct_status(status: str, reason: str, job_id: str, logs: list[str] | None
     return status_of(state), describe_end(job_id, state, code, logs) + "\n" + reason
 
 
+def in_job(status: str, reason: str) -> tuple[str, str]:
+    """A point's failure as recorded from inside its own Slurm job (``SLURM_JOB_ID`` set):
+    Slurm's state if it stopped the job, and the job log's path."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job or status == "ok":
+        return status, reason
+    logs = job_logs(job)
+    status, reason = correct_status(status, reason, job, logs)
+    if logs and "log" not in reason.split("\n", 1)[0]:
+        reason += "\njob log: " + " ".join(logs)
+    return status, reason
+
+
 def wait_for_jobs(jobs: list[tuple[Any, Any]], on_result: Callable[[Any, Any], None],
                   on_lost: Callable[[Any, Any, str, str], None], poll_s: float = 2.0,
                   grace_s: float = 10.0) -> None:
