@@ -179,11 +179,12 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         every = cfg.checkpoint.save_every
         if every and (step + 1) % every == 0:
             checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep)
-        live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
-                      loss_scale=float(info.loss_scale), step_time_s=dt,
-                      tokens_per_s=tokens_per_step / dt,
-                      tflops_per_gpu=flops.tflops_per_gpu(fl, dt, world_size),
-                      **memory_series(device))
+        if live.active:
+            live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
+                          loss_scale=float(info.loss_scale), step_time_s=dt,
+                          tokens_per_s=tokens_per_step / dt,
+                          tflops_per_gpu=flops.tflops_per_gpu(fl, dt, world_size),
+                          **memory_series(device))
 
     try:
         res = loop.train(strategy, source, cfg, topo, device, on_step=on_step, start_step=start,
