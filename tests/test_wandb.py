@@ -3,13 +3,22 @@ written without network, and the mirror is a no-op when disabled or wandb is mis
 from __future__ import annotations
 
 import glob
+import json
 import os
+import subprocess
 import sys
+
+import pytest
 
 from zero_repro import config as C
 from zero_repro.harness import sweep as orchestrate
 from zero_repro.harness.records import Record
-from zero_repro.wandb_log import WandbMirror, flatten
+from zero_repro.wandb_log import WandbMirror, flatten, step_rows
+from zero_repro.train.wandb_live import StepLogger
+
+# every series the training loop logs live, once per step (CPU run: memory is the peak RSS)
+LIVE_SERIES = ("loss", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",
+               "tflops_per_gpu", "memory/max_rss")
 
 
 def record(status="ok") -> Record:
@@ -112,3 +121,105 @@ def test_offline_run_directory_written(tmp_path, monkeypatch):
 
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": [1]}) == {"a/b": 1, "a/c/d": 2, "e": [1]}
+
+
+def test_record_series_logged_as_one_dict_per_step():
+    """W&B drops a log whose step goes backwards: every series goes into ONE call per step."""
+    fake = FakeWandb()
+    rec = record()
+    rec.metrics.update(grad_norms=[1.0, 0.9, 0.8], loss_scales=[1, 1, 1], step_times_s=[0.2, 0.3])
+    WandbMirror(wandb_cfg(), "s", backend=fake).log_record(rec)
+    (run,) = fake.runs
+    assert [step for step, _ in run.logged] == [0, 1, 2]
+    assert run.logged[0] == (0, {"loss": 6.0, "grad_norm": 1.0, "loss_scale": 1})
+    assert run.logged[2][1] == {"loss": 5.0, "grad_norm": 0.8, "loss_scale": 1,
+                                "step_time_s": 0.3}
+    assert step_rows({}) == []
+
+
+def test_live_record_is_not_mirrored_twice():
+    fake = FakeWandb()
+    rec = record()
+    rec.metrics["wandb_run"] = "abc123"  # logged live by the point's rank 0
+    WandbMirror(wandb_cfg(), "s", backend=fake).log_record(rec)
+    assert fake.runs == []
+
+
+def test_step_logger_one_call_per_step_then_summary(tmp_path):
+    fake = FakeWandb()
+    cfg = C.Config()
+    cfg.logging = wandb_cfg()
+    live = StepLogger.start(cfg, str(tmp_path), backend=fake)
+    for step in range(3):
+        live.log_step(step, loss=1.0 / (step + 1), grad_norm=0.5, step_time_s=0.1)
+    assert live.finish({"status": "ok", "loss_last": 1 / 3}, 0) == ""  # FakeRun has no id
+    (run,) = fake.runs
+    assert [s for s, _ in run.logged] == [0, 1, 2]
+    assert all(set(d) == {"loss", "grad_norm", "step_time_s"} for _, d in run.logged)
+    assert run.kwargs["config"]["train"]["steps"] == cfg.train.steps
+    assert run.summary["status"] == "ok" and run.finished == 0
+    # off on other ranks / when disabled
+    assert not StepLogger.start(cfg, str(tmp_path), enabled=False, backend=fake).active
+
+
+def _wandb_cli(*args: str, cwd: str) -> subprocess.CompletedProcess:
+    # the `wandb` entry point of this interpreter's environment
+    exe = os.path.join(os.path.dirname(sys.executable), "wandb")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env=dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true"))
+
+
+def test_offline_training_run_read_back_with_wandb_tools(tmp_path, monkeypatch):
+    """A real 8-step training point with logging.wandb=true, offline; the run is read back with
+    W&B's own tools (`wandb sync --dry-run`, `wandb leet inspect --json`, which parses the
+    .wandb transaction log): every series holds 8 points, logged during training."""
+    from experiments import smoke
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = C.Config()
+    cfg.experiment.name, cfg.experiment.results_dir = "smoke", str(tmp_path / "results")
+    cfg.parallel.world_size, cfg.parallel.tp = 2, 2
+    cfg.train.steps, cfg.train.warmup_steps, cfg.train.micro_batch_size = 8, 1, 2
+    cfg.train.progress = False
+    cfg.logging = wandb_cfg()
+    cfg = C.validate(cfg)
+    mirror = WandbMirror(cfg.logging, "sweep-live")
+    res = orchestrate.run_sweep(cfg, smoke, mirror=mirror, sweep_id="sweep-live")
+    (rec,) = res.records
+    assert rec.status == "ok", rec.reason
+    run_id = rec.metrics["wandb_run"]
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
+    assert mirror.runs == []  # nothing mirrored after the point: it was logged live
+
+    dry = _wandb_cli("sync", "--dry-run", run_dir, cwd=str(tmp_path))
+    assert dry.returncode == 0 and f"run-{run_id}.wandb" in dry.stdout + dry.stderr, dry
+
+    leet = _wandb_cli("leet", "inspect", "--json", run_dir, cwd=str(tmp_path))
+    assert leet.returncode == 0, leet.stderr
+    recs = [json.loads(line) for line in leet.stdout.splitlines() if line.strip()]
+    history = [r["history"]["item"] for r in recs if r.get("type") == "history"]
+    assert [h["_step"] for h in history] == list(range(8))  # one log call per step
+    for name in LIVE_SERIES:
+        assert sum(name in h for h in history) == 8, name
+    assert [h["loss"] for h in history] == pytest.approx(rec.metrics["losses"], rel=1e-6)
+    assert [h["grad_norm"] for h in history] == pytest.approx(rec.metrics["grad_norms"])
+    # live: each step was written when it ran, not in one burst after the point
+    stamps = [h["_timestamp"] for h in history]
+    assert stamps == sorted(stamps)
+    assert stamps[-1] - stamps[0] >= 0.5 * sum(h["step_time_s"] for h in history[1:])
+
+    (run,) = [r["run"] for r in recs if r.get("type") == "run"]
+    config = run["config"]["update"]
+    assert config["train"]["steps"] == 8 and config["zero"]["stage"] == 0
+    assert run["run_group"] == "smoke" and run["job_type"] == "sweep-live"
+    assert run["display_name"] == rec.point and run["run_id"] == run_id
+    summary = {}
+    for r in recs:
+        if r.get("type") == "summary":
+            summary.update(r["summary"].get("update", {}))
+    assert summary["status"] == "ok" and summary["loss_last"] == pytest.approx(
+        rec.metrics["loss_last"])
+    assert any(k.startswith("memory/") for k in summary)

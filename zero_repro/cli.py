@@ -12,7 +12,8 @@ run. ``experiment.action`` selects what happens:
   summary. Exit status 1 if a point failed (OOM is a result, not a failure).
 * ``plot``: regenerate table and figures from ``results/`` alone (no run).
 * ``plan``: print the points (key, nodes, overrides, done or not) and write one point file per
-  point into the Hydra run directory, for ``sbatch slurm/<cluster>.sbatch FILE``.
+  measured point still to do into the Hydra run directory, for ``sbatch slurm/<template> FILE``
+  (the printed hint names the template and, on CPU clusters, the overrides).
 
 User errors (an invalid setting, an unknown experiment or config group option) print one line
 ``error: <message>`` (Hydra's own message for composition errors) and exit with status 2,
@@ -33,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
-from zero_repro.harness import regenerate, registry, sweep
+from zero_repro.harness import regenerate, registry, slurm, sweep
 from zero_repro.harness.records import RecordStore
 from zero_repro.wandb_log import WandbMirror
 
@@ -130,14 +131,15 @@ def run(cfg, experiment) -> None:
     finally:
         mirror.close()
     out = _regenerate(cfg, experiment)
+    not_done = [r for r in result.records if not r.done]  # failed, cancelled, timeout, ...
     print(f"experiment {name}: {len(result.planned)} points, {len(result.skipped)} already done"
           f", ran {len(result.records)} (ok {result.count('ok')}, oom {result.count('oom')}, "
-          f"failed {result.count('failed')}); sweep {sweep_id}")
+          f"failed {len(not_done)}); sweep {sweep_id}")
     for rec in result.records:
         why = f" - {rec.reason.splitlines()[0]}" if rec.reason else ""
         print(f"  {rec.point:<28} {rec.mode:<9} {rec.status:<6} {rec.duration_s:8.1f}s{why}")
     print_outputs(out)
-    if result.count("failed"):
+    if not_done:
         sys.exit(1)
 
 
@@ -175,9 +177,12 @@ def print_plan(cfg, experiment, planned) -> None:
         out_dir = os.path.join(HydraConfig.get().runtime.output_dir, "points")
     except ValueError:  # not under Hydra (called from Python)
         out_dir = os.path.join(cfg.experiment.results_dir, cfg.experiment.name, "runs", "plan")
+    skip = set() if cfg.experiment.force else done
     try:
-        paths = sweep.write_point_files(planned, experiment, "plan", out_dir)
+        paths = sweep.write_point_files(planned, experiment, "plan", out_dir, done=skip)
     except TypeError:  # a registered (non-module) experiment cannot run from a point file
         return
-    if paths:
-        print(f"point files: {out_dir}/<key>.yaml  (sbatch --nodes=N slurm/<cluster>.sbatch FILE)")
+    by_key = {pp.key: pp for pp in planned}
+    for path in paths:
+        pp = by_key[os.path.basename(path)[:-len(".yaml")]]
+        print(f"point file: {slurm.sbatch_command(pp.cfg, pp.nodes).replace('FILE', path)}")

@@ -112,6 +112,8 @@ class LauncherConfig:
     partition: str = ""
     account: str = ""
     collective_timeout_s: float = 300.0
+    # launcher=slurm: Slurm sends SIGUSR2 this long before the time limit (submitit's --signal)
+    signal_delay_s: int = 120
 
 
 @dataclass
@@ -271,6 +273,9 @@ def validate(cfg: Config) -> Config:
         pass  # allowed (slow) for debugging
     if cfg.cluster.device == "cpu" and cfg.cluster.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
+    if cfg.launcher.signal_delay_s < 0:
+        raise ValueError(f"launcher.signal_delay_s={cfg.launcher.signal_delay_s} must be >= 0 "
+                         f"(seconds before the time limit at which Slurm sends SIGUSR2)")
     if cfg.launcher.collective_timeout_s <= 0:
         raise ValueError(f"launcher.collective_timeout_s={cfg.launcher.collective_timeout_s} "
                          f"must be > 0 (a dead rank must not hang the others forever)")

@@ -1,11 +1,16 @@
-"""Weights & Biases mirror of the run records (optional; the records in results/ are the truth).
+"""Weights & Biases runs for the sweep's points (optional; the records in results/ are the truth).
 
-With ``logging.wandb=true`` every recorded point becomes one W&B run: ``group`` = experiment
-name, ``job_type`` = sweep id, ``name`` = point name, ``config`` = the point's resolved config
-plus its params, key, mode and status. Per-step series in the metrics (``losses``,
-``step_times_s``, ``grad_norms``, ``loss_scales``) are logged step by step; scalar metrics, the
-memory ledger (``memory/<category>`` in bytes) and the communication ledger (``comm/...``,
-flattened) go to the run summary. The mode comes from ``logging.wandb_mode`` (``offline`` by
+With ``logging.wandb=true`` every point becomes one W&B run: ``group`` = experiment name,
+``job_type`` = sweep id, ``name`` = point name. A training point is logged LIVE by its rank 0
+while it trains (``zero_repro.train.wandb_live``: one ``log`` per step with every series, config,
+final summary); the sweep only names it, through W&B's environment variables
+(``point_environment``), and its record then carries ``metrics.wandb_run``. Every other record
+(simulated/analytic points, points that failed before training) is mirrored here once it is
+recorded: ``config`` = the point's resolved config plus its params, key, mode and status;
+per-step series in the metrics (``losses``, ``step_times_s``, ``grad_norms``, ``loss_scales``),
+if any, as one ``log`` per step holding all of them; scalar metrics, the memory ledger
+(``memory/<category>`` in bytes) and the communication ledger (``comm/...``, flattened) in the
+run summary. The mode comes from ``logging.wandb_mode`` (``offline`` by
 default: nothing leaves the machine; upload later with ``wandb sync wandb/offline-run-*``).
 
 A no-op when ``logging.wandb`` is false, the mode is ``disabled``, or wandb cannot be imported:
@@ -14,9 +19,12 @@ The ``backend`` argument is a seam for tests (any object with wandb's ``init`` A
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
+
+from zero_repro.train.wandb_live import flatten
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +32,35 @@ STEP_SERIES = {"losses": "loss", "step_times_s": "step_time_s", "grad_norms": "g
                "loss_scales": "loss_scale"}
 
 
-def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict:
-    """Nested dict -> {"a/b/c": scalar}; lists of scalars are kept as they are."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        name = f"{prefix}{sep}{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(flatten(v, name, sep))
-        else:
-            out[name] = v
-    return out
+@contextlib.contextmanager
+def point_environment(sweep_id: str, experiment: str, point: str):
+    """W&B's own variables naming the live run of one point, set while it runs (every rank
+    inherits them), restored afterwards."""
+    names = {"WANDB_RUN_GROUP": experiment, "WANDB_JOB_TYPE": sweep_id, "WANDB_NAME": point}
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield names
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def step_rows(metrics: dict) -> list[dict]:
+    """Per-step series of a record as one dict per step (step_times_s covers only the timed,
+    last steps: it is aligned to the end)."""
+    series = {name: metrics[key] for key, name in STEP_SERIES.items()
+              if isinstance(metrics.get(key), list)}
+    n = max((len(v) for v in series.values()), default=0)
+    rows: list[dict] = [{} for _ in range(n)]
+    for name, values in series.items():
+        for i, v in enumerate(values, start=n - len(values)):
+            if v is not None:
+                rows[i][name] = v
+    return rows
 
 
 def _load_wandb():
@@ -61,8 +88,8 @@ class WandbMirror:
             self.enabled = self.backend is not None
 
     def log_record(self, record: Any) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or record.metrics.get("wandb_run"):
+            return  # a training point's run was logged live by its rank 0
         try:
             self._log(record)
         except Exception as e:  # noqa: BLE001 - W&B must never break a sweep
@@ -81,12 +108,9 @@ class WandbMirror:
             kwargs["dir"] = self.directory
         run = self.backend.init(**kwargs)
         try:
-            for key, series in STEP_SERIES.items():
-                values = record.metrics.get(key)
-                if isinstance(values, list):
-                    for step, v in enumerate(values):
-                        if v is not None:
-                            run.log({series: v}, step=step)
+            for step, row in enumerate(step_rows(record.metrics)):
+                if row:
+                    run.log(row, step=step)
             summary = {k: v for k, v in flatten(record.metrics).items()
                        if isinstance(v, (int, float, str, bool)) and k not in STEP_SERIES}
             summary.update({k: v for k, v in flatten(record.memory, "memory").items()

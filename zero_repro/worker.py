@@ -20,13 +20,17 @@ from the saved data position. ``fault.*`` injects a rank failure mid-step (tests
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import logging
 import os
 import platform
+import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -38,8 +42,22 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.model import flops
 from zero_repro.train import data, loop
 from zero_repro.train.build import build, device_for
+from zero_repro.train import wandb_live
 
 log = logging.getLogger(__name__)
+
+# Slurm's time-limit warning (submitit submits with --signal=USR2@<launcher.signal_delay_s>):
+# Slurm sends it to every task of the job's steps, i.e. to these ranks, which would die of it
+# (SIGUSR2's default action). submitit's own handler lives in the batch process, which does not
+# get the signal. The ranks note it and go on: the point ends at its time limit at the latest.
+TIME_LIMIT_SIGNAL = signal.SIGUSR2
+_signals_seen: list[dict] = []
+
+
+def _note_time_limit_signal(signum, frame) -> None:
+    _signals_seen.append({"signal": signal.Signals(signum).name, "time": time.time()})
+    log.warning("%s received (Slurm's time-limit warning): ignored, training goes on; the job "
+                "is killed at its time limit", signal.Signals(signum).name)
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -51,6 +69,17 @@ def hardware_info(device: torch.device) -> dict:
     else:
         info["device_name"] = platform.processor() or platform.machine()
     return info
+
+
+def memory_series(device: torch.device) -> dict:
+    """This step's memory numbers (bytes) for the live W&B series."""
+    if device.type == "cuda":
+        return {"memory/allocated": torch.cuda.memory_allocated(device),
+                "memory/reserved": torch.cuda.memory_reserved(device),
+                "memory/max_allocated": torch.cuda.max_memory_allocated(device),
+                "memory/max_reserved": torch.cuda.max_memory_reserved(device)}
+    # Linux reports ru_maxrss in KiB
+    return {"memory/max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
@@ -103,23 +132,36 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
             raise ValueError(f"checkpoint {resumed} is at step {start}: nothing left to do with "
                              f"train.steps={cfg.train.steps}; raise train.steps")
 
+    m, t = cfg.model, cfg.train
+    tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
+    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
+                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
+                                   recompute=cfg.zero_r.activation_checkpointing)
+    # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
+    live = wandb_live.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
+
     def on_step(step, loss, dt, info):
         every = cfg.checkpoint.save_every
         if every and (step + 1) % every == 0:
             checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep)
+        if live.active:
+            live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
+                          loss_scale=float(info.loss_scale), step_time_s=dt,
+                          tokens_per_s=tokens_per_step / dt,
+                          tflops_per_gpu=flops.tflops_per_gpu(fl, dt, world_size),
+                          **memory_series(device))
 
-    res = loop.train(strategy, source, cfg, topo, device, on_step=on_step, start_step=start,
-                     before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
+    try:
+        res = loop.train(strategy, source, cfg, topo, device, on_step=on_step, start_step=start,
+                         before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
+    except BaseException as e:
+        live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
+        raise
 
     mem = strategy.memory_ledger()
     if ckpt is not None:
         ckpt.add_to_ledger(mem)
-    m, t = cfg.model, cfg.train
-    tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
     step_s = res.median_step_time
-    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
-                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-                                   recompute=cfg.zero_r.activation_checkpointing)
     metrics = {
         "losses": res.losses, "loss_first": res.losses[0], "loss_last": res.losses[-1],
         "step_time_s": step_s, "step_times_s": res.step_times,
@@ -133,12 +175,16 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     }
     if cfg.cluster.peak_tflops > 0:
         metrics["mfu"] = metrics["tflops_per_gpu"] / cfg.cluster.peak_tflops
+    if _signals_seen:
+        metrics["signals"] = list(_signals_seen)
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": hardware_info(device)}
     if device.type == "cuda":
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+    if live.active:
+        metrics["wandb_run"] = live.finish(wandb_live.summary_of(out), 0)
     return out
 
 
@@ -157,8 +203,10 @@ def run_training(cfg: C.Config, run_dir: str) -> dict:
     return _run_external(cfg, run_dir, path)
 
 
-def launch_command(cfg: C.Config, config_path: str, out_path: str) -> list[str]:
+def launch_command(cfg: C.Config, config_path: str, out_path: str,
+                   env: dict | None = None) -> list[str]:
     """The command that starts every rank of one point under torchrun or srun."""
+    env = os.environ if env is None else env
     worker = [sys.executable, "-m", "zero_repro.worker", "--config", config_path,
               "--out", out_path]
     per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
@@ -170,17 +218,62 @@ def launch_command(cfg: C.Config, config_path: str, out_path: str) -> list[str]:
         return ["torchrun", "--standalone", f"--nproc_per_node={per_node}", "-m",
                 "zero_repro.worker", "--config", config_path, "--out", out_path]
     # slurm: inside an allocation (sbatch/submitit job), one task per GPU
-    return ["srun", f"--nodes={nodes}", f"--ntasks={cfg.parallel.world_size}",
-            f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", *worker]
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={cfg.parallel.world_size}",
+           f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1"]
+    cpus = int(env.get("SLURM_CPUS_ON_NODE", "0") or 0)
+    if cpus:
+        # the allocation's cores shared out among this node's ranks: an inherited
+        # --cpus-per-task (e.g. a Hydra job's 1 task x N CPUs) would ask for N CPUs per rank
+        cmd.append(f"--cpus-per-task={max(1, cpus // per_node)}")
+    if "SLURM_STEP_ID" in env:
+        # already inside a job step (a Hydra submitit job runs its task with srun): that step
+        # holds every CPU of the allocation, so a new step waits forever for them unless it
+        # may share them
+        cmd.append("--overlap")
+    return cmd + worker
+
+
+# lines of a launcher's error output worth quoting in a record
+_ERROR_LINE = ("error", "exception", "traceback", "killed", "cancelled", "failed", "denied",
+               "no such file", "signal", "timeout", "refused")
+
+
+def error_lines(lines, n: int = 6) -> list[str]:
+    """The last ``n`` lines that look like an error (else the last ``n`` lines)."""
+    lines = [ln.rstrip() for ln in lines if ln.strip()]
+    hits = [ln for ln in lines if any(w in ln.lower() for w in _ERROR_LINE)]
+    return (hits or lines)[-n:]
+
+
+def _tee(stream, sink, tail: collections.deque) -> None:
+    for line in iter(stream.readline, ""):
+        sink.write(line)
+        sink.flush()
+        tail.append(line)
+    stream.close()
 
 
 def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     out_path = os.path.join(run_dir, "result.json")
     cmd = launch_command(cfg, config_path, out_path)
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.run(cmd)
-    if proc.returncode != 0:
-        raise launch.WorkerFailed(-1, f"{cmd[0]} exited with status {proc.returncode}")
+    # the launcher's error output still goes to this job's log, and its last lines are kept: a
+    # failed launch's real cause ("execve(): torchrun: No such file", "NCCL not built in", a
+    # rank's traceback) is there, not in the exit status
+    tail: collections.deque = collections.deque(maxlen=200)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    reader = threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, tail), daemon=True)
+    reader.start()
+    rc = proc.wait()
+    reader.join(10)
+    if rc != 0:
+        why = f"{cmd[0]} exited with status {rc}"
+        if rc > 128 or rc < 0:
+            sig = abs(rc) if rc < 0 else rc - 128
+            why += f" (signal {signal.Signals(sig).name})" if sig in signal.valid_signals() else ""
+        quoted = "\n".join(error_lines(tail))
+        raise launch.WorkerFailed(-1, f"{why}; its last error lines:\n{quoted}" if quoted
+                                  else why)
     with open(out_path) as f:
         return json.load(f)
 
@@ -193,7 +286,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    signal.signal(TIME_LIMIT_SIGNAL, _note_time_limit_signal)
     cfg = C.load(args.config)
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if cfg.cluster.device == "cpu" and cpus.isdigit():
+        # CPU ranks under srun: as many threads as the task has cores (env.sh's OMP_NUM_THREADS
+        # is for GPU ranks; oversubscribed gloo ranks run ~50x slower)
+        torch.set_num_threads(int(cpus))
     rank, world, local = launch.init_from_env(cfg.cluster.backend,
                                               cfg.launcher.collective_timeout_s)
     try:

@@ -164,7 +164,10 @@ def init_from_env(backend: str, timeout_s: float = 1800.0) -> tuple[int, int, in
                            "in the environment; use the local launcher instead")
     rank, world, local = info
     os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    # slurm/env.sh's per-job port when nothing exported one (a Hydra submitit job does not
+    # source env.sh): two jobs sharing a node must not both listen on 29500
+    job = os.environ.get("SLURM_JOB_ID", "")
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000) if job.isdigit() else "29500")
     comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://")
     return rank, world, local
 

@@ -41,7 +41,9 @@ from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("ok", "oom", "failed")
+# cancelled / timeout / node_fail / preempted: a Slurm job ended from outside (Slurm's own state,
+# zero_repro.harness.slurm); not done, so a re-run retries them
+STATUSES = ("ok", "oom", "failed", "cancelled", "timeout", "node_fail", "preempted")
 DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
 KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
 # knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
@@ -56,7 +58,7 @@ class Record:
     point: str  # point name
     params: dict  # identifying parameters of the point
     mode: str  # measured | simulated | analytic
-    status: str  # ok | oom | failed
+    status: str  # one of STATUSES
     reason: str = ""  # why a point is oom/failed (first lines of the error)
     metrics: dict = field(default_factory=dict)  # loss_first, losses, tokens_per_s, ...
     memory: dict = field(default_factory=dict)  # memory ledger: category -> bytes

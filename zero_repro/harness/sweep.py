@@ -17,7 +17,10 @@ own Slurm job through ``submitit`` with that point's node count
 (``srun`` inside ``run_training`` starts one rank per GPU) and writes the record itself, so a
 record survives even if this process dies. Simulated/analytic points are cheap single-process
 runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: salloc, an sbatch
-script, a hydra-submitit job) every point runs here, in that allocation.
+script, a hydra-submitit job) every point runs here, in that allocation. A job that Slurm
+stopped (scancel, time limit, lost node) or that died without a record is recorded with
+Slurm's own state as its status (``cancelled``, ``timeout``, ``node_fail``, ...) and the job
+log's last error lines (``zero_repro.harness.slurm``).
 
 Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
 ``python -m zero_repro.harness.sweep --point-file FILE`` (files written by ``write_point_files``).
@@ -43,8 +46,10 @@ from tqdm.auto import tqdm
 
 from zero_repro import config as C
 from zero_repro.harness import records as R
+from zero_repro.harness import slurm as S
 from zero_repro.harness.points import Point
 from zero_repro.harness.registry import module_path
+from zero_repro.wandb_log import point_environment
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +133,11 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
     t0 = time.perf_counter()
     status, reason, result = "ok", "", {}
     try:
-        result = experiment.run_point(cfg, point) or {}
+        # names the point's live W&B run (logged by its rank 0, which inherits the environment)
+        with point_environment(sweep_id, cfg.experiment.name, point.name):
+            result = experiment.run_point(cfg, point) or {}
     except Exception as e:  # noqa: BLE001 - every failure of a point is data
-        status, reason = R.classify_failure(e)
+        status, reason = S.in_job(*R.classify_failure(e))  # Slurm's word, if inside a job
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
     record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
                          time.perf_counter() - t0)
@@ -221,7 +228,8 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
         "time": cfg.launcher.timeout_min, "use_srun": False,
         "additional_parameters": {"nodes": nodes_for(cfg), "ntasks_per_node": per_node},
         "setup": [f"source {os.path.join(repo, 'slurm', 'env.sh')}"],
-        "signal_delay_s": 120,
+        # --signal=USR2@<s>: the ranks note it and go on (zero_repro.worker)
+        "signal_delay_s": cfg.launcher.signal_delay_s,
     }
     if cfg.cluster.device == "cuda":
         params["gpus_per_node"] = per_node
@@ -235,8 +243,10 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
 
 def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
                  on_record: Callable[[R.Record], None]) -> None:
-    """Submit every point as its own job, then wait for them (records are written by the jobs;
-    a job that dies without writing one is recorded here as failed)."""
+    """Submit every point as its own job, then wait for them. Records are written by the jobs; a
+    job that ends without one (cancelled, out of time, killed) is recorded here with Slurm's
+    state as its status (``harness.slurm``), and so is a job whose own record only saw its
+    ranks die because Slurm cancelled it."""
     modname = module_path(experiment)
     jobs = []
     for pp in points:
@@ -251,15 +261,42 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
         job = ex.submit(_slurm_job, modname, pp, sweep_id)
         log.info("point %s -> Slurm job %s (%d nodes)", pp.point.name, job.job_id, pp.nodes)
         jobs.append((pp, job))
-    for pp, job in jobs:
-        try:
-            rec = job.result()
-        except Exception as e:  # noqa: BLE001 - the job died before it could record
-            status, reason = R.classify_failure(e)
+
+    def store_of(pp: PlannedPoint) -> R.RecordStore:
+        return R.RecordStore.for_experiment(pp.cfg.experiment.results_dir, pp.cfg.experiment.name)
+
+    def on_result(item, value) -> None:
+        pp, job = item
+        if isinstance(value, R.Record):
+            status, reason = S.correct_status(value.status, value.reason, job.job_id,
+                                              _logs(job))
+            rec = value
+            if status != value.status:
+                rec = dataclasses.replace(value, status=status, reason=reason)
+                store_of(pp).put(rec)
+        else:  # the job raised outside run_and_record
+            status, reason = R.classify_failure(value)
+            status, reason = S.correct_status(status, reason, job.job_id, _logs(job))
             rec = make_record(pp.cfg, pp.point, pp.key, status, reason, {}, sweep_id, 0.0)
-            R.RecordStore.for_experiment(pp.cfg.experiment.results_dir,
-                                         pp.cfg.experiment.name).put(rec)
+            store_of(pp).put(rec)
         on_record(rec)
+
+    def on_lost(item, job, state, code) -> None:
+        pp, _ = item
+        reason = S.describe_end(job.job_id, state, code, _logs(job))
+        # COMPLETED without a record: the runner died quietly (e.g. a killed child): failed
+        status = S.status_of(state) if state != "COMPLETED" else "failed"
+        rec = make_record(pp.cfg, pp.point, pp.key, status, reason,
+                          {"slurm_job_id": job.job_id}, sweep_id, 0.0)
+        log.warning("point %s: %s", pp.point.name, reason.splitlines()[0])
+        store_of(pp).put(rec)
+        on_record(rec)
+
+    S.wait_for_jobs([((pp, job), job) for pp, job in jobs], on_result, on_lost)
+
+
+def _logs(job) -> list[str]:
+    return [str(p) for p in (job.paths.stderr, job.paths.stdout) if p.exists()]
 
 
 def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
@@ -269,11 +306,15 @@ def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
 
 # --------------------------------------------------------------- point files (manual sbatch)
 def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
-                      out_dir: str) -> list[str]:
-    """One YAML per point for ``sbatch slurm/<cluster>.sbatch FILE`` (see slurm/README.md)."""
-    os.makedirs(out_dir, exist_ok=True)
+                      out_dir: str, done: set | frozenset = frozenset()) -> list[str]:
+    """One YAML per point that needs a cluster (measured, not in ``done``) for
+    ``sbatch slurm/<template> FILE`` (``harness.slurm.sbatch_command``; slurm/README.md).
+    Simulated/analytic points run where they are planned."""
+    todo = [pp for pp in planned if pp.point.mode == "measured" and pp.key not in done]
+    if todo:
+        os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for pp in planned:
+    for pp in todo:
         doc = {"experiment_module": module_path(experiment), "sweep_id": sweep_id, "key": pp.key,
                "nodes": pp.nodes, "point": pp.point.as_dict(), "config": C.summary(pp.cfg)}
         path = os.path.join(out_dir, f"{pp.key}.yaml")

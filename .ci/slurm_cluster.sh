@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# A throwaway single-node Slurm cluster with accounting, for the `slurm` tests (tests/test_slurm_real.py).
+#
+#   bash .ci/slurm_cluster.sh start    # install Debian's packages if missing (root), start munged,
+#                                      # MariaDB, slurmdbd, slurmctld, slurmd; print `export SLURM_CONF=...`
+#   bash .ci/slurm_cluster.sh env      # the `export SLURM_CONF=...` line again
+#   bash .ci/slurm_cluster.sh status   # daemons, sinfo, squeue
+#   bash .ci/slurm_cluster.sh stop     # cancel jobs, stop every daemon this script started (by PID)
+#
+# One node (this host, `hostname -s`, at 127.0.0.1), one CPU-only partition `cpu`; slurmdbd + a
+# private MariaDB so that `sacct` works (submitit polls it; without accounting a job whose process was
+# hard-killed is never seen to end). Everything lives in one folder, $ZR_SLURM_DIR
+# [${TMPDIR:-/tmp}/zr-slurm-ci], wiped on every start: job ids and the accounting database start fresh,
+# so an old job never answers for a new one. Nothing is written to /etc; clients find the cluster
+# through SLURM_CONF, which sbatch/srun export into jobs.
+#
+# Facts this relies on (Debian 12, Slurm 22.05):
+# - no cgroups/systemd here: proctrack/linuxproc + task/none; SlurmUser=root.
+# - with accounting, auth must be munge, and sacct/sacctmgr only talk to munged on its default socket
+#   /run/munge/munge.socket.2 (AuthInfo=socket= is ignored there): munged runs there with our own key
+#   (a munged already answering on that socket is used as it is).
+# - the node may advertise more CPUs than exist (SlurmdParameters=config_overrides): $ZR_SLURM_CPUS
+#   [4] lets two 2-rank jobs run side by side on a 2-core machine.
+# Ports: $ZR_SLURM_PORT_BASE [6817]: slurmctld, +1 slurmd, +2 slurmdbd, +3 MariaDB.
+set -euo pipefail
+
+DIR=${ZR_SLURM_DIR:-${TMPDIR:-/tmp}/zr-slurm-ci}
+CPUS=${ZR_SLURM_CPUS:-4}
+PORT=${ZR_SLURM_PORT_BASE:-6817}
+NODE=$(hostname -s)
+CONF=$DIR/etc/slurm.conf
+MUNGE_SOCKET=/run/munge/munge.socket.2
+DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)  # start order; stop in reverse
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
+
+say() { echo "[slurm_cluster] $*" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+
+pid_of() { cat "$DIR/run/$1.pid" 2>/dev/null || true; }
+running() { local p; p=$(pid_of "$1"); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
+
+# launch NAME CMD...: CMD in the background (no stdin), its PID in run/NAME.pid
+launch() {
+  local name=$1; shift
+  nohup "$@" >"$DIR/log/$name.out" 2>&1 </dev/null &
+  echo $! >"$DIR/run/$name.pid"
+}
+
+# await SECONDS WHAT CMD...: poll CMD every 0.25 s; on timeout show the logs and fail
+await() {
+  local limit=$1 what=$2; shift 2
+  local end=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    if [ "$SECONDS" -ge "$end" ]; then
+      say "no $what after ${limit}s; last log lines:"
+      tail -n 15 "$DIR"/log/* >&2 || true
+      return 1
+    fi
+    sleep 0.25
+  done
+}
+
+install_packages() {
+  dpkg -s "${PACKAGES[@]}" >/dev/null 2>&1 && return 0
+  [ "$(id -u)" = 0 ] || die "Slurm packages missing and not root: apt-get install ${PACKAGES[*]}"
+  say "installing ${PACKAGES[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # the postinst scripts do not start services here (no systemd / policy-rc.d): we start our own
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >"${TMPDIR:-/tmp}/zr-slurm-apt.log" 2>&1 ||
+    { tail -n 20 "${TMPDIR:-/tmp}/zr-slurm-apt.log" >&2; die "apt-get install failed"; }
+}
+
+write_config() {
+  local mem override=""
+  mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+  mem=$(( mem > 2048 ? mem - 1024 : mem ))  # leave the OS some room, or the node drains
+  [ "$CPUS" -le "$(nproc)" ] || override="SlurmdParameters=config_overrides"
+  cat >"$CONF" <<EOF
+# written by .ci/slurm_cluster.sh: one node on localhost, CPU only, accounting through slurmdbd
+ClusterName=zrci
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/run/slurmctld.pidfile
+SlurmdPidFile=$DIR/run/slurmd.pidfile
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+MailProg=/bin/true
+InactiveLimit=0
+KillWait=5
+MinJobAge=300
+$override
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$((PORT + 2))
+JobAcctGatherType=jobacct_gather/linux
+JobCompType=jobcomp/none
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$mem State=UNKNOWN
+PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  # slurmdbd reads slurmdbd.conf from the folder of SLURM_CONF and refuses a readable one
+  cat >"$DIR/etc/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+DbdHost=$NODE
+DbdAddr=127.0.0.1
+DbdPort=$((PORT + 2))
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.pidfile
+LogFile=$DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$((PORT + 3))
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+EOF
+  chmod 600 "$DIR/etc/slurmdbd.conf"
+}
+
+munge_ok() { munge -n -S "$MUNGE_SOCKET" | unmunge -S "$MUNGE_SOCKET"; }
+
+start_munged() {
+  if munge_ok >/dev/null 2>&1; then say "munged already serves $MUNGE_SOCKET: using it"; return; fi
+  mkdir -p /run/munge && chmod 755 /run/munge
+  mungekey --create --keyfile="$DIR/munge/munge.key" && chmod 600 "$DIR/munge/munge.key"
+  launch munged munged --foreground --force --socket="$MUNGE_SOCKET" \
+    --key-file="$DIR/munge/munge.key" --pid-file="$DIR/munge/munged.pid" \
+    --seed-file="$DIR/munge/seed" --log-file="$DIR/log/munged.log"
+  await 15 munged munge_ok
+}
+
+sql() { mariadb -S "$DIR/run/mysql.sock" -e "$1"; }
+
+start_database() {
+  mariadb-install-db --user=root --datadir="$DIR/mysql" --auth-root-authentication-method=socket \
+    --skip-test-db >"$DIR/log/mariadb-install-db.log" 2>&1 || die "mariadb-install-db failed (log/)"
+  launch mariadbd mariadbd --user=root --datadir="$DIR/mysql" --socket="$DIR/run/mysql.sock" \
+    --port=$((PORT + 3)) --bind-address=127.0.0.1 --pid-file="$DIR/run/mariadbd.pidfile" \
+    --log-error="$DIR/log/mariadbd.err" --skip-log-bin --innodb-buffer-pool-size=128M
+  await 60 MariaDB sql "select 1"
+  sql "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
+       CREATE USER 'slurm'@'localhost' IDENTIFIED BY 'slurm';
+       GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+       GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
+  launch slurmdbd slurmdbd -D -s
+  await 60 slurmdbd sacctmgr -n show cluster
+  sacctmgr -i add cluster zrci >/dev/null
+}
+
+node_up() { sinfo -h -n "$NODE" -o %T | grep -Eq '^(idle|mixed|allocated)'; }
+
+do_start() {
+  local t0=$SECONDS d
+  for d in "${DAEMONS[@]}"; do
+    if running "$d"; then say "a cluster from $DIR is still running: stopping it first"; do_stop; break; fi
+  done
+  install_packages
+  rm -rf "$DIR"
+  mkdir -p "$DIR"/{etc,state,spool,log,run,munge,mysql}
+  chmod 700 "$DIR/munge"
+  export SLURM_CONF=$CONF
+  write_config
+  start_munged
+  start_database
+  launch slurmctld slurmctld -D -f "$CONF"
+  launch slurmd slurmd -D -f "$CONF"
+  await 60 "node $NODE up" node_up || { sinfo -R >&2 || true; die "cluster did not come up"; }
+  say "up in $((SECONDS - t0)) s: $(sinfo -h -o '%P %D %T %N %c CPUs')"
+  do_env
+}
+
+do_env() { echo "export SLURM_CONF=$CONF"; }
+
+do_stop() {
+  export SLURM_CONF=$CONF
+  local i d p
+  if running slurmctld; then
+    # jobs first: slurmstepd detaches from slurmd and would outlive the daemons
+    scancel --quiet --user="$(id -un)" 2>/dev/null || true
+    for i in $(seq 1 40); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.25; done
+  fi
+  for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
+    d=${DAEMONS[$i]}
+    running "$d" || continue
+    p=$(pid_of "$d")
+    kill "$p" 2>/dev/null || true
+    for _ in $(seq 1 40); do kill -0 "$p" 2>/dev/null || break; sleep 0.25; done
+    if kill -0 "$p" 2>/dev/null; then say "$d ($p) ignored SIGTERM: SIGKILL"; kill -9 "$p" 2>/dev/null || true; fi
+    say "stopped $d ($p)"
+    rm -f "$DIR/run/$d.pid"
+  done
+}
+
+do_status() {
+  export SLURM_CONF=$CONF
+  local d
+  for d in "${DAEMONS[@]}"; do
+    if running "$d"; then echo "$d: running (pid $(pid_of "$d"))"; else echo "$d: not running"; fi
+  done
+  if running slurmctld; then sinfo; squeue; fi
+}
+
+case "${1:-}" in
+  start) do_start ;;
+  stop) do_stop ;;
+  status) do_status ;;
+  env) do_env ;;
+  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+esac
