@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("zero_repro.zero", "zero_repro.zero_r"),
     ("zero_repro.train", "zero_repro.checkpoint", "zero_repro.worker"),
     ("zero_repro.measure", "zero_repro.simulate", "zero_repro.peers", "zero_repro.bench"),
-    ("zero_repro.harness", "zero_repro.wandb_log"),
+    ("zero_repro.harness",),
     ("experiments",),
     ("zero_repro.cli", "run"),
 ]

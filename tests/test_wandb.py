@@ -13,7 +13,7 @@ import pytest
 from zero_repro import config as C
 from zero_repro.harness import sweep as orchestrate
 from zero_repro.harness.records import Record
-from zero_repro.wandb_log import WandbMirror, flatten, step_rows
+from zero_repro.harness.wandb_log import WandbMirror, flatten, step_rows
 from zero_repro.train.wandb_live import StepLogger
 
 # every series the training loop logs live, once per step (CPU run: memory is the peak RSS)

@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from zero_repro import config
 from zero_repro.harness import regenerate, registry, slurm, sweep
 from zero_repro.harness.records import RecordStore
-from zero_repro.wandb_log import WandbMirror
+from zero_repro.harness.wandb_log import WandbMirror
 
 log = logging.getLogger(__name__)
 

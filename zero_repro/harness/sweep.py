@@ -49,7 +49,7 @@ from zero_repro.harness import records as R
 from zero_repro.harness import slurm as S
 from zero_repro.harness.points import Point
 from zero_repro.harness.registry import module_path
-from zero_repro.wandb_log import point_environment
+from zero_repro.harness.wandb_log import point_environment
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
               submit: Callable | None = None) -> SweepResult:
     """Plan, skip done points, run the rest (locally or as Slurm jobs), record each.
 
-    ``mirror``: an object with ``log_record(record)`` (``zero_repro.wandb_log.WandbMirror``).
+    ``mirror``: an object with ``log_record(record)`` (``zero_repro.harness.wandb_log.WandbMirror``).
     ``submit``: replaces the Slurm submission (tests); default ``submit_slurm``."""
     name = cfg.experiment.name
     sweep_id = sweep_id or new_sweep_id(name)
