@@ -162,6 +162,10 @@ def _first_line(e: BaseException) -> str:
                            or head.startswith("Could not override")
                            or head.startswith("Error parsing override")):
         head = f"{head}: {lines[1]}"
+    # OmegaConf's type errors name the key on a later line ("full_key: model.bias")
+    key = getattr(e, "full_key", None) or getattr(e.__cause__, "full_key", None)
+    if key and key not in head:
+        head = f"{key}: {head}"
     return head
 
 
