@@ -41,8 +41,6 @@ import torch
 from zero_repro.distributed import comm
 
 
-log = logging.getLogger(__name__)
-
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SPAWN_PREFIX = "zr_spawn_"
 

@@ -173,13 +173,15 @@ def now_utc() -> str:
 # ("DefaultCPUAllocator: can't allocate memory"); a remote rank's error arrives as text
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory",
                 "can't allocate memory", "DefaultCPUAllocator: not enough memory")
-# the exception type names (train.loop.Diverged, launch.RunTimeout) a rank or launcher raises
-_STATUS_MARKERS = (("Diverged", "diverged"), ("RunTimeout", "timeout"))
+# exception type names a rank raises that are statuses of their own (train.loop.Diverged); a
+# rank's error reaches this process as text, so they are matched by name
+_STATUS_MARKERS = (("Diverged", "diverged"),)
 
 
 def classify_failure(exc: BaseException) -> tuple[str, str]:
-    """(status, reason) for an exception raised by a point: ``oom``, ``diverged``,
-    ``timeout`` or ``failed`` (KeyboardInterrupt and the CLI's termination: ``cancelled``)."""
+    """(status, reason) for an exception raised by a point: ``oom``, ``diverged`` or
+    ``failed`` (KeyboardInterrupt and the CLI's SIGTERM, ``launch.Terminated``: ``cancelled``;
+    ``timeout`` / ``node_fail`` come from Slurm's job state)."""
     text = f"{type(exc).__name__}: {exc}"
     status = "failed"
     if isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ == "Cancelled":
