@@ -29,13 +29,14 @@ import json
 import logging
 import os
 
+from zero_repro.config import ZeroRConfig
+from zero_repro.harness import paper_compare as paper
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
-from zero_repro.zero_r.configs import TABLE3, zero_r_config
-from zero_repro.config import ZeroRConfig
-from zero_repro.zero_r.configs import describe
-from zero_repro.worker import run_training
 from zero_repro.harness import paper_compare as paper
+from zero_repro.harness.records import loss_curve, skipped_steps_of
+from zero_repro.worker import run_training
+from zero_repro.zero_r.configs import TABLE3, describe, zero_r_config
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def summarize(records) -> list[dict]:
     for recs in groups.values():
         prefix = f"[{_grid_label(recs[0])}] " if len(groups) > 1 else ""
         ref = next((r for r in recs if _is_reference(r)), None)
-        ref_losses = ref.metrics["losses"] if ref is not None else None
+        ref_losses = dict(loss_curve(ref)) if ref is not None else None
         for r in recs:
             h, b = _series_rows(r, prefix, ref_losses, r is ref)
             head += h
@@ -164,16 +165,18 @@ def _series_rows(r, prefix: str, ref_losses, is_ref: bool) -> tuple[list, list]:
     extra = {"config": q["config"], "dtype": dtype, "grid": _grid_label(r),
              "hardware": r.hardware.get("device_name", "")}
     base = {"figure": FIGURE, "series": series, "x_name": "step", "unit": UNIT, "kind": r.mode}
-    losses = r.metrics["losses"]
-    skipped = set(r.metrics.get("skipped_at") or [])  # fp16 overflow: optimizer step skipped
+    curve = loss_curve(r)  # (true step, loss): a resumed record starts at its start_step
+    skipped = skipped_steps_of(r)  # fp16 overflow: optimizer step skipped
     body = [{**base, "x_value": t, "y_name": LOSS, "y_value": v, **extra,
-             "step_skipped": t in skipped} for t, v in enumerate(losses)]
+             "step_skipped": t in skipped} for t, v in curve]
     if ref_losses is None or is_ref:
         return [], body
+    # compared at the same step index, over the steps both runs have
+    pairs = [(t, a, ref_losses[t]) for t, a in curve if t in ref_losses]
     diffs = [abs(a - b) if a is not None and b is not None else float("nan")
-             for a, b in zip(losses, ref_losses)]
+             for _, a, b in pairs]
     body += [{**base, "x_value": t, "y_name": DLOSS, "y_value": d, **extra}
-             for t, d in enumerate(diffs)]
+             for (t, _, _), d in zip(pairs, diffs)]
     worst = max(diffs) if diffs and all(d == d for d in diffs) else float("nan")
     tol = tolerance(r)
     log.info("%-44s max |loss - stage 0 fp32| over %d steps = %.3g (tolerance %g)%s", series,

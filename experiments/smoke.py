@@ -8,6 +8,7 @@ that matters: the loss goes down (``metrics.loss_decreased``).
 from __future__ import annotations
 
 from zero_repro.harness.points import Point
+from zero_repro.harness.records import loss_curve
 from zero_repro.worker import run_training
 
 FIGURE = "smoke"
@@ -36,7 +37,7 @@ def summarize(records) -> list[dict]:
             continue
         series = f"{r.point} ({r.config.get('cluster', {}).get('name', '?')})"
         hw = r.hardware.get("device_name", "")
-        for step, loss in enumerate(r.metrics.get("losses") or []):
+        for step, loss in loss_curve(r):  # a resumed record starts at its start_step
             rows.append({"figure": FIGURE, "series": series, "x_name": "step", "x_value": step,
                          "y_name": "loss", "y_value": loss, "unit": "nats", "kind": r.mode,
                          "hardware": hw})

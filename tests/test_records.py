@@ -143,7 +143,9 @@ def test_interrupted_sweep_loses_and_duplicates_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         orchestrate.run_sweep(cfg, exp)
     store = R.RecordStore.for_experiment(cfg.experiment.results_dir, "fake")
-    assert [r.point for r in store.load()] == ["p0", "p1", "p2"]
+    # the interrupted point is recorded as cancelled: not done, it runs again next time
+    assert [(r.point, r.status) for r in store.load()] == [
+        ("p0", "ok"), ("p1", "ok"), ("p2", "ok"), ("p3", "cancelled")]
     assert not [f for f in os.listdir(os.path.dirname(store.path)) if f.endswith(".tmp")]
     exp2 = FakeExperiment(n=5)
     orchestrate.run_sweep(cfg, exp2)

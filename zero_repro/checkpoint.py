@@ -217,14 +217,38 @@ def _prune(root: str, keep: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ load
+def committed(root: str) -> list[str]:
+    """The committed checkpoints under ``root`` (those with a manifest), newest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = sorted((d for d in os.listdir(root)
+                    if d.startswith("step_") and not d.endswith(".partial")), reverse=True)
+    return [os.path.join(root, d) for d in steps
+            if os.path.isfile(os.path.join(root, d, MANIFEST))]
+
+
 def latest(root: str) -> str | None:
-    """The committed checkpoint ``root/latest`` points to, or None if there is none."""
+    """The newest committed checkpoint under ``root``, or None if there is none. ``root/latest``
+    is only a hint: a newer step directory without a manifest (a save interrupted before its
+    commit, or a manifest deleted since) is passed over for the newest one that has one."""
+    found = committed(root)
     ptr = os.path.join(root, LATEST)
-    if not os.path.isfile(ptr):
-        return None
-    with open(ptr) as f:
-        path = os.path.join(root, f.read().strip())
-    return path if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if found and os.path.isfile(ptr):
+        with open(ptr) as f:
+            hinted = os.path.join(root, f.read().strip())
+        if hinted not in found:
+            log.warning("checkpoint %s is not committed (no %s): using %s", hinted, MANIFEST,
+                        found[0])
+    return found[0] if found else None
+
+
+def uncommitted(root: str) -> list[str]:
+    """Step directories under ``root`` without a manifest (interrupted saves, deleted
+    manifests), for messages."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root)
+                  if d.startswith("step_") and not os.path.isfile(os.path.join(root, d, MANIFEST)))
 
 
 def read_manifest(path: str, verify: bool = True) -> dict:

@@ -9,34 +9,53 @@ run. ``experiment.action`` selects what happens:
 * ``run`` (default): run the points not yet in ``results/NAME/points.jsonl``
   (``zero_repro.harness.sweep.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
   to W&B when ``logging.wandb=true``, regenerate ``table.csv`` and ``NAME.png/.pdf``, print a
-  summary. Exit status 1 if a point failed (OOM is a result, not a failure).
+  summary. Exit status 1 if a point ended neither ``ok`` nor ``oom`` (OOM is a result: the point
+  does not fit; diverged, cancelled, timeout and failed are not).
 * ``plot``: regenerate table and figures from ``results/`` alone (no run).
 * ``plan``: print the points (key, nodes, overrides, done or not) and write one point file per
   measured point still to do into the Hydra run directory, for ``sbatch slurm/<template> FILE``
   (the printed hint names the template and, on CPU clusters, the overrides).
 
-User errors (an invalid setting, an unknown experiment or config group option) print one line
-``error: <message>`` (Hydra's own message for composition errors) and exit with status 2,
-before any worker process starts.
+User errors print one line ``error: <message>`` naming the setting and exit with status 2,
+before any worker process starts: ``check_args`` composes every job of the command line (each
+job of a ``-m`` multirun, before the first one runs) with Hydra's compose API, validates it
+(``config.validate``), plans the experiment (every point's config validated) and, for
+``action=run``, checks every point that would start ranks here against this machine
+(``harness.preflight``: files, devices, cores, memory) and that ``experiment.results_dir`` and
+the Hydra output directory are writable. Composition errors (unknown group option, a value of
+the wrong type, a malformed override) are reported the same way.
+
+Signals: SIGTERM (``kill``, ``timeout``, ``docker stop``) unwinds like Ctrl-C: the ranks of the
+running point are stopped, the point is recorded ``cancelled``, one line is printed (no
+traceback) and the exit status is 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+Ranks also die on their own if this process is killed outright (``distributed.launch``).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import signal
 import sys
 
 from zero_repro import paths
 
 import hydra
 import pandas as pd
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
-from zero_repro.harness import regenerate, registry, slurm, sweep
-from zero_repro.harness.records import RecordStore
+from zero_repro.distributed import launch
+from zero_repro.harness import preflight, regenerate, registry, slurm, sweep
+from zero_repro.harness.records import DONE_STATUSES, RecordStore
 from zero_repro.harness.wandb_log import WandbMirror
+from zero_repro.worker import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +93,32 @@ def check_group_choices(argv: list[str], conf: str) -> None:
                 fail(f"unknown {group} {v!r}: choose one of {options} (files in conf/{group}/)")
 
 
+# flags after which Hydra prints something and runs no job: nothing to validate
+_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
+               "--shell-completion", "-sc", "--version")
+MAX_VALIDATED_JOBS = 1000  # a multirun larger than this is validated job by job as it runs
+
+
 def main() -> None:
-    check_group_choices(sys.argv[1:], conf_dir())
-    config.register_configs()
+    argv = sys.argv[1:]
+    signal.signal(signal.SIGTERM, launch.raise_terminated)
+    try:
+        check_group_choices(argv, conf_dir())
+        config.register_configs()
+        if not any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv):
+            try:
+                check_args(argv)
+            except UserError as e:
+                fail(str(e))
+        _run_hydra()
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through launch.Terminated
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"interrupted ({signal.Signals(signum).name}): the running point is recorded as "
+              f"cancelled; run the same command again to continue", file=sys.stderr)
+        sys.exit(128 + int(signum))
+
+
+def _run_hydra() -> None:
     started = {"task": False}
 
     @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
@@ -95,14 +137,83 @@ def main() -> None:
         raise
 
 
-def prepare(dcfg):
-    """DictConfig -> (validated Config, experiment, planned points); UserError if invalid."""
+def _jobs(argv: list[str]) -> list[list[str]]:
+    """The override list of every job the command line runs (one unless ``-m``)."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return [overrides]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _first_line(e: BaseException) -> str:
+    """One line: the message's first line; Hydra's "Error merging override X" / "Could not
+    override X" keep the cause that follows them (without OmegaConf's key/type details)."""
+    text = str(e).strip() or type(e).__name__
+    if e.__cause__ is not None:
+        text += "\n" + str(e.__cause__)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    head = lines[0]
+    if len(lines) > 1 and (head.startswith("Error merging override")
+                           or head.startswith("Could not override")
+                           or head.startswith("Error parsing override")):
+        head = f"{head}: {lines[1]}"
+    # OmegaConf's type errors name the key on a later line ("full_key: model.bias")
+    key = getattr(e, "full_key", None) or getattr(e.__cause__, "full_key", None)
+    if key and key not in head:
+        head = f"{key}: {head}"
+    return head
+
+
+def check_args(argv: list[str]) -> list[tuple]:
+    """Everything ``main`` checks before Hydra runs a job (see the module docstring), in this
+    process; UserError with one line naming the setting. Returns (cfg, experiment, planned)
+    per job."""
+    try:
+        jobs = _jobs(argv)
+    except Exception as e:  # noqa: BLE001 - Hydra's override grammar errors
+        raise UserError(_first_line(e)) from None
+    multirun = len(jobs) > 1 or any(a in ("-m", "--multirun") for a in argv)
+    # a Hydra launcher plugin (hydra/launcher=submitit_slurm) runs the jobs on other machines:
+    # they check this machine's share there
+    here = not any(a.startswith("hydra/launcher=") for a in argv)
+    out = []
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3", job_name="check"):
+        for job in jobs[:MAX_VALIDATED_JOBS]:
+            try:
+                dcfg = compose("config", overrides=job, return_hydra_config=True)
+                out_dir = OmegaConf.select(dcfg, "hydra.sweep.dir" if multirun
+                                           else "hydra.run.dir")
+                with open_dict(dcfg):
+                    del dcfg["hydra"]
+            except Exception as e:  # noqa: BLE001 - every composition error is a usage error
+                raise UserError(_first_line(e)) from None
+            prefix = f"job {job}: " if multirun else ""
+            try:
+                check_writable(out_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+                out.append(prepare(dcfg, machine=here))
+            except (UserError, ValueError) as e:
+                raise UserError(prefix + _first_line(e)) from None
+    GlobalHydra.instance().clear()
+    return out
+
+
+def prepare(dcfg, machine: bool = True):
+    """DictConfig -> (validated Config, experiment, planned points); UserError if invalid.
+    For ``action=run`` the points still to run are checked against this machine
+    (``machine=False``: configuration only)."""
     try:
         cfg = config.validate(config.to_config(dcfg))
         experiment = registry.get(cfg.experiment.name)
         planned = sweep.plan(cfg, experiment) if cfg.experiment.action != "plot" else []
+        check_writable(cfg.experiment.results_dir, "experiment.results_dir")
+        if cfg.experiment.action == "run" and machine:
+            store = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
+            done = set() if cfg.experiment.force else store.done_keys()
+            preflight.check_points([pp for pp in planned if pp.key not in done])
     except (ValueError, OmegaConfBaseException) as e:
-        raise UserError(str(e).strip().splitlines()[0]) from None
+        raise UserError(_first_line(e)) from None
     return cfg, experiment, planned
 
 
@@ -131,15 +242,16 @@ def run(cfg, experiment) -> None:
     finally:
         mirror.close()
     out = _regenerate(cfg, experiment)
-    not_done = [r for r in result.records if not r.done]  # failed, cancelled, timeout, ...
+    counts = ", ".join(f"{st} {result.count(st)}" for st in
+                       dict.fromkeys(["ok", "oom", "failed"] + [r.status for r in result.records]))
+    busy = f", {len(result.busy)} running elsewhere (skipped)" if result.busy else ""
     print(f"experiment {name}: {len(result.planned)} points, {len(result.skipped)} already done"
-          f", ran {len(result.records)} (ok {result.count('ok')}, oom {result.count('oom')}, "
-          f"failed {len(not_done)}); sweep {sweep_id}")
+          f"{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
     for rec in result.records:
         why = f" - {rec.reason.splitlines()[0]}" if rec.reason else ""
-        print(f"  {rec.point:<28} {rec.mode:<9} {rec.status:<6} {rec.duration_s:8.1f}s{why}")
+        print(f"  {rec.point:<28} {rec.mode:<9} {rec.status:<9} {rec.duration_s:8.1f}s{why}")
     print_outputs(out)
-    if not_done:
+    if any(r.status not in DONE_STATUSES for r in result.records):
         sys.exit(1)
 
 

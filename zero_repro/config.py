@@ -7,9 +7,11 @@ CLI calls it before any worker process starts.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 STAGES = (0, 1, 2, 3)
@@ -19,6 +21,12 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "fake")
 LAUNCHERS = ("local", "torchrun", "slurm")
 DATASETS = ("synthetic", "tokens", "pystdlib")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+WANDB_MODES = ("offline", "online", "disabled")
+# 2**initial_scale_power must be a finite fp32 number that leaves fp16 gradients room: fp16's
+# largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
+# recipe uses; beyond it every step overflows until the scale has halved back down
+MAX_SCALE_POWER = 32
 
 
 @dataclass
@@ -114,6 +122,9 @@ class LauncherConfig:
     collective_timeout_s: float = 300.0
     # launcher=slurm: Slurm sends SIGUSR2 this long before the time limit (submitit's --signal)
     signal_delay_s: int = 120
+    # run even when the local ranks outnumber the CPU cores (x RANKS_PER_CORE) or the analytic
+    # memory estimate exceeds this machine's memory (zero_repro.harness.preflight)
+    oversubscribe: bool = False
 
 
 @dataclass
@@ -171,8 +182,6 @@ class Config:
 
 
 def register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in [("model", ModelConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
@@ -203,8 +212,6 @@ def load(path: str) -> Config:
 
 
 def save(cfg: Config | DictConfig, path: str) -> None:
-    import os
-
     tmp = path + ".tmp"
     OmegaConf.save(OmegaConf.structured(cfg) if isinstance(cfg, Config) else cfg, tmp)
     os.replace(tmp, path)
@@ -215,26 +222,54 @@ def _choice(value, allowed, key: str) -> None:
         raise ValueError(f"{key}={value!r} is not one of {list(allowed)}: set {key} to one of them")
 
 
+def _number(value, key: str, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, hi_open: bool = False, integer: bool = False) -> None:
+    """``value`` is a finite number (an int if ``integer``) in the range lo..hi (open ends
+    where asked); ValueError naming ``key`` and the range otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (isinstance(value, int) if integer else math.isfinite(value))
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
+        rng = " and ".join(x for x in (lo_s, hi_s) if x)
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{key}={value!r} must be {rng} ({kind})" if rng
+                         else f"{key}={value!r} must be {kind}")
+
+
 def _positive(value, key: str) -> None:
-    if not (isinstance(value, (int, float)) and value > 0):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and math.isfinite(value)):
         raise ValueError(f"{key}={value!r} must be a positive number")
 
 
 def validate(cfg: Config) -> Config:
-    """Raise ValueError with an actionable message for any inconsistent setting."""
-    m, p, z, zr, t = cfg.model, cfg.parallel, cfg.zero, cfg.zero_r, cfg.train
+    """Raise ValueError with an actionable one-line message for any inconsistent setting: every
+    group, every numeric field's domain. Pure (no files, devices or machine resources: those are
+    ``worker.check_runnable`` and ``zero_repro.harness.preflight``)."""
+    _validate_model_parallel(cfg)
+    _validate_zero(cfg)
+    _validate_train(cfg)
+    _validate_cluster_launcher(cfg)
+    _validate_logging_experiment(cfg)
+    _validate_checkpoint(cfg)
+    _validate_fault(cfg)
+    return cfg
+
+
+def _validate_model_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
     for key, v in [("model.n_layer", m.n_layer), ("model.n_embd", m.n_embd),
                    ("model.n_head", m.n_head), ("model.seq_len", m.seq_len),
                    ("model.vocab_size", m.vocab_size), ("parallel.world_size", p.world_size),
-                   ("parallel.tp", p.tp), ("train.micro_batch_size", t.micro_batch_size),
-                   ("train.grad_accum", t.grad_accum), ("train.steps", t.steps),
-                   ("zero.reduce_bucket_size", z.reduce_bucket_size),
-                   ("zero.allgather_bucket_size", z.allgather_bucket_size),
-                   ("model.vocab_pad_multiple", m.vocab_pad_multiple)]:
+                   ("parallel.tp", p.tp), ("model.vocab_pad_multiple", m.vocab_pad_multiple)]:
         _positive(v, key)
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and < train.steps="
-                         f"{t.steps}, so that at least one step is timed")
+    _number(m.dropout, "model.dropout", 0, 1, hi_open=True)
+    _number(m.init_std, "model.init_std", 0, 10, lo_open=True)
     if m.n_embd % m.n_head:
         raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if m.n_head % p.tp:
@@ -249,51 +284,101 @@ def validate(cfg: Config) -> Config:
     if p.world_size % p.tp:
         raise ValueError(f"parallel.world_size={p.world_size} is not divisible by parallel.tp="
                          f"{p.tp}: use a world size that is a multiple of {p.tp}")
+    if m.dropout > 0 and p.tp > 1:
+        # dropout inside a TP region needs per-rank RNG streams (Megatron's RNG tracker)
+        raise ValueError(f"model.dropout={m.dropout} with parallel.tp={p.tp} is not supported: "
+                         f"set model.dropout=0 or parallel.tp=1")
+
+
+def _validate_zero(cfg: Config) -> None:
+    z, zr = cfg.zero, cfg.zero_r
     _choice(z.stage, STAGES, "zero.stage")
     _choice(z.dtype, DTYPES, "zero.dtype")
     _choice(zr.name, ZERO_R_NAMES, "zero_r.name")
-    _choice(cfg.cluster.device, DEVICES, "cluster.device")
-    _choice(cfg.cluster.backend, BACKENDS, "cluster.backend")
-    _choice(cfg.launcher.name, LAUNCHERS, "launcher.name")
-    _choice(t.data, DATASETS, "train.data")
-    _choice(cfg.experiment.action, ("run", "plot", "plan"), "experiment.action")
-    if t.data == "tokens" and not t.data_path:
-        raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")
-    if z.prefetch_blocks < 0:
-        raise ValueError(f"zero.prefetch_blocks={z.prefetch_blocks} must be >= 0")
-    if z.grad_clip < 0:
-        raise ValueError(f"zero.grad_clip={z.grad_clip} must be >= 0 (0 disables clipping)")
+    _positive(z.reduce_bucket_size, "zero.reduce_bucket_size")
+    _positive(z.allgather_bucket_size, "zero.allgather_bucket_size")
+    _number(z.prefetch_blocks, "zero.prefetch_blocks", 0, integer=True)
+    _number(z.grad_clip, "zero.grad_clip", 0)
+    _number(z.initial_scale_power, "zero.initial_scale_power", 0, MAX_SCALE_POWER, integer=True)
+    _number(z.loss_scale_window, "zero.loss_scale_window", 1, integer=True)
+    _number(z.min_loss_scale, "zero.min_loss_scale", 0, lo_open=True)
+    _number(z.hysteresis, "zero.hysteresis", 1, integer=True)
+    if z.dtype == "fp16" and z.min_loss_scale > 2.0 ** z.initial_scale_power:
+        raise ValueError(f"zero.min_loss_scale={z.min_loss_scale:g} is above the initial loss "
+                         f"scale 2**zero.initial_scale_power={2.0 ** z.initial_scale_power:g}: "
+                         f"lower zero.min_loss_scale or raise zero.initial_scale_power")
     if (zr.partition_activations or zr.cpu_checkpointing) and not zr.activation_checkpointing:
         raise ValueError("zero_r.partition_activations / cpu_checkpointing need "
                          "zero_r.activation_checkpointing=true (P_a partitions checkpoints)")
     if zr.cpu_checkpointing and not zr.partition_activations:
         raise ValueError("zero_r.cpu_checkpointing (P_a+cpu) needs "
                          "zero_r.partition_activations=true, as in the paper's C5")
-    if cfg.cluster.device == "cuda" and cfg.cluster.backend == "gloo" and p.world_size > 1:
-        pass  # allowed (slow) for debugging
-    if cfg.cluster.device == "cpu" and cfg.cluster.backend == "nccl":
+
+
+def _validate_train(cfg: Config) -> None:
+    t = cfg.train
+    for key, v in [("train.micro_batch_size", t.micro_batch_size),
+                   ("train.grad_accum", t.grad_accum), ("train.steps", t.steps)]:
+        _positive(v, key)
+    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
+        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and < train.steps="
+                         f"{t.steps}, so that at least one step is timed")
+    _number(t.lr, "train.lr", 0, lo_open=True)
+    _number(t.beta1, "train.beta1", 0, 1, hi_open=True)
+    _number(t.beta2, "train.beta2", 0, 1, hi_open=True)
+    _number(t.eps, "train.eps", 0, lo_open=True)
+    _number(t.weight_decay, "train.weight_decay", 0)
+    if t.lr * t.weight_decay >= 1:
+        raise ValueError(f"train.lr * train.weight_decay = {t.lr * t.weight_decay:g} >= 1: AdamW "
+                         f"would flip the weights' sign every step; lower one of them")
+    _number(t.seed, "train.seed", 0, 2 ** 63, hi_open=True, integer=True)
+    _choice(t.data, DATASETS, "train.data")
+    if t.data == "tokens" and not t.data_path:
+        raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")
+    if t.data == "pystdlib" and cfg.model.vocab_size < 256:
+        raise ValueError(f"train.data=pystdlib (byte tokens) needs model.vocab_size >= 256, got "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+
+
+def _validate_cluster_launcher(cfg: Config) -> None:
+    c, la = cfg.cluster, cfg.launcher
+    _choice(c.device, DEVICES, "cluster.device")
+    _choice(c.backend, BACKENDS, "cluster.backend")
+    _choice(la.name, LAUNCHERS, "launcher.name")
+    _positive(c.gpus_per_node, "cluster.gpus_per_node")
+    for key in ("device_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
+                "pcie_gbps"):
+        _number(getattr(c, key), f"cluster.{key}", 0)
+    if c.device == "cpu" and c.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
-    if cfg.launcher.signal_delay_s < 0:
-        raise ValueError(f"launcher.signal_delay_s={cfg.launcher.signal_delay_s} must be >= 0 "
-                         f"(seconds before the time limit at which Slurm sends SIGUSR2)")
-    if cfg.launcher.collective_timeout_s <= 0:
-        raise ValueError(f"launcher.collective_timeout_s={cfg.launcher.collective_timeout_s} "
-                         f"must be > 0 (a dead rank must not hang the others forever)")
-    _validate_checkpoint(cfg)
-    _validate_fault(cfg)
-    return cfg
+    if c.backend == "fake":
+        # the fake group's collectives do nothing: losses trained on it are not measurements
+        raise ValueError("cluster.backend=fake is the dry-run backend (its collectives do "
+                         "nothing, so losses would be wrong); use cluster.backend=gloo "
+                         "(or nccl), dry runs select fake themselves")
+    _number(la.signal_delay_s, "launcher.signal_delay_s", 0, integer=True)
+    _number(la.timeout_min, "launcher.timeout_min", 0, lo_open=True)
+    _number(la.collective_timeout_s, "launcher.collective_timeout_s", 0, lo_open=True)
+
+
+def _validate_logging_experiment(cfg: Config) -> None:
+    lg, e = cfg.logging, cfg.experiment
+    if not isinstance(lg.level, str) or lg.level.upper() not in LOG_LEVELS:
+        raise ValueError(f"logging.level={lg.level!r} is not one of {list(LOG_LEVELS)}")
+    _choice(lg.wandb_mode, WANDB_MODES, "logging.wandb_mode")
+    _choice(e.action, ("run", "plot", "plan"), "experiment.action")
+    if not e.results_dir:
+        raise ValueError("experiment.results_dir='' : give a directory for the records")
+    if not e.name:
+        raise ValueError("experiment.name='' : select an experiment with +exp=NAME")
 
 
 def _validate_checkpoint(cfg: Config) -> None:
     ck = cfg.checkpoint
-    if ck.save_every < 0:
-        raise ValueError(f"checkpoint.save_every={ck.save_every} must be >= 0 (0 = never)")
-    if ck.keep < 0:
-        raise ValueError(f"checkpoint.keep={ck.keep} must be >= 0 (0 = keep all)")
+    _number(ck.save_every, "checkpoint.save_every", 0, integer=True)
+    _number(ck.keep, "checkpoint.keep", 0, integer=True)
     if ck.resume in ("", "auto", "latest"):
         return
-    import os
-
     if not os.path.isfile(os.path.join(ck.resume, "manifest.json")):
         what = "does not exist" if not os.path.exists(ck.resume) else "has no manifest.json"
         raise ValueError(f"checkpoint.resume={ck.resume!r} {what}: give a checkpoint directory "

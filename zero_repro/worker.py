@@ -15,12 +15,24 @@ TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO w
 Checkpoints (``checkpoint`` config, ``zero_repro.checkpoint``): saved every
 ``checkpoint.save_every`` steps into ``<run dir>/checkpoints`` (or ``checkpoint.dir``); a run
 with ``checkpoint.resume`` set loads the strategy state (any stage / DP size) and continues
-from the saved data position. ``fault.*`` injects a rank failure mid-step (tests).
+from the saved data position. A checkpoint also carries the loss history up to its step
+(``extra.history``) and the model shape it belongs to (``extra.model``): a resumed run's record
+keeps ``losses`` from ``start_step`` on and the earlier ones in ``losses_before_start``, so a
+table drawn from it equals the uninterrupted run's. ``fault.*`` injects a rank failure
+mid-step (tests).
+
+``check_runnable`` is everything about files and devices that can be known before a rank
+starts (data file long enough and in the vocabulary, CUDA/NCCL present, checkpoint directory
+writable, the checkpoint to resume from committed, of this model and TP degree, not past
+``train.steps``); ``run_training`` calls it before spawning, and so does the CLI for every point
+before the first one runs. Ranks drop the strategy's gradient hooks (a reference cycle
+hooks -> strategy -> module) before their process groups are destroyed.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -31,8 +43,10 @@ import signal
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 
+import numpy as np
 import torch
 
 from zero_repro import checkpoint
@@ -88,18 +102,127 @@ def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
 
 def resume_path(cfg: C.Config, run_dir: str) -> str | None:
     """The checkpoint to resume from (None: start fresh). ValueError if ``resume=latest`` and
-    there is none; called before any rank starts, so that is a user error."""
+    there is none; called before any rank starts, so that is a user error. ``auto`` and
+    ``latest`` take the newest *committed* checkpoint (an interrupted save is passed over)."""
     how = cfg.checkpoint.resume
     if not how:
         return None
     if how in ("auto", "latest"):
-        path = checkpoint.latest(checkpoint_root(cfg, run_dir))
-        if path is None and how == "latest":
-            raise ValueError(f"checkpoint.resume=latest but {checkpoint_root(cfg, run_dir)!r} "
-                             f"holds no committed checkpoint; use checkpoint.resume=auto to "
-                             f"start fresh when there is none")
+        root = checkpoint_root(cfg, run_dir)
+        path = checkpoint.latest(root)
+        if path is None:
+            broken = checkpoint.uncommitted(root)
+            why = (f"holds {len(broken)} step directories but none is committed (no "
+                   f"{checkpoint.MANIFEST}: the save was interrupted or the manifest deleted)"
+                   if broken else "holds no committed checkpoint")
+            if how == "latest":
+                raise ValueError(f"checkpoint.resume=latest but {root!r} {why}; use "
+                                 f"checkpoint.resume=auto to start fresh when there is none")
+            if broken:
+                log.warning("checkpoint.resume=auto: %s %s; starting from step 0", root, why)
         return path
     return how
+
+
+def model_identity(model: C.ModelConfig) -> dict:
+    """What a checkpoint's parameters depend on (shapes), for the compatibility check."""
+    d = dataclasses.asdict(model)
+    return {k: d[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size",
+                              "vocab_pad_multiple", "bias")}
+
+
+def check_runnable(cfg: C.Config, run_dir: str) -> str | None:
+    """ValueError (one line, naming the setting) for anything about files and devices that
+    would make the ranks fail: checked in this process, creating nothing. Returns the
+    checkpoint the run will resume from (None: fresh)."""
+    _check_data(cfg)
+    _check_device(cfg)
+    root = checkpoint_root(cfg, run_dir)
+    if cfg.checkpoint.save_every > 0:
+        check_writable(root, "checkpoint.dir")
+    path = resume_path(cfg, run_dir)
+    if path is not None:
+        _check_resume(cfg, path)
+    return path
+
+
+def _check_data(cfg: C.Config) -> None:
+    t, m = cfg.train, cfg.model
+    if t.data != "tokens":
+        return
+    if not os.path.isfile(t.data_path):
+        raise ValueError(f"train.data_path={t.data_path!r} is not a file: give a uint16 token "
+                         f"file (nanoGPT's train.bin format)")
+    n = os.path.getsize(t.data_path) // 2
+    if n <= m.seq_len + 1:
+        raise ValueError(f"train.data_path={t.data_path!r} holds {n} tokens; model.seq_len="
+                         f"{m.seq_len} needs more than {m.seq_len + 1}")
+    if n <= 256_000_000:  # a few seconds at most: worth it, an id >= vocab fails mid-run
+        top = int(np.memmap(t.data_path, dtype=np.uint16, mode="r")[:n].max())
+        if top >= m.vocab_size:
+            raise ValueError(f"train.data_path={t.data_path!r} holds token id {top} >= "
+                             f"model.vocab_size={m.vocab_size}: raise model.vocab_size")
+
+
+def local_ranks(cfg: C.Config) -> int:
+    """How many ranks this machine starts for one point."""
+    if cfg.launcher.name == "local":
+        return cfg.parallel.world_size
+    return min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
+
+
+def _check_device(cfg: C.Config) -> None:
+    c = cfg.cluster
+    if c.device != "cuda" and c.backend != "nccl":
+        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    what = "cluster.device=cuda" if c.device == "cuda" else "cluster.backend=nccl"
+    if n == 0:
+        raise ValueError(f"{what} but this machine has no CUDA device: use cluster=local "
+                         f"(cluster.device=cpu, cluster.backend=gloo)")
+    if local_ranks(cfg) > n:
+        raise ValueError(f"parallel.world_size={cfg.parallel.world_size} needs "
+                         f"{local_ranks(cfg)} GPUs on this machine, which has {n}: lower "
+                         f"parallel.world_size or use launcher=slurm")
+
+
+def check_writable(path: str, key: str) -> None:
+    """``path`` (a directory, made later) can be created and written: its nearest existing
+    ancestor is a directory in which a file can be created (tried: permission bits do not tell
+    for root, read-only mounts or /proc)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{key}={path!r}: {probe!r} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ValueError(f"{key}={path!r} is not writable ({probe!r}: {e.strerror}): choose "
+                         f"another directory") from None
+
+
+def _check_resume(cfg: C.Config, path: str) -> None:
+    try:
+        manifest = checkpoint.read_manifest(path, verify=False)  # hashes: checked by the load
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.resume: {e}") from None
+    if not isinstance(manifest, dict) or not {"tp", "step", "params"} <= set(manifest):
+        raise ValueError(f"checkpoint.resume: {path!r} has a manifest without tp/step/params: "
+                         f"not a zero-repro checkpoint")
+    if manifest["tp"] != cfg.parallel.tp:
+        raise ValueError(f"checkpoint.resume: {path!r} was saved with parallel.tp="
+                         f"{manifest['tp']}; resume with parallel.tp={manifest['tp']}")
+    saved = (manifest.get("extra") or {}).get("model")
+    if saved is not None and saved != model_identity(cfg.model):
+        diff = sorted(k for k in saved if saved[k] != model_identity(cfg.model).get(k))
+        raise ValueError(f"checkpoint.resume: {path!r} is from a different model (model."
+                         f"{diff[0] if diff else '?'}={saved.get(diff[0]) if diff else '?'} "
+                         f"there): resume with the model it was saved from")
+    if manifest["step"] >= cfg.train.steps:
+        raise ValueError(f"checkpoint.resume: {path!r} is at step {manifest['step']}: nothing "
+                         f"left to do with train.steps={cfg.train.steps}; raise train.steps")
 
 
 def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
@@ -125,12 +248,19 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
                               cfg.train.seed, cfg.train.data_path)
     run_dir = os.path.dirname(os.path.abspath(config_path))
     root = checkpoint_root(cfg, run_dir)
-    start, resumed = 0, resume_path(cfg, run_dir)
+    start, resumed, history = 0, resume_path(cfg, run_dir), []
     if resumed is not None:
-        start = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify)["step"]
+        manifest = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify)
+        start = manifest["step"]
         if start >= cfg.train.steps:
             raise ValueError(f"checkpoint {resumed} is at step {start}: nothing left to do with "
                              f"train.steps={cfg.train.steps}; raise train.steps")
+        past = (manifest.get("extra") or {}).get("history") or {}
+        history = list(past.get("losses") or [])
+        history = history[:start] if len(history) >= start else []  # unknown: keep none
+        skipped_before = [s for s in past.get("skipped_at") or [] if s < start]
+    local_losses: list[float] = []
+    skipped = list(skipped_before) if resumed is not None else []
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
@@ -141,9 +271,18 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     live = wandb_live.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
     def on_step(step, loss, dt, info):
+        local_losses.append(loss)
+        if info.skipped:
+            skipped.append(step)
         every = cfg.checkpoint.save_every
         if every and (step + 1) % every == 0:
-            checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep)
+            # the global mean loss of every step so far, so a resumed run knows its past
+            per_dp = comm.all_gather_object(local_losses, topo.dp_group)
+            losses = history + [sum(v) / len(v) for v in zip(*per_dp)]
+            extra = {"model": model_identity(cfg.model),
+                     "history": {"losses": losses if len(losses) == step + 1 else [],
+                                 "skipped_at": list(skipped)}}
+            checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep, extra=extra)
         if live.active:
             live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
                           loss_scale=float(info.loss_scale), step_time_s=dt,
@@ -152,12 +291,16 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
                           **memory_series(device))
 
     try:
-        res = loop.train(strategy, source, cfg, topo, device, on_step=on_step, start_step=start,
+        res = loop.train(strategy, source, cfg, topo, device, on_step=on_step,
+                         start_step=start,
                          before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
     except BaseException as e:
         live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
         raise
-
+    finally:
+        # the hooks hold the strategy, which holds the module and the groups' users: without
+        # this cycle broken, gloo objects outlive destroy_process_group
+        strategy.remove_hooks()
     mem = strategy.memory_ledger()
     if ckpt is not None:
         ckpt.add_to_ledger(mem)
@@ -169,6 +312,8 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         "tflops_per_gpu": flops.tflops_per_gpu(fl, step_s, world_size),
         "skipped_steps": res.skipped_steps, "skipped_at": res.skipped_at,
         "start_step": res.start_step, "resumed_from": resumed or "",
+        "losses_before_start": history,
+        "skipped_before_start": [s for s in skipped if s < res.start_step],
         "grad_norms": res.grad_norms,
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
@@ -185,13 +330,14 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
     if live.active:
         metrics["wandb_run"] = live.finish(wandb_live.summary_of(out), 0)
+    del model, ckpt, strategy
     return out
 
 
 def run_training(cfg: C.Config, run_dir: str) -> dict:
     """Validate, write the resolved config into ``run_dir``, run all ranks; rank 0's result."""
     C.validate(cfg)
-    resume_path(cfg, run_dir)  # 'resume=latest' with nothing to resume: fail before spawning
+    check_runnable(cfg, run_dir)  # files, devices, the checkpoint: fail before spawning
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
     C.save(cfg, path)

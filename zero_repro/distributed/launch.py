@@ -5,20 +5,44 @@ and the ``fake`` backend for paper-scale dry runs.
 gloo state is inherited), each of which initialises the default process group and calls
 ``fn(rank, world_size, *args)``. Results come back through per-rank pickle files. If any rank
 raises or dies, the others are terminated and ``WorkerFailed`` names the failing rank, so a
-crashed rank never leaves the rest hanging in a collective.
+crashed rank never leaves the rest hanging in a collective; a rank that hangs while its peers
+time out waiting for it is the one named.
+
+Ranks die with their parent: on Linux each rank asks the kernel for SIGKILL when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls ``os.getppid()``; a parent
+that is interrupted (KeyboardInterrupt, or the CLI's SIGTERM handler raising) terminates its
+ranks on the way out. A rank that returned destroys its process groups and leaves with
+``os._exit(0)``: no gloo object outlives ``destroy_process_group`` into interpreter teardown
+(where gloo aborted: "terminate called without an active exception"). Per-spawn temporary
+directories are named after the parent's pid; those of dead parents (a SIGKILLed CLI) are
+removed by the next spawn.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import glob
+import logging
 import multiprocessing as mp
 import os
 import pickle
+import shutil
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
 from zero_repro.distributed import comm
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SPAWN_PREFIX = "zr_spawn_"
 
 
 class WorkerFailed(RuntimeError):
@@ -28,19 +52,72 @@ class WorkerFailed(RuntimeError):
         self.reason = reason
 
 
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by a SIGTERM handler (``kill``, ``timeout``, ``docker stop``,
+    Slurm's scancel): unwinds like Ctrl-C, so ``spawn`` stops its ranks on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def raise_terminated(signum, frame) -> None:
+    """A ``signal.signal`` handler: turn SIGTERM into ``Terminated``."""
+    raise Terminated(signum)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """This process ends when ``parent_pid`` (its parent) does: the kernel's parent-death
+    signal on Linux, else a watchdog thread. If the parent is already gone, exit now."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        armed = False
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _remove_stale_spawn_dirs() -> None:
+    """Spawn directories whose parent process is gone (it was SIGKILLed mid-run)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{SPAWN_PREFIX}*_*")):
+        head = os.path.basename(path)[len(SPAWN_PREFIX):].split("_", 1)[0]
+        if head.isdigit() and int(head) != os.getpid() and not _pid_alive(int(head)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args):
+def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent_pid=None):
+    die_with_parent(parent_pid if parent_pid is not None else os.getppid())
+    # Ctrl-C reaches the whole process group: the parent alone handles it (and stops us)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # one intra-op thread per rank: the machines running this have few cores, and
     # oversubscription makes collectives time out for no good reason
-    import torch
-
     torch.set_num_threads(max(1, int(os.environ.get("ZR_THREADS_PER_RANK", "1"))))
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
@@ -50,15 +127,23 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args):
         payload = ("ok", result)
     except BaseException as e:  # noqa: BLE001 - report any failure to the parent
         payload = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    code = 1
     try:
         with open(path + ".tmp", "wb") as f:
             pickle.dump(payload, f)
         os.replace(path + ".tmp", path)
-    finally:
         if payload[0] == "ok":
+            result = payload = None
+            gc.collect()  # cycles (hooks -> strategy -> module) that still hold group handles
             comm.destroy_process_group()
-        else:
-            os._exit(1)  # do not wait in destroy for peers that will never come
+            code = 0
+    finally:
+        # no interpreter teardown: nothing of gloo may be destroyed after this point; a
+        # failed rank does not wait in destroy for peers that will never come
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
@@ -70,9 +155,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     """
     ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="zr_spawn_") as out_dir:
+    _remove_stale_spawn_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{SPAWN_PREFIX}{os.getpid()}_") as out_dir:
         procs = [ctx.Process(target=_entry, daemon=False,
-                             args=(fn, r, world_size, port, backend, timeout_s, out_dir, args))
+                             args=(fn, r, world_size, port, backend, timeout_s, out_dir, args,
+                                   os.getpid()))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -128,8 +215,16 @@ def _root_failure(procs, out_dir: str, grace_s: float = 1.0) -> WorkerFailed:
               if p.exitcode not in (0, None)]
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
     primary = [(r, why) for r, why in failed
-               if not any(m in why.lower() for m in _PEER_LOSS)] or failed
-    rank, why = primary[0]
+               if not any(m in why.lower() for m in _PEER_LOSS)]
+    if not primary and alive:
+        # every failed rank only lost a peer (timed out waiting) while others are still
+        # running: those are the ones that hung, and the headline names them
+        first = failed[0][1].split("\n", 1)[0]
+        return WorkerFailed(alive[0], f"hung: ranks {alive} made no progress while ranks "
+                                      f"{[r for r, _ in failed]} timed out waiting for them "
+                                      f"(launcher.collective_timeout_s); first peer error: "
+                                      f"{first}")
+    rank, why = (primary or failed)[0]
     others = [r for r, _ in failed if r != rank]
     notes = []
     if others:
@@ -175,6 +270,7 @@ def init_from_env(backend: str, timeout_s: float = 1800.0) -> tuple[int, int, in
 def init_fake(rank: int, world_size: int) -> None:
     """The ``fake`` backend: collectives are no-ops on fake tensors (memory dry runs at paper
     scale on one CPU process)."""
+    # torch's internal testing package: imported only by dry runs
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     comm.init_process_group("fake", rank, world_size, store=FakeStore())

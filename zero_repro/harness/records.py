@@ -4,15 +4,18 @@ Every number the suite reports (paper §10 figures, Tables 1-3) is derived from 
 so a record carries everything needed to trust and regenerate it: the resolved config, the git
 SHA, the host and hardware, the topology, how the number was obtained (``mode``: measured |
 simulated | analytic), the metrics, the memory/communication ledgers and a status
-(ok | oom | failed + reason).
+(``STATUSES``: ok | oom | diverged | cancelled | timeout | node_fail | failed, + reason).
 
 Durability rule (what a killed sweep may do to the file): ``RecordStore.put`` takes an
 inter-process file lock, reads the file, drops any earlier record with the same key, writes the
 whole file to a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
 ``points.jsonl``. The rename is atomic, so a kill at any moment leaves either the old or the
 new file: no record is lost or half-written, and the file holds at most one record per key
-(a retried failed point, or a forced re-run, replaces its old record). The lock serialises
-concurrent writers (Slurm jobs of one sweep finishing together on a shared file system).
+(a retried failed point, or a forced re-run, replaces its old record; but a record that is not
+``ok`` never replaces an ``ok`` one unless ``put(..., replace_ok=True)``). The lock serialises
+concurrent writers (Slurm jobs of one sweep finishing together on a shared file system); a
+writer holds it while its temporary file exists, so any ``points.jsonl.<pid>.tmp`` found under
+the lock was left by a killed writer and is removed.
 
 Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
 its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
@@ -41,9 +44,11 @@ from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
-# cancelled / timeout / node_fail / preempted: a Slurm job ended from outside (Slurm's own state,
-# zero_repro.harness.slurm); not done, so a re-run retries them
-STATUSES = ("ok", "oom", "failed", "cancelled", "timeout", "node_fail", "preempted")
+# ok: measured; oom: does not fit (a result); diverged: non-finite loss / nothing trained;
+# cancelled (SIGINT/SIGTERM, scancel), timeout (wall-clock limit), node_fail / preempted (Slurm's
+# own state, zero_repro.harness.slurm) and failed (anything else) are not results: the point
+# runs again next time
+STATUSES = ("ok", "oom", "diverged", "cancelled", "timeout", "node_fail", "preempted", "failed")
 DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
 KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
 # knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
@@ -165,18 +170,31 @@ def now_utc() -> str:
 
 
 # ---------------------------------------------------------------------------- OOM / errors
-_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory")
+# CUDA's OutOfMemoryError, Python's MemoryError, and the CPU allocator's failure
+# ("DefaultCPUAllocator: can't allocate memory"); a remote rank's error arrives as text
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory",
+                "can't allocate memory", "DefaultCPUAllocator: not enough memory")
+# exception type names a rank raises that are statuses of their own (train.loop.Diverged); a
+# rank's error reaches this process as text, so they are matched by name
+_STATUS_MARKERS = (("Diverged", "diverged"),)
 
 
 def classify_failure(exc: BaseException) -> tuple[str, str]:
-    """(status, reason) for an exception raised by a point: ``oom`` or ``failed``."""
+    """(status, reason) for an exception raised by a point: ``oom``, ``diverged`` or
+    ``failed`` (KeyboardInterrupt and the CLI's SIGTERM, ``launch.Terminated``: ``cancelled``;
+    ``timeout`` / ``node_fail`` come from Slurm's job state)."""
     text = f"{type(exc).__name__}: {exc}"
-    is_oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-    is_oom = is_oom or any(m in text for m in _OOM_MARKERS)  # WorkerFailed carries the text
+    status = "failed"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ == "Cancelled":
+        status = "cancelled"
+    elif isinstance(exc, MemoryError) or any(m in text for m in _OOM_MARKERS):
+        status = "oom"
+    else:
+        status = next((st for marker, st in _STATUS_MARKERS if marker in text), "failed")
     reason = text.strip().splitlines()
     # keep the head (the error) and the last line (often the real cause in a remote traceback)
     short = "\n".join(reason[:3] + (reason[-1:] if len(reason) > 3 else []))[:2000]
-    return ("oom" if is_oom else "failed"), short
+    return status, short
 
 
 # ---------------------------------------------------------------------------------- store
@@ -201,8 +219,11 @@ class RecordStore:
                 if not line.strip():
                     continue
                 try:
-                    out.append(Record.from_dict(json.loads(line)))
-                except (json.JSONDecodeError, TypeError) as e:
+                    doc = json.loads(line)
+                    if not isinstance(doc, dict):
+                        raise TypeError(f"a JSON {type(doc).__name__}, not an object")
+                    out.append(Record.from_dict(doc))
+                except (json.JSONDecodeError, TypeError, ValueError) as e:
                     # only possible if someone edited the file by hand: keep the rest usable
                     log.warning("%s:%d: skipping unreadable record (%s)", self.path, i, e)
         return out
@@ -210,17 +231,41 @@ class RecordStore:
     def done_keys(self) -> set[str]:
         return {r.key for r in self.load() if r.done}
 
-    def put(self, record: Record) -> None:
-        """Insert/replace ``record`` (by key) atomically; see the module docstring."""
+    def put(self, record: Record, replace_ok: bool = False) -> bool:
+        """Insert/replace ``record`` (by key) atomically; see the module docstring. A record
+        that is not ``ok`` does not replace an ``ok`` one (returns False, file unchanged)
+        unless ``replace_ok``."""
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         with FileLock(self.lock_path, timeout=600):
-            kept = [r for r in self.load() if r.key != record.key]
+            self._remove_stale_temps()
+            old = self.load()
+            if record.status != "ok" and not replace_ok and any(
+                    r.key == record.key and r.status == "ok" for r in old):
+                log.warning("point %s: keeping its ok record; the %s re-run is not recorded "
+                            "over it", record.point, record.status)
+                return False
+            kept = [r for r in old if r.key != record.key]
             _atomic_write_lines(self.path, [r.to_json() for r in kept] + [record.to_json()])
+        return True
+
+    def _remove_stale_temps(self) -> None:
+        """Under the lock: temporary files of writers that were killed mid-write."""
+        folder, base = os.path.dirname(self.path), os.path.basename(self.path)
+        if not os.path.isdir(folder):
+            return
+        for name in os.listdir(folder):
+            if name.startswith(base + ".") and name.endswith(".tmp"):
+                log.info("removing %s, left by a writer that was killed", name)
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
 
     def remove(self, keys: Iterable[str]) -> int:
         keys = set(keys)
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         with FileLock(self.lock_path, timeout=600):
+            self._remove_stale_temps()
             records = self.load()
             kept = [r for r in records if r.key not in keys]
             _atomic_write_lines(self.path, [r.to_json() for r in kept])
@@ -243,6 +288,25 @@ def _atomic_write_lines(path: str, lines: list[str]) -> None:
             os.close(dfd)
     except OSError:
         pass
+
+
+def loss_curve(record: Record) -> list[tuple[int, Any]]:
+    """(step, loss) of every step a record knows, placed at its true step index: a resumed run's
+    ``losses`` start at ``metrics.start_step``; the steps before it (from the checkpoint it
+    resumed, ``losses_before_start``) come first when known. Summaries must index losses
+    through this, never by list position."""
+    m = record.metrics or {}
+    start = int(m.get("start_step") or 0)
+    before = list(m.get("losses_before_start") or [])
+    out = list(enumerate(before)) if len(before) == start else []
+    return out + [(start + i, v) for i, v in enumerate(m.get("losses") or [])]
+
+
+def skipped_steps_of(record: Record) -> set[int]:
+    """Step indices whose optimizer step was skipped (fp16 overflow / non-finite gradient),
+    including those before a resume."""
+    m = record.metrics or {}
+    return set(m.get("skipped_at") or []) | set(m.get("skipped_before_start") or [])
 
 
 def latest(records: Iterable[Record]) -> list[Record]:

@@ -6,9 +6,21 @@ point's config is the experiment config plus the point's overrides, validated *b
 runs* (a bad point is a user error, not a record). A point whose key is already recorded with
 status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
 Record in ``results/<exp>/points.jsonl`` (``RecordStore.put``, atomic), also when it runs out of
-memory (status ``oom``: a result, the point does not fit) or fails (``failed`` + reason): the
-sweep goes on. An interrupt (Ctrl-C, a killed job) stops the sweep between records; re-running
-the same command picks up where it stopped.
+memory (status ``oom``: a result, the point does not fit), diverges (``diverged``) or fails
+(``failed`` + reason): the sweep goes on. An interrupt (Ctrl-C, SIGTERM) records the running
+point as ``cancelled`` and stops the sweep; re-running the same command picks up where it
+stopped. A record that is not ``ok`` never replaces an ``ok`` one (``RecordStore.put``).
+
+One writer per point: a point runs only under its lock (``runs/.locks/<key>.lock``, an
+inter-process file lock released by the kernel when its holder dies), so two sweeps started
+together skip each other's points ("running elsewhere") instead of running them twice or
+sharing ``runs/<key>/``; after taking the lock the store is read again, so a point another
+sweep finished meanwhile is not re-run. Before any point runs, every point that starts ranks
+on this machine passes ``harness.preflight`` (files, devices, cores, memory).
+
+Checkpoints of a point live in ``runs/ckpt-<id>/``, where ``<id>`` is the point key computed
+*without* ``train.steps`` and ``train.warmup_steps``: the same run with more steps finds the
+checkpoints of the shorter one (``checkpoint.resume=auto`` then continues it).
 
 Where points run: ``launcher=local`` / ``torchrun`` run points one after another in this process
 (``run_point`` itself starts the ranks). ``launcher=slurm`` submits each *measured* point as its
@@ -41,10 +53,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import submitit
+from filelock import FileLock, Timeout
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from zero_repro import config as C
+from zero_repro.distributed.launch import Terminated
+from zero_repro.harness import preflight
 from zero_repro.harness import records as R
 from zero_repro.harness import slurm as S
 from zero_repro.harness.points import Point
@@ -73,6 +88,7 @@ class SweepResult:
     planned: list = field(default_factory=list)  # list[PlannedPoint]
     skipped: list = field(default_factory=list)  # keys
     records: list = field(default_factory=list)  # Records written by this sweep
+    busy: list = field(default_factory=list)  # keys another live process was running
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.records)
@@ -110,25 +126,67 @@ def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
             pcfg = point_config(cfg, point.overrides)
         except ValueError as e:
             raise ValueError(f"point {point.name!r} of experiment {name!r}: {e}") from None
-        key = R.point_key(point.params, point.mode, C.summary(pcfg))
+        summary = C.summary(pcfg)
+        key = R.point_key(point.params, point.mode, summary)
         if key in seen:
             raise ValueError(f"points {seen[key]!r} and {point.name!r} of experiment {name!r} "
                              f"have the same params/config: give them distinct params")
         seen[key] = point.name
-        run_dir = os.path.join(cfg.experiment.results_dir, name, "runs", key)
-        out.append(PlannedPoint(dataclasses.replace(point, run_dir=run_dir), pcfg, key))
+        runs = os.path.join(cfg.experiment.results_dir, name, "runs")
+        if not pcfg.checkpoint.dir:
+            pcfg.checkpoint.dir = os.path.join(runs, f"ckpt-{checkpoint_id(point, summary)}")
+        out.append(PlannedPoint(dataclasses.replace(point, run_dir=os.path.join(runs, key)),
+                                pcfg, key))
     return out
+
+
+def checkpoint_id(point: Any, summary: dict) -> str:
+    """The point key without the run length: runs that differ only in ``train.steps`` /
+    ``warmup_steps`` (data is a function of (seed, step), warm-up only untimed) share
+    checkpoints, so a longer run can continue a shorter one."""
+    summary = copy.deepcopy(summary)
+    for k in ("steps", "warmup_steps"):
+        summary["train"].pop(k, None)
+    return R.point_key(point.params, point.mode, summary)
+
+
+def point_lock(pp: PlannedPoint) -> FileLock:
+    folder = os.path.join(pp.cfg.experiment.results_dir, pp.cfg.experiment.name, "runs",
+                          ".locks")
+    os.makedirs(folder, exist_ok=True)
+    return FileLock(os.path.join(folder, f"{pp.key}.lock"), timeout=0)
 
 
 # ---------------------------------------------------------------------------- one point
 def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
-                   store: R.RecordStore | None = None) -> R.Record:
-    """Run one point, turn its outcome (result, OOM, failure) into a Record and store it.
+                   store: R.RecordStore | None = None) -> R.Record | None:
+    """Run one point under its lock, turn its outcome (result, OOM, divergence, failure) into a
+    Record and store it. None: another live process holds the point, or finished it while
+    this one waited (nothing run).
 
-    KeyboardInterrupt/SystemExit propagate (nothing recorded: the point is simply not done)."""
+    KeyboardInterrupt / ``Terminated`` are recorded as ``cancelled`` and propagate."""
     cfg, point = pp.cfg, pp.point
     store = store or R.RecordStore.for_experiment(cfg.experiment.results_dir,
                                                   cfg.experiment.name)
+    lock = point_lock(pp)
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("point %s (%s) is running in another process: skipped here", point.name,
+                    pp.key)
+        return None
+    try:
+        if not cfg.experiment.force and pp.key in store.done_keys():
+            log.info("point %s was finished by another process meanwhile", point.name)
+            return None
+        return _run_locked(experiment, pp, sweep_id, store)
+    finally:
+        lock.release()
+
+
+def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str,
+                store: R.RecordStore) -> R.Record:
+    cfg, point = pp.cfg, pp.point
     os.makedirs(point.run_dir, exist_ok=True)
     t0 = time.perf_counter()
     status, reason, result = "ok", "", {}
@@ -136,6 +194,11 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
         # names the point's live W&B run (logged by its rank 0, which inherits the environment)
         with point_environment(sweep_id, cfg.experiment.name, point.name):
             result = experiment.run_point(cfg, point) or {}
+    except (KeyboardInterrupt, Terminated) as e:
+        _, reason = R.classify_failure(e)
+        store.put(make_record(cfg, point, pp.key, "cancelled", reason or "interrupted", {},
+                              sweep_id, time.perf_counter() - t0))
+        raise
     except Exception as e:  # noqa: BLE001 - every failure of a point is data
         status, reason = S.in_job(*R.classify_failure(e))  # Slurm's word, if inside a job
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
@@ -182,6 +245,7 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
     planned = plan(cfg, experiment)
     done = set() if cfg.experiment.force else store.done_keys()
     todo = [pp for pp in planned if pp.key not in done]
+    preflight.check_points(todo)  # every point that would start ranks here, before the first
     result = SweepResult(sweep_id, planned, [pp.key for pp in planned if pp.key in done])
     log.info("experiment %s: %d points, %d already done, %d to run (sweep %s)", name,
              len(planned), len(result.skipped), len(todo), sweep_id)
@@ -195,7 +259,11 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
     show = cfg.train.progress if progress is None else progress
     bar = tqdm(total=len(todo), desc=name, unit="pt", disable=not show or not todo)
 
-    def _done(rec: R.Record) -> None:
+    def _done(rec: R.Record | None, key: str = "") -> None:
+        if rec is None:  # another process holds (or finished) the point
+            result.busy.append(key)
+            bar.update(1)
+            return
         result.records.append(rec)
         if mirror is not None:
             mirror.log_record(rec)
@@ -207,7 +275,7 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
             (submit or submit_slurm)(experiment, remote, sweep_id, _done)
         for pp in local:
             bar.set_description(f"{name} [{pp.point.name}]")
-            _done(run_and_record(experiment, pp, sweep_id, store))
+            _done(run_and_record(experiment, pp, sweep_id, store), pp.key)
     finally:
         bar.close()
     return result
@@ -254,6 +322,7 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
         pp = copy.deepcopy(pp)
         pp.cfg.experiment.results_dir = os.path.abspath(pp.cfg.experiment.results_dir)
         pp.point = dataclasses.replace(pp.point, run_dir=os.path.abspath(pp.point.run_dir))
+        pp.cfg.checkpoint.dir = os.path.abspath(pp.cfg.checkpoint.dir)
         folder = os.path.join(pp.cfg.experiment.results_dir, pp.cfg.experiment.name, "runs",
                               "submitit", "%j")
         ex = submitit.SlurmExecutor(folder=folder)
@@ -267,6 +336,8 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
 
     def on_result(item, value) -> None:
         pp, job = item
+        if value is None:  # the job found the point running in another sweep: nothing recorded
+            return
         if isinstance(value, R.Record):
             status, reason = S.correct_status(value.status, value.reason, job.job_id,
                                               _logs(job))
@@ -324,7 +395,7 @@ def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: st
     return paths
 
 
-def run_point_file(path: str) -> R.Record:
+def run_point_file(path: str) -> R.Record | None:
     """Run the point described by a point file and record it (on a compute node)."""
     doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     cfg = C.validate(C.to_config(OmegaConf.create(doc["config"])))
@@ -340,9 +411,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     rec = run_point_file(args.point_file)
+    if rec is None:
+        log.info("point of %s: running or finished in another process", args.point_file)
+        return 0
     log.info("point %s: %s %s", rec.point, rec.status, rec.reason.splitlines()[0] if rec.reason
              else "")
-    return 0 if rec.status == "ok" else 1
+    return 0 if rec.status in R.DONE_STATUSES else 1
 
 
 if __name__ == "__main__":

@@ -13,11 +13,18 @@ Resuming: ``start_step`` is the data position restored from a checkpoint (batche
 function of (seed, step), so starting the step loop there replays exactly the data the
 uninterrupted run would have seen). fp16 overflow skips are data: counted, their step indices
 kept, and each one logged.
+
+Divergence (``Diverged``, recorded as status ``diverged``): a non-finite loss, or
+``FLOOR_SKIPS`` consecutive skipped steps at the lowest loss scale (fp16 at
+``zero.min_loss_scale``; fp32/bf16 have no scale to lower, so any non-finite gradient counts),
+stops the run at once; a run in which every step was skipped ends as diverged too. Training on
+would only write steps that trained nothing.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,6 +39,28 @@ from zero_repro.train.data import TokenSource, rank_batch
 from zero_repro.train.step import train_step
 
 log = logging.getLogger(__name__)
+
+FLOOR_SKIPS = 3  # consecutive skipped steps at the lowest loss scale that mean "diverged"
+
+
+class Diverged(RuntimeError):
+    """The run stopped training: non-finite loss, or no step can be taken any more."""
+
+
+def _check_divergence(step: int, loss: float, info, cfg: Config, floor_run: int) -> int:
+    """Raise Diverged if this step shows the run cannot train; else the updated count of
+    consecutive skipped steps at the lowest loss scale."""
+    if not math.isfinite(loss):
+        raise Diverged(f"diverged at step {step}: loss is {loss} (lower train.lr, or for fp16 "
+                       f"check zero.initial_scale_power)")
+    at_floor = cfg.zero.dtype != "fp16" or info.loss_scale <= cfg.zero.min_loss_scale
+    floor_run = floor_run + 1 if info.skipped and at_floor else 0
+    if floor_run >= FLOOR_SKIPS:
+        what = (f"the loss scale is at its floor zero.min_loss_scale={cfg.zero.min_loss_scale:g}"
+                if cfg.zero.dtype == "fp16" else f"gradients are non-finite in {cfg.zero.dtype}")
+        raise Diverged(f"diverged at step {step}: {floor_run} consecutive steps skipped and "
+                       f"{what}; lower train.lr")
+    return floor_run
 
 
 @dataclass
@@ -68,6 +97,7 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
         bar = tqdm(total=t.steps, initial=start_step, desc=f"train stage{cfg.zero.stage}",
                    leave=False)
     local_losses = []
+    floor_run = 0
     for step in range(start_step, t.steps):
         if step == t.steps - 1:
             topo.ledger.reset()  # the ledger of exactly one (the last) step
@@ -93,8 +123,11 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
             res.skipped_steps += 1
             res.skipped_at.append(step)
             if topo.rank == 0:
-                log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so far);"
-                            " loss scale was %g", step, res.skipped_steps, info.loss_scale)
+                what = ("fp16 gradient overflow" if cfg.zero.dtype == "fp16"
+                        else f"non-finite gradient ({cfg.zero.dtype})")
+                log.warning("step %d: %s, optimizer step skipped (%d so far); loss scale was %g",
+                            step, what, res.skipped_steps, info.loss_scale)
+        floor_run = _check_divergence(step, step_loss, info, cfg, floor_run)
         res.grad_norms.append(float(info.grad_norm))
         res.loss_scales.append(float(info.loss_scale))
         if on_step is not None:
@@ -104,6 +137,9 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
             bar.update(1)
     if bar is not None:
         bar.close()
+    if res.skipped_steps == t.steps - start_step:
+        raise Diverged(f"every step ({res.skipped_steps}) was skipped: nothing was trained; "
+                       f"lower train.lr (fp16: zero.initial_scale_power)")
     res.comm_per_step = topo.ledger.as_dict()
     # global mean over DP ranks (TP ranks of one DP rank see the same loss)
     per_dp = comm.all_gather_object(local_losses, topo.dp_group)

@@ -9,7 +9,9 @@ step); ``fused=False`` selects the single-tensor path, operation for operation
 ``torch.optim.AdamW(foreach=False)``. State lives in three contiguous fp32 tensors (master, m,
 v) covering this rank's shard; chunks (one per bucket) are views of them. An fp32 gradient with
 multiplier 1 (no unscale, no clip) is used as it is; otherwise one transient fp32 copy
-``grad × grad_mult`` is made per chunk (the gradient buffers are never modified).
+``grad × grad_mult`` is made per chunk, stepped and dropped before the next chunk's is made
+(so the step's transient is one bucket, 4·C_B bytes, not 4Ψ/N_d; the gradient buffers are
+never modified). Element for element the same arithmetic as one call over all chunks.
 """
 from __future__ import annotations
 
@@ -67,11 +69,12 @@ class ShardAdamW:
         ms = [self.exp_avg[off:off + n] for off, n in self.chunks]
         vs = [self.exp_avg_sq[off:off + n] for off, n in self.chunks]
         if self.fused and ps:
-            gs = [self._grad32(p, g, grad_mult) for p, g in zip(ps, grads)]
             self._step_t.fill_(self.step_count)
-            torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_t] * len(ps), lr=lr, beta1=b1,
-                                beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                                maximize=False)
+            for p, m, v, g in zip(ps, ms, vs, grads):  # one fp32 gradient copy alive at a time
+                torch._fused_adamw_([p], [self._grad32(p, g, grad_mult)], [m], [v], [],
+                                    [self._step_t], lr=lr, beta1=b1, beta2=b2,
+                                    weight_decay=weight_decay, eps=eps, amsgrad=False,
+                                    maximize=False)
         else:
             bc1 = 1 - b1 ** self.step_count
             bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
@@ -81,6 +84,7 @@ class ShardAdamW:
                 p.mul_(1 - lr * weight_decay)
                 m.lerp_(g32, 1 - b1)
                 v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+                del g32  # before the next chunk's copy is made
                 denom = v.sqrt().div_(bc2_sqrt).add_(eps)
                 p.addcdiv_(m, denom, value=-step_size)
         if self.master is not None:  # cast the updated master into the training-dtype shard
