@@ -45,8 +45,7 @@ from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
 from zero_repro.harness.points import Point
 from zero_repro.model.gpt import GPT
-from zero_repro.simulate import maxsize
-from zero_repro.simulate.dryrun import dry_run
+from zero_repro.simulate.dryrun import dry_run, setup_overrides
 from zero_repro.simulate.hardware import load_cluster
 from zero_repro.paper.setups import setups
 from zero_repro.train.build import build
@@ -104,7 +103,7 @@ def plan(cfg) -> list[Point]:
         label = f"{s.size_label} {s.zero_config}"
         if label not in list(p.get("paper_points") or []):
             continue
-        ov = maxsize.setup_overrides(s, p.get("cluster", "h200") if cuda else "dgx2_v100")
+        ov = setup_overrides(s, p.get("cluster", "h200") if cuda else "dgx2_v100")
         if cuda:
             ov.update(_cluster_overrides(p.get("cluster", "h200")))
             n = int(layers.get(label, s.n_layer))
@@ -119,6 +118,9 @@ def plan(cfg) -> list[Point]:
                        "cluster.device_memory_gb": 0.0})
         ov["model.n_layer"] = n
         ov["model.name"] = f"gpt_{n}x{ov['model.n_embd']}"
+        # ONE process plays rank 0 of the paper's world on the fake process group: the local
+        # rank/core and whole-world memory pre-flight checks do not apply
+        ov["launcher.oversubscribe"] = True
         pts.append(Point(name=f"paper {label}", params={
             "part": "paper", "point": label, "n_layer": n, "paper_n_layer": s.n_layer,
             "device": dev, "iterations": int(p.get("paper_iterations", 2))},
@@ -293,7 +295,8 @@ def equivalence_rank(rank: int, world_size: int, cfg: C.Config, stages, dev: str
         strategy = build_strategy(model, topo, zero, t)
         losses: list = []
         for x, y in batches:
-            train_step(strategy, [(x, y)], on_loss=lambda v: losses.append(float(v)))
+            train_step(strategy, [(x, y)], on_loss=losses.append)
+        losses = [float(v) for v in losses]
         theta = {n: p.float() for n, p in strategy.full_parameters().items()}
         num = math.sqrt(sum(float((theta[n] - ref_theta[n]).pow(2).sum()) for n in theta))
         den = math.sqrt(sum(float((ref_theta[n] - theta0[n]).pow(2).sum()) for n in theta))

@@ -32,8 +32,10 @@ def test_every_experiment_overlay_composes_and_validates(name):
     from zero_repro.harness import sweep as orchestrate
 
     C.register_configs()
+    # the GPU proof refuses to plan without CUDA (it never falls back silently): its CPU path
+    extra = ["experiment.params.device=cpu"] if name == "gpu_proof" else []
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        dcfg = compose("config", overrides=[f"+exp={name}"])
+        dcfg = compose("config", overrides=[f"+exp={name}", *extra])
     cfg = C.validate(C.to_config(dcfg))
     assert cfg.experiment.name == name, "conf/exp/NAME.yaml must set experiment.name: NAME"
     experiment = base.get(name)  # experiments/NAME.py exists and implements the protocol
