@@ -60,14 +60,14 @@ def _ok(rank, world, value):
 def _raise_on_rank1(rank, world):
     if rank == 1:
         raise RuntimeError("boom on purpose")
-    time.sleep(30)  # would hang the caller if the launcher waited for everyone
+    time.sleep(300)  # would hang the caller if the launcher waited for everyone
     return rank
 
 
 def _die_on_rank0(rank, world):
     if rank == 0:
         os._exit(7)
-    time.sleep(30)
+    time.sleep(300)
     return rank
 
 
@@ -80,4 +80,5 @@ def test_spawn_returns_results_and_names_failing_rank():
     with pytest.raises(launch.WorkerFailed) as e:
         launch.spawn(_die_on_rank0, 2)
     assert e.value.rank == 0 and "code 7" in str(e.value)
-    assert time.monotonic() - t0 < 25, "a failed rank must not leave the others hanging"
+    # survivors sleep 300 s: well under that means they were stopped (slack for a loaded CI)
+    assert time.monotonic() - t0 < 90, "a failed rank must not leave the others hanging"

@@ -87,7 +87,8 @@ def test_raise_or_hang_ends_all_ranks_in_bounded_time(tmp_path, mode):
     else:  # rank 0 times out in the step's collective (5 s): the headline names rank 1, hung
         assert e.value.rank == 1 and "hung: ranks [1] made no progress" in str(e.value), e.value
         assert "ranks [0] timed out waiting" in str(e.value)
-        assert elapsed < 30, f"the collective timeout did not fire ({elapsed:.0f}s)"
+        # the hung rank never returns: bounded at all means the timeout fired (slack for load)
+        assert elapsed < 90, f"the collective timeout did not fire ({elapsed:.0f}s)"
 
 
 def test_preempted_run_resumes_on_another_stage_with_same_trajectory(tmp_path):
