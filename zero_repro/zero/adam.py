@@ -10,11 +10,18 @@ step); ``fused=False`` selects the single-tensor path, operation for operation
 v) covering this rank's shard; chunks (one per bucket) are views of them. An fp32 gradient with
 multiplier 1 (no unscale, no clip) is used as it is; otherwise one transient fp32 copy
 ``grad × grad_mult`` is made per chunk (the gradient buffers are never modified).
+
+``step(..., on_chunk=f)`` updates the chunks one kernel call each, in order, and calls ``f(i)``
+as soon as chunk i (and its training-dtype cast) is final, so a stage can put chunk i on the
+wire while chunk i+1 is updated. Bit-identical to the one-call form: the fused kernel updates
+each tensor of its list on its own with the same scalars (CPU: one kernel per tensor; CUDA:
+element-wise arithmetic independent of how the list is chunked), and the transient fp32
+gradient copies are made up front in both forms (the same allocations, the dry run's trace).
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -58,9 +65,10 @@ class ShardAdamW:
     @torch.no_grad()
     def step(self, lp_chunks: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
              grad_mult: float, lr: float, betas: tuple[float, float], eps: float,
-             weight_decay: float) -> None:
+             weight_decay: float, on_chunk: Callable[[int], None] | None = None) -> None:
         """One AdamW step; gradients are multiplied by ``grad_mult`` (unscale × clip) first.
-        A missing gradient (None) counts as zero."""
+        A missing gradient (None) counts as zero. ``on_chunk(i)``: called once chunk i of
+        ``lp_chunks`` holds its updated value (see the module docstring)."""
         self.step_count += 1
         b1, b2 = betas
         ps = [self.master_chunk(i, p_lp) for i, p_lp in enumerate(lp_chunks)]
@@ -69,23 +77,40 @@ class ShardAdamW:
         if self.fused and ps:
             gs = [self._grad32(p, g, grad_mult) for p, g in zip(ps, grads)]
             self._step_t.fill_(self.step_count)
-            torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_t] * len(ps), lr=lr, beta1=b1,
-                                beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                                maximize=False)
+            kw = dict(lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
+                      amsgrad=False, maximize=False)
+            if on_chunk is None:
+                torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_t] * len(ps), **kw)
+            else:
+                for i in range(len(ps)):
+                    torch._fused_adamw_([ps[i]], [gs[i]], [ms[i]], [vs[i]], [],
+                                        [self._step_t], **kw)
+                    self._chunk_done(i, lp_chunks, ps, on_chunk)
+                return
         else:
             bc1 = 1 - b1 ** self.step_count
             bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
             step_size = lr / bc1
-            for p, m, v, g in zip(ps, ms, vs, grads):
+            for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
                 g32 = self._grad32(p, g, grad_mult)
                 p.mul_(1 - lr * weight_decay)
                 m.lerp_(g32, 1 - b1)
                 v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
                 denom = v.sqrt().div_(bc2_sqrt).add_(eps)
                 p.addcdiv_(m, denom, value=-step_size)
+                if on_chunk is not None:
+                    self._chunk_done(i, lp_chunks, ps, on_chunk)
+        if on_chunk is not None:
+            return
         if self.master is not None:  # cast the updated master into the training-dtype shard
             for p_lp, p in zip(lp_chunks, ps):
                 p_lp.copy_(p)
+
+    def _chunk_done(self, i: int, lp_chunks: Sequence[torch.Tensor], ps: list[torch.Tensor],
+                    on_chunk: Callable[[int], None]) -> None:
+        if self.master is not None:  # cast the updated master chunk into the training dtype
+            lp_chunks[i].copy_(ps[i])
+        on_chunk(i)
 
     def nbytes(self) -> dict[str, int]:
         return {"master_fp32": 0 if self.master is None else self.master.numel() * 4,

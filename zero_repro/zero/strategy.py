@@ -14,6 +14,13 @@ Per-step contract (all stages):
                   cast into the training-dtype shard; publish the parameters (stage-specific).
   zero_grad()     clears gradient storage.
 
+Overlap across steps (``zero.overlap_param_gather``, bit-identical either way): stages 1-2 put
+bucket k's all-gather on the wire as soon as Adam finished its chunk (``_chunk_publisher``) and
+the next forward waits module by module for the buckets it reads; stage 3 starts gathering the
+next forward's first units at the end of ``step`` (``_after_step``). Whatever reads parameters
+outside forward waits first (``wait_params``: backward, ``state_dict``, ``full_parameters``);
+whatever writes shards first settles what still reads them (``_before_update``: step, load).
+
 Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
 Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
 micro-batch only (DDP's no_sync behaviour), stages 2/3 reduce-scatter every micro-batch and
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +139,25 @@ class Strategy:
         raise NotImplementedError
 
     def _publish(self) -> None:
-        """Make updated shards visible in the module's parameters."""
+        """Make updated shards visible in the module's parameters (complete on return)."""
+        return None
+
+    def _chunk_publisher(self) -> Callable[[int], None] | None:
+        """Called with chunk i as soon as Adam finished it, instead of ``_publish`` after the
+        whole step (``zero.overlap_param_gather``); None: publish after the step."""
+        return None
+
+    def wait_params(self) -> None:
+        """Block until the module's parameters hold the current values (an overlapped
+        all-gather launched by the last step has landed). Forward waits by itself."""
+        return None
+
+    def _before_update(self) -> None:
+        """Before the shards are written (step, load): nothing may still read or hold them."""
+        self.wait_params()
+
+    def _after_step(self) -> None:
+        """After the step (taken or skipped): e.g. start the next step's first gather."""
         return None
 
     def _zero_grads(self) -> None:
@@ -156,6 +182,7 @@ class Strategy:
             self._no_sync = old
 
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool | None = None) -> None:
+        self.wait_params()  # forward waited already, unless parameters were read outside it
         self._micro += 1
         if is_last_micro_batch is None:
             is_last_micro_batch = self._micro >= self.train.grad_accum and not self._no_sync
@@ -166,6 +193,7 @@ class Strategy:
         self._finish_backward()
 
     def step(self) -> StepInfo:
+        self._before_update()
         self._wait_reductions()
         scale = self.scaler.scale
         grads = self._grad_chunks()
@@ -178,9 +206,12 @@ class Strategy:
         else:
             coef = clip.clip_coef(norm, self.zero.grad_clip)
             t = self.train
+            publish_chunk = self._chunk_publisher()
             self.opt.step(self._param_chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
-                          t.eps, t.weight_decay)
-            self._publish()
+                          t.eps, t.weight_decay, on_chunk=publish_chunk)
+            if publish_chunk is None:
+                self._publish()
+        self._after_step()
         self._micro = 0
         return StepInfo(skipped=overflow, grad_norm=norm, loss_scale=scale)
 
@@ -202,6 +233,7 @@ class Strategy:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This TP rank's parameters, unsharded over DP, in fp32 (from the master shard)."""
+        self.wait_params()  # the gathers below are issued after the step's, in the same order
         out, i = {}, 0
         lp_chunks = self._param_chunks()
         enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
@@ -225,6 +257,7 @@ class Strategy:
     def state_dict(self) -> dict:
         """Sharded optimizer state: per group the fp32 master/m/v shard and the flat ranges it
         covers (``shard_ranges``: (flat_start, shard_start, length)), enough to reshard."""
+        self.wait_params()  # a checkpoint never races the step's all-gather
         groups, base, i = [], 0, 0
         lp_chunks = self._param_chunks()
         for g in self.groups:
@@ -249,6 +282,7 @@ class Strategy:
         """Load a state from ``state_dict`` of the same stage, layout and DP size."""
         if len(state["groups"]) != len(self.groups):
             raise ValueError("state_dict has a different number of flat groups; reshard first")
+        self._before_update()
         base, i = 0, 0
         lp_chunks = self._param_chunks()
         for g, gs in zip(self.groups, state["groups"]):
