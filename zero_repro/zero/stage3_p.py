@@ -3,7 +3,9 @@
 Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the transient
 gathered units (the block being computed and ``zero.prefetch_blocks`` ahead) and constant-size
 buffers. Communication per step: all-gather of the parameters in forward (Ψ) and again in
-backward (Ψ), reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP (§7.2.2).
+backward (Ψ), reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP (§7.2.2);
+with ``zero.keep_gathered_turn`` the root and the last block are gathered once per step, not
+twice: 3Ψ - Ψ_root - Ψ_last block (2.3Ψ at GPT-20M, whose root is 62% of Ψ).
 
 Units: each child of ``model.blocks`` (an ``nn.ModuleList``, if the model has one) is a unit,
 plus one *root* unit with every other parameter (embeddings, final norm, tied head). Each unit
@@ -36,7 +38,7 @@ Schedule:
 The per-bucket all-gathers and reduce-scatters go through the DP group's transport
 (``distributed.transport``): native ones gather straight from the shard and reduce into one
 unit-shard output per reduction in flight; the rooted one of gloo broadcasts / reduces in place
-in the unit's flat buffer / gradient buffer (scratch of 0 elements). Same 3Ψ ledger volume.
+in the unit's flat buffer / gradient buffer (scratch of 0 elements). Same ledger volume.
 
 Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
 fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called

@@ -20,6 +20,15 @@ the next forward waits module by module for the buckets it reads; stage 3 starts
 next forward's first units at the end of ``step`` (``_after_step``). Whatever reads parameters
 outside forward waits first (``wait_params``: backward, ``state_dict``, ``full_parameters``);
 whatever writes shards first settles what still reads them (``_before_update``: step, load).
+Not overlapped because it cannot be exact: (1) Adam per bucket as its reduction lands (stages
+2-3): the clip coefficient needs the global norm of every bucket on every rank, and even with
+``grad_clip`` 0 a step with a non-finite gradient anywhere (any dtype) is skipped, which is
+known only once every bucket is reduced; m, v and master of the early buckets could not be
+restored without a copy of them (12 bytes per element). (2) Reducing the tied embedding's head
+contribution early (stages 0-2): autograd sums the head's and the lookup's contributions before
+the gradient hook fires; reducing them apart rounds differently (Σ(h/N)+Σ(l/N) ≠ Σ((h+l)/N))
+and, the lookup's gradient being dense, sends the embedding twice. Its buckets complete last
+whatever the bucket order, so their reduction stays exposed at the end of backward.
 
 Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
 Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
@@ -29,7 +38,7 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
+stage 3 moves 3Ψ (less the root and last block it keeps across the turn); memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
 bucket reduce-scatters / all-gathers of stages 1-3 travel (native, or N_d rooted reduces /
 broadcasts of the chunks on gloo: same elements, same volume) is the DP group's transport
 (``distributed.transport.bucket_transport``), picked once when a stage is built.
