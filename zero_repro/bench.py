@@ -5,11 +5,30 @@
 (TP 1, no ZeRO-R) and prints the median step time (after warm-up) per stage and its ratio to
 stage 0. Times are *measured* on this machine's CPUs over gloo; they say nothing about GPU
 clusters (gloo has no reduce-scatter / all-gather of flat buffers: stages 1-3 run them as N_d
-rooted reduces / broadcasts, ``zero.flat_buffer.rooted_collectives``, slower than all-reduce).
+rooted reduces / broadcasts, ``distributed.transport.RootedTransport``, slower than all-reduce).
+
+``python -m zero_repro.bench --ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]``
+instead races each overlap knob of the ZeRO-DP schedule off (A) against on (B), for the stages
+it acts on (§7 volumes are the same either way):
+
+  overlap_param_gather  stages 1, 2  bucket all-gathers overlap the step and the next forward
+  prefetch_next_step    stage 3      the next forward's first gathers start inside step()
+  keep_gathered_turn    stage 3      root + last block stay gathered from forward to backward
+  all                   stages 1-3   every knob above off (A) against every knob on (B)
+
+One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
+steps (it is read afresh every step, see the stages), so A and B steps alternate A B B A … on
+the same model, data stream and machine load; the machine is shared, so only interleaved
+medians are compared. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
+its time the slowest rank's. Per repeat: the median step time of A (knob off, the other knobs
+at their defaults) and of B (knob on) and their ratio B/A; printed: the median ratio over the
+repeats with its spread (min-max), and both medians. Results are bit-identical either way
+(``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -66,6 +85,69 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
     return out
 
 
+KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
+               "keep_gathered_turn": (3,), "all": (1, 2, 3)}
+KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn")
+
+
+def _variant(zero: ZeroConfig, knob: str, on: bool) -> ZeroConfig:
+    names = KNOBS if knob == "all" else (knob,)
+    return dataclasses.replace(zero, **{n: on for n in names})
+
+
+def _order(steps: int) -> list[bool]:
+    """A B B A A B B A …: each variant equally often first and second of a pair."""
+    return [(i % 4) in (1, 2) for i in range(2 * steps)]
+
+
+def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, str]],
+               steps: int, warmup: int, repeats: int, micro: int, dtype: str) -> dict:
+    out = {}
+    for stage, knob in cases:
+        topo = Topology.build(1)
+        model = GPT(mcfg, topo.tp_group)
+        model.init_weights(0)
+        base = ZeroConfig(stage=stage, dtype=dtype)
+        strat = build_strategy(model, topo, base, TrainConfig(micro_batch_size=micro))
+        g = torch.Generator().manual_seed(rank)
+
+        def one_step(on: bool) -> float:
+            strat.zero = _variant(base, knob, on)
+            idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
+            t0 = time.perf_counter()
+            train_step(strat, [(idx, idx)])
+            return time.perf_counter() - t0
+
+        for i in range(warmup):
+            one_step(i % 2 == 1)
+        reps = []
+        for _ in range(repeats):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for on in _order(steps):
+                times[on].append(one_step(on))
+            reps.append(times)
+        out[(stage, knob)] = reps
+        strat.remove_hooks()
+    return out
+
+
+def summarize(results: list[dict], cases: list[tuple[int, str]]) -> list[dict]:
+    """Per case: per-repeat medians (slowest rank per step) and B/A ratios."""
+    rows = []
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        meds = []
+        for k in range(len(per_rank[0])):
+            step_t = {on: [max(r[k][on][j] for r in per_rank)
+                           for j in range(len(per_rank[0][k][on]))] for on in (False, True)}
+            meds.append((statistics.median(step_t[False]), statistics.median(step_t[True])))
+        ratios = [b / a for a, b in meds]
+        rows.append({"stage": case[0], "knob": case[1], "a_ms": [a * 1e3 for a, _ in meds],
+                     "b_ms": [b * 1e3 for _, b in meds], "ratios": ratios,
+                     "ratio": statistics.median(ratios)})
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -74,8 +156,14 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--ab", nargs="+", choices=list(KNOB_STAGES),
+                    help="A/B race of overlap knobs instead of the stage table")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="with --ab")
+    ap.add_argument("--repeats", type=int, default=3, help="with --ab")
     a = ap.parse_args(argv)
     mcfg = model_config(a.model)
+    if a.ab:
+        return ab_main(a, mcfg)
     res = spawn(_bench_worker, a.world, mcfg, a.steps, a.warmup, a.micro, a.dtype)
     # a step ends when the slowest rank ends: take the max over ranks of each stage's median
     med = {s: max(r[s]["median_s"] for r in res) for s in range(4)}
@@ -86,6 +174,22 @@ def main(argv=None) -> None:
     for s in range(4):
         print(f"{s:>5} {med[s] * 1e3:>17.1f} {med[s] / med[0]:>17.2f} "
               f"{res[0][s]['last_loss']:>10.4f}")
+
+
+def ab_main(a: argparse.Namespace, mcfg: ModelConfig) -> None:
+    """The --ab race: interleaved medians and B/A ratios per (stage, knob)."""
+    cases = [(s, k) for k in a.ab for s in KNOB_STAGES[k] if s in a.stages]
+    res = spawn(_ab_worker, a.world, mcfg, cases, a.steps, a.warmup, a.repeats, a.micro,
+                a.dtype)
+    print(f"measured on local CPU ranks (gloo), interleaved A/B: model={a.model} "
+          f"world={a.world} micro_batch={a.micro} dtype={a.dtype} {a.steps} steps per variant "
+          f"x {a.repeats} repeats (+{a.warmup} warm-up); A = knob off, B = knob on")
+    print(f"{'stage':>5} {'knob':>21} {'A medians ms':>22} {'B medians ms':>22} "
+          f"{'B/A median':>10} {'B/A spread':>13}")
+    for r in summarize(res, cases):
+        rng = lambda xs: f"{min(xs):.0f}-{max(xs):.0f}"  # noqa: E731
+        print(f"{r['stage']:>5} {r['knob']:>21} {rng(r['a_ms']):>22} {rng(r['b_ms']):>22} "
+              f"{r['ratio']:>10.3f} {min(r['ratios']):>6.3f}-{max(r['ratios']):.3f}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,18 @@ class ZeroConfig:
     # zero section (measure.records.point_key): removing it would orphan the committed records
     overlap_comm: bool = True
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
+    # stages 1-2: a bucket's parameter all-gather starts as soon as Adam updated its chunk and
+    # the next forward waits per module for the buckets it reads (bit-identical results). Off:
+    # the all-gather completes inside step()
+    overlap_param_gather: bool = True
+    # stage 3: the next forward's first gathers (root, first ``prefetch_blocks`` blocks) start
+    # in step() as soon as Adam updated their shards, overlapping the rest of the update
+    prefetch_next_step: bool = True
+    # stage 3: the root unit (embeddings, tied head) and the last block stay gathered from the
+    # end of forward into backward instead of being released and gathered again at once; the
+    # params_gathered peak is unchanged (forward already holds root + 1 + prefetch_blocks
+    # blocks), the root is held while the loss is computed
+    keep_gathered_turn: bool = True
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16

@@ -53,6 +53,10 @@ DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), no
 KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
 # knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
 KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
+# knobs added after records were committed, left out of the key at these values (their
+# default) so the committed keys stay valid; any other value enters the key as usual
+KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
+                               "keep_gathered_turn": True}}
 SCHEMA_VERSION = 1
 
 
@@ -116,6 +120,9 @@ def config_fingerprint(config: dict) -> dict:
         d = dict(config.get(sec) or {})
         for k in KEY_IGNORED.get(sec, ()):
             d.pop(k, None)
+        for k, default in KEY_ADDED_DEFAULTS.get(sec, {}).items():
+            if d.get(k, default) == default:
+                d.pop(k, None)
         out[sec] = d
     return out
 

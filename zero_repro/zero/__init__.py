@@ -22,13 +22,19 @@ reduced when               last micro-    last micro-     every micro-batch   ev
 bucket collective          all-reduce     reduce-scatter  reduce-scatter      reduce-scatter
 step publishes             nothing        all-gather of   all-gather of       nothing (next
                            (full update)  updated chunks  updated chunks      forward gathers)
-comm volume                2Ψ             2Ψ              2Ψ                  3Ψ
+comm volume                2Ψ             2Ψ              2Ψ                  3Ψ (- root -
+                                                                              last block, kept)
+overlap knobs              -              overlap_param_  overlap_param_      prefetch_next_
+                                          gather          gather              step, keep_
+                                                                              gathered_turn
 =========================  =============  ==============  ==================  ==============
 
 Shared machinery: ``strategy`` (step, clipping, optimizer, state dict), ``buckets`` (bucket
 pieces and arrival counting, stage 0/1 full gradients, the stage 1/2 parameter all-gather),
 ``flat_buffer`` (flat parameter buffers, gradient shards); how a bucket travels over the DP
 group (native or rooted collectives) is ``distributed.transport``, chosen once per group.
+The overlap knobs (``ZeroConfig``, all on by default, results bit-identical on or off) are
+described in ``strategy``; ``python -m zero_repro.bench --ab KNOB`` races each off against on.
 """
 from __future__ import annotations
 

@@ -11,12 +11,16 @@ v) covering this rank's shard; chunks (one per bucket) are views of them. An fp3
 multiplier 1 (no unscale, no clip) is used as it is; otherwise one transient fp32 copy
 ``grad × grad_mult`` is made per chunk, stepped and dropped before the next chunk's is made
 (so the step's transient is one bucket, 4·C_B bytes, not 4Ψ/N_d; the gradient buffers are
-never modified). Element for element the same arithmetic as one call over all chunks.
+never modified). Element for element the same arithmetic as one call over all chunks: the fused
+kernel updates each tensor of its list on its own with the same scalars.
+
+``step(..., on_chunk=f)`` calls ``f(i)`` as soon as chunk i (and its training-dtype cast) is
+final, so a stage can put chunk i on the wire while chunk i+1 is updated.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -60,9 +64,10 @@ class ShardAdamW:
     @torch.no_grad()
     def step(self, lp_chunks: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
              grad_mult: float, lr: float, betas: tuple[float, float], eps: float,
-             weight_decay: float) -> None:
+             weight_decay: float, on_chunk: Callable[[int], None] | None = None) -> None:
         """One AdamW step; gradients are multiplied by ``grad_mult`` (unscale × clip) first.
-        A missing gradient (None) counts as zero."""
+        A missing gradient (None) counts as zero. ``on_chunk(i)``: called once chunk i of
+        ``lp_chunks`` holds its updated value (see the module docstring)."""
         self.step_count += 1
         b1, b2 = betas
         ps = [self.master_chunk(i, p_lp) for i, p_lp in enumerate(lp_chunks)]
@@ -70,16 +75,19 @@ class ShardAdamW:
         vs = [self.exp_avg_sq[off:off + n] for off, n in self.chunks]
         if self.fused and ps:
             self._step_t.fill_(self.step_count)
-            for p, m, v, g in zip(ps, ms, vs, grads):  # one fp32 gradient copy alive at a time
+            kw = dict(lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
+                      amsgrad=False, maximize=False)
+            for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
+                # one fp32 gradient copy alive at a time
                 torch._fused_adamw_([p], [self._grad32(p, g, grad_mult)], [m], [v], [],
-                                    [self._step_t], lr=lr, beta1=b1, beta2=b2,
-                                    weight_decay=weight_decay, eps=eps, amsgrad=False,
-                                    maximize=False)
+                                    [self._step_t], **kw)
+                if on_chunk is not None:
+                    self._chunk_done(i, lp_chunks, ps, on_chunk)
         else:
             bc1 = 1 - b1 ** self.step_count
             bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
             step_size = lr / bc1
-            for p, m, v, g in zip(ps, ms, vs, grads):
+            for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
                 g32 = self._grad32(p, g, grad_mult)
                 p.mul_(1 - lr * weight_decay)
                 m.lerp_(g32, 1 - b1)
@@ -87,9 +95,19 @@ class ShardAdamW:
                 del g32  # before the next chunk's copy is made
                 denom = v.sqrt().div_(bc2_sqrt).add_(eps)
                 p.addcdiv_(m, denom, value=-step_size)
+                if on_chunk is not None:
+                    self._chunk_done(i, lp_chunks, ps, on_chunk)
+        if on_chunk is not None:
+            return
         if self.master is not None:  # cast the updated master into the training-dtype shard
             for p_lp, p in zip(lp_chunks, ps):
                 p_lp.copy_(p)
+
+    def _chunk_done(self, i: int, lp_chunks: Sequence[torch.Tensor], ps: list[torch.Tensor],
+                    on_chunk: Callable[[int], None]) -> None:
+        if self.master is not None:  # cast the updated master chunk into the training dtype
+            lp_chunks[i].copy_(ps[i])
+        on_chunk(i)
 
     def nbytes(self) -> dict[str, int]:
         return {"master_fp32": 0 if self.master is None else self.master.numel() * 4,

@@ -9,8 +9,10 @@ gradients of its parameters become ready together in backward. What every bucket
 * ``FullGrads``: the full training-dtype gradient in the flat layout, accumulated over
   micro-batches and reduced bucket by bucket in place on the last one (stages 0 and 1; stage 0
   all-reduces a bucket, stage 1 reduce-scatters it);
-* ``gather_updated``: the all-gather of every bucket's updated chunks into the flat parameters
-  after the step (stages 1 and 2; Ψ elements per step).
+* ``ParamGather``: the all-gather of every bucket's updated chunks into the flat parameters
+  after the step (stages 1 and 2; Ψ elements per step), either completed in ``step()`` or
+  launched bucket by bucket as Adam finishes each chunk and waited by the next forward, module
+  by module, for just the buckets that module's parameters live in (``zero.overlap_param_gather``).
 
 Communication itself goes through the group's transport (``distributed.transport``).
 """
@@ -136,12 +138,59 @@ class FullGrads:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def gather_updated(g: FlatParams, transport: Transport,
-                   pool: BufferPool | NoBuffers, inflight: InFlight) -> None:
-    """All-gather every bucket's owned chunk (updated in place in ``g.flat``) into ``g.flat``;
-    ``pool`` stages the input where the transport needs it (``scratch_pool``)."""
-    for b in g.partition.buckets:
-        buf = pool.acquire()
-        works = transport.all_gather_in_place(g.flat[b.start:b.end], buf[:b.chunk])
-        inflight.launch(works, lambda buf=buf: pool.release(buf))
-    inflight.wait_all()
+class ParamGather:
+    """The all-gather of one flat group's updated chunks into ``g.flat`` (stages 1, 2).
+
+    Buckets are launched in index order (``launch``, or ``publish`` for all of them at once)
+    on their own ``inflight`` queue, so bucket k has landed once at most ``launched - k - 1``
+    gathers are still in flight (waited oldest first). Readers wait for what they read:
+    ``wait_through(k)`` for buckets 0..k, ``wait_all`` for everything; ``module_hooks`` puts a
+    forward pre-hook on every module holding parameters of the group that waits for the last
+    bucket its own parameters reach. A parameter read inside the forward of a module other
+    than its owner must come after the owner's forward (GPT's tied head reads ``wte.weight``
+    after ``wte`` ran), or the gather must be waited with ``wait_all`` first.
+    ``pool`` stages the input where the transport needs it (``scratch_pool``).
+    """
+
+    def __init__(self, g: FlatParams, transport: Transport, pool: BufferPool | NoBuffers,
+                 inflight: InFlight):
+        self.group, self.transport, self.pool, self.inflight = g, transport, pool, inflight
+        self.launched = len(g.partition.buckets)  # nothing pending: every bucket landed
+
+    def launch(self, index: int) -> None:
+        """Start bucket ``index``'s all-gather; bucket 0 opens a new round."""
+        if index == 0:
+            self.wait_all()
+            self.launched = 0
+        assert index == self.launched, "buckets are gathered in index order"
+        b = self.group.partition.buckets[index]
+        buf = self.pool.acquire()
+        works = self.transport.all_gather_in_place(self.group.flat[b.start:b.end], buf[:b.chunk])
+        self.inflight.launch(works, lambda: self.pool.release(buf))
+        self.launched += 1
+
+    def publish(self) -> None:
+        """Gather every bucket and wait: the parameters are current on return."""
+        for k in range(len(self.group.partition.buckets)):
+            self.launch(k)
+        self.wait_all()
+
+    def wait_through(self, index: int) -> None:
+        while len(self.inflight) and self.launched - len(self.inflight) <= index:
+            self.inflight.wait_oldest()
+
+    def wait_all(self) -> None:
+        self.inflight.wait_all()
+
+    def module_hooks(self, model: nn.Module) -> list:
+        """Forward pre-hooks waiting for the buckets of each module's own parameters."""
+        part, hooks = self.group.partition, []
+        for m in model.modules():
+            ends = [part.buckets_of(s.offset, s.numel)[-1].index
+                    for s in (self.group.slot_of.get(id(p)) for p in m.parameters(recurse=False))
+                    if s is not None and s.numel]
+            if ends:
+                last = max(ends)
+                hooks.append(m.register_forward_pre_hook(
+                    lambda _m, _args, last=last: self.wait_through(last)))
+        return hooks

@@ -9,7 +9,9 @@ last micro-batch each
 bucket is reduce-scattered as soon as it is complete, and this rank's reduced chunk lands in its
 own range of the gradient buffer (the rest of the buffer is stale and unused). After the AdamW
 step on the fp32 shard, the updated chunks are all-gathered bucket by bucket (constant-size
-pieces) straight into the flat parameter buffer.
+pieces) straight into the flat parameter buffer; with ``zero.overlap_param_gather`` bucket k
+is on the wire while Adam updates chunk k+1, and the next forward waits per module for the
+buckets it reads (``buckets.ParamGather``), so the gather overlaps the step and the next forward.
 
 Collectives go through the DP group's transport (``distributed.transport``): a native
 reduce-scatter lands in a pooled scratch chunk (copied back over the own range) and a native
@@ -25,7 +27,7 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import FullGrads, gather_updated
+from zero_repro.zero.buckets import FullGrads, ParamGather
 from zero_repro.zero.flat_buffer import FlatParams
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
@@ -46,6 +48,8 @@ class Stage1Os(Strategy):
         self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight)
         self.ag_inflight = InFlight(t.in_flight_limit)
         self.ag_pool = t.scratch_pool(chunk, self.dtype, self.ag_inflight)
+        self.param_gather = ParamGather(self.flat, t, self.ag_pool, self.ag_inflight)
+        self._module_hooks = self.param_gather.module_hooks(self.module)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     # ------------------------------------------------------------------ backward
@@ -83,7 +87,19 @@ class Stage1Os(Strategy):
         self.grads.zero()
 
     def _publish(self) -> None:
-        gather_updated(self.flat, self.transport, self.ag_pool, self.ag_inflight)
+        self.param_gather.publish()
+
+    def _chunk_publisher(self):
+        return self.param_gather.launch if self.zero.overlap_param_gather else None
+
+    def wait_params(self) -> None:
+        self.param_gather.wait_all()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

@@ -21,8 +21,9 @@ and only what stays unwritten (padding, parameters without a gradient this micro
 zeroed when the bucket is launched. Collectives go through the DP group's transport
 (``distributed.transport``): a pool entry is the fused bucket plus the transport's scratch for
 the reduced chunk (none for the rooted, in-place transport of gloo, which also keeps 4 fused
-buckets in flight instead of 2); the parameter all-gather is ``buckets.gather_updated``, shared
-with stage 1. Same 2Ψ ledger volume either way.
+buckets in flight instead of 2); the parameter all-gather is ``buckets.ParamGather``, shared
+with stage 1 (overlapped with the step and the next forward under
+``zero.overlap_param_gather``). Same 2Ψ ledger volume either way.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import Arrivals, bucket_pieces, gather_updated, slot_pieces
+from zero_repro.zero.buckets import Arrivals, ParamGather, bucket_pieces, slot_pieces
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
@@ -64,6 +65,8 @@ class Stage2G(Strategy):
         self._slot_idx = {id(p): i for i, p in enumerate(self.flat.params)}
         self._got: list[set[int]] = [set() for _ in part.buckets]  # slots copied into bucket
         self._pieces = slot_pieces(self.flat)
+        self.param_gather = ParamGather(self.flat, t, self.ag_pool, self.ag_inflight)
+        self._module_hooks = self.param_gather.module_hooks(self.module)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     # ------------------------------------------------------------------ backward
@@ -126,7 +129,19 @@ class Stage2G(Strategy):
         return self.grads.chunks()
 
     def _publish(self) -> None:
-        gather_updated(self.flat, self.transport, self.ag_pool, self.ag_inflight)
+        self.param_gather.publish()
+
+    def _chunk_publisher(self):
+        return self.param_gather.launch if self.zero.overlap_param_gather else None
+
+    def wait_params(self) -> None:
+        self.param_gather.wait_all()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
 
     def _zero_grads(self) -> None:
         self.grads.zero()

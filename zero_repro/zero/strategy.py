@@ -14,6 +14,22 @@ Per-step contract (all stages):
                   cast into the training-dtype shard; publish the parameters (stage-specific).
   zero_grad()     clears gradient storage.
 
+Overlap across steps (``zero.overlap_param_gather``, bit-identical either way): stages 1-2 put
+bucket k's all-gather on the wire as soon as Adam finished its chunk (``_chunk_publisher``) and
+the next forward waits module by module for the buckets it reads; stage 3 starts gathering the
+next forward's first units at the end of ``step`` (``_after_step``). Whatever reads parameters
+outside forward waits first (``wait_params``: backward, ``state_dict``, ``full_parameters``);
+whatever writes shards first settles what still reads them (``_before_update``: step, load).
+Not overlapped because it cannot be exact: (1) Adam per bucket as its reduction lands (stages
+2-3): the clip coefficient needs the global norm of every bucket on every rank, and even with
+``grad_clip`` 0 a step with a non-finite gradient anywhere (any dtype) is skipped, which is
+known only once every bucket is reduced; m, v and master of the early buckets could not be
+restored without a copy of them (12 bytes per element). (2) Reducing the tied embedding's head
+contribution early (stages 0-2): autograd sums the head's and the lookup's contributions before
+the gradient hook fires; reducing them apart rounds differently (Σ(h/N)+Σ(l/N) ≠ Σ((h+l)/N))
+and, the lookup's gradient being dense, sends the embedding twice. Its buckets complete last
+whatever the bucket order, so their reduction stays exposed at the end of backward.
+
 Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
 Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
 micro-batch only (DDP's no_sync behaviour), stages 2/3 reduce-scatter every micro-batch and
@@ -22,7 +38,7 @@ is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equ
 k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ; memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
+stage 3 moves 3Ψ (less the root and last block it keeps across the turn); memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
 bucket reduce-scatters / all-gathers of stages 1-3 travel (native, or N_d rooted reduces /
 broadcasts of the chunks on gloo: same elements, same volume) is the DP group's transport
 (``distributed.transport.bucket_transport``), picked once when a stage is built.
@@ -39,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +148,25 @@ class Strategy:
         raise NotImplementedError
 
     def _publish(self) -> None:
-        """Make updated shards visible in the module's parameters."""
+        """Make updated shards visible in the module's parameters (complete on return)."""
+        return None
+
+    def _chunk_publisher(self) -> Callable[[int], None] | None:
+        """Called with chunk i as soon as Adam finished it, instead of ``_publish`` after the
+        whole step (``zero.overlap_param_gather``); None: publish after the step."""
+        return None
+
+    def wait_params(self) -> None:
+        """Block until the module's parameters hold the current values (an overlapped
+        all-gather launched by the last step has landed). Forward waits by itself."""
+        return None
+
+    def _before_update(self) -> None:
+        """Before the shards are written (step, load): nothing may still read or hold them."""
+        self.wait_params()
+
+    def _after_step(self) -> None:
+        """After the step (taken or skipped): e.g. start the next step's first gather."""
         return None
 
     def _zero_grads(self) -> None:
@@ -156,6 +191,7 @@ class Strategy:
             self._no_sync = old
 
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool | None = None) -> None:
+        self.wait_params()  # forward waited already, unless parameters were read outside it
         self._micro += 1
         if is_last_micro_batch is None:
             is_last_micro_batch = self._micro >= self.train.grad_accum and not self._no_sync
@@ -166,6 +202,7 @@ class Strategy:
         self._finish_backward()
 
     def step(self) -> StepInfo:
+        self._before_update()
         self._wait_reductions()
         scale = self.scaler.scale
         grads = self._grad_chunks()
@@ -178,9 +215,12 @@ class Strategy:
         else:
             coef = clip.clip_coef(norm, self.zero.grad_clip)
             t = self.train
+            publish_chunk = self._chunk_publisher()
             self.opt.step(self._param_chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
-                          t.eps, t.weight_decay)
-            self._publish()
+                          t.eps, t.weight_decay, on_chunk=publish_chunk)
+            if publish_chunk is None:
+                self._publish()
+        self._after_step()
         self._micro = 0
         return StepInfo(skipped=overflow, grad_norm=norm, loss_scale=scale)
 
@@ -202,6 +242,7 @@ class Strategy:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This TP rank's parameters, unsharded over DP, in fp32 (from the master shard)."""
+        self.wait_params()  # the gathers below are issued after the step's, in the same order
         out, i = {}, 0
         lp_chunks = self._param_chunks()
         enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
@@ -225,6 +266,7 @@ class Strategy:
     def state_dict(self) -> dict:
         """Sharded optimizer state: per group the fp32 master/m/v shard and the flat ranges it
         covers (``shard_ranges``: (flat_start, shard_start, length)), enough to reshard."""
+        self.wait_params()  # a checkpoint never races the step's all-gather
         groups, base, i = [], 0, 0
         lp_chunks = self._param_chunks()
         for g in self.groups:
@@ -249,6 +291,7 @@ class Strategy:
         """Load a state from ``state_dict`` of the same stage, layout and DP size."""
         if len(state["groups"]) != len(self.groups):
             raise ValueError("state_dict has a different number of flat groups; reshard first")
+        self._before_update()
         base, i = 0, 0
         lp_chunks = self._param_chunks()
         for g, gs in zip(self.groups, state["groups"]):
