@@ -46,7 +46,7 @@ def test_smoke_overlay_values():
     C.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         cfg = C.to_config(compose("config", overrides=["+exp=smoke", "train.steps=3"]))
-    assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 2, "tiny")
+    assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 1, "tiny")
     assert cfg.train.steps == 3  # command line wins over the overlay
 
 
