@@ -81,6 +81,11 @@ def summarize(records) -> list[dict]:
     return rows + local
 
 
+def _source(series: str) -> str:
+    """`` · this machine: <hw>`` of a labelled series (``harness.regenerate``), else ''."""
+    return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
+
+
 GREENS = ["tab:green", "darkolivegreen", "yellowgreen", "seagreen"]
 
 
@@ -110,7 +115,8 @@ def _panel(ax, df, title: str, xlabel: str = TP.axis_label("num_gpus")) -> None:
         x0 = int(float(r["x_value"]))
         ax2.plot(range(len(xs)), [float(r["y_value"]) * x / x0 for x in xs], "-.",
                  color="tab:blue", alpha=0.6,
-                 label=f"perfect linear scaling from x = {x0} (ours) [{r['kind']}]")
+                 label=f"perfect linear scaling from x = {x0} (ours{_source(series)}) "
+                       f"[{r['kind']}]")
     if len(agg):
         ax2.set_ylim(bottom=0)
         ax2.set_ylabel(TP.axis_label(T.AGG_NAME) + " (lines)")
