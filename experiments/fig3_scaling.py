@@ -17,6 +17,7 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.harness import throughput as T
+from zero_repro.harness.figures import plt
 from zero_repro.harness import throughput_plots as TP
 from zero_repro.harness import throughput_summary as TS
 
@@ -80,50 +81,60 @@ def summarize(records) -> list[dict]:
     return rows + local
 
 
-def _panel(ax, df, title: str, linear_from: str | None) -> None:
+def _source(series: str) -> str:
+    """`` · this machine: <hw>`` of a labelled series (``harness.regenerate``), else ''."""
+    return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
+
+
+GREENS = ["tab:green", "darkolivegreen", "yellowgreen", "seagreen"]
+
+
+def _panel(ax, df, title: str, xlabel: str = TP.axis_label("num_gpus")) -> None:
+    """Bars: per-GPU throughput (left axis). Lines (right axis, linear from 0): the aggregate
+    in green as the paper's "green line", perfect linear scaling in blue as its "blue line"."""
     per = df[df["y_name"] == T.Y_NAME]
     xs = sorted({int(x) for x in per["x_value"]})
-    TP.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs)
+    TP.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs,
+                 palette=["tab:orange", "tab:purple", "tab:brown", "tab:pink"])
     ax2 = ax.twinx()
     agg = df[df["y_name"] == T.AGG_NAME].copy()
     agg["_x"] = agg["x_value"].astype(float).map(lambda v: xs.index(int(v)))
     styles = {"paper": ("X", "none"), "simulated": ("s", "--"), "measured": ("o", "-")}
-    for i, ((series, kind), g) in enumerate(agg.groupby(["series", "kind"], sort=False)):
+    greens = {}
+    for (series, kind), g in agg.groupby(["series", "kind"], sort=False):
         g = g.sort_values("_x")
         m, ls = styles.get(kind, ("o", "-"))
+        color = greens.setdefault(series, GREENS[len(greens) % len(GREENS)])
         if series == LINEAR:
-            m, ls = "", ":"
-        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls,
-                 color=f"C{i + 4}", label=TP.label(series, kind))
-    sim = agg[(agg["kind"].isin(["simulated", "measured"])) & (agg["series"] != LINEAR)]
-    if len(sim) and linear_from is not None:  # our own perfect-linear reference
-        first = sim.sort_values("_x").groupby("kind").head(1)
-        for _, r in first.iterrows():
-            x0 = int(float(r["x_value"]))
-            ax2.plot(range(len(xs)), [float(r["y_value"]) * x / x0 for x in xs], ":",
-                     color="gray", label=f"perfect linear from {x0} [{r['kind']}]")
+            m, ls, color = "", ":", "tab:blue"
+        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls, color=color,
+                 markersize=9 if kind == "paper" else 5, label=TP.label(series, kind))
+    ours = agg[agg["kind"].isin(["simulated", "measured"]) & (agg["series"] != LINEAR)]
+    for series, g in ours.groupby("series", sort=False):  # our own perfect-linear reference
+        r = g.sort_values("_x").iloc[0]
+        x0 = int(float(r["x_value"]))
+        ax2.plot(range(len(xs)), [float(r["y_value"]) * x / x0 for x in xs], "-.",
+                 color="tab:blue", alpha=0.6,
+                 label=f"perfect linear scaling from x = {x0} (ours{_source(series)}) "
+                       f"[{r['kind']}]")
     if len(agg):
-        ax2.set_yscale("log", base=2)
-        ax2.set_ylabel(f"{T.AGG_NAME} [{T.AGG_UNIT}] (log2)")
-    ax.set_xlabel(per["x_name"].iloc[0] if len(per) else "num_gpus")
+        ax2.set_ylim(bottom=0)
+        ax2.set_ylabel(TP.axis_label(T.AGG_NAME) + " (lines)")
+    ax.set_ylabel(TP.axis_label(T.Y_NAME) + " (bars)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title + TP.mean_err(per), fontsize=9)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper left")
+    TP.legend_below(ax, h1 + h2, l1 + l2)
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     TS.write_predictions(table, out_dir)
     big, local = TP.split(table)
     big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])]
     n = 1 + bool(len(local))
-    fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 5.2), squeeze=False)
-    _panel(axes[0][0], big, "Fig 3: 60B model, 64-400 V100 GPUs (paper scale)", "sim")
+    fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 6.6), squeeze=False)
+    _panel(axes[0][0], big, "Fig 3: 60B model, 64-400 V100 GPUs (paper scale)")
     if len(local):
-        _panel(axes[0][1], local, TP.local_title(local), "local")
+        _panel(axes[0][1], local, TP.local_title(local), "number of CPU ranks (DP degree)")
     return TP.save(fig, out_dir, "fig3_scaling")

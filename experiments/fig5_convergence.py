@@ -213,8 +213,9 @@ def plot(table, out_dir: str) -> list[str]:
     ours = table[table["kind"] != "paper"].copy()
     ours["_y"] = pd.to_numeric(ours["y_value"], errors="coerce")
     ours["_x"] = pd.to_numeric(ours["x_value"], errors="coerce")
-    fig = plt.figure(figsize=(15, 5.2))
-    gs = fig.add_gridspec(1, 3, width_ratios=[2.2, 1.6, 1.0])
+    fig = plt.figure(figsize=(15, 7.4))
+    # bottom row: the legend of the two measured panels (13 series: too many to sit on data)
+    gs = fig.add_gridspec(2, 3, width_ratios=[2.2, 1.6, 1.0], height_ratios=[4.2, 1.5])
     ax_loss, ax_d, ax_p = (fig.add_subplot(gs[0, i]) for i in range(3))
     styles = _styles(list(dict.fromkeys(ours.loc[ours["y_name"] == LOSS, "series"])), ours)
     for series, g in ours[ours["y_name"] == LOSS].groupby("series", sort=False):
@@ -235,7 +236,11 @@ def plot(table, out_dir: str) -> list[str]:
     for ax in (ax_loss, ax_d):
         ax.grid(True, alpha=0.3)
         ax.title.set_fontsize(10)
-    ax_loss.legend(fontsize=6.5, loc="upper right", ncol=1)
+    ax_leg = fig.add_subplot(gs[1, 0:2])
+    ax_leg.axis("off")
+    handles, labels = ax_loss.get_legend_handles_labels()
+    ax_leg.legend(handles, labels, loc="upper center", ncol=3, fontsize=8.5, frameon=False,
+                  title="series (loss and deviation panels)", title_fontsize=9)
     _draw_paper(ax_p, _paper_context(out_dir))
     hw = ours["hardware"].dropna().iloc[0] if "hardware" in ours and len(ours) else ""
     fig.suptitle(f"Fig. 5 analogue: convergence equivalence (measured on {hw or 'CPU'}, gloo)",
@@ -249,6 +254,9 @@ def plot(table, out_dir: str) -> list[str]:
 _LINES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 2)), (0, (8, 2)),
           (0, (4, 2, 1, 2, 1, 2))]
 _MARKERS = ["o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h", "p"]
+# 13+ series: matplotlib's 10-colour cycle would repeat; tab20's dark shades, then the light
+_COLORS = [f"#{c}" for c in ("1f77b4 ff7f0e 2ca02c d62728 9467bd 8c564b e377c2 7f7f7f bcbd22 "
+                             "17becf aec7e8 ffbb78 98df8a ff9896 c5b0d5 c49c94").split()]
 
 
 def _styles(series: list[str], ours) -> dict:
@@ -258,7 +266,7 @@ def _styles(series: list[str], ours) -> dict:
     out = {}
     for i, s in enumerate(series):
         half = dtype.get(s, "fp32") != "fp32"
-        out[s] = {"color": f"C{i % 10}", "linestyle": _LINES[i % len(_LINES)],
+        out[s] = {"color": _COLORS[i % len(_COLORS)], "linestyle": _LINES[i % len(_LINES)],
                   "marker": _MARKERS[i % len(_MARKERS)], "markevery": (i % 5, 5),
                   "markersize": 4 if half else 5, "alpha": 0.6 if half else 0.9,
                   "linewidth": 0.9 if half else max(0.8, 2.6 - 0.2 * i)}
@@ -292,6 +300,6 @@ def _draw_paper(ax, rows) -> None:
            title="paper Fig. 5 (17B Turing-NLG, not comparable)")
     ax.title.set_fontsize(9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     ax.text(0.02, 0.02, "different experiment: context only", transform=ax.transAxes,
             fontsize=7, style="italic")

@@ -248,8 +248,6 @@ def _panel_bound(ax, t) -> None:
                                   zip(d["x_value"], d["stage"])],
                   rotation=60, fontsize=7, ha="right")
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="lower bound (1.0)")
-    ax.axhline(report.GOAL_BOUND, color="red", linestyle="--", linewidth=1,
-               label=f"issue 17 goal for zero_repro ({report.GOAL_BOUND:.2f})")
     top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
     ax.set_ylim(0, top * 1.08)  # whiskers included
     ax.set_ylabel("step time / lower bound [x], same fused AdamW")
@@ -271,9 +269,6 @@ def _panel_best_peer(ax, t) -> None:
                "#a6dba0", hatch=hatch, edgecolor="0.3", yerr=_errbar(list(e["y"]), reps),
                capsize=2, label="peers with fused AdamW (same kernel)" if i == 0 else
                "peers as shipped (default AdamW)")
-    for k, g in report.GOAL_RATIO.items():
-        ax.hlines(g, k - 0.45, k + 0.45, color="red", linestyle="--", linewidth=1,
-                  label="issue 17 goal" if k == 0 else None)
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="parity with the best peer")
     ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
     tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]

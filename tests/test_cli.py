@@ -46,7 +46,7 @@ def test_smoke_overlay_values():
     C.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         cfg = C.to_config(compose("config", overrides=["+exp=smoke", "train.steps=3"]))
-    assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 2, "tiny")
+    assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 1, "tiny")
     assert cfg.train.steps == 3  # command line wins over the overlay
 
 
@@ -85,13 +85,13 @@ def test_plan_lists_points_and_writes_point_files(tmp_path):
     p = run_cli("+exp=smoke", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
                 f"hydra.run.dir={tmp_path / 'hydra'}")
     assert p.returncode == 0, p.stderr
-    assert "tiny_w2_tp2_stage0" in p.stdout and "todo" in p.stdout
+    assert "fp32 stage 0 w2=tp1xdp2 8 steps" in p.stdout and "todo" in p.stdout
     files = glob.glob(str(tmp_path / "hydra" / "points" / "*.yaml"))
     assert len(files) == 1
     from omegaconf import OmegaConf
 
     doc = OmegaConf.load(files[0])
-    assert doc.experiment_module == "experiments.smoke" and doc.config.parallel.tp == 2
+    assert doc.experiment_module == "experiments.smoke" and doc.config.parallel.tp == 1
     assert not (tmp_path / "smoke").exists()  # planning runs nothing
 
 

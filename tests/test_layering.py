@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("zero_repro.distributed",),
     ("zero_repro.model",),
     ("zero_repro.zero", "zero_repro.zero_r"),
-    ("zero_repro.train", "zero_repro.checkpoint", "zero_repro.worker"),
+    ("zero_repro.train", "zero_repro.checkpoint", "zero_repro.worker", "zero_repro.examples"),
     ("zero_repro.measure", "zero_repro.simulate", "zero_repro.peers", "zero_repro.bench"),
     ("zero_repro.harness",),
     ("experiments",),

@@ -12,6 +12,8 @@ run. ``experiment.action`` selects what happens:
   summary. Exit status 1 if a point ended neither ``ok`` nor ``oom`` (OOM is a result: the point
   does not fit; diverged, cancelled, timeout and failed are not).
 * ``plot``: regenerate table and figures from ``results/`` alone (no run).
+* ``list`` (also ``python run.py --help``): the experiments, one line each, and the config
+  groups with their options.
 * ``plan``: print the points (key, nodes, overrides, done or not) and write one point file per
   measured point still to do into the Hydra run directory, for ``sbatch slurm/<template> FILE``
   (the printed hint names the template and, on CPU clusters, the overrides).
@@ -25,6 +27,16 @@ job of a ``-m`` multirun, before the first one runs) with Hydra's compose API, v
 the Hydra output directory are writable. Composition errors (unknown group option, a value of
 the wrong type, a malformed override) are reported the same way.
 
+Where results go: ``experiment.results_dir`` (default ``results/local/``, git-ignored: this
+machine's own records, tables and figures, drawn beside the committed reference set's measured
+points). A recorded point is skipped only if it was made at this code and, for measured points,
+on this machine (``harness.provenance``). ``experiment.publish=true`` writes into the committed
+reference set ``results/`` instead: publishing is an explicit act.
+
+Under a launcher: the CLI starts its own ranks (``launcher=local|torchrun|slurm``), so started
+as one of several ranks itself (``torchrun --nproc_per_node N run.py``, ``srun -n N python
+run.py``) it refuses with one line and exit status 2 instead of nesting N launches.
+
 Signals: SIGTERM (``kill``, ``timeout``, ``docker stop``) unwinds like Ctrl-C: the ranks of the
 running point are stopped, the point is recorded ``cancelled``, one line is printed (no
 traceback) and the exit status is 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
@@ -32,6 +44,7 @@ Ranks also die on their own if this process is killed outright (``distributed.la
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -86,15 +99,68 @@ def check_group_choices(argv: list[str], conf: str) -> None:
         if not m or not os.path.isdir(os.path.join(conf, m[1])):
             continue
         group, values = m[1], m[2].split(",")
+        plus = arg[:len(arg) - len(arg.lstrip("+"))]
         options = sorted(p[:-5] for p in os.listdir(os.path.join(conf, group))
                          if p.endswith(".yaml"))
         for v in values:
             if v not in options and v != f"base_{group}":
-                fail(f"unknown {group} {v!r}: choose one of {options} (files in conf/{group}/)")
+                close = difflib.get_close_matches(v, options, n=1)
+                hint = f" (did you mean {plus}{group}={close[0]}?)" if close else ""
+                fail(f"unknown {group} {v!r}{hint}: choose one of {options} "
+                     f"(files in conf/{group}/)")
+
+
+def launcher_rank() -> str | None:
+    """A description of the launcher this process is one rank of, or None. torchrun sets
+    RANK/WORLD_SIZE/LOCAL_RANK in every worker; an ``srun`` step of several tasks sets
+    SLURM_STEP_NUM_TASKS (a one-task step, e.g. a hydra-submitit job or the batch script,
+    is not several ranks)."""
+    env = os.environ
+    world = env.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1 and ("RANK" in env or "LOCAL_RANK" in env):
+        return f"torchrun (RANK={env.get('RANK', '?')}, WORLD_SIZE={world})"
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    if "SLURM_STEP_ID" in env and tasks.isdigit() and int(tasks) > 1:
+        return f"srun (SLURM_PROCID={env.get('SLURM_PROCID', '?')}, {tasks} tasks)"
+    return None
+
+
+def refuse_nested_launch() -> None:
+    """Exit 2 with one line when started as one of several ranks (module docstring). Only
+    rank 0 prints, so the line appears once."""
+    who = launcher_rank()
+    if who is None:
+        return
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"error: run.py was started as one of several ranks by {who}; it starts its "
+              f"own ranks, so each copy would launch a whole run. Run it once from a plain "
+              f"shell: `python run.py +exp=NAME parallel.world_size=N` (local ranks), or "
+              f"`launcher=torchrun` / `launcher=slurm` to have it call torchrun / srun itself",
+              file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
+def print_experiments(conf: str) -> None:
+    """``python run.py --help`` / ``experiment.action=list``: experiments and config groups."""
+    print("usage: python run.py +exp=NAME [group=option ...] [key=value ...]\n")
+    print("experiments (+exp=NAME):")
+    for name, line in registry.describe():
+        print(f"  {name:<20} {line}")
+    print("\nconfig groups (group=option):")
+    for group in sorted(os.listdir(conf)):
+        folder = os.path.join(conf, group)
+        if group == "exp" or not os.path.isdir(folder):
+            continue
+        options = sorted(p[:-5] for p in os.listdir(folder) if p.endswith(".yaml"))
+        print(f"  {group:<9} {' '.join(options)}")
+    print("\nactions: experiment.action=run (default) | plot | plan | list;  results go to "
+          "results/local/ (experiment.publish=true: the committed results/)")
+    print("more: README.md;  every key with its default: python run.py --cfg job;  "
+          "Hydra's own flags: --hydra-help")
 
 
 # flags after which Hydra prints something and runs no job: nothing to validate
-_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
+_INFO_FLAGS = ("--hydra-help", "--cfg", "-c", "--info", "-i",
                "--shell-completion", "-sc", "--version")
 MAX_VALIDATED_JOBS = 1000  # a multirun larger than this is validated job by job as it runs
 
@@ -102,6 +168,10 @@ MAX_VALIDATED_JOBS = 1000  # a multirun larger than this is validated job by job
 def main() -> None:
     argv = sys.argv[1:]
     signal.signal(signal.SIGTERM, launch.raise_terminated)
+    if any(a in ("--help", "-h") for a in argv) or "experiment.action=list" in argv:
+        print_experiments(conf_dir())
+        return
+    refuse_nested_launch()
     try:
         check_group_choices(argv, conf_dir())
         config.register_configs()
@@ -210,7 +280,7 @@ def prepare(dcfg, machine: bool = True):
         check_writable(cfg.experiment.results_dir, "experiment.results_dir")
         if cfg.experiment.action == "run" and machine:
             store = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
-            done = set() if cfg.experiment.force else store.done_keys()
+            done = set() if cfg.experiment.force else sweep.reusable_keys(store, planned)
             preflight.check_points([pp for pp in planned if pp.key not in done])
     except (ValueError, OmegaConfBaseException) as e:
         raise UserError(_first_line(e)) from None
@@ -225,7 +295,9 @@ def dispatch(dcfg) -> None:
         return
     logging.getLogger().setLevel(cfg.logging.level.upper())
     action = cfg.experiment.action
-    if action == "plan":
+    if action == "list":
+        print_experiments(conf_dir())
+    elif action == "plan":
         print_plan(cfg, experiment, planned)
     elif action == "plot":
         print_outputs(_regenerate(cfg, experiment))
@@ -245,12 +317,14 @@ def run(cfg, experiment) -> None:
     counts = ", ".join(f"{st} {result.count(st)}" for st in
                        dict.fromkeys(["ok", "oom", "failed"] + [r.status for r in result.records]))
     busy = f", {len(result.busy)} running elsewhere (skipped)" if result.busy else ""
-    print(f"experiment {name}: {len(result.planned)} points, {len(result.skipped)} already done"
-          f"{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
+    print(f"experiment {name}: {len(result.planned)} points, {len(result.skipped)} already done "
+          f"here{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
     for rec in result.records:
-        why = f" - {rec.reason.splitlines()[0]}" if rec.reason else ""
-        print(f"  {rec.point:<28} {rec.mode:<9} {rec.status:<9} {rec.duration_s:8.1f}s{why}")
-    print_outputs(out)
+        print("  " + record_line(rec))
+    print_outputs(out, table=False)
+    if not regenerate.is_reference(cfg.experiment.results_dir):
+        print("(your own results, git-ignored; the figure shows them beside the committed "
+              "reference set's measured points; experiment.publish=true writes into results/)")
     if any(r.status not in DONE_STATUSES for r in result.records):
         sys.exit(1)
 
@@ -259,8 +333,29 @@ def _regenerate(cfg, experiment) -> dict:
     return regenerate.regenerate(cfg.experiment.name, cfg.experiment.results_dir, experiment)
 
 
-def print_outputs(out: dict) -> None:
-    table = pd.read_csv(out["table"]) if out["rows"] else None
+def record_line(rec) -> str:
+    """One line for a record this run wrote: status, time and its headline numbers."""
+    m = rec.metrics or {}
+    parts = [f"{rec.point:<30} {rec.mode:<9} {rec.status:<8} {rec.duration_s:7.1f}s"]
+    if "tflops_per_gpu" in m:
+        parts.append(f"{m['tflops_per_gpu']:.4g} TFLOPs/GPU")
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+    if m.get("losses"):
+        parts.append(f"loss {m['losses'][0]:.3f} -> {m['losses'][-1]:.3f}")
+    ledger = [v for k, v in (rec.memory or {}).items()
+              if not k.startswith("cuda_") and isinstance(v, (int, float))]
+    if ledger and rec.mode == "measured":
+        parts.append(f"ledger {sum(ledger) / 2**20:.1f} MiB/rank")
+    if rec.reason:
+        parts.append("- " + rec.reason.splitlines()[0])
+    return "  ".join(parts)
+
+
+def print_outputs(out: dict, table: bool = True) -> None:
+    table = pd.read_csv(out["table"]) if out["rows"] and table else None
     if table is not None:
         ours = table[table["kind"] != "paper"]
         cols = [c for c in ("series", "x_name", "x_value", "y_name", "y_value", "unit", "kind",
@@ -276,7 +371,8 @@ def print_outputs(out: dict) -> None:
 
 
 def print_plan(cfg, experiment, planned) -> None:
-    done = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name).done_keys()
+    store = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
+    done = sweep.reusable_keys(store, planned)
     print(f"experiment {cfg.experiment.name}: {len(planned)} points "
           f"(launcher={cfg.launcher.name}, cluster={cfg.cluster.name})")
     for pp in planned:

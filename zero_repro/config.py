@@ -23,6 +23,10 @@ LAUNCHERS = ("local", "torchrun", "slurm")
 DATASETS = ("synthetic", "tokens", "pystdlib")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WANDB_MODES = ("offline", "online", "disabled")
+# results directories (relative to the working directory, the repository root in the README):
+# the user's own, git-ignored, and the committed reference set (written only with publish=true)
+LOCAL_RESULTS = "results/local"
+REFERENCE_RESULTS = "results"
 # 2**initial_scale_power must be a finite fp32 number that leaves fp16 gradients room: fp16's
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
@@ -107,8 +111,8 @@ class TrainConfig:
     seed: int = 1234
     data: str = "synthetic"  # synthetic | tokens (memmap file) | pystdlib (real text, offline)
     data_path: str = ""
-    log_every: int = 1
-    progress: bool = True
+    log_every: int = 1  # rank 0 logs a step line every N steps (and the last); 0 = none
+    progress: bool = True  # the sweep's progress bar (points done / total, ETA)
 
 
 @dataclass
@@ -172,9 +176,12 @@ class FaultConfig:
 @dataclass
 class ExperimentConfig:
     name: str = "smoke"
-    action: str = "run"  # run | plot | plan
+    action: str = "run"  # run | plot | plan | list
     force: bool = False  # re-run points already in results/
-    results_dir: str = "results"
+    # where this run's records, tables and figures go: the git-ignored results/local/ by
+    # default; the committed results/ (the reference set) only on purpose, with publish=true
+    results_dir: str = LOCAL_RESULTS
+    publish: bool = False  # write into the reference set results/ (results_dir is then results)
     params: dict = field(default_factory=dict)  # experiment-specific knobs (see conf/exp/)
 
 
@@ -212,11 +219,15 @@ def padded_vocab(model: ModelConfig, tp: int) -> int:
 
 
 def to_config(cfg: DictConfig | Config) -> Config:
-    """DictConfig (from Hydra or a resolved YAML file) -> typed ``Config`` object."""
+    """DictConfig (from Hydra or a resolved YAML file) -> typed ``Config`` object.
+    ``experiment.publish=true`` turns the default results directory into the reference set."""
     if isinstance(cfg, Config):
         return cfg
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    out = OmegaConf.to_object(merged)
+    if out.experiment.publish and out.experiment.results_dir == LOCAL_RESULTS:
+        out.experiment.results_dir = REFERENCE_RESULTS
+    return out  # type: ignore[return-value]
 
 
 def load(path: str) -> Config:
@@ -332,6 +343,7 @@ def _validate_train(cfg: Config) -> None:
     for key, v in [("train.micro_batch_size", t.micro_batch_size),
                    ("train.grad_accum", t.grad_accum), ("train.steps", t.steps)]:
         _positive(v, key)
+    _number(t.log_every, "train.log_every", 0, integer=True)
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
         raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and < train.steps="
                          f"{t.steps}, so that at least one step is timed")
@@ -378,7 +390,7 @@ def _validate_logging_experiment(cfg: Config) -> None:
     if not isinstance(lg.level, str) or lg.level.upper() not in LOG_LEVELS:
         raise ValueError(f"logging.level={lg.level!r} is not one of {list(LOG_LEVELS)}")
     _choice(lg.wandb_mode, WANDB_MODES, "logging.wandb_mode")
-    _choice(e.action, ("run", "plot", "plan"), "experiment.action")
+    _choice(e.action, ("run", "plot", "plan", "list"), "experiment.action")
     if not e.results_dir:
         raise ValueError("experiment.results_dir='' : give a directory for the records")
     if not e.name:

@@ -96,6 +96,49 @@ def memory_series(device: torch.device) -> dict:
     return {"memory/max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
+              tflops: float, peak_tflops: float, ledger_bytes: int,
+              device: torch.device) -> str:
+    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its DP
+    shard of the batch), loss scale, gradient norm, tokens/s, TFLOPs/GPU (+ MFU when
+    ``cluster.peak_tflops`` is known), the memory ledger's total and, on CUDA, the caching
+    allocator's allocated/reserved bytes."""
+    line = (f"step {step + 1:>4}/{steps}  loss {loss:.4f}  scale {float(info.loss_scale):g}  "
+            f"grad_norm {float(info.grad_norm):.3g}  {tokens_per_step / dt:,.0f} tok/s  "
+            f"{tflops:.4g} TFLOPs/GPU")
+    if peak_tflops > 0:
+        line += f" (MFU {100 * tflops / peak_tflops:.1f}%)"
+    line += f"  ledger {ledger_bytes / 2**20:.1f} MiB"
+    if device.type == "cuda":
+        line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
+                 f"  reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB")
+    return line + f"  {dt:.3f} s" + ("  (skipped)" if info.skipped else "")
+
+
+def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
+    """The end-of-point line (rank 0)."""
+    t = cfg.train
+    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), loss "
+            f"{metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, median step "
+            f"{metrics['step_time_s']:.3f} s, {metrics['tokens_per_s']:,.0f} tok/s, "
+            f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
+    if "mfu" in metrics:
+        line += f" (MFU {100 * metrics['mfu']:.1f}%)"
+    line += (f", ledger {ledger_bytes / 2**20:.1f} MiB/rank, {metrics['skipped_steps']} "
+             f"skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
+             f"{cfg.parallel.world_size // cfg.parallel.tp}, stage {cfg.zero.stage}, "
+             f"{cfg.zero.dtype}")
+    return line
+
+
+def _rank_logging(cfg: C.Config, rank: int) -> None:
+    """Spawned ranks start without logging handlers: give them one (stderr, like the CLI's),
+    tagged with the rank, so rank 0's step lines reach the user."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=cfg.logging.level.upper(),
+                            format=f"[rank {rank}] %(message)s")
+
+
 def checkpoint_root(cfg: C.Config, run_dir: str) -> str:
     return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
 
@@ -241,6 +284,7 @@ def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
 
 def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
     cfg = C.load(config_path)
+    _rank_logging(cfg, rank)
     device = device_for(cfg, rank if local_rank is None else local_rank)
     topo = Topology.build(cfg.parallel.tp)
     model, ckpt, strategy = build(cfg, topo, device)
@@ -270,8 +314,15 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_live.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
+    every_log = cfg.train.log_every if topo.rank == 0 else 0
+
     def on_step(step, loss, dt, info):
         local_losses.append(loss)
+        if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
+            log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
+                               flops.tflops_per_gpu(fl, dt, world_size),
+                               cfg.cluster.peak_tflops, strategy.memory_ledger().total(),
+                               device))
         if info.skipped:
             skipped.append(step)
         every = cfg.checkpoint.save_every
@@ -322,6 +373,8 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         metrics["mfu"] = metrics["tflops_per_gpu"] / cfg.cluster.peak_tflops
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
+    if topo.rank == 0:
+        log.info(summary_line(cfg, metrics, mem.total()))
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": hardware_info(device)}

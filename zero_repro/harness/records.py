@@ -81,6 +81,8 @@ class Record:
     timestamp: str = ""  # ISO-8601 UTC, when the record was written
     duration_s: float = 0.0
     schema: int = SCHEMA_VERSION
+    # machine and code signatures (zero_repro.harness.provenance): when the record may be reused
+    provenance: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(dataclasses.asdict(self)), sort_keys=True, allow_nan=False)
@@ -236,7 +238,12 @@ class RecordStore:
         return out
 
     def done_keys(self) -> set[str]:
+        """Keys with an ok/oom record, whoever made it (``harness.sweep.reusable_keys`` adds
+        the machine/code rule that decides what a sweep skips)."""
         return {r.key for r in self.load() if r.done}
+
+    def done_records(self) -> dict[str, Record]:
+        return {r.key: r for r in self.load() if r.done}
 
     def put(self, record: Record, replace_ok: bool = False) -> bool:
         """Insert/replace ``record`` (by key) atomically; see the module docstring. A record
@@ -316,12 +323,68 @@ def skipped_steps_of(record: Record) -> set[int]:
     return set(m.get("skipped_at") or []) | set(m.get("skipped_before_start") or [])
 
 
-def latest(records: Iterable[Record]) -> list[Record]:
-    """Newest record per (point name, params, mode), in first-seen order: what tables show
-    when a point was re-run with different settings (older keys stay in the file as history)."""
-    best: dict[str, Record] = {}
+def _ident(r: Record) -> str:
+    return json.dumps([r.point, _jsonable(r.params), r.mode], sort_keys=True)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(_jsonable(v), sort_keys=True)
+    return out
+
+
+def knob_label(config: dict) -> str:
+    """A series name from a record's resolved config (never from a label a config pinned):
+    model shape, dtype, ZeRO stage and ZeRO-R, world = TP x DP, steps. E.g.
+    ``GPT 2x64 (h4, s64) fp32 stage 2 w2=tp1xdp2 8 steps``."""
+    m, p = config.get("model") or {}, config.get("parallel") or {}
+    z, zr, t = config.get("zero") or {}, config.get("zero_r") or {}, config.get("train") or {}
+    world, tp = p.get("world_size", 1), p.get("tp", 1)
+    label = (f"GPT {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
+             f"s{m.get('seq_len')}) {z.get('dtype')} stage {z.get('stage')}")
+    if zr.get("name") not in (None, "", "off"):
+        label += f" + ZeRO-R {str(zr['name']).upper()}"
+    return label + f" w{world}=tp{tp}xdp{world // max(1, tp)} {t.get('steps')} steps"
+
+
+def knob_diff(record: Record, others: Iterable[Record]) -> dict:
+    """The run-relevant config knobs (``config_fingerprint``, dotted) whose value in ``record``
+    differs from at least one of ``others``: what tells two records of one point apart."""
+    mine = _flat(config_fingerprint(record.config))
+    keys: set = set()
+    for o in others:
+        theirs = _flat(config_fingerprint(o.config))
+        keys |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+    return {k: json.loads(mine[k]) if k in mine else None for k in sorted(keys)}
+
+
+def variants(records: Iterable[Record]) -> list[list[Record]]:
+    """Records in layers: layer 0 holds the newest done record of every (point name, params,
+    mode),
+    layer 1 the next newest of those that have more, and so on. Records of one point that
+    differ in a config knob (dtype, steps, model, ...) have different keys and all stay
+    visible: each layer is summarized on its own and its series named by the knobs that tell
+    it apart (``harness.regenerate.summary_frame``)."""
+    by: dict[str, list[Record]] = {}
     for r in records:
-        ident = json.dumps([r.point, _jsonable(r.params), r.mode], sort_keys=True)
-        if ident not in best or r.timestamp >= best[ident].timestamp:
-            best[ident] = r
-    return list(best.values())
+        by.setdefault(_ident(r), []).append(r)
+    layers: list[list[Record]] = []
+    for group in by.values():
+        # done (ok/oom) records first: a failed re-run never hides a result
+        group = sorted(group, key=lambda r: (r.done, r.timestamp), reverse=True)
+        for i, r in enumerate(group):
+            if i == len(layers):
+                layers.append([])
+            layers[i].append(r)
+    return layers
+
+
+def latest(records: Iterable[Record]) -> list[Record]:
+    """Newest record per (point name, params, mode), in first-seen order (layer 0 of
+    ``variants``)."""
+    layers = variants(records)
+    return layers[0] if layers else []

@@ -11,6 +11,12 @@ reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writ
 * ``results/NAME/NAME.png`` and ``.pdf``: the experiment's ``plot`` or ``default_plot``: one
   panel per (figure, y_name), same axes and units as the paper, paper values overlaid with
   their own marker (X), ours by kind (measured o, simulated s, analytic ^).
+
+A user's own results directory (any other than the committed reference set ``results/``, by
+default ``results/local/``) gets the reference set's *measured* rows beside its own: each
+measured series is labelled with the hardware it ran on (``· this machine: <hw>`` /
+``· reference: <hw>``) and the table's ``source`` column says which set a row is from; the
+simulated and analytic rows are the user's own (recomputed at this code).
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from typing import Any
 
 import pandas as pd
 
+from zero_repro import paths
 from zero_repro.harness import paper_compare as paper
+from zero_repro.harness import provenance as P
 from zero_repro.harness import records as R
 from zero_repro.harness import registry
 from zero_repro.harness.figures import LINESTYLES, MARKERS, plt, save_figure
@@ -30,9 +38,41 @@ from zero_repro.harness.points import MODES, TABLE_COLUMNS
 
 log = logging.getLogger(__name__)
 
+def _knob_suffix(layer: list, others: list) -> str:
+    """`` [train.steps=6, zero.dtype=bf16]``: the knobs in which this layer's records differ
+    from the other records of the same points."""
+    idents = {}
+    for r in others:
+        idents.setdefault((r.point, repr(r.params), r.mode), []).append(r)
+    diffs: dict = {}
+    for r in layer:
+        rivals = [o for o in idents.get((r.point, repr(r.params), r.mode), []) if o is not r]
+        if rivals:
+            diffs.update(R.knob_diff(r, rivals))
+    return " [" + ", ".join(f"{k}={v}" for k, v in diffs.items()) + "]" if diffs else ""
+
+
 def summary_frame(experiment: Any, records: list) -> pd.DataFrame:
-    rows = experiment.summarize(R.latest(records))
-    df = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows or []))
+    """The experiment's rows. Records of one point that differ in a config knob are
+    summarized layer by layer (``records.variants``) and their series carry the knobs that
+    tell them apart, so no record silently replaces another."""
+    layers = R.variants(records) or [[]]  # summarize([]) too: its rows are checked
+    frames = []
+    for layer in layers:
+        rows = experiment.summarize(layer)
+        frames.append(rows.copy() if isinstance(rows, pd.DataFrame)
+                      else pd.DataFrame(list(rows or [])))
+    if len(frames) > 1:  # a series named in two layers is named by its knobs in each
+        names = [set(f["series"]) if "series" in f else set() for f in frames]
+        for i, (layer, df) in enumerate(zip(layers, frames)):
+            clash = names[i] & set().union(*(n for j, n in enumerate(names) if j != i))
+            if not clash:
+                continue
+            suffix = _knob_suffix(layer, [r for j, other in enumerate(layers) if j != i
+                                          for r in other])
+            hit = df["series"].isin(clash)
+            df.loc[hit, "series"] = df.loc[hit, "series"].astype(str) + suffix
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     missing = [c for c in TABLE_COLUMNS if c not in df.columns]
     if len(df) and missing:
         raise ValueError(f"summarize() rows lack columns {missing} (see zero_repro/harness/points.py)")
@@ -57,15 +97,58 @@ def build_table(experiment: Any, records: list, ref: pd.DataFrame) -> pd.DataFra
     return pd.concat([ours, theirs], ignore_index=True)
 
 
+def is_reference(results_dir: str) -> bool:
+    """Is ``results_dir`` the committed reference set (``results/`` of this checkout)?"""
+    return os.path.realpath(results_dir) == os.path.realpath(paths.RESULTS_DIR)
+
+
+def _hardware_of(records: list) -> str:
+    labels = dict.fromkeys(P.machine_label(r) for r in records
+                           if r.mode == "measured" and r.done)
+    return " / ".join(labels) or "?"
+
+
+def _label_measured(df: pd.DataFrame, records: list, source: str) -> pd.DataFrame:
+    df = df.copy()
+    df["source"] = source
+    measured = df["kind"] == "measured"
+    df.loc[measured, "series"] = df.loc[measured, "series"].astype(str) + (
+        f" · {source}: {_hardware_of(records)}")
+    return df
+
+
+def with_reference(table: pd.DataFrame, experiment: Any, records: list,
+                   ref_records: list) -> pd.DataFrame:
+    """The user's table with the reference set's measured rows beside its own, each
+    measured series labelled with its hardware (module docstring)."""
+    if not ref_records:
+        return table
+    theirs = summary_frame(experiment, ref_records)
+    theirs = theirs[theirs["kind"] == "measured"]
+    if not len(theirs):
+        return table
+    paper_rows = table[table["kind"] == "paper"]
+    ours = _label_measured(table[table["kind"] != "paper"], records, "this machine")
+    theirs = _label_measured(theirs, ref_records, "reference")
+    return pd.concat([ours, theirs, paper_rows], ignore_index=True)
+
+
 def regenerate(name: str, results_dir: str = "results", experiment: Any = None,
-               records: list | None = None) -> dict:
-    """Write table.csv and NAME.png/.pdf for experiment ``name``; return their paths."""
+               records: list | None = None, reference: bool | None = None) -> dict:
+    """Write table.csv and NAME.png/.pdf for experiment ``name``; return their paths.
+    ``reference``: overlay the committed reference set's measured rows (default: when
+    ``results_dir`` is not the reference set itself and ``records`` are read from it)."""
     experiment = experiment or registry.get(name)
     out_dir = os.path.join(results_dir, name)
+    if reference is None:
+        reference = records is None and not is_reference(results_dir)
     if records is None:
         records = R.RecordStore.for_experiment(results_dir, name).load()
     ref = paper.load_reference(paper.reference_path(results_dir))
     table = build_table(experiment, records, ref)
+    if reference:
+        ref_records = R.RecordStore.for_experiment(str(paths.RESULTS_DIR), name).load()
+        table = with_reference(table, experiment, records, ref_records)
     os.makedirs(out_dir, exist_ok=True)
     table_path = os.path.join(out_dir, "table.csv")
     table.to_csv(table_path + ".tmp", index=False)
@@ -138,9 +221,16 @@ def _draw_panel(ax, df: pd.DataFrame, figure: str, y_name: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Regenerate results/NAME/table.csv and NAME.png/"
                                              ".pdf from results/NAME/points.jsonl alone.")
-    ap.add_argument("name")
-    ap.add_argument("--results-dir", default="results")
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("--results-dir", default="results",
+                    help="results/ (the committed reference set, default) or e.g. "
+                         "results/local (your own runs, with the reference's measured points)")
     args = ap.parse_args(argv)
+    if not args.name:
+        print("experiments (python -m experiments.plot NAME):")
+        for name, line in registry.describe():
+            print(f"  {name:<20} {line}")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         out = regenerate(args.name, args.results_dir)

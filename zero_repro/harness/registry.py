@@ -2,15 +2,21 @@
 figure, §10) found by name, plus experiment objects registered at run time (tests, notebooks).
 
 Discovery imports ``experiments.<name>`` dynamically (``importlib``): the registry sits below
-the figure modules and never imports them statically.
+the figure modules and never imports them statically. An experiment is a module
+``experiments/<name>.py`` with its overlay ``conf/exp/<name>.yaml`` (helper modules and scripts
+under ``experiments/`` have none); ``describe`` lists them with their docstring's first line,
+read with ``ast`` (no import: listing must not pay for torch).
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
 import pkgutil
 import types
 from typing import Any
+
+from zero_repro.paths import conf_group_dir
 
 # name -> experiment object registered at run time (tests, notebooks); modules under
 # experiments/ are found by import and need no registration
@@ -32,9 +38,33 @@ def unregister(name: str) -> None:
 def available() -> list[str]:
     """Names of the experiment modules under experiments/ plus registered ones."""
     package = importlib.import_module(_PACKAGE)
+    overlays = {p.stem for p in conf_group_dir("exp").glob("*.yaml")}
     names = {m.name for m in pkgutil.iter_modules(package.__path__)
-             if not m.name.startswith("_") and m.name not in _NOT_EXPERIMENTS}
+             if not m.name.startswith("_") and m.name not in _NOT_EXPERIMENTS
+             and m.name in overlays}
     return sorted(names | set(_REGISTERED))
+
+
+def describe() -> list[tuple[str, str]]:
+    """(name, one-line description) of every experiment: the first sentence of its module
+    docstring (or of a registered object's ``__doc__``)."""
+    package = importlib.import_module(_PACKAGE)
+    out = []
+    for name in available():
+        if name in _REGISTERED:
+            doc = getattr(_REGISTERED[name], "__doc__", "") or ""
+        else:
+            path = next((f"{d}/{name}.py" for d in package.__path__), "")
+            with open(path, encoding="utf-8") as f:
+                doc = ast.get_docstring(ast.parse(f.read())) or ""
+        out.append((name, _first_sentence(doc)))
+    return out
+
+
+def _first_sentence(doc: str, width: int = 110) -> str:
+    para = " ".join(doc.strip().split("\n\n")[0].split())
+    head = para.split(". ")[0].rstrip(".")
+    return head if len(head) <= width else head[:width - 1].rstrip() + "…"
 
 
 def get(name: str) -> Any:

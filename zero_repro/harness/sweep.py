@@ -60,6 +60,7 @@ from tqdm.auto import tqdm
 from zero_repro import config as C
 from zero_repro.distributed.launch import Terminated
 from zero_repro.harness import preflight
+from zero_repro.harness import provenance as P
 from zero_repro.harness import records as R
 from zero_repro.harness import slurm as S
 from zero_repro.harness.points import Point
@@ -150,6 +151,14 @@ def checkpoint_id(point: Any, summary: dict) -> str:
     return R.point_key(point.params, point.mode, summary)
 
 
+def reusable_keys(store: R.RecordStore, planned: list[PlannedPoint]) -> set[str]:
+    """Keys of ``planned`` whose recorded result may stand for running them now: done (ok /
+    oom) and made at this code, and for measured points on this machine
+    (``harness.provenance.reusable``). The rest run (again)."""
+    recs = store.done_records()
+    return {pp.key for pp in planned if pp.key in recs and P.reusable(recs[pp.key], pp.cfg)}
+
+
 def point_lock(pp: PlannedPoint) -> FileLock:
     folder = os.path.join(pp.cfg.experiment.results_dir, pp.cfg.experiment.name, "runs",
                           ".locks")
@@ -176,7 +185,7 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
                     pp.key)
         return None
     try:
-        if not cfg.experiment.force and pp.key in store.done_keys():
+        if not cfg.experiment.force and reusable_keys(store, [pp]):
             log.info("point %s was finished by another process meanwhile", point.name)
             return None
         return _run_locked(experiment, pp, sweep_id, store)
@@ -228,7 +237,8 @@ def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, r
                     metrics=metrics, memory=sections["memory"], comm=sections["comm"],
                     topology=topology, hardware=hardware, hostname=host["hostname"],
                     config=C.summary(cfg), git_sha=R.git_sha(), sweep_id=sweep_id,
-                    timestamp=R.now_utc(), duration_s=round(duration_s, 3))
+                    timestamp=R.now_utc(), duration_s=round(duration_s, 3),
+                    provenance=P.signature_of(point.mode, cfg))
 
 
 # ------------------------------------------------------------------------------- sweeps
@@ -243,7 +253,7 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
     sweep_id = sweep_id or new_sweep_id(name)
     store = R.RecordStore.for_experiment(cfg.experiment.results_dir, name)
     planned = plan(cfg, experiment)
-    done = set() if cfg.experiment.force else store.done_keys()
+    done = set() if cfg.experiment.force else reusable_keys(store, planned)
     todo = [pp for pp in planned if pp.key not in done]
     preflight.check_points(todo)  # every point that would start ranks here, before the first
     result = SweepResult(sweep_id, planned, [pp.key for pp in planned if pp.key in done])
@@ -257,7 +267,10 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
     remote_keys = {pp.key for pp in remote}
     local = [pp for pp in todo if pp.key not in remote_keys]
     show = cfg.train.progress if progress is None else progress
-    bar = tqdm(total=len(todo), desc=name, unit="pt", disable=not show or not todo)
+    # stays on screen (leave=True): points done / total, elapsed and ETA
+    bar = tqdm(total=len(todo), desc=name, unit="pt", disable=not show or not todo, leave=True,
+               bar_format="{desc}: {n_fmt}/{total_fmt} points |{bar}| [{elapsed}<{remaining}]"
+                          "{postfix}")
 
     def _done(rec: R.Record | None, key: str = "") -> None:
         if rec is None:  # another process holds (or finished) the point

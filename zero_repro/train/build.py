@@ -16,6 +16,8 @@ the strategy even casts it; the fp32 master is made by the strategy for its shar
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from zero_repro import config as C
@@ -26,11 +28,27 @@ from zero_repro.zero.precision import lp_dtype
 from zero_repro.zero.strategy import Strategy
 from zero_repro.zero_r.activation_ckpt import ActivationCheckpointing, apply_activation_checkpointing
 
+log = logging.getLogger(__name__)
+
+
+def dp1_warning(cfg: C.Config, dp: int) -> str | None:
+    """ZeRO-DP partitions over the DP group (§5): at DP = 1 there is nothing to partition, so
+    stages 1-3 hold the same memory and compute the same thing as stage 0."""
+    if cfg.zero.stage >= 1 and dp == 1:
+        p = cfg.parallel
+        return (f"zero.stage={cfg.zero.stage} with DP = 1 (world {p.world_size} = TP {p.tp} x "
+                f"DP 1): ZeRO partitions over DP ranks, so this run is stage 0 in all but name; "
+                f"raise parallel.world_size or lower parallel.tp to see the stage")
+    return None
+
 
 def build(cfg: C.Config, topo: Topology, device: torch.device
           ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
     handle or None, strategy)."""
+    warning = dp1_warning(cfg, topo.dp)
+    if warning and topo.rank == 0:
+        log.warning(warning)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=lp_dtype(cfg.zero.dtype))
     ckpt = None

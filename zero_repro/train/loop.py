@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from zero_repro.config import Config
 from zero_repro.distributed import comm
@@ -91,11 +90,6 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
     (checkpointing happens there, outside the timed region)."""
     t = cfg.train
     res = LoopResult(start_step=start_step)
-    show = t.progress and topo.rank == 0
-    bar = None
-    if show:
-        bar = tqdm(total=t.steps, initial=start_step, desc=f"train stage{cfg.zero.stage}",
-                   leave=False)
     local_losses = []
     floor_run = 0
     for step in range(start_step, t.steps):
@@ -130,13 +124,8 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
         floor_run = _check_divergence(step, step_loss, info, cfg, floor_run)
         res.grad_norms.append(float(info.grad_norm))
         res.loss_scales.append(float(info.loss_scale))
-        if on_step is not None:
+        if on_step is not None:  # per-step log line, checkpoints, W&B (zero_repro.worker)
             on_step(step, step_loss, dt, info)
-        if bar is not None:
-            bar.set_postfix(loss=f"{step_loss:.4f}", s=f"{dt:.3f}")
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     if res.skipped_steps == t.steps - start_step:
         raise Diverged(f"every step ({res.skipped_steps}) was skipped: nothing was trained; "
                        f"lower train.lr (fp16: zero.initial_scale_power)")

@@ -1,0 +1,1 @@
+"""Runnable examples of the runtime used directly (no CLI, no harness)."""
