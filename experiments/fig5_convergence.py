@@ -33,7 +33,6 @@ from zero_repro.config import ZeroRConfig
 from zero_repro.harness import paper_compare as paper
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
-from zero_repro.harness import paper_compare as paper
 from zero_repro.harness.records import loss_curve, skipped_steps_of
 from zero_repro.worker import run_training
 from zero_repro.zero_r.configs import TABLE3, describe, zero_r_config

@@ -16,7 +16,6 @@ checks (tests in test_zero_precision.py use the same worker).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -383,7 +383,7 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
     if live.active:
         metrics["wandb_run"] = live.finish(wandb_live.summary_of(out), 0)
-    del model, ckpt, strategy
+    model = ckpt = strategy = None  # noqa: F841 - drop the references (teardown: no gloo user alive)
     return out
 
 

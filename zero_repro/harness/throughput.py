@@ -106,7 +106,7 @@ def model_conf(name: str) -> dict:
     try:
         return dict(_model_files()[name])
     except KeyError:
-        raise ValueError(f"no conf/model/{name}.yaml; choose one of {sorted(_model_files())}")
+        raise ValueError(f"no conf/model/{name}.yaml; choose one of {sorted(_model_files())}") from None
 
 
 def model_name_for_setup(s: PaperSetup) -> str:

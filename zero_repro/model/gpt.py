@@ -140,7 +140,7 @@ class GPT(nn.Module):
         dims: dict[str, int | None] = {}
         for mname, mod in self.named_modules():
             table = getattr(type(mod), "PARTITION_DIMS", {})
-            for pname, p in mod.named_parameters(recurse=False):
+            for pname, _ in mod.named_parameters(recurse=False):
                 dims[f"{mname}.{pname}" if mname else pname] = table.get(pname)
         return dims
 
