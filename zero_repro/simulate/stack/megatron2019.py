@@ -206,12 +206,14 @@ class GPT2019(GPT):
             x = block(x)
         with category(S.LOGITS_LOSS):
             x = self.ln_f(x)
-            logits = F.linear(copy_to_tp(x, self.tp_group), self.wte.weight)  # fp16 (b,s,V/t)
+            x = copy_to_tp(x, self.tp_group)
             if targets is None:
-                return logits, None
-            return self._loss(logits, targets)
+                return F.linear(x, self.wte.weight), None
+            # FP16_Module drops the fp16 output once converted: no name keeps it alive here
+            return self._loss([F.linear(x, self.wte.weight)], targets)  # fp16 (b, s, V/t)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor):
+    def _loss(self, holder: list, targets: torch.Tensor):
+        logits = holder.pop()
         b, t, v = logits.shape
         if not self.stack.fp32_logits:
             loss = vocab_parallel_cross_entropy(logits.view(b * t, v), targets.reshape(b * t),
