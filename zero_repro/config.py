@@ -19,6 +19,8 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "fake")
 LAUNCHERS = ("local", "torchrun", "slurm")
 DATASETS = ("synthetic", "tokens", "pystdlib")
+# software stacks of the paper-scale dry run (zero_repro.simulate.stack.switches.STACKS)
+SIM_STACKS = ("modern", "paper2020")
 
 
 @dataclass
@@ -154,6 +156,19 @@ class ExperimentConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """Paper-scale dry run (``zero_repro.simulate``); not part of a record's config key
+    (``harness.records.KEY_SECTIONS``): experiments put the stack into their point params."""
+
+    # software stack the dry run executes: modern (this runtime) | paper2020 (DeepSpeed 0.2 +
+    # 2019 Megatron-LM + PyTorch 1.x allocator, ``simulate.stack.switches``)
+    stack: str = "modern"
+    # non-empty: modern with only these paper2020 switches on (one switch's cost), e.g.
+    # [materialized_scores]; the stack name is then ignored
+    only_switches: list = field(default_factory=list)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -166,6 +181,7 @@ class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
 
 
 def register_configs() -> None:
@@ -177,7 +193,7 @@ def register_configs() -> None:
                         ("zero_r", ZeroRConfig), ("train", TrainConfig),
                         ("cluster", ClusterConfig), ("launcher", LauncherConfig),
                         ("logging", LoggingConfig), ("checkpoint", CheckpointConfig),
-                        ("fault", FaultConfig)]:
+                        ("fault", FaultConfig), ("simulate", SimulateConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
@@ -254,6 +270,7 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.cluster.backend, BACKENDS, "cluster.backend")
     _choice(cfg.launcher.name, LAUNCHERS, "launcher.name")
     _choice(t.data, DATASETS, "train.data")
+    _choice(cfg.simulate.stack, SIM_STACKS, "simulate.stack")
     _choice(cfg.experiment.action, ("run", "plot", "plan"), "experiment.action")
     if t.data == "tokens" and not t.data_path:
         raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")

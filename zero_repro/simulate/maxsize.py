@@ -16,10 +16,13 @@ are memoised and shared within the process). The analytic model (``measure.analy
 logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
 count ``flops.param_count`` (padded vocabulary, TP 1).
 
-Judged on the training trace (the allocator after ``empty_cache()`` following the build): the
-runtime's build keeps the model's own fp16 parameters alive while it copies them into the flat
-buffers, a transient 2x of the fp16 weights that a real run at the searched depth has to keep
-off the device (e.g. build on the host, then move); ``Judgement.build_peak_live`` records it.
+Judged, for the ``modern`` stack, on the training trace (the allocator after ``empty_cache()``
+following the build): the runtime's build keeps the model's own fp16 parameters alive while it
+copies them into the flat buffers, a transient 2x of the fp16 weights that a real run at the
+searched depth has to keep off the device (e.g. build on the host, then move);
+``Judgement.build_peak_live`` records it. The ``paper2020`` stack (``cfg.simulate.stack``) is
+judged on the trace WITH its build (DeepSpeed 0.2's build sequence, whose cached blocks count:
+``DryRunResult.judged_with_build``) against the device less its CUDA context + NCCL bytes.
 """
 from __future__ import annotations
 
@@ -37,16 +40,19 @@ from omegaconf import OmegaConf
 from zero_repro import config as C
 from zero_repro.measure import analytic
 from zero_repro.model import flops
-from zero_repro.simulate.dryrun import dry_run
+from zero_repro.simulate.dryrun import dry_run, stack_of
 
 log = logging.getLogger(__name__)
 
 def capacity_of(cfg: C.Config) -> float:
+    """Bytes the judge's allocator may use: the device (GB = 1e9 B) less what the software
+    stack (``cfg.simulate``) keeps outside the caching allocator (paper2020: CUDA context and
+    NCCL buffers)."""
     cap = cfg.cluster.device_memory_gb * 1e9
     if cap <= 0:
         raise ValueError(f"cluster {cfg.cluster.name!r} has no device_memory_gb: choose a "
                          f"cluster with a device size (e.g. cluster=dgx2_v100)")
-    return cap
+    return stack_of(cfg).capacity_bytes(cap)
 
 
 @dataclass

@@ -11,7 +11,8 @@ attributed by phase (build -> build_transient, step -> step_transient, else othe
 
 ``breakdown(events, category_of, host_sids)`` replays the device trace through the caching-
 allocator model and reports, at the point where the reserved bytes peak ("max cached"), the
-live requested bytes per category plus two allocator terms:
+live requested bytes per category (at the event where reserved bytes are at their maximum
+and, among those, the most of them are handed out) plus two allocator terms:
     allocator_slack   = handed-out (rounded) bytes - requested bytes   (512 B rounding, unsplit
                         block remainders <= 1 MiB)
     cached_free       = reserved - handed-out bytes                     (cached, not in use)
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from zero_repro.simulate import allocator as A
-from zero_repro.simulate.dryrun import ALLOC, AllocationTracer
+from zero_repro.simulate.tracer import ALLOC, AllocationTracer
 from zero_repro.simulate.stack import switches as S
 
 _ACTIVE: list["CategoryTracer"] = []  # the tracer(s) currently recording, innermost last
@@ -59,7 +62,53 @@ class CategoryTracer(AllocationTracer):
 
 
 def _by_phase(phase: str) -> str:
-    return {"build": S.BUILD, "step": S.STEP_TEMP}.get(phase, S.OTHER)
+    # untagged forward/backward storages are the working layer's (activations, their
+    # gradients, a recompute's intermediates, transient parameter gradients)
+    return {"build": S.BUILD, "step": S.STEP_TEMP, "forward": S.WORKING_LAYER,
+            "backward": S.WORKING_LAYER}.get(phase, S.OTHER)
+
+
+def tag(tracer: "CategoryTracer", tensors, name: str) -> None:
+    """Attribute the storages of ``tensors`` (alive now) to category ``name``, whatever was
+    current when they were allocated (e.g. checkpoints kept after a forward)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            sid = tracer.sid_of(t)
+            if sid is not None:
+                tracer.category_of[sid] = name
+
+
+def tag_strategy(tracer: "CategoryTracer", strategy) -> None:
+    """Categories of the runtime strategy's own storages (``zero.stage*``; a no-op for the
+    DeepSpeed 0.2 path, which tags its allocations itself): flat parameter buffers, fp32 master
+    and Adam moments, gradient buffers/shards, fused buckets and gather scratch. Called after
+    each step, while the pools hold their buffers."""
+    opt = getattr(strategy, "opt", None)
+    if opt is not None:
+        tag(tracer, (opt.master, opt.exp_avg, opt.exp_avg_sq), S.MASTER_ADAM)
+    for g in getattr(strategy, "groups", ()):
+        tag(tracer, (g.flat,), S.FP16_PARAMS)
+    grads = getattr(strategy, "grads", None)
+    if grads is not None and not isinstance(grads, dict):
+        tag(tracer, [getattr(grads, "buffer", None)] + list(getattr(grads, "pieces", ())),
+            S.GRAD_PARTITION)
+    for attr, name in (("pool", S.BUCKETS), ("rs_pool", S.BUCKETS), ("ag_pool", S.GATHER)):
+        tag(tracer, getattr(getattr(strategy, attr, None), "_free", ()), name)
+
+
+def tag_model(tracer: "CategoryTracer", model) -> list:
+    """Forward hooks that attribute the final LayerNorm, LM head and loss of ``model.gpt.GPT``
+    to logits/loss (the 2019 model tags them itself). Returns the hook handles."""
+    if getattr(model, "stack", None) is not None or not hasattr(model, "ln_f"):
+        return []
+
+    def enter(_mod, _args):
+        tracer.current = S.LOGITS_LOSS
+
+    def leave(_mod, _args, _out):
+        tracer.current = None
+
+    return [model.ln_f.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
 
 
 @contextlib.contextmanager
@@ -102,7 +151,8 @@ def breakdown(events, category_of: dict[int, str], host_sids=frozenset(),
         if kind == ALLOC:
             blocks[sid] = (alloc.malloc(nbytes), nbytes)
             live += nbytes
-            if alloc.reserved > best[0]:
+            # the fullest moment of the peak: max reserved, then the most of it handed out
+            if (alloc.reserved, alloc.allocated) > (best[0], best[2]):
                 best = (alloc.reserved, i + 1, alloc.allocated, alloc.requested)
             if live > live_best:
                 live_best, live_at = live, i + 1

@@ -40,6 +40,7 @@ import math
 import torch
 
 from zero_repro.distributed import comm
+from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.simulate.stack import switches as S
 from zero_repro.simulate.stack.categories import category
 
@@ -64,6 +65,8 @@ class DeepSpeed02:
         self.flat = self.master = None
         self.adam: list[torch.Tensor] = []
         self.bucket = self.grads_in_partition = None
+        self._buckets: list[torch.Tensor] = []
+        self._which = 0
         self.grads: dict[int, torch.Tensor] = {}  # stage 1: per-parameter gradients
         self._fill = self._gip_fill = 0
         self._pending: list[tuple[int, int, int]] = []  # (parameter, bucket offset, numel)
@@ -80,7 +83,7 @@ class DeepSpeed02:
         with category(S.BUILD):
             if self.stack.fp32_model_on_gpu_before_half:
                 self._fp32_then_half()
-            if self.stage == 2:
+            if self.stage == 2 and self.stack.build_sequence:
                 self._to_host()
         with category(S.FP16_PARAMS):
             self.flat = torch.empty(self.padded, dtype=self.params[0].dtype,
@@ -114,9 +117,15 @@ class DeepSpeed02:
     # ------------------------------------------------------------------ backward
     def backward_begin(self) -> None:
         if self.stage == 2:
+            # one ipg bucket; with the switch off, DeepSpeed's other mode (overlap_comm): two,
+            # filled alternately
+            n = 1 if self.stack.stage2_single_ipg_bucket else 2
             with category(S.BUCKETS):
-                self.bucket = torch.empty(self.stack.stage2_reduce_bucket_size,
-                                          dtype=self.flat.dtype, device=self.flat.device)
+                self._buckets = [torch.empty(self.stack.stage2_reduce_bucket_size,
+                                             dtype=self.flat.dtype, device=self.flat.device)
+                                 for _ in range(n)]
+            self._which = 0
+            self.bucket = self._buckets[0]
             self._fill, self._pending = 0, []
 
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
@@ -148,21 +157,26 @@ class DeepSpeed02:
                 dst.copy_(self.bucket[start:start + n])
                 self._gip_fill += n
         self._pending, self._fill = [], 0
+        self._which = (self._which + 1) % len(self._buckets)
+        self.bucket = self._buckets[self._which]
 
     def backward_end(self) -> None:
         if self.stage == 2:
             self._reduce_bucket()
-            self.bucket = None  # _release_ipg_buffers
+            self.bucket, self._buckets = None, []  # _release_ipg_buffers
             return
         self._stage1_reduce_scatter()
 
     def _stage1_reduce_scatter(self) -> None:
         with category(S.BUCKETS):
-            flat = torch.empty(self.padded, dtype=self.flat.dtype, device=self.flat.device)
-            for i, o in enumerate(self.offsets):
-                g = self.grads.get(i)
-                if g is not None:
-                    flat[o:o + g.numel()].copy_(g.reshape(-1))
+            if self.stack.stage1_flatten_reduce_scatter:
+                flat = torch.empty(self.padded, dtype=self.flat.dtype, device=self.flat.device)
+                for i, o in enumerate(self.offsets):
+                    g = self.grads.get(i)
+                    if g is not None:
+                        flat[o:o + g.numel()].copy_(g.reshape(-1))
+            else:  # switch off: the intervals are staged from the flat parameter geometry only
+                flat = self.flat
             step = max(1, self.stack.stage1_max_elements_per_comm)
             out = torch.empty(math.ceil(min(step, self.padded) / self.n_d), dtype=flat.dtype,
                               device=flat.device)
@@ -176,6 +190,18 @@ class DeepSpeed02:
             del flat, out
 
     # ------------------------------------------------------------------ step
+    def _adam(self, lo: int, g32: torch.Tensor) -> None:
+        """Adam's tensor traffic on master[lo:lo+len(g32)], in place (fake tensors: values do
+        not matter, only that nothing is allocated)."""
+        n = min(g32.numel(), self.part - lo)  # whole parameters may overhang the partition
+        g32 = g32[:n]
+        m, v = (t[lo:lo + n] for t in self.adam)
+        master = self.master[lo:lo + n]
+        m.mul_(0.9).add_(g32, alpha=0.1)
+        v.mul_(0.999).addcmul_(g32, g32, value=0.001)
+        # DeepSpeed 0.2 ran apex's FusedAdam (one multi-tensor kernel): no temporaries
+        master.addcdiv_(m, v, value=-1e-4)
+
     def step(self) -> None:
         with category(S.STEP_TEMP):
             if self.stage == 2:
@@ -184,15 +210,20 @@ class DeepSpeed02:
             else:
                 src = torch.cat([self.grads[i].reshape(-1) for i in self.mine])
                 self.grads.clear()
-            flat16 = src.clone()  # _flatten_dense_tensors of the partition's gradients
-            del src
-            g32 = flat16.float()
-            del flat16
-            m, v = self.adam
-            m.mul_(0.9).add_(g32, alpha=0.1)
-            v.mul_(0.999).addcmul_(g32, g32, value=0.001)
-            self.master.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-4)
-            del g32
+            if self.stack.stage2_fp32_grad_partition_at_step or self.stage == 1:
+                flat16 = src.clone()  # _flatten_dense_tensors of the partition's gradients
+                del src
+                g32 = flat16.float()
+                del flat16
+                self._adam(0, g32)
+                del g32
+            else:  # switch off: the update upcasts one all-gather shard at a time
+                step = self.stack.allgather_bucket_size or int(5e8)
+                for lo in range(0, min(src.numel(), self.part), step):
+                    g32 = src[lo:lo + step].float()
+                    self._adam(lo, g32)
+                    del g32
+                del src
             self.flat[self.lo:self.lo + self.part].copy_(self.master)
         with category(S.GATHER):
             shard = self.stack.allgather_bucket_size or int(5e8)
@@ -207,3 +238,82 @@ class DeepSpeed02:
                                      device=self.flat.device)  # NCCL list-output flatten
                 comm.all_gather_into(staged, self.flat[self.lo + lo:self.lo + lo + n], self.dp)
                 del staged
+
+
+class DeepSpeed02Strategy:
+    """The ``zero.strategy.Strategy`` interface that ``train.step.train_step`` and the dry run
+    drive (``module``, ``backward``, ``step``, ``zero_grad``, ``memory_ledger``), backed by the
+    ``DeepSpeed02`` allocation sequence instead of the runtime's stage 1/2 buffers. Built by
+    ``train.build.build`` (``make_strategy``) after activation checkpointing, like a stage.
+
+    Gradients: a post-accumulate-grad hook hands each parameter's autograd gradient to
+    ``DeepSpeed02.grad_ready`` and drops ``p.grad`` (DeepSpeed's hooks did the same: the
+    gradient lives on only inside the path's own tensors). The loss is scaled in fp32 as
+    DeepSpeed's FP16 optimizer did (``loss.float() * loss_scale``)."""
+
+    def __init__(self, model: torch.nn.Module, topo, cfg, stack: S.Stack):
+        self.module = model
+        self.stage = cfg.zero.stage
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ds = DeepSpeed02(self.params, topo.dp_group, self.stage, stack)
+        self.ds.build()
+        self.loss_scale = float(2 ** cfg.zero.initial_scale_power)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.groups: list = []  # no runtime flat-buffer groups
+        self.psi_padded = self.ds.padded
+        self.n_buckets = 1 if self.stage == 2 else math.ceil(
+            self.ds.padded / max(1, stack.stage1_max_elements_per_comm))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.ds.grad_ready(self._index[id(p)], p.grad)
+        p.grad = None
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward_begin()
+        (loss.float() * self.loss_scale).backward()
+        self.ds.backward_end()
+
+    def step(self):
+        self.ds.step()
+        return None
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def memory_ledger(self) -> MemoryLedger:
+        """Model states as DeepSpeed 0.2 holds them between steps (bytes)."""
+        ds, led = self.ds, MemoryLedger()
+        elt = ds.flat.element_size()
+        led.add("params_lp", ds.flat.numel() * elt)
+        led.add("grads", (ds.part if self.stage == 2 else ds.numel) * elt)
+        led.add("master_fp32", ds.master.numel() * 4)
+        led.add("adam_m", ds.adam[0].numel() * 4)
+        led.add("adam_v", ds.adam[1].numel() * 4)
+        led.add("comm_buffers", ds.stack.stage2_reduce_bucket_size * elt if self.stage == 2
+                else 0)
+        return led
+
+
+def make_strategy(stack: S.Stack):
+    """``train.build.build``'s ``make_strategy`` for ``stack`` (stages 1 and 2)."""
+    def _make(model, topo, cfg):
+        return DeepSpeed02Strategy(model, topo, cfg, stack)
+    return _make
+
+
+def uses_deepspeed02(stack: S.Stack, stage: int) -> bool:
+    """Whether the dry run drives DeepSpeed 0.2's ZeRO-DP path for ``stage`` under ``stack``
+    (it models stages 1 and 2 only; ZeRO-100B had no stage 3)."""
+    if stage == 1:
+        return stack.build_sequence or stack.stage1_per_param_grads
+    return stage == 2 and (stack.build_sequence or stack.stage2_single_ipg_bucket)
