@@ -8,11 +8,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zero_repro import config as C
 from zero_repro.config import ModelConfig
 from zero_repro.distributed import comm, launch
 from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import Block
+from zero_repro.paper.table3 import zero_overrides
 from zero_repro.simulate import allocator as A
+from zero_repro.simulate import dryrun as DR
 from zero_repro.simulate.stack import categories as K
 from zero_repro.simulate.stack import deepspeed02 as D
 from zero_repro.simulate.stack import megatron2019 as M
@@ -246,9 +249,6 @@ def test_paper_shape_layer_40b_c4(tp16):
 
 # ---------------------------------------------------------------- phase B: the dry run executes
 # the stack; each switch changes only the category it claims (tiny paper-shaped model, TP 2)
-from zero_repro import config as C  # noqa: E402
-from zero_repro.simulate import dryrun as DR  # noqa: E402
-from zero_repro.paper.table3 import zero_overrides  # noqa: E402
 
 
 def _tiny_cfg(zero_config="C4", stack="modern", only=(), n_layer=2, world=4, tp=2, batch=2):

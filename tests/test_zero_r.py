@@ -34,7 +34,7 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.model.gpt import GPT, gather_full_state
 from zero_repro.paper.table3 import zero_overrides, zero_r_config
-from zero_repro.zero.strategy import build_strategy
+from zero_repro.zero import build_strategy
 from zero_repro.zero_r import (
     TABLE3,
     CheckpointArena,

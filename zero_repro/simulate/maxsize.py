@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 from zero_repro import config as C
 from zero_repro.measure import analytic
 from zero_repro.model import flops
-from zero_repro.simulate.dryrun import dry_run, stack_of
+from zero_repro.simulate.dryrun import dry_run, judges_with_build, stack_of
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class DryRunJudge:
 
     def __init__(self, cfg: C.Config, capacity: float, iterations: int = 1):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
+        # paper2020: the judged replay includes the build, whose cached blocks inflate the
+        # reserved-over-allocated slack but are released before an OOM; the search then steers
+        # on the exact live peak instead of the allocator's peak allocated (``steer``)
+        self.with_build = judges_with_build(stack_of(cfg), cfg)
         self.memo: dict[int, Judgement] = {}
         self.order: list[Judgement] = []
         self.n_runs = 0
@@ -172,8 +176,18 @@ class DryRunJudge:
         return j.fits
 
     def probe(self, n_layer: int) -> int:
-        """Peak allocated bytes (allocator model) at a small depth, far below the capacity."""
-        return self.run(n_layer).allocator["peak_allocated"]
+        """Peak allocated bytes (allocator model) at a small depth, far below the capacity
+        (the exact live peak when judging with the build)."""
+        res = self.run(n_layer)
+        if self.with_build:
+            return max(res.live_peak_by_iteration.values(), default=0)
+        return res.allocator["peak_allocated"]
+
+    def steer(self, j: "Judgement") -> tuple[int, int]:
+        """(bytes the secant steps on, reserved-over-those slack) of a judgement."""
+        if self.with_build:
+            return j.peak_live, 0
+        return j.peak_allocated, j.peak_reserved - j.peak_allocated
 
 
 def _child_dry_run(cfg_dict: dict, iterations: int):
@@ -236,7 +250,8 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
         # only part of the slack counts (with the full slack / none, the five Figure 6 seeds
         # were 1 layer low / high; with half, all five were the last depth that fits)
         pb = judge.run(b).allocator
-        x = b + (cap - (pb["peak_reserved"] - pb["peak_allocated"]) / 2 - mb) / slope
+        half_slack = 0 if judge.with_build else (pb["peak_reserved"] - pb["peak_allocated"]) / 2
+        x = b + (cap - half_slack - mb) / slope
         seed, seed_from = int(x), "probe"
     except (ValueError, ZeroDivisionError) as e:
         log.warning("probe seed failed (%s); using the analytic seed", e)
@@ -280,13 +295,15 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
             n = (lo + hi) // 2
             continue
         j = memo[n]
+        used, extra = judge.steer(j) if hasattr(judge, "steer") else (
+            j.peak_allocated, j.peak_reserved - j.peak_allocated)
         if ok:
-            slack = max(slack, j.peak_reserved - j.peak_allocated)
-        pts = [p for p in pts if p[0] != n] + [(n, j.peak_allocated)]
+            slack = max(slack, extra)
+        pts = [p for p in pts if p[0] != n] + [(n, used)]
         (n1, p1), (n2, p2) = sorted(pts)[-2:] if len(pts) > 1 else ((0, 0.0), pts[0])
         slope = (p2 - p1) / (n2 - n1) if n2 != n1 else 0.0
         target = capacity - slack
-        est = n + int((target - j.peak_allocated) // slope) if slope > 0 else n
+        est = n + int((target - used) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
         n = est if lo < est < hi else (lo + 1 if ok else hi - 1)
     return lo
