@@ -18,6 +18,10 @@ without it (every other switch on). The effect of a switch is its peak-reserved 
 modern ("alone") and against paper2020 ("in context"), in GiB; switches that act only inside
 another one's path (e.g. the all-gather shard size inside DeepSpeed 0.2's step) show 0 alone.
 
+``memory_breakdown_live_peak`` rows: the same categories at the peak of live bytes (where the
+training step needs the most; for paper2020 the reserved peak can be the build's, whose cached
+blocks the training step then reuses).
+
 Unit: GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
 """
 from __future__ import annotations
@@ -109,6 +113,11 @@ def summarize(records) -> list[dict]:
                          "y_value": round(vals.get(cat, 0) / GIB, 4), "unit": "GiB",
                          "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
                          "bytes": int(vals.get(cat, 0))})
+        for cat, v in sorted(m["live_peak_categories"].items()):  # the training live peak
+            rows.append({"figure": f"{FIGURE}_live_peak", "series": series,
+                         "x_name": "category", "x_value": cat, "y_name": "bytes_at_live_peak",
+                         "y_value": round(v / GIB, 4), "unit": "GiB", "kind": "simulated",
+                         "setup": p["setup"], "stack": p["stack"], "bytes": int(v)})
         rows.append({"figure": FIGURE, "series": series, "x_name": "category",
                      "x_value": "peak_reserved (max cached)", "y_name": "bytes_at_peak",
                      "y_value": round(m["peak_reserved"] / GIB, 4), "unit": "GiB",

@@ -34,6 +34,18 @@ tracer and the allocator replay are ~3% of a run); the first step also pays fake
 misses (parameters are views at distinct storage offsets) and costs ~2x a later one.
 Benchmark: ``python -m zero_repro.simulate.dryrun --bench`` (100B, 400 GPUs, C4).
 
+Software stack (``cfg.simulate.stack``, ``simulate.stack``): ``modern`` runs this runtime as
+it is (everything above); ``paper2020`` runs what produced the paper's numbers, through the same
+``train.build.build`` with three parts replaced: the 2019 Megatron layer and loss
+(``stack.megatron2019.GPT2019``: materialised fp16 scores, dropout masks, tanh-GELU
+intermediates, fp32 logits), the 2019 checkpointing (``stack.checkpoint2019``: per-layer P_a
+partitions, zeroed full input + list all-gather, no arena without P_a) and, for stages 1/2,
+DeepSpeed 0.2's ZeRO-DP allocation sequence (``stack.deepspeed02.DeepSpeed02Strategy``, which
+replaces the runtime's flat buffers). Its judged replay includes the build (no ``empty_cache``
+in the 2020 code: "max cached" counts from process start) and its capacity is the device less
+the CUDA context + NCCL bytes. Every storage carries a category (``stack.categories``):
+``DryRunResult.breakdown`` says where the memory went at the peak, for either stack.
+
 Data-dependent values do not exist under fake tensors: the dispatch mode answers every
 ``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
 always takes the non-skipped path -- the one that allocates the most.
@@ -284,6 +296,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
             with tracer.category(S.FP16_PARAMS):
                 model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
                                               **builders(stack, cfg))
+            _build_host_sids(tracer, strategy, host)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
@@ -333,6 +346,19 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
                         stack=stack.name, judged_with_build=with_build, capacity=cap or 0.0,
                         breakdown=brk,
                         category_of=dict(tracer.category_of) if keep_trace else {})
+
+
+def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
+    """Storages the DeepSpeed 0.2 build moved to the host (its fp16 parameters, "to free up GPU
+    space for creating flat buffer"): host memory, not device; then released."""
+    tensors = getattr(strategy, "host_tensors", None)
+    if not tensors:
+        return
+    for t in tensors:
+        sid = tracer.sid_of(t)
+        if sid is not None:
+            host.add(sid)
+    strategy.release_host()
 
 
 def _geometry(strategy) -> tuple[int, int]:
@@ -457,16 +483,20 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="C4", help="ZeRO configuration C1..C5")
     ap.add_argument("--layers", type=int, default=125)
     ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--stack", default="modern", choices=sorted(S.STACKS),
+                    help="software stack (simulate.stack)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cfg = bench_config(args.layers, args.config)
+    cfg = apply_overrides(bench_config(args.layers, args.config),
+                          {"simulate.stack": args.stack})
     t0 = time.perf_counter()
     r = dry_run(cfg, iterations=args.iterations, keep_trace=False)
     wall = time.perf_counter() - t0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                    if k.startswith("iteration"))
-    print(f"dry-run bench: {cfg.model.name} {args.config} world {cfg.parallel.world_size} "
+    print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} "
+          f"world {cfg.parallel.world_size} "
           f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
           f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops, {r.n_events} events, "
           f"{r.n_buckets} buckets) peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "

@@ -92,7 +92,6 @@ class DeepSpeed02:
                 self.flat[o:o + p.numel()].copy_(p.reshape(-1))
             for p, o in zip(self.params, self.offsets):
                 p.data = self.flat[o:o + p.numel()].view(p.shape)
-        self.host_tensors.clear()
         with category(S.MASTER_ADAM):
             half = self.flat[self.lo:self.lo + self.part].clone()
             self.master = half.float()
@@ -100,6 +99,11 @@ class DeepSpeed02:
             grad = torch.zeros_like(self.master)
             self.adam = [torch.zeros_like(self.master), torch.zeros_like(self.master)]
             del grad  # initialize_optimizer_states: one step on a zero gradient, then freed
+
+    def release_host(self) -> None:
+        """Drop the host copies of the fp16 parameters (kept after ``build`` only so that the
+        dry run can mark their storages as host memory)."""
+        self.host_tensors.clear()
 
     def _fp32_then_half(self) -> None:
         for p in self.params:  # model.cuda() in fp32, then FP16_Module's module.half()
@@ -257,6 +261,7 @@ class DeepSpeed02Strategy:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ds = DeepSpeed02(self.params, topo.dp_group, self.stage, stack)
         self.ds.build()
+        self.host_tensors = self.ds.host_tensors  # the dry run marks them, then releases them
         self.loss_scale = float(2 ** cfg.zero.initial_scale_power)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -264,6 +269,9 @@ class DeepSpeed02Strategy:
         self.psi_padded = self.ds.padded
         self.n_buckets = 1 if self.stage == 2 else math.ceil(
             self.ds.padded / max(1, stack.stage1_max_elements_per_comm))
+
+    def release_host(self) -> None:
+        self.ds.release_host()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.ds.grad_ready(self._index[id(p)], p.grad)
