@@ -283,6 +283,10 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
     pts = list(points or [])
     lo, hi, n = 0, max_n + 1, seed
     slack = 0.0
+    # judged with the build (paper2020) the live peak steers and fragmentation is unknown: a
+    # run of nudges in one direction gallops (1, 2, 4, ... layers) instead of creeping by one
+    gallop = bool(getattr(judge, "with_build", False))
+    streak, last_ok = 0, None
     while hi - lo > 1:
         n = min(max(n, lo + 1), hi - 1)
         ok = judge(n)
@@ -305,6 +309,14 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         target = capacity - slack
         est = n + int((target - used) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
-        n = est if lo < est < hi else (lo + 1 if ok else hi - 1)
+        if lo < est < hi:
+            n, streak = est, 0
+            continue
+        streak = streak + 1 if (gallop and last_ok == ok) else 0
+        last_ok = ok
+        step = 2 ** streak if gallop else 1
+        n = lo + step if ok else hi - step
+        if gallop and not lo < n < hi:
+            n = (lo + hi) // 2
     return lo
 

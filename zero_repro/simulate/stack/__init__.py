@@ -3,9 +3,12 @@
 Modules: ``switches`` (the Stack dataclass, one documented switch per 2020 behaviour with its
 file@commit), ``megatron2019`` (the 2019 layer and loss, same parameter names as
 ``model.gpt``), ``deepspeed02`` (DeepSpeed 0.2's ZeRO-DP build / gradient allocation sequence),
-``categories`` (CategoryTracer + per-category breakdown at the reserved peak).
+``categories`` (CategoryTracer + per-category breakdown at the reserved peak),
+``checkpoint2019`` (the 2019 P_a checkpointing: per-layer partitions, zeroed full input + list
+all-gather, no arena without P_a).
 
-How ``simulate/dryrun.py`` should call it (phase B, the lead integrates):
+Selected by ``cfg.simulate.stack`` (modern | paper2020) or ``cfg.simulate.only_switches`` (modern
+plus the named paper2020 switches); ``simulate.dryrun`` integrates it as follows:
   1. ``stack = switches.get(cfg_stack_name)``; use ``categories.CategoryTracer()`` in place of
      ``AllocationTracer()`` (same events; adds ``category_of``).
   2. build: when ``stack`` changes the layer (materialized_scores / dropout_masks /
