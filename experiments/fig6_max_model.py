@@ -10,6 +10,12 @@ the caching-allocator model with the cluster's device memory -- does not run out
 reproduced (the ``fig6_order`` row of table.csv, and the figure's title). The figure is the
 paper's: bars per configuration, the paper's values hatched beside ours.
 
+Two software stacks (``experiment.params.stacks``, ``simulate.stack``): ``paper2020`` (the
+stack that produced the paper's numbers: DeepSpeed 0.2 + the 2019 Megatron-LM layer + PyTorch
+1.x allocator behaviour, ``simulate.stack.switches``) is the paper's column; ``modern`` (this
+runtime as it is) is "what today's runtime would fit on the same cluster". A point's params
+carry ``stack`` only when it is not ``modern``, so the modern records keep their keys.
+
 Bucket sizes are the paper harness's (reduce 5e8, all-gather 2e8 elements; REFERENCE.md,
 inferred); ``experiment.params.iterations`` training steps per dry run (default 1: the dry
 run's ``live_peak_steady`` -- the first step's live curve plus the state it creates lazily --
@@ -27,8 +33,19 @@ from zero_repro.simulate.dryrun import setup_overrides
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"
 PAPER_SERIES = "max trainable model size, fixed batch 16/GPU, MP=16, 400 GPUs"
-OURS = "dry-run judged"
-SERIES_FAMILY = {OURS: PAPER_SERIES}
+STACKS = ("paper2020", "modern")
+SERIES = {"paper2020": "dry-run judged, paper2020 stack", "modern": "dry-run judged, modern stack"}
+OURS = SERIES["modern"]
+SERIES_FAMILY = {v: PAPER_SERIES for v in SERIES.values()}
+
+
+def stack_params(stack: str) -> dict:
+    """Point params naming the stack (none for modern: its committed keys stay valid)."""
+    return {} if stack == "modern" else {"stack": stack}
+
+
+def stack_of(record) -> str:
+    return record.params.get("stack", "modern")
 PAPER_ORDER = ("C1", "C3", "C2", "C4", "C5")  # ascending max size in the paper (40,50,60,140,150)
 
 
@@ -37,14 +54,20 @@ def plan(cfg) -> list[Point]:
     cluster = p.get("cluster", "dgx2_v100")
     only = p.get("configs") or None
     pts = []
-    for s in sorted(setups("fig6"), key=lambda s: s.zero_config):
-        if only and s.zero_config not in only:
-            continue
-        pts.append(Point(name=f"{s.zero_config} h{s.hidden}",
-                         params={"zero_config": s.zero_config, "hidden": s.hidden,
-                                 "heads": s.heads, "table7_layers": s.n_layer,
-                                 "cluster": cluster, "iterations": int(p.get("iterations", 1))},
-                         overrides=setup_overrides(s, cluster), mode="simulated"))
+    for stack in p.get("stacks") or STACKS:
+        for s in sorted(setups("fig6"), key=lambda s: s.zero_config):
+            if only and s.zero_config not in only:
+                continue
+            suffix = "" if stack == "modern" else f" {stack}"
+            pts.append(Point(name=f"{s.zero_config} h{s.hidden}{suffix}",
+                             params={"zero_config": s.zero_config, "hidden": s.hidden,
+                                     "heads": s.heads, "table7_layers": s.n_layer,
+                                     "cluster": cluster,
+                                     "iterations": int(p.get("iterations", 1)),
+                                     **stack_params(stack)},
+                             overrides={**setup_overrides(s, cluster),
+                                        "simulate.stack": stack},
+                             mode="simulated"))
     return pts
 
 
@@ -61,24 +84,30 @@ def summarize(records) -> list[dict]:
     for r in records:
         if r.status != "ok":
             continue
-        zc = r.params["zero_config"]
-        sizes[zc] = r.metrics["max_params_B"]
-        rows.append({"figure": FIGURE, "series": OURS, "x_name": "zero_config", "x_value": zc,
-                     "y_name": "max_model_size", "y_value": round(r.metrics["max_params_B"], 2),
-                     "unit": "B params", "kind": "simulated",
-                     "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"]})
-    if len(sizes) == len(PAPER_ORDER):
-        ours = tuple(sorted(sizes, key=lambda k: sizes[k]))
-        rows.append({"figure": f"{FIGURE}_order", "series": "ascending order of C1-C5",
-                     "x_name": "zero_config", "x_value": " < ".join(ours),
-                     "y_name": "order_matches_paper", "y_value": float(ours == PAPER_ORDER),
-                     "unit": "bool", "kind": "simulated"})
+        zc, stack = r.params["zero_config"], stack_of(r)
+        sizes.setdefault(stack, {})[zc] = r.metrics["max_params_B"]
+        rows.append({"figure": FIGURE, "series": SERIES[stack], "x_name": "zero_config",
+                     "x_value": zc, "y_name": "max_model_size",
+                     "y_value": round(r.metrics["max_params_B"], 2), "unit": "B params",
+                     "kind": "simulated", "stack": stack,
+                     "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"],
+                     "search_s": round(r.metrics.get("search_s", 0.0), 1)})
+    for stack in [s for s in STACKS if s in sizes]:
+        if len(sizes[stack]) == len(PAPER_ORDER):
+            ours = tuple(sorted(sizes[stack], key=lambda k: sizes[stack][k]))
+            rows.append({"figure": f"{FIGURE}_order",
+                         "series": f"ascending order of C1-C5, {stack} stack",
+                         "x_name": "zero_config", "x_value": " < ".join(ours),
+                         "y_name": "order_matches_paper", "y_value": float(ours == PAPER_ORDER),
+                         "unit": "bool", "kind": "simulated", "stack": stack})
     return rows
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The paper's Figure 6 layout: one bar per configuration C1..C5 (max model size, B
-    parameters), the paper's value as a hatched bar beside ours, our relative error above."""
+    """The paper's Figure 6 layout: per configuration C1..C5 the paper's max model size
+    (hatched), the paper2020-stack dry run and the modern-stack dry run (B parameters); the
+    relative error vs the paper above each simulated bar, the searched depth ("60 L" = 60
+    layers at the Table 7 hidden size) inside it; legend and caption below the axes."""
 
     import matplotlib
 
@@ -87,45 +116,60 @@ def plot(table, out_dir: str) -> list[str]:
     import pandas as pd
 
     t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_model_size")]
-    ours = t[t["kind"] == "simulated"].set_index("x_value")
     paper = t[t["kind"] == "paper"].set_index("x_value")
-    cats = sorted(set(ours.index) | set(paper.index))
+    sim = t[t["kind"] == "simulated"]
+    cats = sorted(set(t["x_value"]))
     x = range(len(cats))
-    w = 0.38
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    w = 0.27
+    style = {"paper2020": dict(color="C3", label="simulated: paper2020 stack (DeepSpeed 0.2 + "
+                                                "2019 Megatron-LM), dry run judged at 32 GB"),
+             "modern": dict(color="C0", label="simulated: modern stack (this runtime), dry run "
+                                             "judged at 32 GB")}
+    fig, ax = plt.subplots(figsize=(8.0, 5.6))
     pv = [float(paper["y_value"].get(c, float("nan"))) for c in cats]
-    ov = [float(ours["y_value"].get(c, float("nan"))) for c in cats]
-    ax.bar([i - w / 2 for i in x], pv, w, color="white", edgecolor="0.35", hatch="///",
-           label="paper (Fig. 6)")
-    bars = ax.bar([i + w / 2 for i in x], ov, w, color="C0",
-                  label="simulated: dry run of the runtime, judged at 32 GB")
-    for c, b in zip(cats, bars):
-        err = ours["rel_error_vs_paper"].get(c) if "rel_error_vs_paper" in ours else None
-        if err is not None and pd.notna(err):
-            ax.annotate(f"{100 * float(err):+.0f}%", (b.get_x() + b.get_width() / 2,
-                                                     b.get_height()),
-                        ha="center", va="bottom", fontsize=9, xytext=(0, 2),
-                        textcoords="offset points")
-        n = ours["n_layer"].get(c) if "n_layer" in ours else None
-        if n is not None and pd.notna(n):
-            ax.annotate(f"{int(n)} L", (b.get_x() + b.get_width() / 2, 0), ha="center",
-                        va="bottom", fontsize=7, color="white", xytext=(0, 3),
-                        textcoords="offset points")
+    ax.bar([i - w for i in x], pv, w, color="white", edgecolor="0.3", hatch="///",
+           label="paper, Figure 6 (measured on 400 V100-32GB)")
+    tops = list(pv)
+    for k, stack in enumerate(("paper2020", "modern")):
+        ours = sim[sim["stack"] == stack].set_index("x_value") if "stack" in sim else sim[:0]
+        if not len(ours):
+            continue
+        ov = [float(ours["y_value"].get(c, float("nan"))) for c in cats]
+        tops += ov
+        bars = ax.bar([i + k * w for i in x], ov, w, **style[stack])
+        for c, b in zip(cats, bars):
+            err = ours["rel_error_vs_paper"].get(c) if "rel_error_vs_paper" in ours else None
+            if err is not None and pd.notna(err):
+                ax.annotate(f"{100 * float(err):+.0f}%", (b.get_x() + b.get_width() / 2,
+                                                         b.get_height()),
+                            ha="center", va="bottom", fontsize=7.5, xytext=(0, 2),
+                            textcoords="offset points")
+            n = ours["n_layer"].get(c) if "n_layer" in ours else None
+            if n is not None and pd.notna(n):
+                ax.annotate(f"{int(n)} L", (b.get_x() + b.get_width() / 2, 0), ha="center",
+                            va="bottom", fontsize=6.5, color="white", xytext=(0, 3),
+                            textcoords="offset points", rotation=90)
     ax.set_xticks(list(x), cats)
-    ax.set_xlabel("ZeRO configuration (Table 3)")
-    ax.set_ylabel("Max model size (B parameters)")
-    top = max(v for v in pv + ov if v == v)
-    ax.set_ylim(0, top * 1.22)
+    ax.set_xlabel("ZeRO configuration (paper Table 3: C1-C2 P_os, C3-C5 P_os+g; "
+                  "C2, C4 + P_a; C5 + P_a+cpu)", fontsize=8.5)
+    ax.set_ylabel("Largest trainable model (billions of parameters)")
+    top = max(v for v in tops if v == v)
+    ax.set_ylim(0, top * 1.15)
     order = table[table["figure"] == f"{FIGURE}_order"]
-    note = ""
-    if len(order):
-        same = float(order["y_value"].iloc[0]) == 1.0
-        note = (f"\nsimulated order {order['x_value'].iloc[0]} "
-                f"({'same as' if same else 'differs from'} the paper's)")
-    ax.set_title("Figure 6: max model size, 400 V100-32GB, MP 16, batch 16/GPU" + note,
-                 fontsize=9.5)
+    notes = []
+    for r in order.itertuples():
+        same = float(r.y_value) == 1.0
+        notes.append(f"{getattr(r, 'stack', '')}: {r.x_value} "
+                     f"({'same as' if same else 'differs from'} the paper's C1 < C3 < C2 < C4 < C5)")
+    ax.set_title("Figure 6: largest model per ZeRO configuration, 400 V100-32GB, MP 16, "
+                 "batch 16 per GPU", fontsize=9.5)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
+              frameon=False)
+    caption = ("Bars: percentage = error vs the paper; \"N L\" = number of layers of the "
+               "largest model that fits (hidden size and heads of the Table 7 row).\n"
+               "Simulated order: " + "; ".join(notes))
+    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out_dir, 'fig6_max_model', dpi=150)
     return paths

@@ -11,6 +11,14 @@ peak allocated, exact live peak, fragmentation and the ledger. The paper states 
 the cached memory does not decrease from C4 to C5 at 40B but does at 100B; ``c4_to_c5`` rows
 say whether the prediction agrees.
 
+Two software stacks (``experiment.params.stacks``): ``paper2020`` (DeepSpeed 0.2 + 2019
+Megatron-LM + PyTorch 1.x allocator, ``simulate.stack``: its build's cached blocks count, "max
+cached" from process start) is the paper's setting; ``modern`` (this runtime) beside it. Unit:
+GiB = 2^30 B, what the paper's harness printed (``torch.cuda.max_memory_cached() /
+(1024*1024*1024)`` labelled "GigaBytes", DSE@405ce794 mpu/random.py see_memory_usage); the
+records keep their bytes in GB = 1e9 B (``*_GB`` metrics) and the table converts.
+Table 8 runs 100B only under C4 and C5: the figure leaves C1-C3 at 100B empty and says so.
+
 ``experiment.params.md_off: true`` adds each setup with M_D off (contiguous_memory=false), to
 show what the arenas do to fragmentation; ``all_100b: true`` adds 100B under C1-C3 (Table 8 has
 none: the prediction is whether they fit).
@@ -26,6 +34,13 @@ from zero_repro.simulate.dryrun import dry_run, setup_overrides
 
 FIGURE = "fig7"
 GB = 1e9
+GIB = 2**30
+STACKS = ("paper2020", "modern")
+
+
+def stack_params(stack: str) -> dict:
+    """Point params naming the stack (none for modern: its committed keys stay valid)."""
+    return {} if stack == "modern" else {"stack": stack}
 
 
 def plan(cfg) -> list[Point]:
@@ -38,16 +53,19 @@ def plan(cfg) -> list[Point]:
         todo += [dataclasses.replace(s100, zero_config=c, point=f"100B {c}")
                  for c in ("C1", "C2", "C3")]
     pts = []
-    for s in todo:
-        for md in ([True, False] if p.get("md_off") else [True]):
-            ov = setup_overrides(s, cluster)
-            if not md:
-                ov["zero_r.contiguous_memory"] = False
-            name = f"{s.size_label} {s.zero_config}" + ("" if md else " M_D off")
-            pts.append(Point(name=name, params={"model": s.size_label,
-                                                "zero_config": s.zero_config, "m_d": md,
-                                                "cluster": cluster, "iterations": its},
-                             overrides=ov, mode="simulated"))
+    for stack in p.get("stacks") or STACKS:
+        for s in todo:
+            for md in ([True, False] if p.get("md_off") else [True]):
+                ov = {**setup_overrides(s, cluster), "simulate.stack": stack}
+                if not md:
+                    ov["zero_r.contiguous_memory"] = False
+                name = (f"{s.size_label} {s.zero_config}" + ("" if md else " M_D off")
+                        + ("" if stack == "modern" else f" {stack}"))
+                pts.append(Point(name=name, params={"model": s.size_label,
+                                                    "zero_config": s.zero_config, "m_d": md,
+                                                    "cluster": cluster, "iterations": its,
+                                                    **stack_params(stack)},
+                                 overrides=ov, mode="simulated"))
     return pts
 
 
@@ -62,7 +80,9 @@ def run_point(cfg, point: Point) -> dict:
                         "allocator": a, "allocator_with_build": r.allocator_with_build,
                         "live_peak_by_phase": r.live_peak_by_phase, "psi": r.psi,
                         "host_bytes": r.host_bytes, "timings": r.timings,
-                        "n_events": r.n_events},
+                        "n_events": r.n_events, "stack": r.stack,
+                        "judged_with_build": r.judged_with_build,
+                        "capacity_bytes": r.capacity, "breakdown": r.breakdown},
             "memory": r.ledger}
 
 
@@ -74,80 +94,100 @@ def summarize(records) -> list[dict]:
             newest[r.point] = r
     for r in newest.values():
         m = r.metrics
-        series = f"{r.params['model']}" + ("" if r.params.get("m_d", True) else " M_D off")
-        cached[(series, r.params["zero_config"])] = m["max_cached_memory_GB"]
+        stack = r.params.get("stack", "modern")
+        series = (f"{r.params['model']}" + ("" if r.params.get("m_d", True) else " M_D off")
+                  + f", {stack}")
+        cached[(series, r.params["zero_config"])] = m["max_cached_memory_GB"] * GB / GIB
         for y, key in (("max_cached_memory", "max_cached_memory_GB"),
                        ("peak_allocated", "peak_allocated_GB")):
             rows.append({"figure": FIGURE, "series": series, "x_name": "zero_config",
                          "x_value": r.params["zero_config"], "y_name": y,
-                         "y_value": round(m[key], 3), "unit": "GB", "kind": "simulated",
-                         "oom_at_32GB": m["oom"], "fragmentation": round(m["fragmentation"], 4)})
+                         "y_value": round(m[key] * GB / GIB, 3), "unit": "GiB",
+                         "kind": "simulated", "stack": stack, "model": r.params["model"],
+                         "oom_at_32GB": m["oom"], "fragmentation": round(m["fragmentation"], 4),
+                         "value_GB_1e9": round(m[key], 3)})
     for series in dict.fromkeys(s for s, _ in cached):
         c4, c5 = cached.get((series, "C4")), cached.get((series, "C5"))
         if c4 is not None and c5 is not None:
             rows.append({"figure": f"{FIGURE}_claims", "series": series,
                          "x_name": "claim", "x_value": "C4->C5 change",
-                         "y_name": "c4_to_c5_GB", "y_value": round(c5 - c4, 3), "unit": "GB",
-                         "kind": "simulated"})
+                         "y_name": "c4_to_c5_GiB", "y_value": round(c5 - c4, 3), "unit": "GiB",
+                         "kind": "simulated", "stack": series.split(", ")[-1]})
     return rows
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The paper's Figure 7 layout: max cached memory (GB) per configuration C1..C5, one bar
-    per model size (40B, 100B; M_D-off variants hatched), peak allocated as a tick on each bar,
-    the 32 GB device as a line; the C4->C5 change per size in the title."""
+    """The paper's Figure 7 layout: max cached memory (GiB) per configuration C1..C5, bars per
+    model size x stack (paper2020 solid, modern hatched; 40B and 100B in two colours), peak
+    allocated as a black tick on each bar, the usable device memory as lines; empty 100B slots
+    at C1-C3 are configurations the paper did not run (Table 8)."""
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     t = table[table["figure"] == FIGURE]
     cached = t[t["y_name"] == "max_cached_memory"]
     alloc = t[t["y_name"] == "peak_allocated"]
     series = list(dict.fromkeys(cached["series"]))
+    order = {"40B": 0, "100B": 1}
+    series.sort(key=lambda s: (order.get(s.split(",")[0].split()[0], 9), "modern" in s,
+                               "M_D off" in s))
     cats = sorted(set(cached["x_value"]))
     w = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(7.6, 4.8))
-    base = {s.split()[0]: f"C{i}" for i, s in enumerate(dict.fromkeys(
-        s.split()[0] for s in series))}
+    fig, ax = plt.subplots(figsize=(8.4, 5.8))
+    colour = {"40B": "C0", "100B": "C1"}
     for k, s in enumerate(series):
+        size, stack = s.split(",")[0].split()[0], s.split(", ")[-1]
         for i, c in enumerate(cats):
             row = cached[(cached["series"] == s) & (cached["x_value"] == c)]
-            if not len(row):
-                continue
             x = i - 0.4 + w * (k + 0.5)
+            if not len(row):
+                if size == "100B":
+                    ax.text(x, 0.3, "not run in paper", rotation=90, ha="center", va="bottom",
+                            fontsize=6, color="0.45")
+                continue
             y = float(row["y_value"].iloc[0])
-            oom = bool(row.get("oom_at_32GB", [False]).iloc[0]) if "oom_at_32GB" in row else False
-            ax.bar(x, y, w, color=base[s.split()[0]], hatch="//" if "M_D off" in s else None,
-                   edgecolor="black" if oom else "white",
-                   label=s if i == cats.index(row["x_value"].iloc[0]) else None)
+            oom = bool(row["oom_at_32GB"].iloc[0]) if "oom_at_32GB" in row else False
+            ax.bar(x, y, w, color=colour.get(size, "C2"), alpha=1.0 if stack != "modern"
+                   else 0.45, hatch="//" if stack == "modern" else None,
+                   edgecolor="black" if oom else "white", lw=0.6)
             ax.annotate(f"{y:.1f}" + (" OOM" if oom else ""), (x, y), ha="center",
-                        va="bottom", fontsize=7.5, xytext=(0, 2), textcoords="offset points")
+                        va="bottom", fontsize=6.5, xytext=(0, 2), textcoords="offset points",
+                        rotation=90)
             a = alloc[(alloc["series"] == s) & (alloc["x_value"] == c)]
             if len(a):
                 ax.plot([x - w / 2.5, x + w / 2.5], [float(a["y_value"].iloc[0])] * 2,
                         color="black", lw=1.2)
-    handles, labels = ax.get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
-    ax.axhline(32, color="0.4", ls="--", lw=1)
-    ax.text(len(cats) - 0.5, 32.3, "V100 32 GB", ha="right", va="bottom", fontsize=8,
-            color="0.3")
-    from matplotlib.lines import Line2D
-
-    seen["peak allocated"] = Line2D([], [], color="black", lw=1.2)
-    ax.legend(seen.values(), [f"{k} [simulated]" if k != "peak allocated" else k
-                              for k in seen], fontsize=8, loc="upper right", ncol=1)
+    dev = 32e9 / 2**30
+    ax.axhline(dev, color="0.4", ls="--", lw=1)
+    ax.axhline(dev - 2.0, color="C3", ls=":", lw=1)
+    handles = [Patch(color="C0", label="40B (50 x 8192, batch 16/GPU), paper2020 stack"),
+               Patch(color="C0", alpha=0.45, hatch="//", label="40B, modern stack"),
+               Patch(color="C1", label="100B (125 x 8192, batch 32/GPU), paper2020 stack"),
+               Patch(color="C1", alpha=0.45, hatch="//", label="100B, modern stack"),
+               Line2D([], [], color="black", lw=1.2, label="peak allocated (same run)"),
+               Line2D([], [], color="0.4", ls="--", lw=1,
+                      label="V100 device memory, 32 GB = 29.8 GiB"),
+               Line2D([], [], color="C3", ls=":", lw=1,
+                      label="usable by the paper2020 allocator (less 2 GiB CUDA context + NCCL)")]
+    ax.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2, frameon=False)
     ax.set_xticks(range(len(cats)), cats)
-    ax.set_xlabel("ZeRO configuration (Table 3)")
-    ax.set_ylabel("Max cached memory (GB)")
-    ax.set_ylim(0, 40)
+    ax.set_xlabel("ZeRO configuration (paper Table 3)")
+    ax.set_ylabel("Max cached memory per GPU (GiB = 2^30 bytes)")
+    ax.set_ylim(0, 36)
     claims = table[table["figure"] == f"{FIGURE}_claims"]
-    note = "; ".join(f"{r.series}: C4->C5 {float(r.y_value):+.1f} GB"
-                     for r in claims.itertuples())
-    ax.set_title("Figure 7: max cached memory, 400 V100-32GB, MP 16 (simulated; paper values "
-                 "withheld)" + (f"\n{note}" if note else ""), fontsize=9)
+    note = "; ".join(f"{r.series}: {float(r.y_value):+.1f}" for r in claims.itertuples())
+    ax.set_title("Figure 7: max cached memory, 400 V100-32GB, MP 16 (simulated predictions; "
+                 "paper values withheld)", fontsize=9)
+    fig.text(0.5, 0.01, "C4 -> C5 change (GiB): " + note + "\nEmpty 100B slots at C1-C3: "
+             "the paper ran 100B only under C4 and C5 (Table 8).", ha="center", va="bottom",
+             fontsize=6.8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out_dir, 'fig7_cached_memory', dpi=150)
     return paths

@@ -19,10 +19,18 @@ large models do. The answer is the last whole layer that fits, so it is quantise
 than one layer: 12h^2 = 0.20B parameters at h = 4096, 0.81B at h = 8192 (the baseline at MP 4,
 7 layers, is the coarsest: one layer is 13% of it).
 
+Two software stacks (``experiment.params.stacks``): ``paper2020`` (the 2020 stack the paper
+measured: DeepSpeed 0.2's P_os path, the 2019 Megatron layer, no empty_cache after the build,
+CUDA context + NCCL outside the allocator; ``simulate.stack``) for the paper's measured columns,
+``modern`` (this runtime) beside it. The baseline (stage 0) runs the runtime's DDP under both:
+only the 2019 layer and the capacity change for it (DeepSpeed 0.2 had no stage-0 path).
+
 Cost: one max-layer search is two probe dry runs and two judgements (the last depth that fits
 and the first that does not, run in parallel on 2 cores): 2-50 s each, ~3 min for all ten.
 """
 from __future__ import annotations
+
+import itertools
 
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
@@ -36,6 +44,12 @@ from zero_repro.simulate import maxsize
 FIGURE = "table2"
 SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 MEASURED = {0: "measured Baseline", 1: "measured ZeRO-DP(Pos)"}
+STACKS = ("paper2020", "modern")
+
+
+def stack_params(stack: str) -> dict:
+    """Point params naming the stack (none for modern: its committed keys stay valid)."""
+    return {} if stack == "modern" else {"stack": stack}
 
 
 def _family(tp: int) -> tuple[int, int]:
@@ -45,7 +59,8 @@ def _family(tp: int) -> tuple[int, int]:
 def plan(cfg) -> list[Point]:
     p = cfg.experiment.params
     pts = [Point(name="table2 theory", params={"part": "theory"}, mode="analytic")]
-    for tp in p.get("measured_mp", [1, 2, 4, 8, 16]):
+    for stack, tp in itertools.product(p.get("stacks") or STACKS,
+                                       p.get("measured_mp", [1, 2, 4, 8, 16])):
         for stage in p.get("measured_stages", [0, 1]):
             h, heads = _family(int(tp))
             ov = paper_overrides(8, h, heads, 64 * int(tp), int(tp), 1, "c1")
@@ -56,10 +71,13 @@ def plan(cfg) -> list[Point]:
                            "zero_r.contiguous_memory": False})
             else:
                 ov.update(PAPER_BUCKETS)
-            pts.append(Point(name=f"{SCHEMES[stage]} MP{tp}",
+            ov["simulate.stack"] = stack
+            pts.append(Point(name=f"{SCHEMES[stage]} MP{tp}"
+                             + ("" if stack == "modern" else f" {stack}"),
                              params={"part": "dry-run", "stage": stage, "mp": int(tp),
                                      "hidden": h, "batch": 1,
-                                     "iterations": int(p.get("iterations", 1))},
+                                     "iterations": int(p.get("iterations", 1)),
+                                     **stack_params(stack)},
                              overrides=ov, mode="simulated"))
     return pts
 
@@ -93,9 +111,12 @@ def summarize(records) -> list[dict]:
                      for c in r.metrics["cells"]]
         else:
             cells = [(MEASURED[r.params["stage"]], r.params["mp"], r.metrics["max_params"])]
+        stack = r.params.get("stack", "modern") if r.mode != "analytic" else ""
         for series, tp, val in cells:
             text, pv = paper.get((series, tp), ("", None))
-            rows.append({"figure": FIGURE, "series": series, "x_name": "MP (GPUs)",
+            if stack:
+                series = f"{series} [dry run, {stack}]"
+            rows.append({"figure": FIGURE, "series": series, "x_name": "MP (GPUs)", "stack": stack,
                          "x_value": tp, "y_name": "max_model_size", "y_value": val / 1e9,
                          "unit": "B params", "kind": r.mode, "paper_printed": text,
                          "paper_B": None if pv is None else pv / 1e9,
@@ -127,11 +148,13 @@ def plot(table, out_dir: str) -> list[str]:
         if pts:
             ax.plot(*zip(*pts), ls="none", marker="X", ms=8, mfc="none", color=c)
         if stage in MEASURED:
-            ms = table[table["series"] == MEASURED[stage]].sort_values("x_value")
-            if len(ms):
-                ax.plot(ms["x_value"].astype(int), ms["y_value"].astype(float), ls="--",
-                        marker="s", ms=10, color=c, mec="white", zorder=6, alpha=0.85,
-                        label=f"{name}: dry-run judged [simulated]")
+            for stack, ls, mk in (("paper2020", "-", "D"), ("modern", "--", "s")):
+                ms = table[table["series"] == f"{MEASURED[stage]} [dry run, {stack}]"]
+                ms = ms.sort_values("x_value")
+                if len(ms):
+                    ax.plot(ms["x_value"].astype(int), ms["y_value"].astype(float), ls=ls,
+                            marker=mk, ms=8, color=c, mec="white", zorder=6, alpha=0.85,
+                            label=f"{name}: dry run, {stack} stack [simulated]")
             pm = sorted((mp, v / 1e9) for (s, mp), (_, v) in paper.items()
                         if s == MEASURED[stage])
             if pm:

@@ -15,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import gpu_throughput
+from zero_repro.paper import table9
 from zero_repro.harness import paper_compare as paper
 from zero_repro.harness import registry as base
 from zero_repro import config as C
@@ -206,3 +207,20 @@ def test_cli_runs_each_experiment_locally(name, tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "results" / name / "table.csv").exists()
+
+
+def test_table9_row_order_is_explicit_and_selectable():
+    """Table 9 prints batches 2, 4, 32, 32, 8 without names; Table 7's order (C1, C2, C4, C5,
+    C3) is the default: C3 (no P_a) at batch 32 would need 40 GB of checkpoints at 60B."""
+    rows = setups("fig8")
+    assert table9.DEFAULT_ORDER == "table7"
+    assert table9.batch_by_config(rows) == {"C1": 2, "C2": 4, "C3": 8, "C4": 32, "C5": 32}
+    assert table9.batch_by_config(rows, "c1_to_c5") == {"C1": 2, "C2": 4, "C3": 32, "C4": 32,
+                                                        "C5": 8}
+    s170 = [s for s in table9.remap(rows) if s.size_label == "170B"]
+    assert [(s.zero_config, s.batch_per_gpu) for s in s170] == [("C5", 12)]
+    assert 2 * 32 * 1024 * 8192 * 75 > 32e9 > 2 * 8 * 1024 * 8192 * 75
+    with pytest.raises(ValueError):
+        table9.remap(rows, "by_size")
+    assert {s.zero_config: s.batch_per_gpu for s in T.figure_setups("fig8", {})
+            if s.size_label == "60B"}["C3"] == 8

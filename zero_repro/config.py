@@ -31,6 +31,8 @@ REFERENCE_RESULTS = "results"
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
 MAX_SCALE_POWER = 32
+# software stacks of the paper-scale dry run (zero_repro.simulate.stack.switches.STACKS)
+SIM_STACKS = ("modern", "paper2020")
 
 
 @dataclass
@@ -186,6 +188,19 @@ class ExperimentConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """Paper-scale dry run (``zero_repro.simulate``); not part of a record's config key
+    (``harness.records.KEY_SECTIONS``): experiments put the stack into their point params."""
+
+    # software stack the dry run executes: modern (this runtime) | paper2020 (DeepSpeed 0.2 +
+    # 2019 Megatron-LM + PyTorch 1.x allocator, ``simulate.stack.switches``)
+    stack: str = "modern"
+    # non-empty: modern with only these paper2020 switches on (one switch's cost), e.g.
+    # [materialized_scores]; the stack name is then ignored
+    only_switches: list = field(default_factory=list)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -198,6 +213,7 @@ class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
 
 
 def register_configs() -> None:
@@ -207,7 +223,7 @@ def register_configs() -> None:
                         ("zero_r", ZeroRConfig), ("train", TrainConfig),
                         ("cluster", ClusterConfig), ("launcher", LauncherConfig),
                         ("logging", LoggingConfig), ("checkpoint", CheckpointConfig),
-                        ("fault", FaultConfig)]:
+                        ("fault", FaultConfig), ("simulate", SimulateConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
@@ -330,6 +346,7 @@ def _validate_zero(cfg: Config) -> None:
         raise ValueError(f"zero.min_loss_scale={z.min_loss_scale:g} is above the initial loss "
                          f"scale 2**zero.initial_scale_power={2.0 ** z.initial_scale_power:g}: "
                          f"lower zero.min_loss_scale or raise zero.initial_scale_power")
+    _choice(cfg.simulate.stack, SIM_STACKS, "simulate.stack")
     if (zr.partition_activations or zr.cpu_checkpointing) and not zr.activation_checkpointing:
         raise ValueError("zero_r.partition_activations / cpu_checkpointing need "
                          "zero_r.activation_checkpointing=true (P_a partitions checkpoints)")

@@ -37,6 +37,7 @@ from zero_repro.measure.analytic import fits
 from zero_repro.paper.buckets import ALLGATHER_BUCKET, REDUCE_BUCKET
 from zero_repro.paper.clusters import PAPER_CLUSTER, cluster_overrides, load_cluster
 from zero_repro.paper.overrides import setup_overrides
+from zero_repro.paper import table9
 from zero_repro.paper.setups import PaperSetup, setups
 from zero_repro.paper.table3 import zero_overrides
 from zero_repro.paths import conf_group_dir
@@ -79,6 +80,15 @@ def params(cfg) -> dict:
 
 
 # ----------------------------------------------------------------- paper setups -> configs
+def figure_setups(figure: str, p: dict | None = None) -> list[PaperSetup]:
+    """The paper's setups of ``figure``; Figure 8's rows mapped to C1..C5 by
+    ``experiment.params.table9_order`` (``paper.table9``: c1_to_c5 | table7)."""
+    rows = setups(figure)
+    if figure == "fig8":
+        rows = table9.remap(rows, (p or {}).get("table9_order", table9.DEFAULT_ORDER))
+    return rows
+
+
 def find_setup(figure: str, label: str, series: str) -> PaperSetup:
     for s in setups(figure):
         if s.point == label and s.series == series:
@@ -230,7 +240,7 @@ def simulated_points(cfg, figure: str) -> list[Point]:
     ccfg = load_cluster(p["sim_cluster"])
     hw = Hardware.from_config(ccfg)
     out = []
-    for s in setups(figure):
+    for s in figure_setups(figure, p):
         zc = zero_config_of(s, hw)
         # max_fit here uses the analytic model: a dry-run search per simulated point would
         # make planning take minutes (the measured cluster points use the dry run)
@@ -250,7 +260,7 @@ def cluster_points(cfg, figure: str) -> list[Point]:
     p = params(cfg)
     hw = Hardware.from_config(cfg.cluster)
     out = []
-    for s in setups(figure):
+    for s in figure_setups(figure, p):
         zc = zero_config_of(s, hw)
         b, src = paper_batch(s, zc, cfg.cluster, p, base_cfg=cfg)
         if s.tp > cfg.cluster.gpus_per_node:

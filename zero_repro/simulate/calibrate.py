@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from zero_repro.measure.analytic import ZERO_CONFIGS, fits
+from zero_repro.paper import table9
 from zero_repro.paper.buckets import ALLGATHER_BUCKET, REDUCE_BUCKET
 from zero_repro.paper.setups import PaperSetup, paper_values, setups
 from zero_repro.simulate.hardware import Hardware, hardware
@@ -185,7 +186,10 @@ def _predict(cal: Calibration, figure: str, x_name: str, x_of, series_name,
              overlap_of=lambda s: False) -> list[dict]:
     hw = hardware(cal.cluster)
     rows = []
-    for s in setups(figure):
+    rows_of = setups(figure)
+    if figure == "fig8":  # Table 9's rows -> C1..C5 (paper.table9: Table 7's order by default)
+        rows_of = table9.remap(rows_of)
+    for s in rows_of:
         w = workload_for(s, hw, overlap_comm=overlap_of(s))
         tf = step_time(w, hw, cal.params)["tflops_per_gpu"]
         rows.append(_row(figure, series_name(s), x_name, x_of(s), tf))

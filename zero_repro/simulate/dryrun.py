@@ -34,6 +34,18 @@ tracer and the allocator replay are ~3% of a run); the first step also pays fake
 misses (parameters are views at distinct storage offsets) and costs ~2x a later one.
 Benchmark: ``python -m zero_repro.simulate.dryrun --bench`` (100B, 400 GPUs, C4).
 
+Software stack (``cfg.simulate.stack``, ``simulate.stack``): ``modern`` runs this runtime as
+it is (everything above); ``paper2020`` runs what produced the paper's numbers, through the same
+``train.build.build`` with three parts replaced: the 2019 Megatron layer and loss
+(``stack.megatron2019.GPT2019``: materialised fp16 scores, dropout masks, tanh-GELU
+intermediates, fp32 logits), the 2019 checkpointing (``stack.checkpoint2019``: per-layer P_a
+partitions, zeroed full input + list all-gather, no arena without P_a) and, for stages 1/2,
+DeepSpeed 0.2's ZeRO-DP allocation sequence (``stack.deepspeed02.DeepSpeed02Strategy``, which
+replaces the runtime's flat buffers). Its judged replay includes the build (no ``empty_cache``
+in the 2020 code: "max cached" counts from process start) and its capacity is the device less
+the CUDA context + NCCL bytes. Every storage carries a category (``stack.categories``):
+``DryRunResult.breakdown`` says where the memory went at the peak, for either stack.
+
 Data-dependent values do not exist under fake tensors: the dispatch mode answers every
 ``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
 always takes the non-skipped path -- the one that allocates the most.
@@ -58,14 +70,11 @@ import multiprocessing
 import os
 import time
 import traceback
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from zero_repro import config as C
 from zero_repro.distributed import comm, launch
@@ -75,126 +84,16 @@ from zero_repro.paper.overrides import paper_overrides
 from zero_repro.paper.overrides import setup_overrides as paper_setup_overrides
 from zero_repro.paper.setups import PaperSetup, setups
 from zero_repro.simulate import allocator as A
+from zero_repro.simulate.stack import categories as K
+from zero_repro.simulate.stack import checkpoint2019, deepspeed02, megatron2019
+from zero_repro.simulate.stack import switches as S
+from zero_repro.simulate.tracer import ALLOC, FREE, AllocationTracer  # noqa: F401 (re-exported)
 from zero_repro.train.build import build
 from zero_repro.train.step import train_step
 
 log = logging.getLogger(__name__)
 
 PHASES = ("build", "forward", "backward", "step")
-ALLOC, FREE = "alloc", "free"
-
-
-# ------------------------------------------------------------------------------ the tracer
-class AllocationTracer(TorchDispatchMode):
-    """Records storage allocations/frees of every aten op run inside it.
-
-    ``events``: list of (kind, sid, nbytes, phase, iteration) in program order; ``sid`` is a
-    sequence number per storage (Python ids are reused, sids are not)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, int, int, str, int]] = []
-        self.phase, self.iteration = "build", 0
-        self._sid_of: dict[int, int] = {}  # id(live storage) -> sid
-        self._size: dict[int, int] = {}  # sid -> bytes currently held
-        self._resizable: dict[int, weakref.ref] = {}  # sid -> storage seen resizing in place
-        self._next = 0
-        self.n_ops = 0
-        self._how: dict = {}  # op -> "scalar" | "view" | "mutable" | "plain"
-
-    @contextlib.contextmanager
-    def in_phase(self, phase: str, iteration: int):
-        old = self.phase, self.iteration
-        self.phase, self.iteration = phase, iteration
-        try:
-            yield
-        finally:
-            self.phase, self.iteration = old
-
-    def sid_of(self, t: torch.Tensor) -> int | None:
-        return self._sid_of.get(id(t.untyped_storage()))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
-        # metadata queries (prim.device), which only pass through
-        self.n_ops += 1
-        how = self._how.get(func)
-        if how is None:
-            how = self._how[func] = _classify(func)
-        if how == "view":  # views and metadata queries share or touch no storage
-            return func(*args, **(kwargs or {}))
-        if how == "scalar":
-            return _neutral_scalar(args[0].dtype)  # no data under fake tensors
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # outputs: new storages; mutated inputs: storages that may have been resized in place
-        if how == "mutable":
-            flat = tree_flatten((out, args, kwargs))[0]
-        else:
-            flat = out if isinstance(out, (list, tuple)) else (out,)
-            if any(isinstance(t, (list, tuple)) for t in flat):
-                flat = tree_flatten(out)[0]
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                self._see(t.untyped_storage())
-        if self._resizable:
-            for sid, ref in list(self._resizable.items()):
-                st = ref()
-                if st is not None:
-                    self._check_size(sid, st)
-        return out
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _record(self, kind: str, sid: int, nbytes: int) -> None:
-        self.events.append((kind, sid, nbytes, self.phase, self.iteration))
-
-    def _see(self, st) -> None:
-        sid = self._sid_of.get(id(st))
-        if sid is not None:
-            self._check_size(sid, st)
-            return
-        nbytes = st.nbytes()
-        sid = self._next
-        self._next += 1
-        self._sid_of[id(st)] = sid
-        self._size[sid] = nbytes
-        if nbytes:
-            self._record(ALLOC, sid, nbytes)
-        weakref.finalize(st, self._on_free, id(st), sid)
-
-    def _check_size(self, sid: int, st) -> None:
-        nbytes = st.nbytes()
-        old = self._size[sid]
-        if nbytes == old:
-            return
-        # an in-place storage resize (stage 3 release/materialize): free + allocate
-        if old:
-            self._record(FREE, sid, old)
-        if nbytes:
-            self._record(ALLOC, sid, nbytes)
-        self._size[sid] = nbytes
-        self._resizable[sid] = weakref.ref(st)
-
-    def _on_free(self, key: int, sid: int) -> None:
-        self._sid_of.pop(key, None)
-        self._resizable.pop(sid, None)
-        nbytes = self._size.pop(sid, 0)
-        if nbytes:
-            self._record(FREE, sid, nbytes)
-
-
-def _classify(func) -> str:
-    if func is torch.ops.aten._local_scalar_dense.default:
-        return "scalar"
-    if getattr(func, "is_view", False) or func.namespace == "prim":
-        return "view"
-    return "mutable" if func._schema.is_mutable else "plain"
-
-
-def _neutral_scalar(dtype: torch.dtype):
-    if dtype == torch.bool:
-        return False
-    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
 
 
 # ------------------------------------------------------------------------------ results
@@ -223,20 +122,34 @@ class DryRunResult:
     live_peak_steady: int = 0
     trace: list = field(default_factory=list, repr=False)
     host_sids: frozenset = frozenset()
+    # software stack (``simulate.stack``): its name, whether ``allocator`` (the judged replay)
+    # includes the build phase (paper2020: no empty_cache, "max cached" from process start),
+    # the judged capacity (device bytes less what sits outside the allocator)
+    stack: str = "modern"
+    judged_with_build: bool = False
+    capacity: float = 0.0
+    breakdown: dict = field(default_factory=dict)  # categories.breakdown at the judged peak
+    category_of: dict = field(default_factory=dict, repr=False)  # sid -> category (trace kept)
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("trace")
         d.pop("host_sids")
+        d.pop("category_of")
         return d
 
-    def replay(self, capacity: float | None) -> dict:
-        """The training-phase allocator replay again, with another capacity (needs the trace:
-        ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
+    def judged_events(self) -> list:
+        """The device trace the judge replays: with the build phase (``judged_with_build``) or
+        as after ``empty_cache()`` at the end of the build."""
         if not self.trace:
             raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
         dev = device_events(self.trace, set(self.host_sids))
-        return A.replay(A.training_trace(dev), capacity=capacity).as_dict()
+        return dev if self.judged_with_build else A.training_trace(dev)
+
+    def replay(self, capacity: float | None) -> dict:
+        """The judged allocator replay again, with another capacity (needs the trace:
+        ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
+        return A.replay(self.judged_events(), capacity=capacity).as_dict()
 
 
 def device_events(events, host_sids: set[int]):
@@ -307,22 +220,71 @@ def _host_sids(tracer: AllocationTracer, ckpt, host: set[int]) -> None:
                 host.add(sid)
 
 
+def stack_of(cfg: C.Config) -> S.Stack:
+    """The software stack ``cfg.simulate`` names (``only_switches``: modern plus those
+    paper2020 switches)."""
+    sim = cfg.simulate
+    if sim.only_switches:
+        for name in sim.only_switches:
+            S.describe(name)  # ValueError naming the valid switches
+        return S.paper2020().with_only(*sim.only_switches)
+    return S.get(sim.stack)
+
+
+def changes_layer(stack: S.Stack) -> bool:
+    """Whether ``stack`` runs the 2019 Megatron layer / loss instead of ``model.gpt``."""
+    return (stack.materialized_scores or stack.dropout_masks or stack.tanh_gelu_intermediates
+            or stack.fp32_logits)
+
+
+def builders(stack: S.Stack, cfg: C.Config) -> dict:
+    """``train.build.build`` keyword arguments that put ``stack``'s parts in (empty: the
+    runtime as it is)."""
+    kw: dict = {}
+    if changes_layer(stack):
+        kw["make_model"] = lambda c, topo, device, dtype: megatron2019.GPT2019(
+            c.model, stack, topo.tp_group, device=device, dtype=dtype)
+    if stack.pa_per_layer_checkpoints or stack.contiguous_ckpt_only_with_pa:
+        kw["make_ckpt"] = checkpoint2019.make_ckpt(stack)
+    if deepspeed02.uses_deepspeed02(stack, cfg.zero.stage):
+        kw["make_strategy"] = deepspeed02.make_strategy(stack)
+    return kw
+
+
+def judges_with_build(stack: S.Stack, cfg: C.Config) -> bool:
+    """paper2020 counts the build's cached blocks (no empty_cache in DS@f2ac7eafd nor
+    DSE@405ce794) where its build is modelled: DeepSpeed 0.2's stages 1/2."""
+    return stack.build_sequence and deepspeed02.uses_deepspeed02(stack, cfg.zero.stage)
+
+
+def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
+    """Bytes the caching allocator may use: the cluster's device memory (GB = 1e9 B) less
+    what ``stack`` puts outside the allocator (CUDA context, NCCL); None when unbounded."""
+    dev = cfg.cluster.device_memory_gb * 1e9
+    return stack.capacity_bytes(dev) if dev > 0 else None
+
+
 def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool = True,
-            allocator_capacity: float | None = None) -> DryRunResult:
+            allocator_capacity: float | None = None, stack: S.Stack | None = None
+            ) -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
+    ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
+    runtime, paper2020 = the 2020 stack, ``simulate.stack``).
     ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
-    ``device_memory_gb``·1e9, unbounded when 0); an allocation the replay cannot place even
-    after releasing cached segments is reported as ``allocator["oom"]``."""
+    ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
+    an allocation the replay cannot place even after releasing cached segments is reported as
+    ``allocator["oom"]``."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
                            "initialised in this process: use dry_run_subprocess(cfg)")
+    stack = stack_of(cfg) if stack is None else stack
     cap = allocator_capacity
     if cap is None:
-        cap = cfg.cluster.device_memory_gb * 1e9 or None
+        cap = capacity_for(cfg, stack)
     m, t = cfg.model, cfg.train
-    tracer = AllocationTracer()
+    tracer = K.CategoryTracer()
     host: set[int] = set()
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -331,47 +293,82 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
         with FakeTensorMode(), tracer:
             topo = Topology.build(cfg.parallel.tp)
             t0 = time.perf_counter()
-            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            with tracer.category(S.FP16_PARAMS):
+                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
+                                              **builders(stack, cfg))
+            _build_host_sids(tracer, strategy, host)
+            hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
                 t0 = time.perf_counter()
                 _one_step(strategy, tracer, ckpt, host, cfg, it)
+                K.tag_strategy(tracer, strategy)
                 timings[f"iteration{it}_s"] = time.perf_counter() - t0
+            for h in hooks:
+                h.remove()
             ledger = strategy.memory_ledger()
             if ckpt is not None:
                 ckpt.add_to_ledger(ledger)
             _host_sids(tracer, ckpt, host)
-            groups = strategy.groups
             psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            psi_padded = sum(g.partition.padded_numel for g in groups)
-            n_buckets = sum(len(g.partition.buckets) for g in groups)
-            del model, ckpt, strategy, groups
+            psi_padded, n_buckets = _geometry(strategy)
+            del model, ckpt, strategy
     finally:
         comm.destroy_process_group()
     events = tracer.events
     dev = device_events(events, host)
     host_bytes = sum(e[2] for e in events if e[1] in host and e[0] == ALLOC)
     peak, by_phase, by_iter = live_peaks(dev)
-    train_only = A.training_trace(dev)
-    alloc_train = A.replay(train_only, capacity=cap).as_dict()
-    alloc_all = A.replay(dev, capacity=cap).as_dict()
+    with_build = judges_with_build(stack, cfg)
+    judged = dev if with_build else A.training_trace(dev)
+    alloc_judged = A.replay(judged, capacity=cap).as_dict()
+    alloc_all = alloc_judged if with_build else A.replay(dev, capacity=cap).as_dict()
+    brk = K.breakdown(judged, tracer.category_of, capacity=cap)
     timings["total_s"] = time.perf_counter() - t_start
     ident = {"model": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
              "seq_len": m.seq_len, "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,
              "stage": cfg.zero.stage, "dtype": cfg.zero.dtype, "zero_r": cfg.zero_r.name,
              "micro_batch_size": t.micro_batch_size, "rank": rank}
+    if stack.name != "modern":
+        ident["stack"] = stack.name
     led = ledger.as_dict()
     log.info("dry run %s: %d events, peak live %.2f GB, peak reserved %.2f GB, %.1f s",
-             ident, len(events), peak / 1e9, alloc_train["peak_reserved"] / 1e9,
+             ident, len(events), peak / 1e9, alloc_judged["peak_reserved"] / 1e9,
              timings["total_s"])
     return DryRunResult(config=ident, psi=psi, psi_padded=psi_padded, n_buckets=n_buckets,
                         ledger=led, model_state_bytes=ledger.model_states(), live_peak=peak,
                         live_peak_by_phase=by_phase, live_peak_by_iteration=by_iter,
-                        host_bytes=host_bytes, allocator=alloc_train,
+                        host_bytes=host_bytes, allocator=alloc_judged,
                         allocator_with_build=alloc_all, timings=timings,
                         n_events=len(events), n_ops=tracer.n_ops,
                         live_peak_steady=steady_peak(dev),
-                        trace=events if keep_trace else [], host_sids=frozenset(host))
+                        trace=events if keep_trace else [], host_sids=frozenset(host),
+                        stack=stack.name, judged_with_build=with_build, capacity=cap or 0.0,
+                        breakdown=brk,
+                        category_of=dict(tracer.category_of) if keep_trace else {})
+
+
+def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
+    """Storages the DeepSpeed 0.2 build moved to the host (its fp16 parameters, "to free up GPU
+    space for creating flat buffer"): host memory, not device; then released."""
+    tensors = getattr(strategy, "host_tensors", None)
+    if not tensors:
+        return
+    for t in tensors:
+        sid = tracer.sid_of(t)
+        if sid is not None:
+            host.add(sid)
+    strategy.release_host()
+
+
+def _geometry(strategy) -> tuple[int, int]:
+    """(flat-buffer elements of this rank, number of buckets) of the runtime's strategy or of
+    the DeepSpeed 0.2 path."""
+    if hasattr(strategy, "psi_padded"):
+        return strategy.psi_padded, strategy.n_buckets
+    groups = strategy.groups
+    return (sum(g.partition.padded_numel for g in groups),
+            sum(len(g.partition.buckets) for g in groups))
 
 
 def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], cfg: C.Config,
@@ -386,6 +383,8 @@ def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], c
     def after_forward() -> None:
         if tracer is not None:  # per-block CPU copies are alive only until backward
             _host_sids(tracer, ckpt, host)
+            if ckpt is not None and hasattr(tracer, "category_of"):
+                K.tag(tracer, (st.data for st in list(ckpt.kept)), S.CHECKPOINTS)
 
     batches = ((torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)),
                 torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)))
@@ -484,16 +483,20 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="C4", help="ZeRO configuration C1..C5")
     ap.add_argument("--layers", type=int, default=125)
     ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--stack", default="modern", choices=sorted(S.STACKS),
+                    help="software stack (simulate.stack)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cfg = bench_config(args.layers, args.config)
+    cfg = apply_overrides(bench_config(args.layers, args.config),
+                          {"simulate.stack": args.stack})
     t0 = time.perf_counter()
     r = dry_run(cfg, iterations=args.iterations, keep_trace=False)
     wall = time.perf_counter() - t0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                    if k.startswith("iteration"))
-    print(f"dry-run bench: {cfg.model.name} {args.config} world {cfg.parallel.world_size} "
+    print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} "
+          f"world {cfg.parallel.world_size} "
           f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
           f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops, {r.n_events} events, "
           f"{r.n_buckets} buckets) peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "

@@ -17,6 +17,7 @@ the strategy even casts it; the fp32 master is made by the strategy for its shar
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -42,19 +43,33 @@ def dp1_warning(cfg: C.Config, dp: int) -> str | None:
     return None
 
 
-def build(cfg: C.Config, topo: Topology, device: torch.device
+def build(cfg: C.Config, topo: Topology, device: torch.device, *,
+          make_model: Callable | None = None, make_ckpt: Callable | None = None,
+          make_strategy: Callable | None = None
           ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
-    handle or None, strategy)."""
+    handle or None, strategy).
+
+    The three steps can be replaced, the order cannot: the paper-scale dry run's ``paper2020``
+    stack (``simulate.stack``) passes the 2019 layer (``make_model(cfg, topo, device, dtype)``),
+    the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed 0.2's ZeRO-DP
+    allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the runtime's."""
     warning = dp1_warning(cfg, topo.dp)
     if warning and topo.rank == 0:
         log.warning(warning)
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=lp_dtype(cfg.zero.dtype))
+    dtype = lp_dtype(cfg.zero.dtype)
+    if make_model is None:
+        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+    else:
+        model = make_model(cfg, topo, device, dtype)
     ckpt = None
     if cfg.zero_r.activation_checkpointing:
-        ckpt = apply_activation_checkpointing(model, topo, cfg.zero_r)
-    strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
+        ckpt = (make_ckpt or apply_activation_checkpointing)(model, topo, cfg.zero_r)
+    if make_strategy is None:
+        strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
+    else:
+        strategy = make_strategy(model, topo, cfg)
     return model, ckpt, strategy
 
 

@@ -158,6 +158,7 @@ class ActivationCheckpointing:
         self.arena: CheckpointArena | None = None
         self._stream = None  # CUDA side stream for P_a+cpu copies, created on first use
         self._live_cpu: dict[int, weakref.ref] = {}  # block -> _Stored, for H2D prefetch
+        self.kept: "weakref.WeakSet[_Stored]" = weakref.WeakSet()  # live checkpoints (dry run)
         self.inner_blocks: list[nn.Module] = []
         self._orig_blocks: list[nn.Module] = []
         if self.enabled:
@@ -228,14 +229,11 @@ class ActivationCheckpointing:
             data = src
         else:
             home = torch.device("cpu") if self.cpu else src.device
-            if self.arena is not None:
-                data = self.arena.take(slot, src.dtype, home)
-            else:
-                pin = self.cpu and torch.cuda.is_available()
-                data = torch.empty(slot, dtype=src.dtype, device=home, pin_memory=pin)
+            data = self._home_tensor(index, slot, src.dtype, home)
             if slot > src.numel():
                 data[src.numel():].zero_()  # padding of the last TP rank's slice
         stored = _Stored(index, data, t.shape, t.numel(), t.device, partitioned)
+        self.kept.add(stored)
         if copy:
             self._copy_in(stored, src)
         nbytes = data.numel() * data.element_size()
@@ -245,6 +243,15 @@ class ActivationCheckpointing:
         if self.cpu:
             self._live_cpu[index] = weakref.ref(stored)
         return stored
+
+    def _home_tensor(self, index: int, slot: int, dtype: torch.dtype,
+                     home: torch.device) -> torch.Tensor:
+        """Where a copied checkpoint of ``slot`` elements lives: the M_D arena, else its own
+        tensor (pinned host memory for P_a+cpu on CUDA)."""
+        if self.arena is not None:
+            return self.arena.take(slot, dtype, home)
+        pin = self.cpu and torch.cuda.is_available()
+        return torch.empty(slot, dtype=dtype, device=home, pin_memory=pin)
 
     def _copy_in(self, stored: _Stored, src: torch.Tensor) -> None:
         dst = stored.data[:src.numel()]
@@ -266,9 +273,13 @@ class ActivationCheckpointing:
         local = self._to_device(stored)
         if not stored.partitioned:
             return local[:stored.numel].view(stored.shape) if local.dim() == 1 else local
+        return self._gather_full(local)[:stored.numel].view(stored.shape)
+
+    def _gather_full(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's slice -> the full (padded) checkpoint: the one TP all-gather of P_a."""
         full = torch.empty(local.numel() * self.m, dtype=local.dtype, device=local.device)
-        comm.all_gather_into(full, local, self.tp_group)  # the one TP all-gather of P_a
-        return full[:stored.numel].view(stored.shape)
+        comm.all_gather_into(full, local, self.tp_group)
+        return full
 
     def _to_device(self, stored: _Stored) -> torch.Tensor:
         data = stored.data

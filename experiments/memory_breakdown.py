@@ -1,0 +1,216 @@
+"""Where did the memory go: per-category bytes at the peak of one rank's cached memory (paper
+§10.5, Figure 7's "max cached" split into what holds it), for the paper's 40B C4 and 100B C5
+setups (Table 8: 400 V100-32GB, MP 16) under both software stacks, and what each ``paper2020``
+switch costs at 40B C4.
+
+breakdown points (``simulated``): one dry run per setup x stack (``simulate.dryrun`` with
+``simulate.stack``); ``DryRunResult.breakdown`` (``simulate.stack.categories.breakdown``):
+at the event where the judged replay's reserved bytes peak (ties: the most handed out), the
+live requested bytes per category -- fp16 parameters, fp32 master + Adam, gradient partition,
+buckets, checkpoints, working layer (incl. the s^2 scores), logits/loss, gather buffers, build
+and step transients -- plus allocator slack (rounded - requested) and cached-but-free
+(reserved - handed out); they sum to the peak reserved bytes exactly. The CUDA context + NCCL
+(outside the allocator) is a row of its own: it is not in "max cached" but it is on the device.
+
+switch points: at 40B C4, for every switch of ``simulate.stack.switches.Stack``, a dry run of
+``modern`` with only that switch (``simulate.only_switches=[s]``) and, with
+``experiment.params.in_context=true``, one of ``paper2020`` without it (every other switch on). The effect of a switch is its peak-reserved change against
+modern ("alone") and against paper2020 ("in context"), in GiB; switches that act only inside
+another one's path (e.g. the all-gather shard size inside DeepSpeed 0.2's step) show 0 alone.
+
+``memory_breakdown_live_peak`` rows: the same categories at the peak of live bytes (where the
+training step needs the most; for paper2020 the reserved peak can be the build's, whose cached
+blocks the training step then reuses).
+
+Unit: GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
+"""
+from __future__ import annotations
+
+from zero_repro.harness.figures import save_figure
+from zero_repro.harness.points import Point
+from zero_repro.paper.setups import setups
+from zero_repro.simulate.dryrun import dry_run, setup_overrides
+from zero_repro.simulate.stack import switches as S
+
+FIGURE = "memory_breakdown"
+GIB = 2**30
+STACKS = ("paper2020", "modern")
+SETUPS = ("40B C4", "100B C5")
+SWITCH_AT = "40B C4"
+ROWS = S.CATEGORIES + ("allocator_slack", "cached_free")
+# switch points of an earlier revision counted DeepSpeed 0.2's host copies of the fp16
+# parameters on the device; they stay in points.jsonl as history, the table uses this one
+REV = 2
+
+
+def _setup(label: str):
+    size, zc = label.split()
+    s = next(s for s in setups("fig7") if s.size_label == size)
+    return s, zc
+
+
+def plan(cfg) -> list[Point]:
+    p = cfg.experiment.params
+    cluster = p.get("cluster", "dgx2_v100")
+    its = int(p.get("iterations", 1))
+    pts = []
+    for label in p.get("setups") or SETUPS:
+        s, zc = _setup(label)
+        ov = setup_overrides(s, cluster, zero_config=zc)
+        for stack in p.get("stacks") or STACKS:
+            pts.append(Point(name=f"{label} {stack}",
+                             params={"part": "breakdown", "setup": label, "stack": stack,
+                                     "cluster": cluster, "iterations": its},
+                             overrides={**ov, "simulate.stack": stack}, mode="simulated"))
+    if p.get("switches", True):
+        s, zc = _setup(SWITCH_AT)
+        ov = setup_overrides(s, cluster, zero_config=zc)
+        names = list(S.paper2020().switches())
+        hows = ("alone", "in_context") if p.get("in_context", False) else ("alone",)
+        for name in names:
+            for how in hows:
+                only = [name] if how == "alone" else [n for n in names if n != name]
+                pts.append(Point(name=f"{SWITCH_AT} {how} {name}",
+                                 params={"part": "switch", "setup": SWITCH_AT, "switch": name,
+                                         "how": how, "cluster": cluster, "iterations": its,
+                                         "rev": REV},
+                                 overrides={**ov, "simulate.only_switches": only},
+                                 mode="simulated"))
+    return pts
+
+
+def run_point(cfg, point: Point) -> dict:
+    r = dry_run(cfg, iterations=int(point.params.get("iterations", 1)), keep_trace=False)
+    b = r.breakdown
+    return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
+            "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
+            "judged_with_build": r.judged_with_build, "stack": r.stack,
+            "outside_allocator": S.paper2020().cuda_context_nccl_bytes
+            if point.params.get("stack") == "paper2020" else 0,
+            "categories": b["categories"], "allocator_slack": b["allocator_slack"],
+            "cached_free": b["cached_free"], "breakdown_peak_reserved": b["peak_reserved"],
+            "live_peak": b["live_peak"], "live_peak_categories": b["live_peak_categories"],
+            "at_phase_event": b["at_event"], "total_s": r.timings["total_s"]}
+
+
+def _newest(records) -> dict:
+    out = {}
+    for r in records:
+        if r.status == "ok" and (r.point not in out or r.timestamp >= out[r.point].timestamp):
+            out[r.point] = r
+    return out
+
+
+def summarize(records) -> list[dict]:
+    rows = []
+    newest = _newest(records).values()
+    base = {}
+    for r in newest:
+        m, p = r.metrics, r.params
+        if p["part"] != "breakdown":
+            continue
+        base[(p["setup"], p["stack"])] = m["peak_reserved"]
+        series = f"{p['setup']}, {p['stack']}"
+        vals = dict(m["categories"])
+        vals["allocator_slack"], vals["cached_free"] = m["allocator_slack"], m["cached_free"]
+        for cat in ROWS:
+            rows.append({"figure": FIGURE, "series": series, "x_name": "category",
+                         "x_value": cat, "y_name": "bytes_at_peak",
+                         "y_value": round(vals.get(cat, 0) / GIB, 4), "unit": "GiB",
+                         "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
+                         "bytes": int(vals.get(cat, 0))})
+        for cat, v in sorted(m["live_peak_categories"].items()):  # the training live peak
+            rows.append({"figure": f"{FIGURE}_live_peak", "series": series,
+                         "x_name": "category", "x_value": cat, "y_name": "bytes_at_live_peak",
+                         "y_value": round(v / GIB, 4), "unit": "GiB", "kind": "simulated",
+                         "setup": p["setup"], "stack": p["stack"], "bytes": int(v)})
+        rows.append({"figure": FIGURE, "series": series, "x_name": "category",
+                     "x_value": "peak_reserved (max cached)", "y_name": "bytes_at_peak",
+                     "y_value": round(m["peak_reserved"] / GIB, 4), "unit": "GiB",
+                     "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
+                     "bytes": int(m["peak_reserved"])})
+        rows.append({"figure": FIGURE, "series": series, "x_name": "category",
+                     "x_value": S.OUTSIDE, "y_name": "bytes_at_peak",
+                     "y_value": round(m["outside_allocator"] / GIB, 4), "unit": "GiB",
+                     "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
+                     "bytes": int(m["outside_allocator"])})
+    for r in newest:
+        m, p = r.metrics, r.params
+        if p["part"] != "switch" or p.get("rev") != REV:
+            continue
+        ref = base.get((p["setup"], "modern" if p["how"] == "alone" else "paper2020"))
+        if ref is None:
+            continue
+        delta = (m["peak_reserved"] - ref) if p["how"] == "alone" else (ref - m["peak_reserved"])
+        meta = S.describe(p["switch"])
+        extra = 0
+        if p["switch"] == "cuda_context_nccl_bytes":
+            extra = S.paper2020().cuda_context_nccl_bytes  # capacity, not max cached
+        rows.append({"figure": f"{FIGURE}_switches", "series": f"{p['setup']}, {p['how']}",
+                     "x_name": "switch", "x_value": p["switch"],
+                     "y_name": "peak_reserved_change", "y_value": round(delta / GIB, 4),
+                     "unit": "GiB", "kind": "simulated", "setup": p["setup"], "how": p["how"],
+                     "category": meta["category"], "capacity_change_GiB": -extra / GIB,
+                     "oom": m["oom"], "source": meta["source"]})
+    return rows
+
+
+def plot(table, out_dir: str) -> list[str]:
+    """Stacked bars: per setup x stack, the bytes at the peak of cached memory by category
+    (GiB), the CUDA context + NCCL outside the allocator hatched on top, the V100's 32 GB as a
+    line; right panel: each paper2020 switch's change of max cached at 40B C4 (alone vs
+    modern, in context vs paper2020)."""
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = table[table["figure"] == FIGURE]
+    series = list(dict.fromkeys(t["series"]))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    cats = [c for c in ROWS if (t[t["x_value"] == c]["y_value"] > 0).any()]
+    cmap = plt.get_cmap("tab20")
+    for i, s in enumerate(series):
+        d = t[t["series"] == s].set_index("x_value")["y_value"]
+        bottom = 0.0
+        for k, c in enumerate(cats):
+            v = float(d.get(c, 0.0))
+            ax.bar(i, v, 0.6, bottom=bottom, color=cmap(k), label=c if i == 0 else None,
+                   edgecolor="white", lw=0.4)
+            bottom += v
+        out = float(d.get(S.OUTSIDE, 0.0))
+        if out:
+            ax.bar(i, out, 0.6, bottom=bottom, color="white", edgecolor="0.3", hatch="xx",
+                   label="outside allocator (CUDA context + NCCL)" if "outside" not in
+                   [h.get_label() for h in ax.patches[:0]] else None)
+        ax.annotate(f"{bottom:.1f}", (i, bottom + out), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.axhline(32e9 / GIB, color="0.4", ls="--", lw=1, label="V100 32 GB = 29.8 GiB")
+    ax.set_xticks(range(len(series)), [s.replace(", ", "\n") for s in series], fontsize=8)
+    ax.set_ylabel("Bytes per GPU at the peak of cached memory (GiB = 2^30 B)")
+    ax.set_title("Where did the memory go (400 V100, MP 16; simulated)", fontsize=9.5)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+    ax.set_ylim(0, 36)
+    sw = table[table["figure"] == f"{FIGURE}_switches"]
+    names = list(dict.fromkeys(sw["x_value"]))
+    for k, (how, col) in enumerate((("alone", "C0"), ("in_context", "C3"))):
+        d = sw[sw["how"] == how].set_index("x_value")["y_value"] if "how" in sw else {}
+        ys = [float(d.get(n, 0.0)) if len(d) else 0.0 for n in names]
+        bx.barh([j + (k - 0.5) * 0.38 for j in range(len(names))], ys, 0.38, color=col,
+                label={"alone": "alone: modern + this switch, minus modern",
+                       "in_context": "in context: paper2020 minus (paper2020 without it)"}[how])
+    bx.set_yticks(range(len(names)), names, fontsize=7)
+    bx.invert_yaxis()
+    bx.axvline(0, color="0.3", lw=0.8)
+    bx.set_xlabel("Change of max cached memory at 40B C4 (GiB)")
+    bx.set_title("Cost of each paper2020 switch at 40B C4 (CUDA context: capacity, not cache)",
+                 fontsize=9)
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1,
+              frameon=False)
+    bx.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, out_dir, "memory_breakdown", dpi=150)
