@@ -43,7 +43,7 @@ CASES: dict[str, tuple[dict, str]] = {
     "dropout_neg": ({"model.dropout": -0.1}, "model.dropout"),
     "dropout_one": ({"model.dropout": 1.0}, "model.dropout"),
     "dropout_nan": ({"model.dropout": NAN}, "model.dropout"),
-    "dropout_tp": ({"model.dropout": 0.1}, "model.dropout"),  # smoke runs TP 2
+    "dropout_tp": ({"model.dropout": 0.1, "parallel.tp": 2}, "model.dropout"),
     "init_std_nan": ({"model.init_std": NAN}, "model.init_std"),
     "init_std_inf": ({"model.init_std": INF}, "model.init_std"),
     "init_std0": ({"model.init_std": 0.0}, "model.init_std"),
@@ -55,7 +55,7 @@ CASES: dict[str, tuple[dict, str]] = {
     "world0": ({"parallel.world_size": 0}, "parallel.world_size"),
     "tp0": ({"parallel.tp": 0}, "parallel.tp"),
     "tp_neg": ({"parallel.tp": -1}, "parallel.tp"),
-    "world_tp": ({"parallel.world_size": 3}, "parallel.world_size"),
+    "world_tp": ({"parallel.world_size": 3, "parallel.tp": 2}, "parallel.world_size"),
     "tp_heads": ({"parallel.tp": 3, "parallel.world_size": 3}, "parallel.tp"),
     "world64_cores": ({"parallel.world_size": 64}, "parallel.world_size"),
     # zero
@@ -148,8 +148,9 @@ CASES: dict[str, tuple[dict, str]] = {
     "resume_garbage": ({"checkpoint.resume": "@garbage"}, "checkpoint.resume"),
     "resume_format": ({"checkpoint.resume": "@other_format"}, "checkpoint.resume"),
     "resume_foreign_tp": ({"checkpoint.resume": "@foreign_tp"}, "parallel.tp"),
-    "resume_other_model": ({"checkpoint.resume": "@other_model"}, "model.n_layer"),
-    "resume_past_end": ({"checkpoint.resume": "@past_end"}, "train.steps"),
+    "resume_other_model": ({"checkpoint.resume": "@other_model", "parallel.tp": 2},
+                           "model.n_layer"),
+    "resume_past_end": ({"checkpoint.resume": "@past_end", "parallel.tp": 2}, "train.steps"),
     "ckpt_dir_unwritable": ({"checkpoint.save_every": 2, "checkpoint.dir": "/proc/zr_ckpt"},
                             "checkpoint.dir"),
     # fault
