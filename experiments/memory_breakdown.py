@@ -203,6 +203,13 @@ def plot(table, out_dir: str) -> list[str]:
         bx.barh([j + (k - 0.5) * 0.38 for j in range(len(names))], ys, 0.38, color=col,
                 label={"alone": "alone: modern + this switch, minus modern",
                        "in_context": "in context: paper2020 minus (paper2020 without it)"}[how])
+    if "capacity_change_GiB" in sw:
+        for j, n in enumerate(names):
+            cap = sw[(sw["x_value"] == n)]["capacity_change_GiB"].min()
+            if cap == cap and cap:
+                bx.annotate(f"usable capacity {cap:+.1f} GiB (outside the allocator)", (0, j),
+                            fontsize=6.5, va="center", xytext=(4, 0),
+                            textcoords="offset points", color="C3")
     bx.set_yticks(range(len(names)), names, fontsize=7)
     bx.invert_yaxis()
     bx.axvline(0, color="0.3", lw=0.8)
