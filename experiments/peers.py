@@ -167,6 +167,8 @@ def summarize(records) -> list[dict]:
             continue  # a record of the earlier race (default AdamW peers, no bound): history
         eq, sp = m.get("equivalence", {}), m.get("speed", {})
         table = m["table"]
+        loads = [x for x in m.get("loadavg_1min") or [] if isinstance(x, (int, float))]
+        load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else ""
         for name, s in sp.items():
             e = eq.get(name, {})
             comm = r.comm.get(name, {})
@@ -193,7 +195,8 @@ def summarize(records) -> list[dict]:
                              "process_set": s.get("process_set", 0),
                              "best_peer": s.get("best_peer") or "",
                              "repeats": json.dumps([round(x, 4) for x in reps]) if reps else "",
-                             "detail": _detail(e) if y_name == "max_abs_dparam" else ""})
+                             "detail": _detail(e) if y_name == "max_abs_dparam" else "",
+                             "loadavg_1min": load})
     return rows
 
 
@@ -338,19 +341,28 @@ def _speed_table(t, table: str) -> list[str]:
     return lines
 
 
+def _load_line(t, table: str) -> list[str]:
+    if "loadavg_1min" not in t:
+        return []
+    loads = {str(x) for x in t.loc[t["table"] == table, "loadavg_1min"].dropna() if str(x)}
+    return ["", f"1-minute load average during this table: {', '.join(sorted(loads))}."] \
+        if loads else []
+
+
 def _write_report(t, out_dir: str) -> str:
     lines = ["# Peers: measured step time, distance to the lower bound and equivalence",
-             "", "World 2, fp32, CPU/gloo on a shared 2-core machine (other programs were "
-             "running: the 1-minute load average is in each record's `loadavg_1min`; "
-             "frameworks of one process set are interleaved step by step, so load hits them "
-             "alike, and the spread of 3 repeats, i.e. the medians of 3 consecutive blocks of "
-             "the timed steps, is shown in brackets).", "",
+             "", "World 2, fp32, CPU/gloo on a 2-core machine. Frameworks of one process set "
+             "are interleaved step by step, so load from other programs hits them alike; the "
+             "spread of 3 repeats (the medians of 3 consecutive blocks of the timed steps) is "
+             "shown in brackets. Under each table: the 1-minute load average sampled while it "
+             "ran (the race's own 2 ranks keep it near 2 on 2 cores; well above 2 means other "
+             "programs were running).", "",
              "## Same kernel: every peer with torch.optim.AdamW(fused=True)", "",
-             *_speed_table(t, "same_kernel"), "",
+             *_speed_table(t, "same_kernel"), *_load_line(t, "same_kernel"), "",
              "## As shipped: the peers' default optimizers (zero_repro's fused AdamW as always)",
-             "", *_speed_table(t, "as_shipped"), "",
+             "", *_speed_table(t, "as_shipped"), *_load_line(t, "as_shipped"), "",
              "## Size series (stages 2 and 3, fused AdamW, few steps, no reference)", "",
-             *_speed_table(t, "size"), "",
+             *_speed_table(t, "size"), *_load_line(t, "size"), "",
              "## How to read it", "",
              "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
              "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
