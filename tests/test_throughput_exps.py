@@ -224,3 +224,22 @@ def test_table9_row_order_is_explicit_and_selectable():
         table9.remap(rows, "by_size")
     assert {s.zero_config: s.batch_per_gpu for s in T.figure_setups("fig8", {})
             if s.size_label == "60B"}["C3"] == 8
+
+
+def test_points_and_records_resolve_setups_under_their_table9_order():
+    """A Figure 8 point is read back (simulate, summaries) under the row mapping that planned
+    it: "60B C3" is the batch-8 row under the default Table 7 order, the batch-32 row under
+    c1_to_c5; only a non-default order enters a point's params (committed keys unchanged)."""
+    ser = next(s.series for s in setups("fig8"))
+    assert T.find_setup("fig8", "60B C3", ser).batch_per_gpu == 8
+    assert T.find_setup("fig8", "60B C3", ser, {"table9_order": "c1_to_c5"}).batch_per_gpu == 32
+    assert T.find_setup("fig8", "60B C5", ser).batch_per_gpu == 32
+    assert T.order_params("fig8", {}) == {}
+    assert T.order_params("fig8", {"table9_order": "c1_to_c5"}) == {"table9_order": "c1_to_c5"}
+    assert T.order_params("fig4", {"table9_order": "c1_to_c5"}) == {}
+    sims = by_role(planned("fig8_configs", "+experiment.params.table9_order=c1_to_c5"),
+                   "simulated")
+    c3 = next(pp.point for pp in sims if pp.point.params["setup"] == "60B C3")
+    assert c3.params["table9_order"] == "c1_to_c5"
+    assert all("table9_order" not in pp.point.params
+               for pp in by_role(planned("fig8_configs"), "simulated"))

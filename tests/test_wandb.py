@@ -137,6 +137,20 @@ def test_record_series_logged_as_one_dict_per_step():
     assert step_rows({}) == []
 
 
+def test_resumed_record_series_at_their_true_steps():
+    """A run resumed at step 3 of 6: its own losses are steps 3-5, the checkpoint's 0-2."""
+    m = {"start_step": 3, "losses": [4.0, 3.5, 3.0], "losses_before_start": [6.0, 5.5, 5.0],
+         "grad_norms": [0.3, 0.2, 0.1], "step_times_s": [0.2, 0.25]}
+    rows = step_rows(m)
+    assert [s for s, _ in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[0] == (0, {"loss": 6.0})
+    assert rows[3] == (3, {"loss": 4.0, "grad_norm": 0.3})
+    assert rows[5] == (5, {"loss": 3.0, "grad_norm": 0.1, "step_time_s": 0.25})
+    # without the carried-over losses the series still start at step 3
+    m.pop("losses_before_start")
+    assert [s for s, _ in step_rows(m)] == [3, 4, 5]
+
+
 def test_live_record_is_not_mirrored_twice():
     fake = FakeWandb()
     rec = record()

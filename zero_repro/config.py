@@ -134,7 +134,9 @@ class ClusterConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | torchrun | slurm
-    timeout_min: int = 60
+    # per point: Slurm's --time; on the local launcher the point's ranks are stopped after it
+    # and its record says ``timeout`` (zero_repro.harness.sweep.wall_clock_limit)
+    timeout_min: float = 60.0
     partition: str = ""
     account: str = ""
     collective_timeout_s: float = 300.0

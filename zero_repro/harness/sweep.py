@@ -7,7 +7,8 @@ runs* (a bad point is a user error, not a record). A point whose key is already 
 status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
 Record in ``results/<exp>/points.jsonl`` (``RecordStore.put``, atomic), also when it runs out of
 memory (status ``oom``: a result, the point does not fit), diverges (``diverged``) or fails
-(``failed`` + reason): the sweep goes on. An interrupt (Ctrl-C, SIGTERM) records the running
+(``failed`` + reason) or runs past ``launcher.timeout_min`` on the local launcher (``timeout``:
+its ranks are stopped, ``wall_clock_limit``): the sweep goes on. An interrupt (Ctrl-C, SIGTERM) records the running
 point as ``cancelled`` and stops the sweep; re-running the same command picks up where it
 stopped. A record that is not ``ok`` never replaces an ``ok`` one (``RecordStore.put``).
 
@@ -40,6 +41,7 @@ Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import dataclasses
@@ -47,6 +49,8 @@ import datetime
 import logging
 import math
 import os
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -167,6 +171,41 @@ def point_lock(pp: PlannedPoint) -> FileLock:
 
 
 # ---------------------------------------------------------------------------- one point
+class PointTimedOut(BaseException):
+    """Raised in the main thread when a point runs past ``launcher.timeout_min`` on the local
+    launcher (a BaseException, so no ``except Exception`` on the way swallows it; ``spawn``
+    stops the ranks as it unwinds). Inside a Slurm job Slurm enforces the limit instead."""
+
+
+def point_time_limit_s(cfg: C.Config) -> float:
+    """Wall-clock seconds a point may run on the local launcher (0: no limit here)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return 0.0  # Slurm's --time (the same launcher.timeout_min) ends the job: its state
+    return float(cfg.launcher.timeout_min) * 60.0
+
+
+@contextlib.contextmanager
+def wall_clock_limit(seconds: float, what: str):
+    """Raise ``PointTimedOut`` in the main thread after ``seconds`` (SIGALRM); a no-op for
+    ``seconds <= 0``, off the main thread, or where there is no ``setitimer``."""
+    if (seconds <= 0 or not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def _fire(signum, frame):
+        raise PointTimedOut(f"{what} ran past its wall-clock limit of {seconds / 60:g} min "
+                            f"(launcher.timeout_min): its ranks were stopped")
+
+    old = signal.signal(signal.SIGALRM, _fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
                    store: R.RecordStore | None = None) -> R.Record | None:
     """Run one point under its lock, turn its outcome (result, OOM, divergence, failure) into a
@@ -201,8 +240,12 @@ def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str,
     status, reason, result = "ok", "", {}
     try:
         # names the point's live W&B run (logged by its rank 0, which inherits the environment)
-        with point_environment(sweep_id, cfg.experiment.name, point.name):
+        with point_environment(sweep_id, cfg.experiment.name, point.name), \
+                wall_clock_limit(point_time_limit_s(cfg), f"point {point.name!r}"):
             result = experiment.run_point(cfg, point) or {}
+    except PointTimedOut as e:
+        status, reason = "timeout", str(e)
+        log.warning("point %s (timeout): %s", point.name, reason)
     except (KeyboardInterrupt, Terminated) as e:
         _, reason = R.classify_failure(e)
         store.put(make_record(cfg, point, pp.key, "cancelled", reason or "interrupted", {},
@@ -306,7 +349,7 @@ def slurm_parameters(cfg: C.Config, name: str) -> dict:
     # allocation goes in through additional_parameters, which override those #SBATCH lines
     params: dict[str, Any] = {
         "job_name": f"zr-{name}", "nodes": 1, "ntasks_per_node": 1,
-        "time": cfg.launcher.timeout_min, "use_srun": False,
+        "time": max(1, math.ceil(cfg.launcher.timeout_min)), "use_srun": False,  # whole min
         "additional_parameters": {"nodes": nodes_for(cfg), "ntasks_per_node": per_node},
         "setup": [f"source {os.path.join(repo, 'slurm', 'env.sh')}"],
         # --signal=USR2@<s>: the ranks note it and go on (zero_repro.worker)

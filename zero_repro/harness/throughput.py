@@ -89,8 +89,17 @@ def figure_setups(figure: str, p: dict | None = None) -> list[PaperSetup]:
     return rows
 
 
-def find_setup(figure: str, label: str, series: str) -> PaperSetup:
-    for s in setups(figure):
+def order_params(figure: str, p: dict | None) -> dict:
+    """A point's ``table9_order`` param: only for Figure 8 and only when not the default, so
+    the keys of records made before the mapping was selectable stay valid."""
+    order = (p or {}).get("table9_order", table9.DEFAULT_ORDER)
+    return {"table9_order": order} if figure == "fig8" and order != table9.DEFAULT_ORDER else {}
+
+
+def find_setup(figure: str, label: str, series: str, p: dict | None = None) -> PaperSetup:
+    """The setup a point or record names, under the same Table 9 row mapping that planned it
+    (``p``: the experiment's or the record's params; ``table9_order`` absent = the default)."""
+    for s in figure_setups(figure, p):
         if s.point == label and s.series == series:
             return s
     raise ValueError(f"no setup {label!r} ({series}) in {figure}")
@@ -249,7 +258,8 @@ def simulated_points(cfg, figure: str) -> list[Point]:
             name=_point_name(s, "sim "), mode="simulated",
             params={"role": "simulated", "figure": figure, "setup": s.point, "series": s.series,
                     "zero_config": zc, "batch": b, "batch_source": src,
-                    "sim_cluster": p["sim_cluster"], "use_fig3": bool(p["use_fig3"])},
+                    "sim_cluster": p["sim_cluster"], "use_fig3": bool(p["use_fig3"]),
+                    **order_params(figure, p)},
             overrides={**paper_point_overrides(s, zc, b, p),
                        **cluster_overrides(p["sim_cluster"])}))
     return out
@@ -272,7 +282,7 @@ def cluster_points(cfg, figure: str) -> list[Point]:
         out.append(Point(name=_point_name(s), mode="measured",
                          params={"role": "measured_paper", "figure": figure, "setup": s.point,
                                  "series": s.series, "zero_config": zc, "batch": b,
-                                 "batch_source": src},
+                                 "batch_source": src, **order_params(figure, p)},
                          overrides=ov))
     return out
 
@@ -300,11 +310,11 @@ def plan_points(cfg, figure: str, local_fn) -> list[Point]:
 
 # ------------------------------------------------------------------------------- running
 def simulate(figure: str, label: str, series: str, batch: int, sim_cluster: str,
-             use_fig3: bool = False) -> dict:
+             use_fig3: bool = False, p: dict | None = None) -> dict:
     """The calibrated model's prediction for one paper setup, with the inputs behind it."""
     cal = calibration(sim_cluster, use_fig3)
     hw = hardware(sim_cluster)
-    s = find_setup(figure, label, series)
+    s = find_setup(figure, label, series, p)
     w = workload_for(s, hw, batch_per_gpu=int(batch),
                      overlap_comm=OVERLAP.get(figure, lambda _: False)(s))
     bd = step_time(w, hw, cal.params)
@@ -326,7 +336,7 @@ def run_point(cfg, point: Point) -> dict:
     if role == "simulated":
         q = point.params
         return simulate(q["figure"], q["setup"], q["series"], q["batch"], q["sim_cluster"],
-                        bool(q.get("use_fig3")))
+                        bool(q.get("use_fig3")), q)
     result = run_training(cfg, point.run_dir)
     m = result.setdefault("metrics", {})
     m["aggregate_tflops"] = m["tflops_per_gpu"] * cfg.parallel.world_size

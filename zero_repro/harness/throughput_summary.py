@@ -67,7 +67,7 @@ def paper_scale_rows(records, figure: str, series_of, x_of) -> list[dict]:
             continue
         if r.params.get("figure") != figure:
             continue
-        s = find_setup(figure, r.params["setup"], r.params["series"])
+        s = find_setup(figure, r.params["setup"], r.params["series"], r.params)
         row = base_row(r, figure, series_of(s), x_of(s), r.metrics["tflops_per_gpu"])
         if r.mode == "simulated":
             row.update(sim_inputs(r))

@@ -49,18 +49,26 @@ def point_environment(sweep_id: str, experiment: str, point: str):
                 os.environ[k] = v
 
 
-def step_rows(metrics: dict) -> list[dict]:
-    """Per-step series of a record as one dict per step (step_times_s covers only the timed,
-    last steps: it is aligned to the end)."""
+def step_rows(metrics: dict) -> list[tuple[int, dict]]:
+    """Per-step series of a record as (step, dict) per step at the true step index: the series
+    end at the run's last step (step_times_s covers only the timed, last steps); a resumed
+    run's series start at ``metrics.start_step``, and the losses it carried over from its
+    checkpoint (``losses_before_start``) are logged at steps 0 .. start_step - 1."""
     series = {name: metrics[key] for key, name in STEP_SERIES.items()
               if isinstance(metrics.get(key), list)}
+    start = int(metrics.get("start_step") or 0)
     n = max((len(v) for v in series.values()), default=0)
-    rows: list[dict] = [{} for _ in range(n)]
-    for name, values in series.items():
-        for i, v in enumerate(values, start=n - len(values)):
+    rows: dict[int, dict] = {}
+    before = metrics.get("losses_before_start")
+    if n and isinstance(before, list) and len(before) == start:
+        for i, v in enumerate(before):
             if v is not None:
-                rows[i][name] = v
-    return rows
+                rows.setdefault(i, {})["loss"] = v
+    for name, values in series.items():
+        for i, v in enumerate(values, start=start + n - len(values)):
+            if v is not None:
+                rows.setdefault(i, {})[name] = v
+    return sorted(rows.items())
 
 
 def _load_wandb():
@@ -108,9 +116,8 @@ class WandbMirror:
             kwargs["dir"] = self.directory
         run = self.backend.init(**kwargs)
         try:
-            for step, row in enumerate(step_rows(record.metrics)):
-                if row:
-                    run.log(row, step=step)
+            for step, row in step_rows(record.metrics):
+                run.log(row, step=step)
             summary = {k: v for k, v in flatten(record.metrics).items()
                        if isinstance(v, (int, float, str, bool)) and k not in STEP_SERIES}
             summary.update({k: v for k, v in flatten(record.memory, "memory").items()

@@ -9,14 +9,16 @@ step); ``fused=False`` selects the single-tensor path, operation for operation
 ``torch.optim.AdamW(foreach=False)``. State lives in three contiguous fp32 tensors (master, m,
 v) covering this rank's shard; chunks (one per bucket) are views of them. An fp32 gradient with
 multiplier 1 (no unscale, no clip) is used as it is; otherwise one transient fp32 copy
-``grad × grad_mult`` is made per chunk (the gradient buffers are never modified).
+``grad × grad_mult`` is made per chunk, stepped and dropped before the next chunk's copy is made,
+so the step's transient is one chunk (at most one bucket's shard, 4 bytes per element), not
+4Ψ/N_d bytes for the whole shard (the gradient buffers are never modified).
 
-``step(..., on_chunk=f)`` updates the chunks one kernel call each, in order, and calls ``f(i)``
+The chunks are updated one kernel call each, in order. ``step(..., on_chunk=f)`` calls ``f(i)``
 as soon as chunk i (and its training-dtype cast) is final, so a stage can put chunk i on the
-wire while chunk i+1 is updated. Bit-identical to the one-call form: the fused kernel updates
-each tensor of its list on its own with the same scalars (CPU: one kernel per tensor; CUDA:
-element-wise arithmetic independent of how the list is chunked), and the transient fp32
-gradient copies are made up front in both forms (the same allocations, the dry run's trace).
+wire while chunk i+1 is updated. Bit-identical to one call over all chunks: the fused kernel
+updates each tensor of its list on its own with the same scalars (CPU: one kernel per tensor;
+CUDA: element-wise arithmetic independent of how the list is chunked); tested in
+tests/test_adam_chunks.py.
 """
 from __future__ import annotations
 
@@ -75,18 +77,15 @@ class ShardAdamW:
         ms = [self.exp_avg[off:off + n] for off, n in self.chunks]
         vs = [self.exp_avg_sq[off:off + n] for off, n in self.chunks]
         if self.fused and ps:
-            gs = [self._grad32(p, g, grad_mult) for p, g in zip(ps, grads)]
             self._step_t.fill_(self.step_count)
             kw = dict(lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
                       amsgrad=False, maximize=False)
-            if on_chunk is None:
-                torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_t] * len(ps), **kw)
-            else:
-                for i in range(len(ps)):
-                    torch._fused_adamw_([ps[i]], [gs[i]], [ms[i]], [vs[i]], [],
-                                        [self._step_t], **kw)
+            for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
+                g32 = self._grad32(p, g, grad_mult)  # one fp32 gradient copy alive at a time
+                torch._fused_adamw_([p], [g32], [m], [v], [], [self._step_t], **kw)
+                del g32
+                if on_chunk is not None:
                     self._chunk_done(i, lp_chunks, ps, on_chunk)
-                return
         else:
             bc1 = 1 - b1 ** self.step_count
             bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
@@ -96,6 +95,7 @@ class ShardAdamW:
                 p.mul_(1 - lr * weight_decay)
                 m.lerp_(g32, 1 - b1)
                 v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+                del g32  # before the next chunk's copy is made
                 denom = v.sqrt().div_(bc2_sqrt).add_(eps)
                 p.addcdiv_(m, denom, value=-step_size)
                 if on_chunk is not None:
