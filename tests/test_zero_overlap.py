@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from zero_repro import bench
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
@@ -137,3 +138,16 @@ def test_stage3_keeps_the_turn_and_prefetches_the_next_step():
     s.step()
     assert {u.name for u in s.units if u.state is not UnitState.SHARDED} == first
     s.remove_hooks()
+
+
+def test_ab_schedule_times_cross_step_knobs_only_after_their_own_variant():
+    """bench --ab: a prefetch started at the end of step k is used by step k + 1, so a timed
+    step of a cross-step knob must follow a step of the same variant; A and B are timed
+    equally often, each first and second of a pair equally often."""
+    for knob in ("prefetch_next_step", "overlap_param_gather", "all"):
+        sched = bench._schedule(6, knob)
+        timed = [i for i, (_, t) in enumerate(sched) if t]
+        assert all(i > 0 and sched[i - 1][0] == sched[i][0] for i in timed)
+        assert sum(sched[i][0] for i in timed) == len(timed) // 2 == 6
+    inner = bench._schedule(6, "keep_gathered_turn")
+    assert all(t for _, t in inner) and sum(on for on, _ in inner) == 6

@@ -19,7 +19,9 @@ it acts on (§7 volumes are the same either way):
 One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
 steps (it is read afresh every step, see the stages), so A and B steps alternate A B B A … on
 the same model, data stream and machine load; the machine is shared, so only interleaved
-medians are compared. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
+medians are compared. Knobs that act across the step boundary (``CROSS_STEP``: what step k
+launches is waited for in step k + 1) alternate in blocks of two steps, of which only the
+second is timed: a timed step always follows a step of its own variant. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
 its time the slowest rank's. Per repeat: the median step time of A (knob off, the other knobs
 at their defaults) and of B (knob on) and their ratio B/A; printed: the median ratio over the
 repeats with its spread (min-max), and both medians. Results are bit-identical either way
@@ -100,6 +102,21 @@ def _order(steps: int) -> list[bool]:
     return [(i % 4) in (1, 2) for i in range(2 * steps)]
 
 
+# knobs whose effect crosses a step boundary: what step k starts (the next step's first
+# gathers, the parameter all-gather) is paid in step k and saved in step k + 1
+CROSS_STEP = {"overlap_param_gather", "prefetch_next_step", "all"}
+
+
+def _schedule(steps: int, knob: str) -> list[tuple[bool, bool]]:
+    """(variant, timed) per step. Within-step knobs: A B B A …, every step timed. Cross-step
+    knobs: the same order in blocks of two steps, only the second timed, so every timed step
+    follows a step of its own variant (per-step alternation would credit a B step's prefetch
+    to the A step after it)."""
+    if knob not in CROSS_STEP:
+        return [(on, True) for on in _order(steps)]
+    return [(on, timed) for on in _order(steps) for timed in (False, True)]
+
+
 def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, str]],
                steps: int, warmup: int, repeats: int, micro: int, dtype: str) -> dict:
     out = {}
@@ -123,8 +140,10 @@ def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, 
         reps = []
         for _ in range(repeats):
             times: dict[bool, list[float]] = {False: [], True: []}
-            for on in _order(steps):
-                times[on].append(one_step(on))
+            for on, timed in _schedule(steps, knob):
+                t = one_step(on)
+                if timed:
+                    times[on].append(t)
             reps.append(times)
         out[(stage, knob)] = reps
         strat.remove_hooks()
