@@ -20,6 +20,7 @@ from zero_repro.paper.buckets import PAPER_BUCKETS
 from zero_repro.paper.overrides import paper_overrides
 from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.paper.table3 import zero_r_config
+from zero_repro.simulate import allocator as A
 from zero_repro.simulate import maxsize
 from zero_repro.simulate.dryrun import (
     apply_overrides,
@@ -133,6 +134,57 @@ def test_max_layers_search_is_tight():
     assert r.n_layer >= 3 and verdict[r.n_layer] and not verdict[r.n_layer + 1]
     assert all(j.peak_allocated <= 2.0e9 for j in r.judgements if j.fits)
     assert r.params > 12 * r.n_layer * 8192**2  # weights of the blocks + embeddings
+
+
+class _NoisyJudge:
+    """A judge whose needed capacity is affine in depth plus ±0.5 GB of fragmentation noise
+    (as measured for paper2020 C4 near 29.85 GB), the verdict monotone at ``last``."""
+
+    def __init__(self, last: int, cap: float = 29.85e9, per_layer: float = 0.13e9):
+        self.last, self.cap, self.per_layer = last, cap, per_layer
+        self.memo, self.calls = {}, []
+
+    def need(self, n: int) -> float:
+        noise = 0.5e9 * (((n * 7919) % 11) / 5.0 - 1.0)  # deterministic, in [-0.5, 0.5] GB
+        base = self.cap + (n - self.last - 0.5) * self.per_layer
+        return min(base + noise, self.cap - 1) if n <= self.last else max(base + noise,
+                                                                           self.cap + 1)
+
+    def __call__(self, n: int) -> bool:
+        self.calls.append(n)
+        self.memo[n] = maxsize.Judgement(n, n <= self.last, 0, 0, 0, 0, 0.0, 0,
+                                         int(self.need(n)))
+        return n <= self.last
+
+    def steer(self, j):
+        return j.min_capacity, 0
+
+
+@pytest.mark.parametrize("seed", [180, 169, 199, 150])
+def test_search_with_noisy_capacity_ends_in_few_judgements(seed):
+    judge = _NoisyJudge(last=176)
+    probes = [(21, judge.need(21)), (42, judge.need(42))]
+    n = maxsize._search(judge, seed, 2000, probes, judge.cap)
+    assert n == 176
+    assert len(judge.calls) <= 8, judge.calls
+
+
+def test_min_capacity_is_the_fit_threshold_the_search_steers_on():
+    """allocator.min_capacity: the judged replay fits at it and runs out of memory 2 tol below
+    it; it lies between the peak allocated and the unconstrained peak reserved bytes; every
+    judgement's verdict agrees with it."""
+    res = dry_run(paper_cfg(3, "c4", batch=1), iterations=1, keep_trace=True)
+    ev = res.judged_events()
+    tol = 8 * 2**20
+    m = A.min_capacity(ev, tol=tol)
+    free = A.replay(ev, capacity=None)
+    assert free.peak_allocated <= m <= free.peak_reserved
+    assert not A.replay(ev, capacity=m).oom
+    assert A.replay(ev, capacity=m - 2 * tol).oom
+    assert res.min_capacity() == m
+    r = maxsize.max_layers(paper_cfg(2, "c4", batch=1), capacity=2.0e9, probes=(1, 2),
+                           iterations=1, parallel=False)
+    assert all(j.fits == (j.min_capacity <= 2.0e9 + tol) for j in r.judgements)
 
 
 @pytest.mark.slow

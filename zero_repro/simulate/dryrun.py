@@ -151,6 +151,11 @@ class DryRunResult:
         ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
         return A.replay(self.judged_events(), capacity=capacity).as_dict()
 
+    def min_capacity(self) -> int:
+        """Smallest device capacity (bytes, allocator's share) at which the judged replay does
+        not run out of memory (``allocator.min_capacity``; needs the trace)."""
+        return A.min_capacity(self.judged_events())
+
 
 def device_events(events, host_sids: set[int]):
     """The trace without host-memory storages."""

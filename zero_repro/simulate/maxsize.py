@@ -9,8 +9,10 @@ cached segments, as PyTorch does before raising "CUDA out of memory").
 Search: memory per rank is affine in l to a very good approximation (model states and
 checkpoints grow linearly, working memory does not) once l is past the depth where the
 gradient buckets are full (``probe_depths``), so two cheap dry runs there give a seed
-``l* = l_b + (C - M(l_b)) / slope`` (M = the allocator model's peak allocated bytes); the
-dry run at full size then decides, and secant steps through the judged points close the
+``l* = l_b + (C - M(l_b)) / slope``, M(l) = the smallest capacity at which depth l's judged
+allocator replay does not run out of memory (``allocator.min_capacity``, found by bisecting
+over replays of the one trace: fits iff M(l) <= C, so M is the decisive quantity, fragmentation
+and the cached segments released before an OOM included); the dry run at full size then decides, and secant steps through the judged points close the
 bracket [fits, does not fit] (each judgement a full dry run, typically two per search; results
 are memoised and shared within the process). The analytic model (``measure.analytic``) is
 logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
@@ -65,6 +67,9 @@ class Judgement:
     ledger_model_states: int
     seconds: float  # the dry run's own wall time (it may have run as a probe or in parallel)
     build_peak_live: int = 0  # live bytes during the build (not judged: see module docstring)
+    # smallest capacity at which this depth's judged replay fits (allocator.min_capacity):
+    # fits iff min_capacity <= capacity; the search steers on it
+    min_capacity: int = 0
 
 
 @dataclass
@@ -164,30 +169,27 @@ class DryRunJudge:
         j = Judgement(n_layer, not a["oom"], a["peak_reserved"], a["peak_allocated"],
                       max(res.live_peak_by_iteration.values(), default=0),
                       res.model_state_bytes, res.timings.get("total_s", 0.0),
-                      res.live_peak_by_phase.get("build", 0))
+                      res.live_peak_by_phase.get("build", 0), res.min_capacity())
         if res.live_peak_steady > 1.001 * j.peak_live:
             log.warning("%d layers: a further iteration would peak at %.2f GB live (this one "
                         "%.2f GB): judge with more iterations", n_layer,
                         res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
-        log.info("dry-run judge: %d layers -> %s (reserved %.2f GB, %.1f s)", n_layer,
-                 "fits" if j.fits else "OOM", j.peak_reserved / 1e9, j.seconds)
+        log.info("dry-run judge: %d layers -> %s (needs %.2f of %.2f GB, %.1f s)", n_layer,
+                 "fits" if j.fits else "OOM", j.min_capacity / 1e9, self.capacity / 1e9,
+                 j.seconds)
         return j.fits
 
     def probe(self, n_layer: int) -> int:
-        """Peak allocated bytes (allocator model) at a small depth, far below the capacity
-        (the exact live peak when judging with the build)."""
-        res = self.run(n_layer)
-        if self.with_build:
-            return max(res.live_peak_by_iteration.values(), default=0)
-        return res.allocator["peak_allocated"]
+        """The capacity a small depth needs (``DryRunResult.min_capacity``: the judged
+        replay's own fit threshold, so the seed extrapolates the decisive quantity)."""
+        return self.run(n_layer).min_capacity()
 
     def steer(self, j: "Judgement") -> tuple[int, int]:
-        """(bytes the secant steps on, reserved-over-those slack) of a judgement."""
-        if self.with_build:
-            return j.peak_live, 0
-        return j.peak_allocated, j.peak_reserved - j.peak_allocated
+        """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
+        depth needs, which already holds the allocator's rounding and fragmentation."""
+        return j.min_capacity, 0
 
 
 def _child_dry_run(cfg_dict: dict, iterations: int):
@@ -245,13 +247,9 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
         slope = (mb - ma) / (b - a)
         if slope <= 0:
             raise ValueError("memory does not grow with depth")
-        # aim at the capacity less half the probe's reserved-over-allocated slack: the judge
-        # counts reserved bytes, but its replay releases cached segments before an OOM, so
-        # only part of the slack counts (with the full slack / none, the five Figure 6 seeds
-        # were 1 layer low / high; with half, all five were the last depth that fits)
-        pb = judge.run(b).allocator
-        half_slack = 0 if judge.with_build else (pb["peak_reserved"] - pb["peak_allocated"]) / 2
-        x = b + (cap - half_slack - mb) / slope
+        # the probes measure the capacity each depth needs (fragmentation and the cached
+        # segments the replay releases before an OOM included), ~affine in depth
+        x = b + (cap - mb) / slope
         seed, seed_from = int(x), "probe"
     except (ValueError, ZeroDivisionError) as e:
         log.warning("probe seed failed (%s); using the analytic seed", e)
@@ -275,17 +273,17 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
             capacity: float | None = None) -> int:
     """Largest n in [0, max_n] with judge(n) true (monotone judge), starting at ``seed``.
 
-    Secant steps on the judged peak allocated bytes (memory is ~affine in n) pick the next
-    depth inside the open bracket (lo fits, hi does not); each judged depth shrinks it, so the
-    search ends, usually after 2-3 full dry runs. The step aims at the capacity less the
-    reserved-over-allocated slack seen so far (segment rounding and fragmentation), so the
-    first full run lands on the last depth that fits rather than just past it."""
+    Secant steps on the judged depths' needed capacity (``DryRunJudge.steer``: ~affine in n)
+    pick the next depth inside the open bracket (lo fits, hi does not); each judged depth
+    shrinks it, so the search ends, usually after 2 full dry runs (the seed and seed + 1, run
+    as a parallel pair). A run of outcomes in one direction gallops (1, 2, 4, ... layers); a
+    one-layer secant step inside a closed bracket wider than 3 layers bisects."""
     pts = list(points or [])
     lo, hi, n = 0, max_n + 1, seed
     slack = 0.0
-    # judged with the build (paper2020) the live peak steers and fragmentation is unknown: a
-    # run of nudges in one direction gallops (1, 2, 4, ... layers) instead of creeping by one
-    gallop = bool(getattr(judge, "with_build", False))
+    # a run of nudges in one direction gallops (1, 2, 4, ... layers) instead of creeping by
+    # one (a safeguard: the needed capacity steers well on every stack measured)
+    gallop = True
     streak, last_ok = 0, None
     while hi - lo > 1:
         n = min(max(n, lo + 1), hi - 1)
@@ -310,6 +308,11 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         est = n + int((target - used) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
         if lo < est < hi:
+            # the needed capacity is affine only to ~±0.5 GB (fragmentation): a secant step
+            # of one layer inside a closed bracket wider than 3 layers creeps; bisect instead
+            creep = est == lo + 1 if ok else est == hi - 1
+            if creep and hi <= max_n and hi - lo > 3:
+                est = (lo + hi) // 2
             n, streak = est, 0
             continue
         streak = streak + 1 if (gallop and last_ok == ok) else 0
