@@ -103,7 +103,24 @@ def plot(table, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     t = table[table["figure"] == FIGURE].copy()
-    t["label"] = (t["paper_figure"] + " " + t["x_value"] + " b" + t["batch_per_gpu"].astype(str))
+    # Figure 8's rows under the Table 9 row order(s) that give them (C1, C2 and 170B: both)
+    orders = {}
+    for _, r in t.iterrows():
+        if r["paper_figure"] == "fig8":
+            key = (r["x_value"], r["batch_per_gpu"])
+            orders.setdefault(key, set()).add(str(r["table9_order"]))
+    by_setup: dict = {}
+    for (setup, _b), _o in orders.items():
+        by_setup.setdefault(setup, 0)
+        by_setup[setup] += 1
+
+    def _label(r) -> str:
+        lab = f"{r['paper_figure']} {r['x_value']} b{r['batch_per_gpu']}"
+        if r["paper_figure"] == "fig8" and by_setup.get(r["x_value"], 0) > 1:
+            lab += f" (Table 9 order {r['table9_order']})"
+        return lab
+
+    t["label"] = [_label(r) for _, r in t.iterrows()]
     labels = list(dict.fromkeys(t["label"]))
     fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(labels) + 2.2))
     for k, (stack, col) in enumerate((("paper2020", "C3"), ("modern", "C0"))):
@@ -116,11 +133,16 @@ def plot(table, out_dir: str) -> list[str]:
                 ax.annotate("OOM", (v, y), fontsize=6, va="center", xytext=(2, 0),
                             textcoords="offset points")
     ax.axvline(32e9 / GIB, color="0.4", ls="--", lw=1, label="V100 32 GB = 29.8 GiB")
+    caps = t.loc[t["stack"] == "paper2020", "capacity_GiB"].dropna()
+    if len(caps):  # paper2020 judges against the device less the CUDA context + NCCL
+        ax.axvline(float(caps.iloc[0]), color="C3", ls=":", lw=1.2,
+                   label=f"paper2020 allocator's share ({float(caps.iloc[0]):.1f} GiB: less "
+                         "CUDA context + NCCL)")
     ax.set_yticks(range(len(labels)), labels, fontsize=6.5)
     ax.invert_yaxis()
     ax.set_xlabel("Max cached memory per GPU at the paper's batch (GiB = 2^30 B; dry run)")
     ax.set_title("Memory behind the Figure 4 / 8 predictions (simulated)", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 1.0 / len(labels)),
-              ncol=3, frameon=False)
+              ncol=2, frameon=False)
     fig.tight_layout()
     return save_figure(fig, out_dir, "prediction_memory", dpi=150)

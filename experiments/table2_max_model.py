@@ -135,7 +135,7 @@ def plot(table, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paper = _paper()
-    fig, ax = plt.subplots(figsize=(7.4, 4.8))
+    fig, ax = plt.subplots(figsize=(7.4, 6.4))
     colour = {name: f"C{i}" for i, name in enumerate(SCHEMES.values())}
     for stage, name in SCHEMES.items():
         c = colour[name]
@@ -169,7 +169,9 @@ def plot(table, out_dir: str) -> list[str]:
     ax.set_ylabel("Max model size (B parameters)")
     ax.set_title("Table 2: max model size on 32 GB V100s", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    # below the axes: inside, it covered the Pos+g+p points at MP 1-4
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+              frameon=False)
     fig.tight_layout()
     paths = save_figure(fig, out_dir, 'table2_max_model', dpi=150)
     return paths

@@ -27,11 +27,12 @@ import psutil
 import pytest
 
 from experiments import fig5_convergence, smoke
-from zero_repro import checkpoint
+from zero_repro import checkpoint, cli
 from zero_repro import config as C
 from zero_repro.distributed import launch
 from zero_repro.harness import records as R
 from zero_repro.harness import sweep
+from zero_repro.harness.points import Point
 from zero_repro.train import loop
 from zero_repro.worker import resume_path, run_training
 from zero_repro.zero.strategy import StepInfo
@@ -366,3 +367,34 @@ def test_local_point_past_its_time_limit_is_recorded_timeout(tmp_path):
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _tagged(tag) == []
+
+
+class _OomExperiment:
+    """Two points: one fits, one runs out of memory."""
+
+    @staticmethod
+    def plan(cfg):
+        return [Point(name=f"p{i}", params={"i": i}, mode="simulated") for i in range(2)]
+
+    @staticmethod
+    def run_point(cfg, point):
+        if point.params["i"] == 1:
+            raise MemoryError("CPU allocation of 10 GB failed")
+        return {"y": 1.0}
+
+    @staticmethod
+    def summarize(records):
+        return []
+
+
+def test_cli_exits_nonzero_when_a_point_ran_out_of_memory(tmp_path, capsys):
+    """An ``oom`` record is a result (kept, not run again) but not a success: exit 1."""
+    cfg = C.Config()
+    cfg.experiment.name, cfg.experiment.results_dir = "oomexp", str(tmp_path)
+    cfg.train.progress = False
+    with pytest.raises(SystemExit) as e:
+        cli.run(cfg, _OomExperiment)
+    assert e.value.code == 1
+    recs = R.RecordStore.for_experiment(str(tmp_path), "oomexp").load()
+    assert sorted(r.status for r in recs) == ["ok", "oom"]
+    assert "oom 1" in capsys.readouterr().out

@@ -9,8 +9,10 @@ run. ``experiment.action`` selects what happens:
 * ``run`` (default): run the points not yet in ``results/NAME/points.jsonl``
   (``zero_repro.harness.sweep.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
   to W&B when ``logging.wandb=true``, regenerate ``table.csv`` and ``NAME.png/.pdf``, print a
-  summary. Exit status 1 if a point ended neither ``ok`` nor ``oom`` (OOM is a result: the point
-  does not fit; diverged, cancelled, timeout and failed are not).
+  summary. Exit status 1 if a point that ran ended other than ``ok`` (``oom`` included: it is
+  recorded as a result -- the point does not fit, and it is not run again -- but the command
+  did not produce every number it was asked for; diverged, cancelled, timeout and failed are
+  run again next time).
 * ``plot``: regenerate table and figures from ``results/`` alone (no run).
 * ``list`` (also ``python run.py --help``): the experiments, one line each, and the config
   groups with their options.
@@ -66,7 +68,7 @@ from omegaconf.errors import OmegaConfBaseException
 from zero_repro import config
 from zero_repro.distributed import launch
 from zero_repro.harness import preflight, regenerate, registry, slurm, sweep
-from zero_repro.harness.records import DONE_STATUSES, RecordStore
+from zero_repro.harness.records import RecordStore
 from zero_repro.harness.wandb_log import WandbMirror
 from zero_repro.worker import check_writable
 
@@ -325,7 +327,7 @@ def run(cfg, experiment) -> None:
     if not regenerate.is_reference(cfg.experiment.results_dir):
         print("(your own results, git-ignored; the figure shows them beside the committed "
               "reference set's measured points; experiment.publish=true writes into results/)")
-    if any(r.status not in DONE_STATUSES for r in result.records):
+    if any(r.status != "ok" for r in result.records):
         sys.exit(1)
 
 

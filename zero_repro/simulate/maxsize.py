@@ -276,8 +276,8 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
     Secant steps on the judged depths' needed capacity (``DryRunJudge.steer``: ~affine in n)
     pick the next depth inside the open bracket (lo fits, hi does not); each judged depth
     shrinks it, so the search ends, usually after 2 full dry runs (the seed and seed + 1, run
-    as a parallel pair). A run of outcomes in one direction gallops (1, 2, 4, ... layers); a
-    one-layer secant step inside a closed bracket wider than 3 layers bisects."""
+    as a parallel pair). A run of outcomes in one direction gallops (1, 2, 4, ... layers); once
+    a depth that fits and one that does not are both judged, the search bisects."""
     pts = list(points or [])
     lo, hi, n = 0, max_n + 1, seed
     slack = 0.0
@@ -302,17 +302,21 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         if ok:
             slack = max(slack, extra)
         pts = [p for p in pts if p[0] != n] + [(n, used)]
-        (n1, p1), (n2, p2) = sorted(pts)[-2:] if len(pts) > 1 else ((0, 0.0), pts[0])
+        # slope over the widest baseline (the shallowest probe to this depth): neighbouring
+        # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
+        # fragmentation, so a slope between them is mostly noise
+        (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
+        n2, p2 = n, used
         slope = (p2 - p1) / (n2 - n1) if n2 != n1 else 0.0
         target = capacity - slack
         est = n + int((target - used) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
+        # the needed capacity is affine only to ~±0.5 GB (fragmentation, ~4 layers at 8192
+        # hidden): once both ends of the bracket are judged (lo = 0 is not), bisect
+        if lo in memo and hi <= max_n:
+            n = (lo + hi) // 2
+            continue
         if lo < est < hi:
-            # the needed capacity is affine only to ~±0.5 GB (fragmentation): a secant step
-            # of one layer inside a closed bracket wider than 3 layers creeps; bisect instead
-            creep = est == lo + 1 if ok else est == hi - 1
-            if creep and hi <= max_n and hi - lo > 3:
-                est = (lo + hi) // 2
             n, streak = est, 0
             continue
         streak = streak + 1 if (gallop and last_ok == ok) else 0
