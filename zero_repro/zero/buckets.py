@@ -194,3 +194,29 @@ class ParamGather:
                 hooks.append(m.register_forward_pre_hook(
                     lambda _m, _args, last=last: self.wait_through(last)))
         return hooks
+
+
+class GatheredAfterStep:
+    """The ``Strategy`` methods of a stage whose parameters a ``ParamGather`` all-gathers after
+    the step (stages 1 and 2; mixed in before ``Strategy``). The stage's ``__init__`` calls
+    ``_attach_param_gather`` once its flat parameters and all-gather pool exist."""
+
+    def _attach_param_gather(self, flat: FlatParams, transport: Transport, pool: BufferPool,
+                             inflight: InFlight) -> None:
+        self.param_gather = ParamGather(flat, transport, pool, inflight)
+        self._module_hooks = self.param_gather.module_hooks(self.module)
+
+    def _publish(self) -> None:
+        self.param_gather.publish()
+
+    def _chunk_publisher(self):
+        return self.param_gather.launch if self.zero.overlap_param_gather else None
+
+    def wait_params(self) -> None:
+        self.param_gather.wait_all()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []

@@ -27,13 +27,13 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import FullGrads, ParamGather
+from zero_repro.zero.buckets import FullGrads, GatheredAfterStep
 from zero_repro.zero.flat_buffer import FlatParams
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
 
-class Stage1Os(Strategy):
+class Stage1Os(GatheredAfterStep, Strategy):
     stage = 1
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
@@ -48,8 +48,7 @@ class Stage1Os(Strategy):
         self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight)
         self.ag_inflight = InFlight(t.in_flight_limit)
         self.ag_pool = t.scratch_pool(chunk, self.dtype, self.ag_inflight)
-        self.param_gather = ParamGather(self.flat, t, self.ag_pool, self.ag_inflight)
-        self._module_hooks = self.param_gather.module_hooks(self.module)
+        self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     # ------------------------------------------------------------------ backward
@@ -85,21 +84,6 @@ class Stage1Os(Strategy):
 
     def _zero_grads(self) -> None:
         self.grads.zero()
-
-    def _publish(self) -> None:
-        self.param_gather.publish()
-
-    def _chunk_publisher(self):
-        return self.param_gather.launch if self.zero.overlap_param_gather else None
-
-    def wait_params(self) -> None:
-        self.param_gather.wait_all()
-
-    def remove_hooks(self) -> None:
-        super().remove_hooks()
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

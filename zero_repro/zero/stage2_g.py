@@ -33,13 +33,13 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import Arrivals, ParamGather, bucket_pieces, slot_pieces
+from zero_repro.zero.buckets import Arrivals, GatheredAfterStep, bucket_pieces, slot_pieces
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
 
-class Stage2G(Strategy):
+class Stage2G(GatheredAfterStep, Strategy):
     stage = 2
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
@@ -65,8 +65,7 @@ class Stage2G(Strategy):
         self._slot_idx = {id(p): i for i, p in enumerate(self.flat.params)}
         self._got: list[set[int]] = [set() for _ in part.buckets]  # slots copied into bucket
         self._pieces = slot_pieces(self.flat)
-        self.param_gather = ParamGather(self.flat, t, self.ag_pool, self.ag_inflight)
-        self._module_hooks = self.param_gather.module_hooks(self.module)
+        self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     # ------------------------------------------------------------------ backward
@@ -127,21 +126,6 @@ class Stage2G(Strategy):
 
     def _grad_chunks(self) -> list[torch.Tensor | None]:
         return self.grads.chunks()
-
-    def _publish(self) -> None:
-        self.param_gather.publish()
-
-    def _chunk_publisher(self):
-        return self.param_gather.launch if self.zero.overlap_param_gather else None
-
-    def wait_params(self) -> None:
-        self.param_gather.wait_all()
-
-    def remove_hooks(self) -> None:
-        super().remove_hooks()
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
 
     def _zero_grads(self) -> None:
         self.grads.zero()
