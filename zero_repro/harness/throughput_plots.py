@@ -123,7 +123,7 @@ def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool)
     fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 6.4), squeeze=False)
     ax = axes[0][0]
     if categorical:
-        draw_bars(ax, big, list(dict.fromkeys(big["x_value"])))
+        draw_bars(ax, big, sorted(dict.fromkeys(big["x_value"]), key=str))  # C1..C5
     else:  # a linear x: every model size where it is (a log axis crowds 40-170B together)
         draw_lines(ax, big)
         ax.set_xlim(left=0)
