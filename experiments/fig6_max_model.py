@@ -17,10 +17,11 @@ runtime as it is) is "what today's runtime would fit on the same cluster". A poi
 carry ``stack`` only when it is not ``modern``, so the modern records keep their keys.
 
 Bucket sizes are the paper harness's (reduce 5e8, all-gather 2e8 elements; REFERENCE.md,
-inferred); ``experiment.params.iterations`` training steps per dry run (default 1: the dry
-run's ``live_peak_steady`` -- the first step's live curve plus the state it creates lazily --
-equals the first step's peak at these shapes, and 1 vs 2 steps gave identical peak live and
-peak reserved bytes at 100B C4).
+inferred); ``experiment.params.iterations`` training steps traced per dry run (default 2: the
+second is the step every later one repeats, and each judgement replays it until the caching
+allocator's layout is steady -- ``simulate.dryrun``; with 1 step, fragmentation that builds up
+over later steps is missed, e.g. paper2020 C1 at 60 layers fits 2 steps and runs out of memory
+in its 4th).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def plan(cfg) -> list[Point]:
                              params={"zero_config": s.zero_config, "hidden": s.hidden,
                                      "heads": s.heads, "table7_layers": s.n_layer,
                                      "cluster": cluster,
-                                     "iterations": int(p.get("iterations", 1)),
+                                     "iterations": int(p.get("iterations", 2)),
                                      **stack_params(stack)},
                              overrides={**setup_overrides(s, cluster),
                                         "simulate.stack": stack},
@@ -72,7 +73,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 1)))
+    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 2)))
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
             "capacity_bytes": r.capacity, "seed": r.seed, "seed_from": r.seed_from,
             "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,

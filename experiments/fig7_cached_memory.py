@@ -46,7 +46,7 @@ def stack_params(stack: str) -> dict:
 def plan(cfg) -> list[Point]:
     p = cfg.experiment.params
     cluster = p.get("cluster", "dgx2_v100")
-    its = int(p.get("iterations", 1))
+    its = int(p.get("iterations", 2))
     todo = list(setups("fig7"))
     if p.get("all_100b"):
         s100 = next(s for s in todo if s.size_label == "100B")
@@ -70,7 +70,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=int(point.params.get("iterations", 1)), keep_trace=False)
+    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=False)
     a = r.allocator
     return {"metrics": {"max_cached_memory_GB": a["peak_reserved"] / GB,
                         "peak_allocated_GB": a["peak_allocated"] / GB,

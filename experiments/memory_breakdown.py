@@ -52,7 +52,7 @@ def _setup(label: str):
 def plan(cfg) -> list[Point]:
     p = cfg.experiment.params
     cluster = p.get("cluster", "dgx2_v100")
-    its = int(p.get("iterations", 1))
+    its = int(p.get("iterations", 2))
     pts = []
     for label in p.get("setups") or SETUPS:
         s, zc = _setup(label)
@@ -80,7 +80,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=int(point.params.get("iterations", 1)), keep_trace=False)
+    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=False)
     b = r.breakdown
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,

@@ -68,7 +68,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=1, keep_trace=False)
+    r = dry_run(cfg, iterations=2, keep_trace=False)
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": bool(r.allocator["oom"]),
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
             "live_peak": max(r.live_peak_by_iteration.values(), default=0),

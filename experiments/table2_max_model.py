@@ -76,7 +76,7 @@ def plan(cfg) -> list[Point]:
                              + ("" if stack == "modern" else f" {stack}"),
                              params={"part": "dry-run", "stage": stage, "mp": int(tp),
                                      "hidden": h, "batch": 1,
-                                     "iterations": int(p.get("iterations", 1)),
+                                     "iterations": int(p.get("iterations", 2)),
                                      **stack_params(stack)},
                              overrides=ov, mode="simulated"))
     return pts
@@ -87,7 +87,7 @@ def run_point(cfg, point: Point) -> dict:
         cap = 32e9
         return {"cells": [{"stage": s, "mp": tp, "params": max_params(cap, s, 64, tp)}
                           for s in SCHEMES for tp in (1, 2, 4, 8, 16)]}
-    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 1)))
+    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 2)))
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
             "search_s": r.seconds, "judgements": [vars(j) for j in r.judgements]}
 

@@ -83,3 +83,46 @@ def test_training_trace_drops_build_temporaries():
 def test_zero_size_requests_allocate_nothing(n):
     a = A.CachingAllocator()
     assert a.malloc(n) is None and a.reserved == 0
+
+
+# One closed step (it frees all it allocates) whose caching-allocator layout drifts under a
+# capacity of 52 MiB. Step 1: a 26 MiB, b and c 12 MiB segments each (50 MiB); b, c freed;
+# d (18 MiB) finds no free block >= 18 MiB, would need 68 MiB, so the cached b / c segments are
+# released and d gets its own segment (44 MiB); a, d freed. Step 2: a reuses a's segment,
+# b is best-fit into d's 18 MiB segment (split 12 + 6), c finds no free 12 MiB block and no
+# whole free segment to release: 26 + 18 + 12 = 56 MiB > 52 -> out of memory in step 2.
+DRIFT = [("alloc", 1, 25 * MiB, "forward", 1), ("alloc", 2, 12 * MiB, "forward", 1),
+         ("alloc", 3, 12 * MiB, "forward", 1), ("free", 2, 12 * MiB, "forward", 1),
+         ("free", 3, 12 * MiB, "forward", 1), ("alloc", 4, 18 * MiB, "forward", 1),
+         ("free", 1, 25 * MiB, "forward", 1), ("free", 4, 18 * MiB, "forward", 1)]
+
+
+def test_a_step_that_fits_once_can_run_out_of_memory_when_repeated():
+    assert A.closed_from(DRIFT, 0)
+    once = A.replay(DRIFT, capacity=52 * MiB)
+    assert not once.oom and once.peak_reserved == 50 * MiB
+    twice = A.replay(DRIFT + DRIFT, capacity=52 * MiB)  # closed: the same ids again
+    assert twice.oom and twice.oom_request == 12 * MiB
+    steady = A.replay(DRIFT, capacity=52 * MiB, repeat_from=0)
+    assert steady.oom and steady.oom_request == 12 * MiB
+    first = A.replay(DRIFT, capacity=52 * MiB, repeat_from=0, stop_at_oom=True)
+    assert first.oom and first.repeats == 0  # stopped inside its first repetition
+    # the fit threshold with the repetition is the 56 MiB of step 2, not step 1's 50 MiB
+    assert A.min_capacity(DRIFT, tol=MiB) <= 51 * MiB
+    assert 55 * MiB <= A.min_capacity(DRIFT, tol=MiB, repeat_from=0) <= 57 * MiB
+
+
+def test_the_steady_replay_equals_the_repetitions_written_out():
+    for cap in (56 * MiB, 60 * MiB, 80 * MiB, None):
+        st = A.replay(DRIFT, capacity=cap, repeat_from=0)
+        assert st.steady and not st.oom and 1 <= st.repeats <= A.MAX_REPEATS
+        for extra in (st.repeats, st.repeats + 3):  # past the fixed point nothing changes
+            out = A.replay(DRIFT * (1 + extra), capacity=cap)
+            assert (out.oom, out.peak_reserved, out.peak_allocated, out.reserved_end) == \
+                (st.oom, st.peak_reserved, st.peak_allocated, st.reserved_end)
+
+
+def test_only_a_closed_step_is_repeated():
+    assert not A.closed_from(DRIFT[:-1], 0)  # keeps d into the next step
+    assert not A.closed_from([("free", 9, MiB, "forward", 1)] + DRIFT, 0)  # frees older state
+    assert A.closed_from([("alloc", 9, MiB, "build", 0)] + DRIFT, 1)

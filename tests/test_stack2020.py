@@ -322,8 +322,9 @@ def test_contiguous_only_with_pa_removes_the_arena_without_pa():
     block inputs themselves (n_layer checkpoint storages instead of one)."""
     def ckpt_storages(r):
         return {sid for sid, c in r.category_of.items() if c == S.CHECKPOINTS}
-    base = DR.dry_run(_tiny_cfg("C3", n_layer=3))
-    one = DR.dry_run(_tiny_cfg("C3", only=["contiguous_ckpt_only_with_pa"], n_layer=3))
+    base = DR.dry_run(_tiny_cfg("C3", n_layer=3), iterations=1)
+    one = DR.dry_run(_tiny_cfg("C3", only=["contiguous_ckpt_only_with_pa"], n_layer=3),
+                     iterations=1)  # one step: n_layer storages (a second step has its own)
     assert len(ckpt_storages(base)) == 1 and len(ckpt_storages(one)) == 3
     # the same checkpoint bytes (b·s·h·2 per layer), in n_layer storages instead of one arena
     assert _alloc_totals(one)[S.CHECKPOINTS] == _alloc_totals(base)[S.CHECKPOINTS] == 3 * 2 * 32 * 64 * 2

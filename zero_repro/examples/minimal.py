@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
             x, y = rank_batch(source, step, cfg.train.micro_batch_size, topo.dp, topo.dp_rank)
             x, y = x.to(device), y.to(device)
             # (5) one step
-            _, loss = strategy.module(x, y)
+            loss = strategy.module(x, y)[1]  # the logits are not kept through backward
             strategy.backward(loss)
             info = strategy.step()
             strategy.zero_grad()

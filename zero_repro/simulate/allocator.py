@@ -21,6 +21,17 @@ max_split_size, no expandable segments, one stream):
     the replay records an OOM (the allocation is then made anyway, so the trace continues and
     ``peak_reserved`` says by how much it overflowed).
 
+Steady state (``replay(..., repeat_from=i)``): a training run repeats one iteration's
+allocations thousands of times, and under a capacity the allocator's layout can drift for
+several of them (segments released on a failed allocation come back in another order and
+size; C1 at 60 layers under paper2020 needs 25.5 GiB through 2 iterations, 31.1 GiB from the
+5th on). The replay therefore repeats ``events[i:]`` -- one closed iteration: every storage it
+allocates it also frees -- until the allocator's state at the end of a repetition (the ordered
+segments and the size / in-use flag of every block in them) equals the state at the end of
+the previous one: from then on every repetition makes the same decisions, so the result
+(peaks, OOM) is the one of an arbitrarily long run. ``ReplayResult.repeats`` says how many
+repetitions that took and ``steady`` whether the state settled within ``max_repeats``.
+
 ``peak_reserved`` is the high-water mark of the segment bytes (what Figure 7 plots);
 ``peak_allocated`` the high-water mark of handed-out (rounded) block bytes; fragmentation =
 1 - peak_allocated / peak_reserved (cache that never held live blocks at once).
@@ -90,6 +101,8 @@ class ReplayResult:
     oom: bool = False
     oom_request: int = 0  # first request that did not fit (rounded bytes)
     capacity: float | None = None
+    repeats: int = 0  # repetitions of the repeated iteration replayed (``replay(repeat_from)``)
+    steady: bool = False  # the allocator state settled within them (a fixed point)
 
     @property
     def fragmentation(self) -> float:
@@ -168,6 +181,19 @@ class CachingAllocator:
         self.reserved -= freed
         return freed
 
+    def state(self) -> tuple:
+        """The allocator's state up to address translation: per segment in address order, its
+        pool and its blocks' (size, in use). Two equal states make the same decisions for the
+        same requests (best fit breaks ties by address order, not by address)."""
+        out = []
+        for seg in sorted(self._segments, key=lambda k: self._segments[k][0]):
+            b, blocks = self._seg_head[seg], []
+            while b is not None:
+                blocks.append((b.size, b.allocated))
+                b = b.next
+            out.append((self._segments[seg][2], tuple(blocks)))
+        return tuple(out)
+
     # ------------------------------------------------------------------ malloc / free
     def malloc(self, nbytes: int) -> _Block | None:
         if nbytes <= 0:
@@ -233,34 +259,77 @@ class CachingAllocator:
             r.n_segments_peak = len(self._segments)
 
 
-def replay(events, capacity: float | None = None) -> ReplayResult:
-    """Replay (kind, sid, nbytes, ...) events (kind ``alloc``/``free``) through the model."""
+MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a steady state
+
+
+def closed_from(events, start: int) -> bool:
+    """Whether ``events[start:]`` is closed: it frees only storages it allocated and frees all
+    of them (so it can be replayed again and again with the same storage ids)."""
+    born: set = set()
+    for ev in events[start:]:
+        if ev[0] == "alloc":
+            born.add(ev[1])
+        elif ev[1] in born:
+            born.discard(ev[1])
+        else:
+            return False
+    return not born
+
+
+def replay(events, capacity: float | None = None, repeat_from: int | None = None,
+           max_repeats: int = MAX_REPEATS, stop_at_oom: bool = False) -> ReplayResult:
+    """Replay (kind, sid, nbytes, ...) events (kind ``alloc``/``free``) through the model.
+
+    ``repeat_from``: then replay ``events[repeat_from:]`` (a closed iteration, ``closed_from``)
+    again until the allocator state repeats (module docstring: steady state) or
+    ``max_repeats``. ``stop_at_oom``: return at the first OOM (a fit decision needs no more)."""
     alloc = CachingAllocator(capacity)
     live: dict[int, tuple[_Block | None, int]] = {}
-    for ev in events:
-        kind, sid, nbytes = ev[0], ev[1], ev[2]
-        if kind == "alloc":
-            live[sid] = (alloc.malloc(nbytes), nbytes)
-        else:
-            blk = live.pop(sid, None)
-            if blk is not None:
-                alloc.free(*blk)
-    alloc.result.reserved_end = alloc.reserved
-    return alloc.result
+    res = alloc.result
+
+    def run(evs) -> bool:
+        for ev in evs:
+            kind, sid, nbytes = ev[0], ev[1], ev[2]
+            if kind == "alloc":
+                live[sid] = (alloc.malloc(nbytes), nbytes)
+                if stop_at_oom and res.oom:
+                    return False
+            else:
+                blk = live.pop(sid, None)
+                if blk is not None:
+                    alloc.free(*blk)
+        return True
+
+    ok = run(events)
+    if ok and repeat_from is not None:
+        tmpl = events[repeat_from:]
+        before = alloc.state()
+        for r in range(1, max_repeats + 1):
+            if not run(tmpl):
+                break
+            res.repeats = r
+            after = alloc.state()
+            if after == before:
+                res.steady = True
+                break
+            before = after
+    res.reserved_end = alloc.reserved
+    return res
 
 
-def min_capacity(events, tol: float = 8 * 2**20) -> int:
+def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None) -> int:
     """The smallest device capacity (bytes, within ``tol``) at which ``events`` replay without
     running out of memory: the quantity a fit decision actually compares with the device
     (fits iff min_capacity <= capacity, the allocator releasing its cached segments before an
     OOM as PyTorch does). Bisection between the peak allocated bytes (nothing fits below) and
     the peak reserved bytes of the unconstrained replay (fits there); each step is one replay
-    (~0.05 s per 10^4 events), ~10 steps at paper scale."""
-    free = replay(events, capacity=None)
+    (~0.05 s per 10^4 events), ~10 steps at paper scale. ``repeat_from``: every replay runs to
+    the allocator's steady state (``replay``), so the answer holds for a long run."""
+    free = replay(events, capacity=None, repeat_from=repeat_from)
     lo, hi = float(free.peak_allocated) - 1.0, float(free.peak_reserved)
     while hi - lo > tol:
         mid = (lo + hi) / 2
-        if replay(events, capacity=mid).oom:
+        if replay(events, capacity=mid, repeat_from=repeat_from, stop_at_oom=True).oom:
             lo = mid
         else:
             hi = mid

@@ -24,7 +24,18 @@ What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
   * the trace replayed through the CUDA caching-allocator model (``simulate.allocator``):
     peak allocated, peak reserved ("max cached memory", Figure 7) and fragmentation.
 
-One training step is the default: a further step repeats the first one's allocations except
+Two training steps are the default, and every judged replay runs to the allocator's steady
+state: the second step allocates exactly what every later one does (the first also creates the
+lazy state: Adam moments, C_B buffers, the M_D arena), so the replays repeat it
+(``allocator.replay(repeat_from=...)``, ``DryRunResult.repeat_from``) until the caching
+allocator's layout stops changing -- under a capacity it can drift for several steps (segments
+released on a failed allocation come back in another order), and a depth that fits its first
+two steps can run out of memory in its fifth (paper2020 C1 at 60 layers needs 25.5 GiB through
+2 steps, 31.1 GiB from the 5th on). The repeated step must be closed (it frees what it
+allocates and nothing older); a trace whose last step is not (one step only, or a step that
+keeps a storage into the next) is judged as traced, without repetition.
+
+Older note on the live peak: a further step repeats the first one's allocations except
 the state the first creates lazily (C_B buffers, the M_D arena, ...), so ``live_peak_steady``
 -- the last step's live curve plus the lazily created bytes allocated after each point --
 predicts the next step's peak from one step's trace (tests check it equals a real second
@@ -143,18 +154,51 @@ class DryRunResult:
         as after ``empty_cache()`` at the end of the build."""
         if not self.trace:
             raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
-        dev = device_events(self.trace, set(self.host_sids))
-        return dev if self.judged_with_build else A.training_trace(dev)
+        return judged_trace(self.trace, self.host_sids, self.judged_with_build)
 
     def replay(self, capacity: float | None) -> dict:
-        """The judged allocator replay again, with another capacity (needs the trace:
-        ``keep_trace=True``); e.g. one dry run both probes (no capacity) and judges."""
-        return A.replay(self.judged_events(), capacity=capacity).as_dict()
+        """The judged allocator replay again (to the steady state), with another capacity
+        (needs the trace: ``keep_trace=True``); e.g. one dry run both probes and judges."""
+        ev = self.judged_events()
+        return A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
 
     def min_capacity(self) -> int:
         """Smallest device capacity (bytes, allocator's share) at which the judged replay does
-        not run out of memory (``allocator.min_capacity``; needs the trace)."""
-        return A.min_capacity(self.judged_events())
+        not run out of memory in the steady state (``allocator.min_capacity``; needs the
+        trace)."""
+        ev = self.judged_events()
+        return A.min_capacity(ev, repeat_from=repeat_start(ev))
+
+
+def judged_trace(trace, host_sids, with_build: bool) -> list:
+    """The device events a judge replays (``DryRunResult.judged_events``)."""
+    dev = device_events(trace, set(host_sids))
+    return dev if with_build else A.training_trace(dev)
+
+
+def repeat_start(events) -> int | None:
+    """Index of the last training iteration's first event when that iteration can be repeated
+    (closed, and not the first: the first creates the lazy state); None otherwise."""
+    last = None
+    for i in range(len(events) - 1, -1, -1):
+        if events[i][3] != "build":
+            last = events[i][4]
+            break
+    if not last:  # no training phase, or only iteration 0
+        return None
+    start = next(i for i, e in enumerate(events) if e[3] != "build" and e[4] == last)
+    end = max(i for i in range(start, len(events)) if events[i][3] != "build") + 1
+    # events after the last training event (the run's teardown) are dropped by the caller
+    return start if end == len(events) and A.closed_from(events, start) else None
+
+
+def without_teardown(events) -> list:
+    """The trace up to its last training event (what the run frees when it ends is not a
+    step: a repeated step must end the trace)."""
+    for i in range(len(events) - 1, -1, -1):
+        if events[i][3] != "build":
+            return events[:i + 1]
+    return events
 
 
 def device_events(events, host_sids: set[int]):
@@ -269,7 +313,7 @@ def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
     return stack.capacity_bytes(dev) if dev > 0 else None
 
 
-def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool = True,
+def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
             allocator_capacity: float | None = None, stack: S.Stack | None = None
             ) -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
@@ -320,15 +364,24 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 1, keep_trace: bool 
             del model, ckpt, strategy
     finally:
         comm.destroy_process_group()
-    events = tracer.events
+    events = without_teardown(tracer.events)
     dev = device_events(events, host)
     host_bytes = sum(e[2] for e in events if e[1] in host and e[0] == ALLOC)
     peak, by_phase, by_iter = live_peaks(dev)
     with_build = judges_with_build(stack, cfg)
-    judged = dev if with_build else A.training_trace(dev)
-    alloc_judged = A.replay(judged, capacity=cap).as_dict()
-    alloc_all = alloc_judged if with_build else A.replay(dev, capacity=cap).as_dict()
-    brk = K.breakdown(judged, tracer.category_of, capacity=cap)
+    judged = judged_trace(events, host, with_build)
+    rep = repeat_start(judged)
+    if rep is None and iterations > 1:
+        log.warning("dry run: the last step is not closed (it keeps a storage into the next "
+                    "or frees an older one): judged as traced, without the steady state")
+    alloc_judged = A.replay(judged, capacity=cap, repeat_from=rep).as_dict()
+    rep_dev = repeat_start(dev)
+    alloc_all = (alloc_judged if with_build else
+                 A.replay(dev, capacity=cap, repeat_from=rep_dev).as_dict())
+    # the breakdown reads the peak of the steady replay: the trace with the repeated step
+    # written out as often as the judged replay repeated it (same storage ids: it is closed)
+    steady_judged = judged + (judged[rep:] * alloc_judged["repeats"] if rep is not None else [])
+    brk = K.breakdown(steady_judged, tracer.category_of, capacity=cap)
     timings["total_s"] = time.perf_counter() - t_start
     ident = {"model": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
              "seq_len": m.seq_len, "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,

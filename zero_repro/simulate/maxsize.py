@@ -4,7 +4,10 @@ The question "does a model of l layers (hidden h fixed, the paper's Table 7 fami
 a device of C bytes" is answered by running the real runtime on fake tensors
 (``simulate.dryrun``) and replaying its allocation trace through the caching-allocator model
 with capacity C: the model fits iff that replay never runs out of memory (after releasing
-cached segments, as PyTorch does before raising "CUDA out of memory").
+cached segments, as PyTorch does before raising "CUDA out of memory") -- in the steady state:
+two steps are traced and the replay repeats the second until the allocator's layout settles
+(``simulate.dryrun``), so a depth whose fragmentation only builds up over later steps does not
+"fit" on the strength of its first two.
 
 Search: memory per rank is affine in l to a very good approximation (model states and
 checkpoints grow linearly, working memory does not) once l is past the depth where the
@@ -70,6 +73,10 @@ class Judgement:
     # smallest capacity at which this depth's judged replay fits (allocator.min_capacity):
     # fits iff min_capacity <= capacity; the search steers on it
     min_capacity: int = 0
+    # the judged replay repeated the last traced step this often before the allocator's
+    # state settled (steady) -- or until the OOM (allocator.replay, repeat_from)
+    repeats: int = 0
+    steady: bool = False
 
 
 @dataclass
@@ -98,7 +105,7 @@ class DryRunJudge:
     _shared: dict = {}  # (resolved config, iterations) -> DryRunResult; bounded below
     _SHARED_MAX = 48
 
-    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 1):
+    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
         # paper2020: the judged replay includes the build, whose cached blocks inflate the
         # reserved-over-allocated slack but are released before an OOM; the search then steers
@@ -169,16 +176,17 @@ class DryRunJudge:
         j = Judgement(n_layer, not a["oom"], a["peak_reserved"], a["peak_allocated"],
                       max(res.live_peak_by_iteration.values(), default=0),
                       res.model_state_bytes, res.timings.get("total_s", 0.0),
-                      res.live_peak_by_phase.get("build", 0), res.min_capacity())
+                      res.live_peak_by_phase.get("build", 0), res.min_capacity(),
+                      a["repeats"], a["steady"])
         if res.live_peak_steady > 1.001 * j.peak_live:
             log.warning("%d layers: a further iteration would peak at %.2f GB live (this one "
                         "%.2f GB): judge with more iterations", n_layer,
                         res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
-        log.info("dry-run judge: %d layers -> %s (needs %.2f of %.2f GB, %.1f s)", n_layer,
-                 "fits" if j.fits else "OOM", j.min_capacity / 1e9, self.capacity / 1e9,
-                 j.seconds)
+        log.info("dry-run judge: %d layers -> %s (needs %.2f of %.2f GB, %.1f s, steady after "
+                 "%d repeats of the last step)", n_layer, "fits" if j.fits else "OOM",
+                 j.min_capacity / 1e9, self.capacity / 1e9, j.seconds, j.repeats)
         return j.fits
 
     def probe(self, n_layer: int) -> int:
@@ -223,7 +231,7 @@ def probe_depths(cfg: C.Config, analytic_seed: int) -> tuple[int, int]:
 
 def max_layers(cfg: C.Config, capacity: float | None = None,
                probes: tuple[int, int] | None = None, max_n: int = 2000,
-               iterations: int = 1, parallel: bool | None = None) -> MaxSizeResult:
+               iterations: int = 2, parallel: bool | None = None) -> MaxSizeResult:
     """Largest ``model.n_layer`` (hidden, heads and everything else from ``cfg``) whose dry run
     fits ``capacity`` bytes (default: the cluster's device memory).
 

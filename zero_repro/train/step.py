@@ -44,7 +44,10 @@ def train_step(strategy: Strategy, micro_batches: Iterable[Batch], *,
             batch = next(batches, None)
             if batch is None:
                 break
-            _, loss = strategy.module(*batch)
+            # the logits are not kept: a name bound to them would hold b·s·V/t elements through
+            # backward and the step (found by the dry run's trace: a storage of the forward
+            # freed only when the next iteration rebinds the name)
+            loss = strategy.module(*batch)[1]
             if on_loss is not None:
                 on_loss(loss.detach())
             if after_forward is not None:
