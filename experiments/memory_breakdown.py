@@ -184,8 +184,11 @@ def plot(table, out_dir: str) -> list[str]:
             ax.bar(i, out, 0.6, bottom=bottom, color="white", edgecolor="0.3", hatch="xx",
                    label="outside allocator (CUDA context + NCCL)" if "outside" not in
                    [h.get_label() for h in ax.patches[:0]] else None)
+        # the cached total (GiB) above the bar and its hatched box, on a white box so that
+        # the capacity line behind it does not run through the digits
         ax.annotate(f"{bottom:.1f}", (i, bottom + out), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+                    xytext=(0, 3), textcoords="offset points",
+                    bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none"})
     ax.axhline(32e9 / GIB, color="0.4", ls="--", lw=1, label="V100 32 GB = 29.8 GiB")
     ax.set_xticks(range(len(series)), [s.replace(", ", "\n") for s in series], fontsize=8)
     ax.set_ylabel("Bytes per GPU at the peak of cached memory (GiB = 2^30 B)")
@@ -197,12 +200,21 @@ def plot(table, out_dir: str) -> list[str]:
     ax.set_ylim(0, 36)
     sw = table[table["figure"] == f"{FIGURE}_switches"]
     names = list(dict.fromkeys(sw["x_value"]))
-    for k, (how, col) in enumerate((("alone", "C0"), ("in_context", "C3"))):
-        d = sw[sw["how"] == how].set_index("x_value")["y_value"] if "how" in sw else {}
-        ys = [float(d.get(n, 0.0)) if len(d) else 0.0 for n in names]
-        bx.barh([j + (k - 0.5) * 0.38 for j in range(len(names))], ys, 0.38, color=col,
+    # only the comparisons this run computed ("in context" is an optional second series)
+    hows = [h for h in ("alone", "in_context") if "how" in sw and (sw["how"] == h).any()]
+    width = 0.76 / max(len(hows), 1)
+    for k, how in enumerate(hows):
+        col = {"alone": "C0", "in_context": "C3"}[how]
+        d = sw[sw["how"] == how].set_index("x_value")["y_value"]
+        ys = [float(d.get(n, 0.0)) for n in names]
+        pos = [j + (k - (len(hows) - 1) / 2) * width for j in range(len(names))]
+        bx.barh(pos, ys, width, color=col,
                 label={"alone": "alone: modern + this switch, minus modern",
                        "in_context": "in context: paper2020 minus (paper2020 without it)"}[how])
+        for y, v in zip(pos, ys):
+            if abs(v) >= 0.005:
+                bx.annotate(f"{v:+.2f}", (max(v, 0.0), y), va="center", fontsize=6.5,
+                            xytext=(3, 0), textcoords="offset points")
     if "capacity_change_GiB" in sw:
         for j, n in enumerate(names):
             cap = sw[(sw["x_value"] == n)]["capacity_change_GiB"].min()
@@ -210,6 +222,8 @@ def plot(table, out_dir: str) -> list[str]:
                 bx.annotate(f"usable capacity {cap:+.1f} GiB (outside the allocator)", (0, j),
                             fontsize=6.5, va="center", xytext=(4, 0),
                             textcoords="offset points", color="C3")
+    lo, hi = bx.get_xlim()
+    bx.set_xlim(lo, hi + 0.08 * (hi - lo))  # room for the value labels
     bx.set_yticks(range(len(names)), names, fontsize=7)
     bx.invert_yaxis()
     bx.axvline(0, color="0.3", lw=0.8)
