@@ -151,3 +151,33 @@ def test_ab_schedule_times_cross_step_knobs_only_after_their_own_variant():
         assert sum(sched[i][0] for i in timed) == len(timed) // 2 == 6
     inner = bench._schedule(6, "keep_gathered_turn")
     assert all(t for _, t in inner) and sum(on for on, _ in inner) == 6
+
+
+def test_overlap_param_gather_defaults_to_the_devices_schedule():
+    """None (the default): on for GPU ranks, off on CPU, where gloo's transfers compete with
+    Adam and the next forward for the cores (results/peers/overlap_ab.md: 11% slower at
+    stage 2 on 2 cores). ``train.build`` resolves it by ``cluster.device`` (so the dry run of a
+    GPU cluster, on CPU fake tensors, takes the GPU schedule); a strategy built directly
+    resolves it by the device of its flat buffers."""
+    from zero_repro import config as C
+    from zero_repro.train.build import build
+
+    assert ZeroConfig().overlap_param_gather is None
+    assert C.effective_zero(ZeroConfig(), "cuda").overlap_param_gather is True
+    assert C.effective_zero(ZeroConfig(), "cpu").overlap_param_gather is False
+    assert C.effective_zero(ZeroConfig(overlap_param_gather=True), "cpu").overlap_param_gather
+    for stage in (1, 2):
+        topo = Topology.build(1)
+        model = GPT(CFG, topo.tp_group)
+        s = build_strategy(model, topo, ZeroConfig(stage=stage), TrainConfig(micro_batch_size=2))
+        assert s._chunk_publisher() is None  # CPU tensors: the all-gather completes in step()
+        s.remove_hooks()
+        cfg = C.Config()
+        cfg.model = CFG
+        cfg.zero = ZeroConfig(stage=stage)
+        for device, on in (("cpu", False), ("cuda", True)):
+            cfg.cluster = dataclasses.replace(cfg.cluster, device=device)
+            _, _, s = build(cfg, Topology.build(1), torch.device("cpu"))
+            assert s.zero.overlap_param_gather is on
+            assert (s._chunk_publisher() is not None) is on
+            s.remove_hooks()

@@ -6,10 +6,11 @@ CLI calls it before any worker process starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -71,8 +72,11 @@ class ZeroConfig:
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
     # stages 1-2: a bucket's parameter all-gather starts as soon as Adam updated its chunk and
     # the next forward waits per module for the buckets it reads (bit-identical results). Off:
-    # the all-gather completes inside step()
-    overlap_param_gather: bool = True
+    # the all-gather completes inside step(). None (default): on when the ranks run on GPUs
+    # (cluster.device=cuda: NCCL transfers on their own engines), off on CPU, where gloo's
+    # transfers take the cores Adam and the next forward need (measured 11% slower at stage 2
+    # on 2 cores: results/peers/overlap_ab.md). ``effective_zero`` resolves it.
+    overlap_param_gather: Optional[bool] = None
     # stage 3: the next forward's first gathers (root, first ``prefetch_blocks`` blocks) start
     # in step() as soon as Adam updated their shards, overlapping the rest of the update
     prefetch_next_step: bool = True
@@ -286,6 +290,14 @@ def _positive(value, key: str) -> None:
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
             and math.isfinite(value)):
         raise ValueError(f"{key}={value!r} must be a positive number")
+
+
+def effective_zero(zero: "ZeroConfig", device_type: str) -> "ZeroConfig":
+    """``zero`` with its automatic knobs resolved for ranks on ``device_type`` (``cuda`` |
+    ``cpu``): ``overlap_param_gather`` None -> on for CUDA, off for CPU."""
+    if zero.overlap_param_gather is None:
+        return dataclasses.replace(zero, overlap_param_gather=device_type == "cuda")
+    return zero
 
 
 def validate(cfg: Config) -> Config:

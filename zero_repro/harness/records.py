@@ -55,6 +55,8 @@ KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
 KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
 # knobs added after records were committed, left out of the key at these values (their
 # default) so the committed keys stay valid; any other value enters the key as usual
+# (overlap_param_gather's default became None = automatic later: None enters the key, so a
+# CPU point of the new default -- overlap off -- never reuses a record made with it on)
 KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
                                "keep_gathered_turn": True}}
 SCHEMA_VERSION = 1

@@ -67,7 +67,10 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     if cfg.zero_r.activation_checkpointing:
         ckpt = (make_ckpt or apply_activation_checkpointing)(model, topo, cfg.zero_r)
     if make_strategy is None:
-        strategy = build_strategy(model, topo, cfg.zero, cfg.train, cfg.zero_r)
+        # automatic knobs resolved for the cluster's device, not this process's (the dry run
+        # of a GPU cluster runs on CPU fake tensors and must take the GPU schedule)
+        strategy = build_strategy(model, topo, C.effective_zero(cfg.zero, cfg.cluster.device),
+                                  cfg.train, cfg.zero_r)
     else:
         strategy = make_strategy(model, topo, cfg)
     return model, ckpt, strategy

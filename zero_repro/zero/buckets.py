@@ -210,7 +210,10 @@ class GatheredAfterStep:
         self.param_gather.publish()
 
     def _chunk_publisher(self):
-        return self.param_gather.launch if self.zero.overlap_param_gather else None
+        on = self.zero.overlap_param_gather
+        if on is None:  # automatic, strategy built directly: by the device it runs on
+            on = self.param_gather.group.flat.device.type == "cuda"
+        return self.param_gather.launch if on else None
 
     def wait_params(self) -> None:
         self.param_gather.wait_all()
