@@ -37,8 +37,8 @@ from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 from zero_repro.model.flops import param_count
 from zero_repro.peers import report
-from zero_repro.peers.runners import (DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH,
-                                      PeerSpec, process_sets, run_peers)
+from zero_repro.peers.frameworks import DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH
+from zero_repro.peers.runners import PeerSpec, process_sets, run_peers
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from zero_repro import config as C
 from zero_repro.cli import conf_dir
 from zero_repro.harness import regenerate
 from zero_repro.harness import sweep
-from zero_repro.peers.runners import (DEEPSPEED_PEERS, LOWER_BOUND, OURS, PATCHES_TORCH,
-                                      TORCH_PEERS, PeerSpec, Reference, compare, digest,
-                                      process_sets, run_peers)
+from zero_repro.peers.frameworks import (DEEPSPEED_PEERS, LOWER_BOUND, OURS, PATCHES_TORCH,
+                                         TORCH_PEERS, Reference)
+from zero_repro.peers.runners import PeerSpec, compare, digest, process_sets, run_peers
 
 TINY = ModelConfig(name="tiny", n_layer=2, n_embd=64, n_head=4, seq_len=64, vocab_size=512,
                    vocab_pad_multiple=8)
@@ -156,10 +156,10 @@ def test_deepspeed_absent_is_skipped_with_a_message(monkeypatch):
 
     from experiments import peers as exp
     from zero_repro.config import Config
-    from zero_repro.peers import runners
+    from zero_repro.peers import frameworks
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
-    ok, why = runners.deepspeed_available()
+    ok, why = frameworks.deepspeed_available()
     assert not ok and "pip install deepspeed" in why
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

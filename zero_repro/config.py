@@ -65,7 +65,7 @@ class ZeroConfig:
     # C_B: constant-size fused buffers, in elements (independent of the model size)
     reduce_bucket_size: int = 2_000_000
     allgather_bucket_size: int = 2_000_000
-    # read only by the DeepSpeed peer (peers/runners.py); this runtime reduces each bucket as
+    # read only by the DeepSpeed peer (peers/frameworks.py); this runtime reduces each bucket as
     # it fills, on the compute stream. Kept in the schema because every point key hashes the
     # zero section (measure.records.point_key): removing it would orphan the committed records
     overlap_comm: bool = True

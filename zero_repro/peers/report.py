@@ -10,7 +10,7 @@ Equivalence (fp32): for every framework f and step s,
           (equal rank batches, so it is the global-batch mean) and L_ref(s) the reference's;
   params: per element e, |θ_f(s) - θ_ref(s)| <= floor(s) + B_e(s), with
           floor(s) = param_tol_rel_lr · lr · (s + 1) and B_e(s) the conditioning budget
-          (``runners.Reference``): Σ_k lr · min(2, 2δ_k / (√v̂_k,e + eps)), δ_k the fp32 rounding
+          (``frameworks.Reference``): Σ_k lr · min(2, 2δ_k / (√v̂_k,e + eps)), δ_k the fp32 rounding
           of the gradient (grad_rounding_rel · max |g_k| of the tensor).
 Why the budget: two fp32 runs that sum the same gradient in a different order (DP ranks sum
 half-batch gradients) differ by δ. Adam's update lr·m̂/(√v̂+eps) is insensitive to δ where the
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from zero_repro.peers.runners import FRAMEWORKS
+from zero_repro.peers.frameworks import FRAMEWORKS
 
 GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # issue 17: ours / best peer, per stage
 GOAL_BOUND = 1.15  # issue 17: ours / lower bound, every stage
