@@ -25,6 +25,7 @@ in its 4th).
 """
 from __future__ import annotations
 
+from zero_repro.harness import records as R
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 from zero_repro.paper.setups import setups
@@ -82,9 +83,7 @@ def run_point(cfg, point: Point) -> dict:
 
 def summarize(records) -> list[dict]:
     rows, sizes = [], {}
-    for r in records:
-        if r.status != "ok":
-            continue
+    for r in R.newest_ok(records):  # one record per point: older params stay as history
         zc, stack = r.params["zero_config"], stack_of(r)
         sizes.setdefault(stack, {})[zc] = r.metrics["max_params_B"]
         rows.append({"figure": FIGURE, "series": SERIES[stack], "x_name": "zero_config",

@@ -25,6 +25,7 @@ none: the prediction is whether they fit).
 """
 from __future__ import annotations
 
+from zero_repro.harness import records as R
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 import dataclasses
@@ -88,11 +89,7 @@ def run_point(cfg, point: Point) -> dict:
 
 def summarize(records) -> list[dict]:
     rows, cached = [], {}
-    newest: dict = {}  # point name -> newest ok record (older settings, e.g. 2 steps, stay
-    for r in records:  # in points.jsonl as history)
-        if r.status == "ok" and (r.point not in newest or r.timestamp >= newest[r.point].timestamp):
-            newest[r.point] = r
-    for r in newest.values():
+    for r in R.newest_ok(records):  # older settings (e.g. 1 traced step) stay as history
         m = r.metrics
         stack = r.params.get("stack", "modern")
         series = (f"{r.params['model']}" + ("" if r.params.get("m_d", True) else " M_D off")

@@ -26,6 +26,7 @@ Unit: GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
 """
 from __future__ import annotations
 
+from zero_repro.harness import records as R
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 from zero_repro.paper.setups import setups
@@ -93,17 +94,9 @@ def run_point(cfg, point: Point) -> dict:
             "at_phase_event": b["at_event"], "total_s": r.timings["total_s"]}
 
 
-def _newest(records) -> dict:
-    out = {}
-    for r in records:
-        if r.status == "ok" and (r.point not in out or r.timestamp >= out[r.point].timestamp):
-            out[r.point] = r
-    return out
-
-
 def summarize(records) -> list[dict]:
     rows = []
-    newest = _newest(records).values()
+    newest = R.newest_ok(records)
     base = {}
     for r in newest:
         m, p = r.metrics, r.params

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 
+from zero_repro.harness import records as R
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 from zero_repro.measure.analytic import max_params
@@ -103,9 +104,7 @@ def _paper() -> dict:
 
 def summarize(records) -> list[dict]:
     paper, rows = _paper(), []
-    for r in records:
-        if r.status != "ok":
-            continue
+    for r in R.newest_ok(records):  # one record per point: older params stay as history
         if r.mode == "analytic":
             cells = [(f"theoretical {SCHEMES[c['stage']]}", c["mp"], c["params"])
                      for c in r.metrics["cells"]]

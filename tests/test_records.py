@@ -235,3 +235,17 @@ def test_registry_errors():
     assert base.get("smoke").__name__ == "experiments.smoke"
     with pytest.raises(ValueError, match="does not define"):
         base.register("x", object())
+
+
+def test_newest_ok_keeps_one_record_per_point_across_changed_params():
+    # a point whose identifying params changed (e.g. a dry run's traced steps 1 -> 2): the
+    # summary shows the newest ok record; a newer failure never hides it; order: first seen
+    def rec(point, its, status, ts):
+        return R.Record(key=f"{point}{its}", experiment="x", point=point,
+                        params={"iterations": its}, mode="simulated", status=status,
+                        timestamp=ts)
+    old_a, old_b = rec("a", 1, "ok", "2026-01-01T00:00:00"), rec("b", 1, "ok", "2026-01-01T00:00:01")
+    new_a = rec("a", 2, "ok", "2026-02-01T00:00:00")
+    failed_b = rec("b", 2, "failed", "2026-02-01T00:00:01")
+    assert R.newest_ok([old_a, old_b, new_a, failed_b]) == [new_a, old_b]
+    assert R.newest_ok([failed_b]) == []

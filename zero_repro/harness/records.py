@@ -390,3 +390,15 @@ def latest(records: Iterable[Record]) -> list[Record]:
     ``variants``)."""
     layers = variants(records)
     return layers[0] if layers else []
+
+
+def newest_ok(records: Iterable[Record]) -> list[Record]:
+    """The newest ``ok`` record of every point name, in first-seen order: for summaries whose
+    points changed their identifying params over time (e.g. a dry run's traced steps 1 -> 2):
+    the older records stay in points.jsonl as history, the table shows the current method."""
+    out: dict[str, Record] = {}
+    for r in records:
+        if r.status == "ok" and (r.point not in out or r.timestamp >= out[r.point].timestamp):
+            out[r.point] = r
+    return list(out.values())
+
