@@ -140,6 +140,14 @@ def optimizer_state_tensors(opt) -> list:
     return out
 
 
+def module_memory(model: torch.nn.Module, opt) -> dict:
+    """Bytes of the distinct storages of ``model``'s parameters, their gradients and ``opt``'s
+    state on this rank (peers whose parameters are the module's own, DDP- and FSDP2-style)."""
+    ps = list(model.parameters())
+    return {"params": storage_bytes(ps), "grads": storage_bytes(p.grad for p in ps),
+            "optimizer": storage_bytes(optimizer_state_tensors(opt))}
+
+
 def _strip(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
@@ -250,9 +258,7 @@ class TorchDDP(Runner):
         return float(loss.detach())
 
     def memory(self):
-        ps = list(self.model.parameters())
-        return {"params": storage_bytes(ps), "grads": storage_bytes(p.grad for p in ps),
-                "optimizer": storage_bytes(optimizer_state_tensors(self.opt))}
+        return module_memory(self.model, self.opt)
 
 
 class TorchZeroRedundancy(TorchDDP):
@@ -291,9 +297,7 @@ class FSDP2(Runner):
             yield _strip(n), local, self.rank * c
 
     def memory(self):
-        ps = list(self.model.parameters())
-        return {"params": storage_bytes(ps), "grads": storage_bytes(p.grad for p in ps),
-                "optimizer": storage_bytes(optimizer_state_tensors(self.opt))}
+        return module_memory(self.model, self.opt)
 
 
 class FSDP2NoReshard(FSDP2):
