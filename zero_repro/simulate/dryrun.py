@@ -540,7 +540,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", action="store_true", help="run the benchmark (the default)")
     ap.add_argument("--config", default="C4", help="ZeRO configuration C1..C5")
     ap.add_argument("--layers", type=int, default=125)
-    ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--iterations", type=int, default=2,
+                    help="traced steps (2: what the experiments judge, the 2nd replayed to the "
+                         "allocator's steady state)")
     ap.add_argument("--stack", default="modern", choices=sorted(S.STACKS),
                     help="software stack (simulate.stack)")
     args = ap.parse_args(argv)
@@ -557,7 +559,8 @@ def main(argv=None) -> int:
           f"world {cfg.parallel.world_size} "
           f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
           f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops, {r.n_events} events, "
-          f"{r.n_buckets} buckets) peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
+          f"{r.n_buckets} buckets; steady after {r.allocator['repeats']} repeats) "
+          f"peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
           f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
           f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, load {load:.1f}")
     return 0
