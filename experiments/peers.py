@@ -33,6 +33,7 @@ import os
 
 from zero_repro.harness.throughput import model_conf
 from zero_repro.distributed.launch import spawn
+from zero_repro.harness import records as R
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
 from zero_repro.model.flops import param_count
@@ -155,13 +156,8 @@ def _spread(xs) -> str:
 
 
 def summarize(records) -> list[dict]:
-    newest: dict = {}
-    for r in records:  # the newest ok record of every point (older runs stay as history)
-        if r.status == "ok" and (r.point not in newest
-                                 or r.timestamp >= newest[r.point].timestamp):
-            newest[r.point] = r
     rows = []
-    for r in newest.values():
+    for r in R.newest_ok(records):  # older runs stay in points.jsonl as history
         m = r.metrics
         if "table" not in m:
             continue  # a record of the earlier race (default AdamW peers, no bound): history
@@ -196,7 +192,7 @@ def summarize(records) -> list[dict]:
                              "best_peer": s.get("best_peer") or "",
                              "repeats": json.dumps([round(x, 4) for x in reps]) if reps else "",
                              "detail": _detail(e) if y_name == "max_abs_dparam" else "",
-                             "loadavg_1min": load})
+                             "loadavg_1min": load, "measured_at": r.timestamp})
     return rows
 
 
@@ -221,6 +217,11 @@ def plot(table, out_dir: str) -> list[str]:
     import pandas as pd
 
     t = table[table["kind"] != "paper"].copy()
+    # records of a point that differ in a config knob (e.g. a default that changed) come as
+    # separate variants (harness.regenerate): the figure and report show the newest race
+    if "measured_at" in t:
+        t = (t.sort_values("measured_at", kind="stable")
+             .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
     t["y"] = pd.to_numeric(t["y_value"], errors="coerce")
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1.2]})
     _panel_bound(axes[0], t)
