@@ -192,10 +192,17 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
     return tdist.all_reduce(t, op=_op(op), group=group.pg, async_op=async_op)
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same element of one storage (not by ``data_ptr``,
+    which is 0 for every meta tensor of the dry run)."""
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+            and a.storage_offset() == b.storage_offset())
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
     """``out`` (size * inp.numel(), contiguous) <- concatenation of every rank's ``inp``."""
     if group.size == 1:
-        if out.data_ptr() != inp.data_ptr():
+        if not same_memory(out, inp):
             out.copy_(inp.reshape(out.shape))
         return _Done() if async_op else None
     group.ledger.record("all_gather", group.name, out.numel(), out.element_size())
@@ -216,7 +223,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, op: 
                         async_op: bool = False):
     """``out`` <- this rank's 1/size chunk of the element-wise reduction of every ``inp``."""
     if group.size == 1:
-        if out.data_ptr() != inp.data_ptr():
+        if not same_memory(out, inp):
             out.copy_(inp.reshape(out.shape))
         if op == "avg":
             pass  # average over one rank is the identity

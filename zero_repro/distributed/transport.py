@@ -80,8 +80,9 @@ class BufferPool:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, inflight: InFlight | None = None,
-                 max_buffers: int = 2):
+                 max_buffers: int = 2, device: torch.device | str = "cpu"):
         self.numel, self.dtype, self.inflight = int(numel), dtype, inflight
+        self.device = torch.device(device)  # the ranks' device: the buffers go on the wire
         self.max_buffers = max_buffers
         self._free: list[torch.Tensor] = []
         self.allocated = 0
@@ -93,7 +94,7 @@ class BufferPool:
         if self._free:
             return self._free.pop()
         self.allocated += 1
-        return torch.empty(self.numel, dtype=self.dtype)
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.append(buf)
@@ -102,18 +103,18 @@ class BufferPool:
     def capacity_bytes(self) -> int:
         # counted at capacity: the buffers this pool may hold, allocated or not yet
         n = max(self.allocated, self.max_buffers)
-        return n * self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.numel * self.dtype.itemsize
 
 
 class NoBuffers:
     """The scratch pool of an in-place transport: hands out empty tensors, holds no memory."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.dtype, self.device = dtype, torch.device(device)
         self.capacity_bytes = 0
 
     def acquire(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype)
+        return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def release(self, buf: torch.Tensor) -> None:
         return None
@@ -132,8 +133,9 @@ class NativeTransport:
         """Elements of scratch a reduce-scatter result (or all-gather input) of ``chunk`` needs."""
         return chunk
 
-    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight):
-        return BufferPool(chunk, dtype, inflight)
+    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                     device: torch.device | str = "cpu"):
+        return BufferPool(chunk, dtype, inflight, device=device)
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor):
         """Async reduce-scatter of ``inp``; returns (works, the view that will hold this rank's
@@ -170,8 +172,9 @@ class RootedTransport:
     def scratch_numel(self, chunk: int) -> int:
         return 0
 
-    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight) -> NoBuffers:
-        return NoBuffers(dtype)
+    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                     device: torch.device | str = "cpu") -> NoBuffers:
+        return NoBuffers(dtype, device)
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         """One async reduce per chunk to its owner: afterwards this rank's chunk of ``inp`` (the

@@ -59,10 +59,24 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_head_local, 3, self.head_dim)
         q, k, v = (u.transpose(1, 2) for u in qkv.unbind(dim=3))  # (B, nh/tp, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, self.n_head_local * self.head_dim)  # (B, T, h/tp)
         return self.proj(y)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout_p: float) -> torch.Tensor:
+    """Causal fused attention (B, nh, T, hd). On ``meta`` tensors (the paper-scale dry run,
+    ``simulate.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
+    materialises the s² scores; PyTorch chooses the kernel by device above the dispatcher
+    (``sdp_utils.cpp``), so the dry run calls the kernel a CUDA GPU runs instead: the
+    memory-efficient one, the choice on the paper's V100s (sm70; flash attention needs sm80+),
+    which saves the output and an fp32 log-sum-exp of B·nh·T for backward."""
+    if q.is_meta:
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, need_lse, dropout_p, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
 class MLP(nn.Module):

@@ -1,13 +1,17 @@
-"""Paper-scale memory dry run: the REAL worker code path under fake tensors and a fake process
+"""Paper-scale memory dry run: the REAL worker code path on data-free tensors and a fake process
 group, with an allocation trace (paper §10.5, Figures 6-7; Tables 1-2 memory columns).
 
 ``dry_run(cfg)`` does what one rank of ``zero_repro.worker`` does for a training run --
 ``train.build.build`` (GPT -> activation checkpointing -> ZeRO strategy, the same functions, no
 simulation copy), then ``iterations`` optimizer steps of forward / ``strategy.backward`` /
-``strategy.step`` / ``zero_grad`` in the configured precision -- but inside
-``FakeTensorMode`` (tensors carry shape, dtype and storage size, never data) on a ``fake``
-process group of ``parallel.world_size`` ranks (this process is rank ``rank``, e.g. rank 0 of
-400 with TP 16). Nothing is allocated, so a 100B-parameter rank fits in a laptop.
+``strategy.step`` / ``zero_grad`` in the configured precision -- but on PyTorch's ``meta``
+device (tensors carry shape, dtype, strides and storage size, never data; ``backend="meta"``,
+the default, see ``simulate.tracer``; ``backend="fake"`` runs the original mechanism,
+``FakeTensorMode`` CPU tensors) on a ``fake`` process group of ``parallel.world_size`` ranks
+(this process is rank ``rank``, e.g. rank 0 of 400 with TP 16). Nothing is allocated, so a
+100B-parameter rank fits in a laptop. Meta kernels follow CUDA's dtype rules where the CPU
+kernels differ (layer norm keeps fp32 statistics of fp16 input), and the model takes the
+fused attention kernel a GPU takes (``model.gpt.causal_attention``).
 
 What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
   * the project's own ledgers (``strategy.memory_ledger()`` + the checkpointing handle):
@@ -16,7 +20,7 @@ What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
     P_a+cpu);
   * an allocation trace: every storage the runtime creates or frees, in order, with its bytes,
     the phase (build / forward / backward / step) and the iteration. Mechanism: a
-    ``TorchDispatchMode`` stacked inside ``FakeTensorMode`` sees every aten op; each output
+    ``TorchDispatchMode`` sees every aten op; each output
     storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
     (PyTorch keeps one Python object per live storage) records its free. Storages resized in
     place (ZeRO-3 ``release``/``materialize``) are detected when an op touches them and, once
@@ -40,10 +44,11 @@ the state the first creates lazily (C_B buffers, the M_D arena, ...), so ``live_
 -- the last step's live curve plus the lazily created bytes allocated after each point --
 predicts the next step's peak from one step's trace (tests check it equals a real second
 step for C1, C4, C5 and stage 3; at 100B C4, 1 and 2 steps give the same peak live and peak
-reserved bytes). The cost is nearly all FakeTensorMode dispatch (~100-500 us per aten op; the
-tracer and the allocator replay are ~3% of a run); the first step also pays fake-tensor cache
-misses (parameters are views at distinct storage offsets) and costs ~2x a later one.
-Benchmark: ``python -m zero_repro.simulate.dryrun --bench`` (100B, 400 GPUs, C4).
+reserved bytes). Cost: under FakeTensorMode nearly all of a run was fake-tensor dispatch
+(~100-500 us per aten op); on meta with the tracer's output cache a 100B / 400-GPU C4 dry run
+of 2 steps takes ~8 s instead of ~56 s (the build, the runtime's Python and autograd remain).
+Benchmark: ``python -m zero_repro.simulate.dryrun --bench`` (100B, 400 GPUs, C4;
+``--backend both`` times meta and fake side by side).
 
 Software stack (``cfg.simulate.stack``, ``simulate.stack``): ``modern`` runs this runtime as
 it is (everything above); ``paper2020`` runs what produced the paper's numbers, through the same
@@ -57,11 +62,11 @@ in the 2020 code: "max cached" counts from process start) and its capacity is th
 the CUDA context + NCCL bytes. Every storage carries a category (``stack.categories``):
 ``DryRunResult.breakdown`` says where the memory went at the peak, for either stack.
 
-Data-dependent values do not exist under fake tensors: the dispatch mode answers every
+Data-dependent values do not exist without data: the dispatch mode answers every
 ``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
 always takes the non-skipped path -- the one that allocates the most.
 
-Host vs device: on this CPU build fake tensors are CPU tensors. P_a+cpu checkpoints (the M_D
+Host vs device: every tensor is on meta (under ``fake``: CPU). P_a+cpu checkpoints (the M_D
 arena in host memory, or the per-block CPU copies) are identified from the checkpointing
 handle and excluded from device numbers. On a GPU, P_a+cpu's unpack also makes a small device
 copy of the 1/m slice before the all-gather; the CPU path does not, so C5 is under-counted by
@@ -141,6 +146,8 @@ class DryRunResult:
     capacity: float = 0.0
     breakdown: dict = field(default_factory=dict)  # categories.breakdown at the judged peak
     category_of: dict = field(default_factory=dict, repr=False)  # sid -> category (trace kept)
+    backend: str = "meta"  # how it ran without data (dry_run's ``backend``)
+    cached_ops: int = 0  # ops the tracer answered from its output cache (backend meta)
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
@@ -313,9 +320,12 @@ def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
     return stack.capacity_bytes(dev) if dev > 0 else None
 
 
+BACKENDS = ("meta", "meta_uncached", "fake")
+
+
 def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
-            allocator_capacity: float | None = None, stack: S.Stack | None = None
-            ) -> DryRunResult:
+            allocator_capacity: float | None = None, stack: S.Stack | None = None,
+            backend: str = "meta") -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
@@ -323,7 +333,10 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
     ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
     an allocation the replay cannot place even after releasing cached segments is reported as
-    ``allocator["oom"]``."""
+    ``allocator["oom"]``.
+    ``backend``: ``meta`` (tensors on the meta device, the tracer's output cache),
+    ``meta_uncached`` (every meta kernel run: the cache's reference) or ``fake``
+    (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``simulate.tracer``)."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -333,18 +346,22 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if cap is None:
         cap = capacity_for(cfg, stack)
     m, t = cfg.model, cfg.train
-    tracer = K.CategoryTracer()
+    if backend not in BACKENDS:
+        raise ValueError(f"dry-run backend {backend!r}: choose one of {BACKENDS}")
+    on_meta = backend.startswith("meta")
+    tracer = K.CategoryTracer(on_meta=on_meta, cache=backend == "meta")
     host: set[int] = set()
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     launch.init_fake(rank, cfg.parallel.world_size)
     try:
-        with FakeTensorMode(), tracer:
+        # meta: factories without a device default to meta (torch.tensor, randint, ...)
+        with torch.device("meta") if on_meta else FakeTensorMode(), tracer:
             topo = Topology.build(cfg.parallel.tp)
             t0 = time.perf_counter()
             with tracer.category(S.FP16_PARAMS):
-                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
-                                              **builders(stack, cfg))
+                model, ckpt, strategy = build(cfg, topo, torch.device(
+                    "meta" if on_meta else "cpu"), **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
@@ -403,7 +420,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                         trace=events if keep_trace else [], host_sids=frozenset(host),
                         stack=stack.name, judged_with_build=with_build, capacity=cap or 0.0,
                         breakdown=brk,
-                        category_of=dict(tracer.category_of) if keep_trace else {})
+                        category_of=dict(tracer.category_of) if keep_trace else {},
+                        backend=backend,
+                        cached_ops=tracer._cache.hits if tracer._cache is not None else 0)
 
 
 def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
@@ -545,24 +564,32 @@ def main(argv=None) -> int:
                          "allocator's steady state)")
     ap.add_argument("--stack", default="modern", choices=sorted(S.STACKS),
                     help="software stack (simulate.stack)")
+    ap.add_argument("--backend", default="meta", choices=(*BACKENDS, "both"),
+                    help="how to run without data (both: meta and fake, side by side)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     cfg = apply_overrides(bench_config(args.layers, args.config),
                           {"simulate.stack": args.stack})
-    t0 = time.perf_counter()
-    r = dry_run(cfg, iterations=args.iterations, keep_trace=False)
-    wall = time.perf_counter() - t0
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
-                   if k.startswith("iteration"))
-    print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} "
-          f"world {cfg.parallel.world_size} "
-          f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
-          f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops, {r.n_events} events, "
-          f"{r.n_buckets} buckets; steady after {r.allocator['repeats']} repeats) "
-          f"peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
-          f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
-          f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, load {load:.1f}")
+    walls = {}
+    for backend in (("meta", "fake") if args.backend == "both" else (args.backend,)):
+        t0 = time.perf_counter()
+        r = dry_run(cfg, iterations=args.iterations, keep_trace=False, backend=backend)
+        walls[backend] = wall = time.perf_counter() - t0
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
+                       if k.startswith("iteration"))
+        print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} {backend} "
+              f"world {cfg.parallel.world_size} "
+              f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
+              f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops ({r.cached_ops} "
+              f"cached), {r.n_events} events, {r.n_buckets} buckets; steady after "
+              f"{r.allocator['repeats']} repeats) "
+              f"peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
+              f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
+              f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, "
+              f"load {load:.1f}", flush=True)
+    if len(walls) == 2:
+        print(f"dry-run bench: fake / meta wall time = {walls['fake'] / walls['meta']:.1f}")
     return 0
 
 

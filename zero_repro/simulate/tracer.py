@@ -1,11 +1,24 @@
 """The dry run's allocation tracer (paper §10.5 memory figures): every storage an aten op creates
-or frees, in program order, under ``FakeTensorMode`` (moved out of ``simulate.dryrun`` so that
-the software-stack modules, ``simulate.stack``, can extend it without an import cycle).
+or frees, in program order (moved out of ``simulate.dryrun`` so that the software-stack modules,
+``simulate.stack``, can extend it without an import cycle).
 
-Mechanism (see ``simulate.dryrun``): a ``TorchDispatchMode`` stacked inside ``FakeTensorMode``
-sees every aten op; each output storage not seen before is an allocation and a
-``weakref.finalize`` on the storage object records its free; storages resized in place are
-detected when an op touches them and polled afterwards.
+Mechanism (see ``simulate.dryrun``): a ``TorchDispatchMode`` sees every aten op; each output
+storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
+records its free; storages resized in place are detected when an op touches them and polled
+afterwards.
+
+Two ways to run without data (``AllocationTracer(on_meta=...)``):
+  * ``on_meta=True`` (the dry run's default): the runtime's tensors live on PyTorch's ``meta``
+    device (shape, dtype, strides and a storage of the right size, no data). The tracer
+    redirects every placement on another device (``device="cpu"``: P_a+cpu host buffers, host
+    copies) to ``meta`` and remembers those storages as host memory (``host_sids``); it answers
+    an op whose output metadata it has computed before for the same inputs from its own cache
+    (``_OutputCache``: many meta kernels are Python reference implementations, ~100-500 us per
+    call, and a transformer repeats the same few shapes thousands of times). Meta kernels follow
+    the CUDA kernels' dtype rules, e.g. ``native_layer_norm`` of fp16 input keeps fp32 mean and
+    rstd, as ``layer_norm_kernel.cu`` does (the CPU kernel keeps them in fp16).
+  * ``on_meta=False``: the tracer sits on top of ``FakeTensorMode`` (fake CPU tensors): the
+    original mechanism, ~3-6x slower, kept as the reference the meta path is tested against.
 """
 from __future__ import annotations
 
@@ -14,7 +27,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 ALLOC, FREE = "alloc", "free"
 
@@ -26,8 +39,10 @@ class AllocationTracer(TorchDispatchMode):
     ``events``: list of (kind, sid, nbytes, phase, iteration) in program order; ``sid`` is a
     sequence number per storage (Python ids are reused, sids are not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_meta: bool = False, cache: bool = True) -> None:
         super().__init__()
+        self.on_meta = on_meta
+        self._cache = _OutputCache() if (on_meta and cache) else None
         self.events: list[tuple[str, int, int, str, int]] = []
         self.phase, self.iteration = "build", 0
         self._sid_of: dict[int, int] = {}  # id(live storage) -> sid
@@ -61,7 +76,14 @@ class AllocationTracer(TorchDispatchMode):
         if how == "scalar":
             return _neutral_scalar(args[0].dtype)  # no data under fake tensors
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.on_meta and kwargs.get("device") is not None:
+            if torch.device(kwargs["device"]).type != "meta":
+                kwargs = {**kwargs, "device": META}
+                kwargs.pop("pin_memory", None)
+        if how == "plain" and self._cache is not None:
+            out = self._cache.call(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         # outputs: new storages; mutated inputs: storages that may have been resized in place
         if how == "mutable":
             flat = tree_flatten((out, args, kwargs))[0]
@@ -116,6 +138,109 @@ class AllocationTracer(TorchDispatchMode):
         nbytes = self._size.pop(sid, 0)
         if nbytes:
             self._record(FREE, sid, nbytes)
+
+
+META = torch.device("meta")
+_UNCACHEABLE = object()
+
+
+class _OutputCache:
+    """Output metadata of aten ops on meta tensors, keyed by the op and its inputs' metadata
+    (shape, strides, dtype, device of every tensor; type and value of every other argument).
+
+    A hit builds fresh outputs with ``torch.empty_strided`` instead of running the meta kernel.
+    Only ops that always return new storages can be answered this way: on its first call an op
+    is checked (every output a dense tensor at storage offset 0 in a storage of exactly the
+    size ``empty_strided`` would give, no output sharing a storage with an input or another
+    output; no other outputs than tensors, None and plain scalars) and never cached if any check
+    fails. Views and in-place ops do not come here (``AllocationTracer``)."""
+
+    def __init__(self) -> None:
+        self.specs: dict = {}
+        self.bad: set = set()  # ops that failed the check once
+        self.hits = self.misses = 0
+
+    def call(self, func, args, kwargs):
+        if func in self.bad:
+            return func(*args, **kwargs)
+        key = _key(func, args, kwargs)
+        spec = self.specs.get(key) if key is not None else None
+        if spec is not None:
+            self.hits += 1
+            return _build(spec)
+        out = func(*args, **kwargs)
+        if key is not None:
+            self.misses += 1
+            spec = _spec(out, args, kwargs)
+            if spec is _UNCACHEABLE:
+                self.bad.add(func)
+            else:
+                self.specs[key] = spec
+        return out
+
+
+def _leaf_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device.type, a.layout)
+    if isinstance(a, (list, tuple)):
+        return tuple(_leaf_key(x) for x in a)
+    return (type(a), a)  # 2 and 2.0 and True differ in type promotion
+
+
+def _key(func, args, kwargs):
+    key = (func, tuple(_leaf_key(a) for a in args),
+           tuple((k, _leaf_key(v)) for k, v in kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_SCALARS = (int, float, bool, type(None), torch.dtype)
+
+
+def _spec(out, args, kwargs):
+    """(tree spec, leaves) of ``out`` for ``_build``, or ``_UNCACHEABLE``."""
+    leaves, tree = tree_flatten(out)
+    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+              if isinstance(t, torch.Tensor)}
+    seen: set = set()
+    spec = []
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            if not isinstance(t, _SCALARS):
+                return _UNCACHEABLE
+            spec.append((False, t))
+            continue
+        if t.layout != torch.strided or t.device.type != "meta" or t.storage_offset() != 0:
+            return _UNCACHEABLE
+        st = t.untyped_storage()
+        if st._cdata in inputs or st._cdata in seen:
+            return _UNCACHEABLE
+        seen.add(st._cdata)
+        leaf = (True, (t.shape, t.stride(), t.dtype))
+        if _build_leaf(leaf).untyped_storage().nbytes() != st.nbytes():
+            return _UNCACHEABLE
+        spec.append(leaf)
+    if tree.is_leaf() and spec[0][0]:
+        return spec[0]  # one tensor: the fast path of _build
+    return tree, spec
+
+
+def _build_leaf(leaf):
+    is_tensor, v = leaf
+    if not is_tensor:
+        return v
+    shape, stride, dtype = v
+    return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+
+
+def _build(spec):
+    if spec[0] is True:
+        return _build_leaf(spec)
+    tree, leaves = spec
+    return tree_unflatten([_build_leaf(x) for x in leaves], tree)
 
 
 def _classify(func) -> str:

@@ -9,7 +9,7 @@ checkpointing, then FSDP):
        training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
        by the strategy.
 
-Used by the worker, the dry run (``simulate.dryrun``: under FakeTensorMode + the fake process
+Used by the worker, the dry run (``simulate.dryrun``: on meta tensors + the fake process
 group), the stage benchmark and the tests. The model is built directly in the training dtype:
 an fp32 build of one rank of a 100B model (6.25B parameters at TP 16) would need 25 GB before
 the strategy even casts it; the fp32 master is made by the strategy for its shard only.

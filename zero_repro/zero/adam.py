@@ -40,16 +40,18 @@ class ShardAdamW:
         self.chunks = list(chunks)
         numel = sum(n for _, n in self.chunks)
         self.numel = numel
-        self.master = torch.zeros(numel, dtype=torch.float32) if keep_master else None
+        # on the device of the parameters it updates (CPU when there are none)
+        dev = lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
+        self.master = torch.zeros(numel, dtype=torch.float32, device=dev) if keep_master else None
         if self.master is not None:
             for (off, n), p in zip(self.chunks, lp_chunks):
                 self.master[off:off + n].copy_(p)
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=dev)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=dev)
         self.step_count = 0
         self.fused = fused_available() if fused is None else bool(fused and fused_available())
         # the fused kernel reads the step from a tensor (4 bytes, not counted in the ledger)
-        self._step_t = torch.zeros((), dtype=torch.float32)
+        self._step_t = torch.zeros((), dtype=torch.float32, device=dev)
 
     def master_chunk(self, i: int, lp_chunk: torch.Tensor) -> torch.Tensor:
         """fp32 values of chunk i (the lp tensor itself in fp32 mode)."""

@@ -40,7 +40,7 @@ def _segments(n: int, ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, in
 
 
 def local_stats(grads: Sequence[torch.Tensor | None], counted: Sequence[list[tuple[int, int]]],
-                inv_scale: float) -> torch.Tensor:
+                inv_scale: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """(2,) fp64 tensor: [sum of squares of the counted, unscaled elements; 1.0 if any owned
     element is non-finite else 0.0]. No host synchronisation."""
     counted_views, other_views = [], []
@@ -53,7 +53,7 @@ def local_stats(grads: Sequence[torch.Tensor | None], counted: Sequence[list[tup
         other_views += [flat[a:b] for a, b in gaps]
     views = counted_views + other_views
     if not views:
-        return torch.zeros(2, dtype=torch.float64)
+        return torch.zeros(2, dtype=torch.float64, device=device)  # no gradient here
     norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double()
     sq = norms.square()
     nc = len(counted_views)

@@ -35,7 +35,9 @@ class FlatParams:
                                    [tuple(p.shape) for _, p in named_params])
         self.partition = Partition(numel, n_shards, bucket_capacity)  # n_shards: 1 or N_d
         self.dtype = dtype
-        self.flat = torch.zeros(self.partition.padded_numel, dtype=dtype)  # (padded,)
+        # on the parameters' device: the model's parameters are re-pointed into it
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.flat = torch.zeros(self.partition.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
             for s, p in zip(self.slots, self.params):
                 self.flat[s.offset:s.end].copy_(p.detach().reshape(-1))
@@ -97,8 +99,10 @@ class GradShards:
     removes). Pieces accumulate across micro-batches until ``zero``.
     """
 
-    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, contiguous: bool):
-        self.buffer = torch.zeros(sum(sizes), dtype=dtype) if contiguous else None  # (Ψ/N_d,)
+    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, contiguous: bool,
+                 device: torch.device | str = "cpu"):
+        self.buffer = (torch.zeros(sum(sizes), dtype=dtype, device=device)  # (Ψ/N_d,)
+                       if contiguous else None)
         self.pieces: list[torch.Tensor | None] = [None] * len(sizes)
         if self.buffer is not None:
             offsets = [0]

@@ -45,9 +45,9 @@ class Stage1Os(GatheredAfterStep, Strategy):
         t = self.transport = bucket_transport(self.dp_group)
         chunk = max((b.chunk for b in self.flat.partition.buckets), default=0)
         self.inflight = InFlight(t.in_flight_limit)
-        self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight)
+        self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight, self.device)
         self.ag_inflight = InFlight(t.in_flight_limit)
-        self.ag_pool = t.scratch_pool(chunk, self.dtype, self.ag_inflight)
+        self.ag_pool = t.scratch_pool(chunk, self.dtype, self.ag_inflight, self.device)
         self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 

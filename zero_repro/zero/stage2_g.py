@@ -55,11 +55,11 @@ class Stage2G(GatheredAfterStep, Strategy):
         # [0, cap) + the transport's scratch for the reduced chunk
         self.inflight = InFlight(max_in_flight=t.fused_buffers)
         self.pool = BufferPool(self.cap + t.scratch_numel(self.cap_chunk), self.dtype,
-                               self.inflight, max_buffers=t.fused_buffers)
+                               self.inflight, max_buffers=t.fused_buffers, device=self.device)
         self.ag_inflight = InFlight(t.in_flight_limit)
-        self.ag_pool = t.scratch_pool(self.cap_chunk, self.dtype, self.ag_inflight)
+        self.ag_pool = t.scratch_pool(self.cap_chunk, self.dtype, self.ag_inflight, self.device)
         self.grads = GradShards([b.chunk for b in part.buckets], self.dtype,
-                                self.zero_r.contiguous_memory)
+                                self.zero_r.contiguous_memory, self.device)
         self._filling: dict[int, torch.Tensor] = {}  # bucket index -> pool buffer
         self._arrivals = Arrivals(part)
         self._slot_idx = {id(p): i for i, p in enumerate(self.flat.params)}
@@ -132,6 +132,6 @@ class Stage2G(GatheredAfterStep, Strategy):
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        elt = self.dtype.itemsize
         ledger.add("grads", self.flat.partition.shard_numel * elt)  # persistent shard
         ledger.add("comm_buffers", self.pool.capacity_bytes + self.ag_pool.capacity_bytes)

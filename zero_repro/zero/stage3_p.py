@@ -121,7 +121,7 @@ class Stage3P(Strategy):
                 continue
             g = FlatParams("root" if idx == 0 else f"blocks.{idx - 1}", params, self.dtype,
                            self.n_d, cap)
-            shard = torch.empty(g.partition.shard_numel, dtype=self.dtype)
+            shard = torch.empty(g.partition.shard_numel, dtype=self.dtype, device=self.device)
             for b, mine in zip(g.partition.buckets, g.owned_chunks(self.dp_rank)):
                 shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
             g.release()
@@ -142,7 +142,7 @@ class Stage3P(Strategy):
         assert len(sizes) == n_pieces
         # buckets are laid out unit after unit, each unit's shard contiguous: the same order
         # as the optimizer's chunks (``_param_chunks``)
-        self.grads = GradShards(sizes, self.dtype, self.zero_r.contiguous_memory)
+        self.grads = GradShards(sizes, self.dtype, self.zero_r.contiguous_memory, self.device)
 
     def _register_module_hooks(self, block_list) -> list:
         hooks = [self.module.register_forward_pre_hook(self._root_pre),
@@ -263,7 +263,8 @@ class Stage3P(Strategy):
         u = self.unit_of[id(p)]
         u.expect(UnitState.GATHERED, event="a parameter gradient arrived")
         if u.grad_buf is None:
-            u.grad_buf = torch.zeros(u.group.partition.padded_numel, dtype=self.dtype)
+            u.grad_buf = torch.zeros(u.group.partition.padded_numel, dtype=self.dtype,
+                                     device=self.device)
             self.buffer_peak.alloc(u.grad_buf.numel() * u.grad_buf.element_size())
         s = u.group.slot_of[id(p)]
         u.grad_buf[s.offset:s.end].copy_(p.grad.reshape(-1))
@@ -279,7 +280,8 @@ class Stage3P(Strategy):
             buf.div_(self.n_d)
         part = u.group.partition
         # the transport's scratch for the reduced shard: none when it reduces in place
-        out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype)
+        out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype,
+                          device=self.device)
         self.buffer_peak.alloc(out.numel() * out.element_size())
         works, reduced = [], []
         for b in part.buckets:

@@ -99,6 +99,8 @@ class Strategy:
         self.scaler = precision.build_scaler(zero)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self.named]
+        # the ranks' device (every buffer the strategy makes goes there: GPU runs, meta dry runs)
+        self.device = self.named[0][1].device if self.named else torch.device("cpu")
         self._micro = 0
         self._is_last = True
         self._no_sync = False
@@ -206,7 +208,7 @@ class Strategy:
         self._wait_reductions()
         scale = self.scaler.scale
         grads = self._grad_chunks()
-        stats = clip.local_stats(grads, self._counted, 1.0 / scale)
+        stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
         norm, overflow = clip.agree(stats, self.topo.world)
         self.scaler.update(overflow)
         if overflow:
@@ -248,7 +250,8 @@ class Strategy:
         enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
         try:
             for g in self.groups:
-                full = torch.zeros(g.partition.padded_numel, dtype=torch.float32)
+                full = torch.zeros(g.partition.padded_numel, dtype=torch.float32,
+                                   device=g.flat.device)
                 for b in g.partition.buckets:
                     mine = self.opt.master_chunk(i, lp_chunks[i]).float()
                     if g.partition.world == 1:

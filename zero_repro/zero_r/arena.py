@@ -59,6 +59,7 @@ class CheckpointArena:
         self.buffer = torch.empty(self.n_slots * numel, dtype=dtype, device=device,
                                   pin_memory=pin)
         self.slot_numel = numel
+        self._asked = device  # as asked (a dry run on meta tensors places the buffer on meta)
         log.info("M_D arena %r: %d slots x %d elements of %s on %s (%.2f MB%s)", self.name,
                  self.n_slots, numel, dtype, device, self.capacity_bytes / 2**20,
                  ", pinned" if pin else "")
@@ -66,10 +67,10 @@ class CheckpointArena:
     def _check(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         buf = self.buffer
         assert buf is not None
-        if numel != self.slot_numel or dtype != buf.dtype or device != buf.device:
+        if numel != self.slot_numel or dtype != buf.dtype or device != self._asked:
             raise ValueError(
                 f"M_D arena {self.name!r}: checkpoint geometry changed mid-run from "
-                f"({self.slot_numel} elements, {buf.dtype}, {buf.device}) to ({numel} elements, "
+                f"({self.slot_numel} elements, {buf.dtype}, {self._asked}) to ({numel} elements, "
                 f"{dtype}, {device}). The arena is sized at the first forward and reused every "
                 f"step; keep micro-batch size and sequence length fixed (drop the last partial "
                 f"batch) or set zero_r.contiguous_memory=false")

@@ -34,8 +34,8 @@ _ACTIVE: list["CategoryTracer"] = []  # the tracer(s) currently recording, inner
 class CategoryTracer(AllocationTracer):
     """``AllocationTracer`` that also records which category each storage belongs to."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
         self.current: str | None = None
         self.category_of: dict[int, str] = {}
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from zero_repro.config import ModelConfig
 from zero_repro.distributed import comm
-from zero_repro.model.gpt import GPT
+from zero_repro.model.gpt import GPT, causal_attention
 from zero_repro.model.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
                                  vocab_parallel_cross_entropy)
 from zero_repro.simulate.stack import switches as S
@@ -101,7 +101,7 @@ class Attention2019(nn.Module):
             probs = saved_dropout(probs, self.p, self.training)
             y = torch.matmul(probs, v)  # (b, a/t, s, d)
         else:  # fused attention: no s² tensor kept (attention dropout needs the probs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v, 0.0)  # the CUDA kernel (model.gpt)
         y = y.transpose(1, 2).reshape(b, s, self.n_head_local * self.head_dim)
         return saved_dropout(self.proj(y), self.p, self.training)
 
