@@ -174,6 +174,31 @@ def test_search_with_noisy_capacity_ends_in_few_judgements(seed, last):
     assert len(judge.calls) <= 6, judge.calls
 
 
+class _PairedJudge(_NoisyJudge):
+    """The noisy judge with a helper process: ``prefetch`` marks the depth the round runs in
+    parallel (a round = one unprefetched judgement, with or without a prefetched one)."""
+
+    def __init__(self, last: int):
+        super().__init__(last)
+        self.prefetched: list[int] = []
+
+    def prefetch(self, n: int) -> None:
+        self.prefetched.append(n)
+
+
+@pytest.mark.parametrize("seed,last", [(180, 176), (169, 176), (199, 176), (150, 176),
+                                       (139, 131), (183, 176)])
+def test_paired_search_finds_the_same_depth_in_fewer_rounds(seed, last):
+    paired, single = _PairedJudge(last), _NoisyJudge(last)
+    probes = [(21, single.need(21)), (42, single.need(42))]
+    n2 = maxsize._search(paired, seed, 2000, probes, paired.cap, pairs=True)
+    n1 = maxsize._search(single, seed, 2000, probes, single.cap)
+    assert n2 == n1 == last
+    rounds = len(paired.calls) - len(paired.prefetched)
+    assert set(paired.prefetched) <= set(paired.calls)  # every prefetched depth is judged
+    assert rounds <= 4 and rounds <= len(single.calls), (paired.calls, single.calls)
+
+
 def test_min_capacity_is_the_fit_threshold_the_search_steers_on():
     """allocator.min_capacity: the judged replay fits at it and runs out of memory 2 tol below
     it; it lies between the peak allocated and the unconstrained peak reserved bytes; every
@@ -186,7 +211,14 @@ def test_min_capacity_is_the_fit_threshold_the_search_steers_on():
     assert free.peak_allocated <= m <= free.peak_reserved
     assert not A.replay(ev, capacity=m).oom
     assert A.replay(ev, capacity=m - 2 * tol).oom
-    assert res.min_capacity() == m
+    # the result's own min_capacity narrows the bracket by its judged replay (same threshold)
+    assert res.min_capacity() == A.min_capacity(
+        ev, tol=tol, known=(res.capacity, not res.allocator["oom"]))
+    assert abs(res.min_capacity() - m) <= tol
+    for cap in (m - 4 * tol, m + 4 * tol):  # a known verdict on either side of the threshold
+        fits = not A.replay(ev, capacity=cap).oom
+        hinted = A.min_capacity(ev, tol=tol, known=(cap, fits))
+        assert abs(hinted - m) <= tol and (hinted <= cap) == fits
     r = maxsize.max_layers(paper_cfg(2, "c4", batch=1), capacity=2.0e9, probes=(1, 2),
                            iterations=1, parallel=False)
     assert all(j.fits == (j.min_capacity <= 2.0e9 + tol) for j in r.judgements)

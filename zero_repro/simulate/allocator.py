@@ -38,8 +38,8 @@ repetitions that took and ``steady`` whether the state settled within ``max_repe
 """
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 MIN_BLOCK = 512  # kMinBlockSize
@@ -123,8 +123,8 @@ class CachingAllocator:
 
     def __init__(self, capacity: float | None = None):
         self.capacity = capacity
-        self._free = {True: [], False: []}  # small? -> sorted [(size, addr, id)]
-        self._by_key: dict[tuple, _Block] = {}
+        self._free = {True: [], False: []}  # small? -> sorted [(size, addr)]
+        self._by_key: dict[bool, dict] = {True: {}, False: {}}  # small? -> (size, addr) -> block
         self._segments: dict[int, tuple[int, int, bool]] = {}  # seg -> (addr, size, small)
         self._seg_head: dict[int, _Block] = {}
         self._next_addr = 0
@@ -133,25 +133,18 @@ class CachingAllocator:
         self.result = ReplayResult(capacity=capacity)
 
     # ------------------------------------------------------------------ free lists
+    # (the replay's hot path: ~10^6 calls per min_capacity at paper scale, kept free of
+    # helper calls; the rules are the module docstring's)
     def _insert_free(self, b: _Block) -> None:
         key = (b.size, b.addr)
-        bisect.insort(self._free[b.small], key)
-        self._by_key[(b.small,) + key] = b
+        insort(self._free[b.small], key)
+        self._by_key[b.small][key] = b
 
     def _remove_free(self, b: _Block) -> None:
         key = (b.size, b.addr)
         lst = self._free[b.small]
-        i = bisect.bisect_left(lst, key)
-        del lst[i]
-        del self._by_key[(b.small,) + key]
-
-    def _best_fit(self, small: bool, rounded: int) -> _Block | None:
-        lst = self._free[small]
-        i = bisect.bisect_left(lst, (rounded, -1))
-        if i == len(lst):
-            return None
-        size, addr = lst[i]
-        return self._by_key[(small, size, addr)]
+        del lst[bisect_left(lst, key)]
+        del self._by_key[b.small][key]
 
     # ------------------------------------------------------------------ segments
     def _malloc_segment(self, small: bool, rounded: int) -> _Block | None:
@@ -198,11 +191,13 @@ class CachingAllocator:
     def malloc(self, nbytes: int) -> _Block | None:
         if nbytes <= 0:
             return None
-        rounded = round_size(nbytes)
-        small = is_small(rounded)
-        b = self._best_fit(small, rounded)
-        if b is not None:
-            self._remove_free(b)
+        rounded = MIN_BLOCK if nbytes < MIN_BLOCK else MIN_BLOCK * ((nbytes + MIN_BLOCK - 1)
+                                                                    // MIN_BLOCK)
+        small = rounded <= SMALL_SIZE
+        lst = self._free[small]
+        i = bisect_left(lst, (rounded, -1))  # best fit: smallest size, then lowest address
+        if i < len(lst):
+            b = self._by_key[small].pop(lst.pop(i))
         else:
             b = self._malloc_segment(small, rounded)
             if b is None:
@@ -214,18 +209,28 @@ class CachingAllocator:
                 cap, self.capacity = self.capacity, None
                 b = self._malloc_segment(small, rounded)
                 self.capacity = cap
-        if should_split(small, b.size, rounded):
-            rest = _Block(b.seg, b.addr + rounded, b.size - rounded, small)
+        remaining = b.size - rounded
+        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):  # should_split
+            rest = _Block(b.seg, b.addr + rounded, remaining, small)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
             b.next = rest
             b.size = rounded
-            self._insert_free(rest)
+            key = (remaining, rest.addr)
+            insort(self._free[small], key)
+            self._by_key[small][key] = rest
         b.allocated = True
         self.allocated += b.size
         self.requested += nbytes
-        self._update_peaks()
+        r = self.result
+        if self.allocated > r.peak_allocated:
+            r.peak_allocated = self.allocated
+        if self.requested > r.peak_requested:
+            r.peak_requested = self.requested
+        if self.reserved > r.peak_reserved:
+            r.peak_reserved = self.reserved
+            r.n_segments_peak = len(self._segments)
         return b
 
     def free(self, b: _Block | None, nbytes: int = 0) -> None:
@@ -234,29 +239,29 @@ class CachingAllocator:
         b.allocated = False
         self.allocated -= b.size
         self.requested -= nbytes
-        for nb in (b.prev, b.next):  # merge with free neighbours of the same segment
-            if nb is not None and not nb.allocated:
-                self._remove_free(nb)
-                if nb is b.prev:
-                    nb.size += b.size
-                    nb.next = b.next
-                    if b.next is not None:
-                        b.next.prev = nb
-                    b = nb
-                else:
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-        self._insert_free(b)
-
-    def _update_peaks(self) -> None:
-        r = self.result
-        r.peak_allocated = max(r.peak_allocated, self.allocated)
-        r.peak_requested = max(r.peak_requested, self.requested)
-        if self.reserved > r.peak_reserved:
-            r.peak_reserved = self.reserved
-            r.n_segments_peak = len(self._segments)
+        lst, by_key = self._free[b.small], self._by_key[b.small]
+        nb = b.prev  # merge with free neighbours of the same segment
+        if nb is not None and not nb.allocated:
+            key = (nb.size, nb.addr)
+            del lst[bisect_left(lst, key)]
+            del by_key[key]
+            nb.size += b.size
+            nb.next = b.next
+            if b.next is not None:
+                b.next.prev = nb
+            b = nb
+        nb = b.next
+        if nb is not None and not nb.allocated:
+            key = (nb.size, nb.addr)
+            del lst[bisect_left(lst, key)]
+            del by_key[key]
+            b.size += nb.size
+            b.next = nb.next
+            if nb.next is not None:
+                nb.next.prev = b
+        key = (b.size, b.addr)
+        insort(lst, key)
+        by_key[key] = b
 
 
 MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a steady state
@@ -317,16 +322,25 @@ def replay(events, capacity: float | None = None, repeat_from: int | None = None
     return res
 
 
-def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None) -> int:
+def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
+                 known: tuple[float, bool] | None = None) -> int:
     """The smallest device capacity (bytes, within ``tol``) at which ``events`` replay without
     running out of memory: the quantity a fit decision actually compares with the device
     (fits iff min_capacity <= capacity, the allocator releasing its cached segments before an
     OOM as PyTorch does). Bisection between the peak allocated bytes (nothing fits below) and
     the peak reserved bytes of the unconstrained replay (fits there); each step is one replay
-    (~0.05 s per 10^4 events), ~10 steps at paper scale. ``repeat_from``: every replay runs to
-    the allocator's steady state (``replay``), so the answer holds for a long run."""
+    (~0.03 s per 10^4 events), ~10 steps at paper scale. ``repeat_from``: every replay runs to
+    the allocator's steady state (``replay``), so the answer holds for a long run.
+    ``known``: (capacity, fits) of a replay already made, which narrows the bracket (a search
+    judging near the answer halves the steps) and keeps the answer consistent with it."""
     free = replay(events, capacity=None, repeat_from=repeat_from)
     lo, hi = float(free.peak_allocated) - 1.0, float(free.peak_reserved)
+    if known is not None:
+        cap, fits = known
+        if fits and lo < cap < hi:
+            hi = float(cap)
+        elif not fits and lo < cap < hi:
+            lo = float(cap)
     while hi - lo > tol:
         mid = (lo + hi) / 2
         if replay(events, capacity=mid, repeat_from=repeat_from, stop_at_oom=True).oom:

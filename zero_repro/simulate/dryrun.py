@@ -147,6 +147,7 @@ class DryRunResult:
     breakdown: dict = field(default_factory=dict)  # categories.breakdown at the judged peak
     category_of: dict = field(default_factory=dict, repr=False)  # sid -> category (trace kept)
     backend: str = "meta"  # how it ran without data (dry_run's ``backend``)
+    _min_capacity: int | None = field(default=None, repr=False)  # memo of min_capacity()
     cached_ops: int = 0  # ops the tracer answered from its output cache (backend meta)
 
     def summary(self) -> dict:
@@ -154,6 +155,7 @@ class DryRunResult:
         d.pop("trace")
         d.pop("host_sids")
         d.pop("category_of")
+        d.pop("_min_capacity")
         return d
 
     def judged_events(self) -> list:
@@ -172,9 +174,12 @@ class DryRunResult:
     def min_capacity(self) -> int:
         """Smallest device capacity (bytes, allocator's share) at which the judged replay does
         not run out of memory in the steady state (``allocator.min_capacity``; needs the
-        trace)."""
-        ev = self.judged_events()
-        return A.min_capacity(ev, repeat_from=repeat_start(ev))
+        trace). Computed once."""
+        if self._min_capacity is None:
+            ev = self.judged_events()
+            known = (self.capacity, not self.allocator["oom"]) if self.capacity else None
+            self._min_capacity = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
+        return self._min_capacity
 
 
 def judged_trace(trace, host_sids, with_build: bool) -> list:

@@ -15,9 +15,17 @@ gradient buckets are full (``probe_depths``), so two cheap dry runs there give a
 ``l* = l_b + (C - M(l_b)) / slope``, M(l) = the smallest capacity at which depth l's judged
 allocator replay does not run out of memory (``allocator.min_capacity``, found by bisecting
 over replays of the one trace: fits iff M(l) <= C, so M is the decisive quantity, fragmentation
-and the cached segments released before an OOM included); the dry run at full size then decides, and secant steps through the judged points close the
-bracket [fits, does not fit] (each judgement a full dry run, typically two per search; results
-are memoised and shared within the process). The analytic model (``measure.analytic``) is
+and the cached segments released before an OOM included); the dry run at full size then
+decides, and secant steps through the judged points close the bracket [fits, does not fit].
+Each judgement is a full dry run; with 2+ cores every round of the search judges two depths
+at once (the second in a helper process, ``_search(pairs=True)``): the seed and seed + 1, then
+pairs around each new estimate, then the two depths that cut the bracket in thirds -- 1 round
+when the seed is right (modern), 4-5 under paper2020, whose needed capacity carries ~±0.5 GB
+of fragmentation near the top. Results are memoised and shared within the process.
+
+Near the top the verdict is not monotone in depth (fragmentation: under paper2020, C1 at 59
+layers needs 29.80 GB, at 54 layers 29.91 GB): the answer is the largest depth that fits below
+the smallest depth judged not to fit, so it can depend on which depths the search judged. The analytic model (``measure.analytic``) is
 logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
 count ``flops.param_count`` (padded vocabulary, TP 1).
 
@@ -115,8 +123,10 @@ class DryRunJudge:
         self.order: list[Judgement] = []
         self.n_runs = 0
         self._pool = None  # one spawned helper process for a second dry run in parallel
+        self._pending = None  # (key, n_layer, future) of the dry run running there
 
     def close(self) -> None:
+        self._pending = None
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
@@ -130,27 +140,31 @@ class DryRunJudge:
             self._shared.pop(next(iter(self._shared)))
         self._shared[key] = res
 
-    def run_pair(self, n_a: int, n_b: int) -> None:
-        """Dry runs at two depths at once: ``n_b`` in a helper process, ``n_a`` here (the
-        dry run is single-threaded Python; a second core halves the wall time of the pair
-        the search needs at the end: the last depth that fits and the first that does not)."""
-        cfg_b = self._cfg_at(n_b)
-        key_b = self._key(cfg_b)
-        if key_b in self._shared:
-            self.run(n_a)
+    def prefetch(self, n_layer: int) -> None:
+        """Start the dry run at ``n_layer`` in the helper process (the dry run is single-
+        threaded Python: a second core runs the search's second depth of a round while this
+        process runs the first); ``run`` collects it. One at a time."""
+        key = self._key(self._cfg_at(n_layer))
+        if key in self._shared or self._pending is not None:
             return
         if self._pool is None:
             self._pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        fut = self._pool.submit(_child_dry_run,
-                                OmegaConf.to_container(OmegaConf.structured(cfg_b),
-                                                       resolve=True), self.iterations)
-        self.run(n_a)
+        cfg_dict = OmegaConf.to_container(OmegaConf.structured(self._cfg_at(n_layer)),
+                                          resolve=True)
+        self._pending = (key, n_layer, self._pool.submit(_child_dry_run, cfg_dict,
+                                                         self.iterations))
+
+    def _collect(self, key: tuple) -> None:
+        if self._pending is None or self._pending[0] != key:
+            return
+        _, n_layer, fut = self._pending
+        self._pending = None
         try:
-            self._store(key_b, fut.result())
+            self._store(key, fut.result())
             self.n_runs += 1
-        except Exception as e:  # noqa: BLE001 - the search then judges n_b itself
+        except Exception as e:  # noqa: BLE001 - the search then judges it here
             log.warning("parallel dry run at %d layers failed (%s); continuing serially",
-                        n_b, e)
+                        n_layer, e)
             self.close()
 
     def _key(self, cfg: C.Config) -> tuple:
@@ -161,6 +175,7 @@ class DryRunJudge:
         """The dry run at ``n_layer`` (trace kept for replays), from the cache if done."""
         cfg = self._cfg_at(n_layer)
         key = self._key(cfg)
+        self._collect(key)
         res = self._shared.get(key)
         if res is None:
             res = dry_run(cfg, iterations=self.iterations, keep_trace=True)
@@ -172,7 +187,8 @@ class DryRunJudge:
         if n_layer in self.memo:
             return self.memo[n_layer].fits
         res = self.run(n_layer)
-        a = res.replay(self.capacity)
+        # the dry run's own judged replay when it ran at this capacity (the cluster's)
+        a = res.allocator if res.capacity == self.capacity else res.replay(self.capacity)
         j = Judgement(n_layer, not a["oom"], a["peak_reserved"], a["peak_allocated"],
                       max(res.live_peak_by_iteration.values(), default=0),
                       res.model_state_bytes, res.timings.get("total_s", 0.0),
@@ -201,8 +217,12 @@ class DryRunJudge:
 
 
 def _child_dry_run(cfg_dict: dict, iterations: int):
-    """A dry run in the judge's helper process (module level: pickled by name)."""
-    return dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True)
+    """A dry run in the judge's helper process (module level: pickled by name), with the
+    capacity it needs already found (``min_capacity``: ~10 allocator replays, done here in
+    parallel with the parent's dry run)."""
+    res = dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True)
+    res.min_capacity()
+    return res
 
 
 def _analytic_seed(cfg: C.Config, capacity: float) -> int:
@@ -238,15 +258,21 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     Seed: two probe dry runs at small depths (``probe_depths`` unless ``probes`` is given)
     measure the per-layer slope of the peak; the seed extrapolates from the deeper probe. The
     analytic model's answer is logged next to it and is the fallback seed. ``parallel``
-    (default: when the machine has 2+ cores) judges the seed and seed + 1 at once."""
+    (default: when the machine has 2+ cores) runs two dry runs at once: the second probe
+    beside the first, and in every round of the search a second depth beside the first
+    (``_search``)."""
     t0 = time.perf_counter()
     cap = capacity_of(cfg) if capacity is None else capacity
     judge = DryRunJudge(cfg, cap, iterations)
     n_analytic = _analytic_seed(cfg, cap)
     points: list[tuple[int, float]] = []
     probe_log: list = []
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) >= 2
     try:
         a, b = probes or probe_depths(cfg, n_analytic)
+        if parallel:
+            judge.prefetch(b)
         for n in (a, b):
             tp = time.perf_counter()
             points.append((n, judge.probe(n)))
@@ -264,12 +290,8 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
         seed, seed_from = n_analytic, "analytic"
     seed = min(max(seed, 1), max_n)
     log.info("max-layers seed %d (%s; analytic %d)", seed, seed_from, n_analytic)
-    if parallel is None:
-        parallel = (os.cpu_count() or 1) >= 2
     try:
-        if parallel and seed < max_n:  # the pair the search needs: last fit, first OOM
-            judge.run_pair(seed, seed + 1)
-        n = _search(judge, seed, max_n, points, cap)
+        n = _search(judge, seed, max_n, points, cap, pairs=parallel)
     finally:
         judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
@@ -277,53 +299,91 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
                          time.perf_counter() - t0, n_analytic, probe_log, judge.n_runs)
 
 
+SPREAD = 2  # an estimate that follows a miss is judged with depths SPREAD below and above it
+WIDE = 8  # a bracket of more open depths than this is narrowed by interpolation, not halving
+
+
 def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None = None,
-            capacity: float | None = None) -> int:
+            capacity: float | None = None, pairs: bool = False) -> int:
     """Largest n in [0, max_n] with judge(n) true (monotone judge), starting at ``seed``.
 
     Secant steps on the judged depths' needed capacity (``DryRunJudge.steer``: ~affine in n)
     pick the next depth inside the open bracket (lo fits, hi does not); each judged depth
-    shrinks it, so the search ends, usually after 2 full dry runs (the seed and seed + 1, run
-    as a parallel pair). A run of outcomes in one direction gallops (1, 2, 4, ... layers); once
-    a depth that fits and one that does not are both judged, the search bisects."""
+    shrinks it. A run of outcomes in one direction gallops (1, 2, 4, ... layers); once a depth
+    that fits and one that does not are both judged, the search bisects.
+
+    ``pairs`` (a judge with ``prefetch``: a helper process): every round judges two depths, the
+    second run beside the first -- next to an estimate its neighbour (the answer is a pair:
+    fits, does not fit); when bisecting, the two depths that cut the bracket in thirds.
+    Fragmentation can make the verdict non-monotone near the top: the answer is the largest
+    depth that fits below the smallest depth judged not to."""
     pts = list(points or [])
+    verdict: dict[int, bool] = {}
     lo, hi, n = 0, max_n + 1, seed
     slack = 0.0
     # a run of nudges in one direction gallops (1, 2, 4, ... layers) instead of creeping by
     # one (a safeguard: the needed capacity steers well on every stack measured)
     gallop = True
     streak, last_ok = 0, None
+    prefetch = getattr(judge, "prefetch", None) if pairs else None
+    memo = getattr(judge, "memo", {})
+    def need(d: int) -> float:
+        if hasattr(judge, "steer"):
+            return judge.steer(memo[d])[0]
+        return memo[d].peak_allocated
+
     while hi - lo > 1:
-        n = min(max(n, lo + 1), hi - 1)
-        ok = judge(n)
-        if ok:
-            lo = n
+        interior = hi - lo - 1
+        bisecting = lo in verdict and hi in verdict
+        if (bisecting and interior > WIDE and capacity is not None and lo in memo
+                and hi in memo and need(hi) > need(lo)):
+            # a wide bracket: interpolate between its ends (their needed capacity is affine to
+            # ~±0.5 GB, a few layers; halving a wide bracket would take several rounds)
+            frac = (capacity - slack - need(lo)) / (need(hi) - need(lo))
+            n, bisecting = lo + int(frac * (hi - lo)), False
+        if bisecting and prefetch is not None and interior >= 2:
+            n, m = lo + max(1, (interior + 1) // 3), lo + max(2, (2 * interior + 2) // 3)
         else:
-            hi = n
-        memo = getattr(judge, "memo", {})
+            n = (lo + hi) // 2 if bisecting else min(max(n, lo + 1), hi - 1)
+            # the seed's neighbour (when the seed is right, the pair is the answer); once an
+            # estimate has missed, a pair around it (its error is a few layers either way)
+            spread = SPREAD if (verdict and not bisecting) else 0
+            n, m = min(max(n - spread, lo + 1), hi - 1), n + spread + (spread == 0)
+            if not lo < m < hi or m == n:
+                m = n - 1
+            if prefetch is None or not lo < m < hi or m in verdict:
+                m = None
+        if m is not None:
+            prefetch(m)
+        verdict[n] = judge(n)
+        if m is not None:
+            verdict[m] = judge(m)
+        # the bracket: the smallest depth that does not fit, the largest below it that does
+        hi = min((d for d, v in verdict.items() if not v), default=max_n + 1)
+        lo = max((d for d, v in verdict.items() if v and d < hi), default=0)
+        judged = [d for d in (n, m) if d is not None]
+        if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
+            continue  # both ends of the bracket are judged: bisect
+        # steer from the bracket end this round moved
+        n = max(judged) if verdict[judged[0]] else min(judged)
+        ok = verdict[n]
         if capacity is None or n not in memo:
             n = (lo + hi) // 2
             continue
-        j = memo[n]
-        used, extra = judge.steer(j) if hasattr(judge, "steer") else (
-            j.peak_allocated, j.peak_reserved - j.peak_allocated)
-        if ok:
-            slack = max(slack, extra)
-        pts = [p for p in pts if p[0] != n] + [(n, used)]
+        for d in judged:
+            used, extra = judge.steer(memo[d]) if hasattr(judge, "steer") else (
+                need(d), memo[d].peak_reserved - memo[d].peak_allocated)
+            if verdict[d]:
+                slack = max(slack, extra)
+            pts = [p for p in pts if p[0] != d] + [(d, used)]
+        used = dict(pts)[n]
         # slope over the widest baseline (the shallowest probe to this depth): neighbouring
         # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
         # fragmentation, so a slope between them is mostly noise
         (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
-        n2, p2 = n, used
-        slope = (p2 - p1) / (n2 - n1) if n2 != n1 else 0.0
-        target = capacity - slack
-        est = n + int((target - used) // slope) if slope > 0 else n
+        slope = (used - p1) / (n - n1) if n != n1 else 0.0
+        est = n + int((capacity - slack - used) // slope) if slope > 0 else n
         # the estimate, nudged off the bracket end just judged so the bracket always shrinks
-        # the needed capacity is affine only to ~±0.5 GB (fragmentation, ~4 layers at 8192
-        # hidden): once both ends of the bracket are judged (lo = 0 is not), bisect
-        if lo in memo and hi <= max_n:
-            n = (lo + hi) // 2
-            continue
         if lo < est < hi:
             n, streak = est, 0
             continue
@@ -334,4 +394,3 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         if gallop and not lo < n < hi:
             n = (lo + hi) // 2
     return lo
-
