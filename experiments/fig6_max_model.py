@@ -78,7 +78,8 @@ def run_point(cfg, point: Point) -> dict:
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
             "capacity_bytes": r.capacity, "seed": r.seed, "seed_from": r.seed_from,
             "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
-            "search_s": r.seconds, "judgements": [vars(j) for j in r.judgements]}
+            "search_s": r.seconds, "dry_run_backend": r.backend,
+            "judgements": [vars(j) for j in r.judgements]}
 
 
 def summarize(records) -> list[dict]:

@@ -78,6 +78,7 @@ def run_point(cfg, point: Point) -> dict:
                         "live_peak_GB": max(r.live_peak_by_iteration.values()) / GB,
                         "live_peak_steady_GB": r.live_peak_steady / GB,
                         "fragmentation": a["fragmentation"], "oom": a["oom"],
+                        "dry_run_backend": r.backend,
                         "allocator": a, "allocator_with_build": r.allocator_with_build,
                         "live_peak_by_phase": r.live_peak_by_phase, "psi": r.psi,
                         "host_bytes": r.host_bytes, "timings": r.timings,

@@ -86,6 +86,7 @@ def run_point(cfg, point: Point) -> dict:
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
             "judged_with_build": r.judged_with_build, "stack": r.stack,
+            "dry_run_backend": r.backend,
             "outside_allocator": S.paper2020().cuda_context_nccl_bytes
             if point.params.get("stack") == "paper2020" else 0,
             "categories": b["categories"], "allocator_slack": b["allocator_slack"],

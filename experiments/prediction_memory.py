@@ -72,7 +72,8 @@ def run_point(cfg, point: Point) -> dict:
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": bool(r.allocator["oom"]),
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
             "live_peak": max(r.live_peak_by_iteration.values(), default=0),
-            "judged_with_build": r.judged_with_build, "total_s": r.timings["total_s"]}
+            "judged_with_build": r.judged_with_build, "total_s": r.timings["total_s"],
+            "dry_run_backend": r.backend}
 
 
 def summarize(records) -> list[dict]:

@@ -90,7 +90,8 @@ def run_point(cfg, point: Point) -> dict:
                           for s in SCHEMES for tp in (1, 2, 4, 8, 16)]}
     r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 2)))
     return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
-            "search_s": r.seconds, "judgements": [vars(j) for j in r.judgements]}
+            "search_s": r.seconds, "dry_run_backend": r.backend,
+            "judgements": [vars(j) for j in r.judgements]}
 
 
 def _paper() -> dict:

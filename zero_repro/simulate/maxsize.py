@@ -99,6 +99,7 @@ class MaxSizeResult:
     analytic_seed: int = 0  # the closed-form model's answer (measure.analytic)
     probes: list = field(default_factory=list)  # [(n_layer, peak_allocated, seconds)]
     n_dry_runs: int = 0  # dry runs actually executed (probes + judgements, cache misses)
+    backend: str = "meta"  # how the dry runs ran without data (dry_run's backend)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +116,7 @@ class DryRunJudge:
 
     def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
+        self.backend = "meta"  # dry_run's default
         # paper2020: the judged replay includes the build, whose cached blocks inflate the
         # reserved-over-allocated slack but are released before an OOM; the search then steers
         # on the exact live peak instead of the allocator's peak allocated (``steer``)
@@ -296,7 +298,8 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
         judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
     return MaxSizeResult(n, params, cap, seed, seed_from, list(judge.order),
-                         time.perf_counter() - t0, n_analytic, probe_log, judge.n_runs)
+                         time.perf_counter() - t0, n_analytic, probe_log, judge.n_runs,
+                         judge.backend)
 
 
 SPREAD = 2  # an estimate that follows a miss is judged with depths SPREAD below and above it
