@@ -82,6 +82,9 @@ def run_point(cfg, point: Point) -> dict:
             "judgements": [vars(j) for j in r.judgements]}
 
 
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+
+
 def summarize(records) -> list[dict]:
     rows, sizes = [], {}
     for r in R.newest_ok(records):  # one record per point: older params stay as history

@@ -88,6 +88,9 @@ def run_point(cfg, point: Point) -> dict:
             "memory": r.ledger}
 
 
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+
+
 def summarize(records) -> list[dict]:
     rows, cached = [], {}
     for r in R.newest_ok(records):  # older settings (e.g. 1 traced step) stay as history

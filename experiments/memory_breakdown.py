@@ -95,6 +95,9 @@ def run_point(cfg, point: Point) -> dict:
             "at_phase_event": b["at_event"], "total_s": r.timings["total_s"]}
 
 
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+
+
 def summarize(records) -> list[dict]:
     rows = []
     newest = R.newest_ok(records)

@@ -103,6 +103,9 @@ def _paper() -> dict:
     return out
 
 
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+
+
 def summarize(records) -> list[dict]:
     paper, rows = _paper(), []
     for r in R.newest_ok(records):  # one record per point: older params stay as history

@@ -158,6 +158,21 @@ def test_knob_differences_outside_the_label_still_split_series():
     assert len(series) == 2 and any("train.lr=0.001" in s for s in series), series
 
 
+def test_an_experiment_that_shows_the_newest_record_gets_one_series():
+    """NEWEST_ONLY (the dry-run experiments: a re-run with a new method replaces the result)."""
+    a, b = _smoke_record(), _smoke_record(**{"train.lr": 1e-3})
+
+    class Newest:
+        NEWEST_ONLY = True
+
+        @staticmethod
+        def summarize(records):
+            return smoke.summarize(R.newest_ok(records))
+
+    table = regenerate.summary_frame(Newest, [a, b])
+    assert len(set(table["series"])) == 1 and len(table) == len(b.metrics["losses"])
+
+
 # --------------------------------------------------------------------------- byte identity
 def test_replot_is_byte_identical(tmp_path):
     for name in ("fig3_scaling", "fig2_throughput"):

@@ -55,8 +55,14 @@ def _knob_suffix(layer: list, others: list) -> str:
 def summary_frame(experiment: Any, records: list) -> pd.DataFrame:
     """The experiment's rows. Records of one point that differ in a config knob are
     summarized layer by layer (``records.variants``) and their series carry the knobs that
-    tell them apart, so no record silently replaces another."""
-    layers = R.variants(records) or [[]]  # summarize([]) too: its rows are checked
+    tell them apart, so no record silently replaces another -- unless the experiment declares
+    ``NEWEST_ONLY = True``: its ``summarize`` picks the newest record of every point itself
+    (``records.newest_ok``: a re-run with a new method replaces the old result in the table and
+    figure, the older records stay in points.jsonl as history) and gets all records at once."""
+    if getattr(experiment, "NEWEST_ONLY", False):
+        layers = [list(records)]
+    else:
+        layers = R.variants(records) or [[]]  # summarize([]) too: its rows are checked
     frames = []
     for layer in layers:
         rows = experiment.summarize(layer)
