@@ -16,6 +16,7 @@ Inputs of every value (shape, GPUs, MP, batch, configuration, stack, capacity) a
 """
 from __future__ import annotations
 
+from zero_repro.harness import records as R
 from zero_repro.harness import throughput as T
 from zero_repro.harness.figures import save_figure
 from zero_repro.harness.points import Point
@@ -76,11 +77,12 @@ def run_point(cfg, point: Point) -> dict:
             "dry_run_backend": r.backend}
 
 
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+
+
 def summarize(records) -> list[dict]:
     rows = []
-    for r in records:
-        if r.status != "ok":
-            continue
+    for r in R.newest_ok(records):  # older records (another method) stay as history
         q, m = r.params, r.metrics
         orders = q["table9_order"] or "-"
         rows.append({"figure": FIGURE, "series": f"{q['figure']}, {q['stack']}",
