@@ -136,6 +136,12 @@ def test_max_layers_search_is_tight():
     assert r.n_layer >= 3 and verdict[r.n_layer] and not verdict[r.n_layer + 1]
     assert all(j.peak_allocated <= 2.0e9 for j in r.judgements if j.fits)
     assert r.params > 12 * r.n_layer * 8192**2  # weights of the blocks + embeddings
+    # the scan writes the same judgements out (the dry runs are shared in the process)
+    js = maxsize.scan(cfg, [r.n_layer, r.n_layer + 1], capacity=2.0e9, iterations=1,
+                      parallel=False)
+    assert [j.fits for j in js] == [True, False]
+    by = {j.n_layer: j for j in r.judgements}
+    assert [j.min_capacity for j in js] == [by[j.n_layer].min_capacity for j in js]
 
 
 class _NoisyJudge:

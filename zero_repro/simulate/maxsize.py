@@ -397,3 +397,62 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         if gallop and not lo < n < hi:
             n = (lo + hi) // 2
     return lo
+
+
+# ------------------------------------------------------------------------------ depth scan
+def scan(cfg: C.Config, depths, capacity: float | None = None, iterations: int = 2,
+         parallel: bool | None = None) -> list[Judgement]:
+    """Every depth of ``depths`` judged (two at a time on 2+ cores): what the search samples,
+    written out -- e.g. the band near the top where the fit is not monotone in depth."""
+    cap = capacity_of(cfg) if capacity is None else capacity
+    judge = DryRunJudge(cfg, cap, iterations)
+    depths = list(depths)
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) >= 2
+    try:
+        for i, n in enumerate(depths):
+            if parallel and i % 2 == 0 and i + 1 < len(depths):
+                judge.prefetch(depths[i + 1])
+            judge(n)
+    finally:
+        judge.close()
+    return [judge.memo[n] for n in depths]
+
+
+def main(argv=None) -> int:
+    """``python -m zero_repro.simulate.maxsize --config C1 --stack paper2020 --scan 50 62``:
+    judge every depth of a Figure 6 configuration (400 V100, MP 16) in a range; one line per
+    depth: fits or OOM, and the capacity it needs."""
+    import argparse
+
+    from zero_repro.paper.setups import setups
+    from zero_repro.simulate.dryrun import apply_overrides, setup_overrides
+    from zero_repro.simulate.stack import switches as S
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", default="C1", help="ZeRO configuration C1..C5 (Figure 6)")
+    ap.add_argument("--stack", default="paper2020", choices=sorted(S.STACKS))
+    ap.add_argument("--scan", nargs=2, type=int, metavar=("FIRST", "LAST"), required=True,
+                    help="depths (layers) to judge, both included")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    s = next((s for s in setups("fig6") if s.zero_config == args.config), None)
+    if s is None:
+        ap.error(f"--config {args.config!r}: choose one of C1..C5")
+    first, last = args.scan
+    if not 1 <= first <= last:
+        ap.error("--scan FIRST LAST: 1 <= FIRST <= LAST")
+    cfg = apply_overrides(C.Config(), {**setup_overrides(s, "dgx2_v100"),
+                                       "simulate.stack": args.stack})
+    t0 = time.perf_counter()
+    js = scan(cfg, range(first, last + 1))
+    print(f"{args.config} {args.stack}: judged at {capacity_of(cfg) / 1e9:.2f} GB "
+          f"({time.perf_counter() - t0:.0f} s)")
+    for j in js:
+        print(f"  {j.n_layer:4d} layers  {'fits' if j.fits else 'OOM '}  needs "
+              f"{j.min_capacity / 1e9:.2f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
