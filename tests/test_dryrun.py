@@ -177,7 +177,8 @@ def test_search_with_noisy_capacity_ends_in_few_judgements(seed, last):
     probes = [(21, judge.need(21)), (42, judge.need(42))]
     n = maxsize._search(judge, seed, 2000, probes, judge.cap)
     assert n == last
-    assert len(judge.calls) <= 6, judge.calls
+    assert len(judge.calls) <= 7, judge.calls  # incl. the LOOKAHEAD check above the answer
+    assert last + 2 in judge.calls
 
 
 class _PairedJudge(_NoisyJudge):
@@ -202,7 +203,38 @@ def test_paired_search_finds_the_same_depth_in_fewer_rounds(seed, last):
     assert n2 == n1 == last
     rounds = len(paired.calls) - len(paired.prefetched)
     assert set(paired.prefetched) <= set(paired.calls)  # every prefetched depth is judged
-    assert rounds <= 4 and rounds <= len(single.calls), (paired.calls, single.calls)
+    assert rounds <= 5 and rounds <= len(single.calls), (paired.calls, single.calls)
+    assert {last + 2, last + 3} <= set(paired.calls)  # the look-ahead, one round
+
+
+class _BandJudge(_NoisyJudge):
+    """Not monotone near the top, as paper2020 C1 (fits at 53, not 54, again at 55-59)."""
+
+    def __init__(self, last: int, holes=(), islands=()):
+        super().__init__(last)
+        self.holes, self.islands = set(holes), set(islands)
+
+    def __call__(self, n: int) -> bool:
+        super().__call__(n)
+        fits = (n <= self.last and n not in self.holes) or n in self.islands
+        j = self.memo[n]
+        self.memo[n] = dataclasses.replace(j, fits=fits, min_capacity=int(
+            self.cap - 1e6 if fits else self.cap + 1e6))
+        return fits
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_search_answer_is_the_largest_fit_below_two_that_do_not(pairs):
+    """A depth that does not fit below the answer is passed over; a depth that fits two above
+    the first failure above it is found (LOOKAHEAD = 2)."""
+    judge = (_PairedJudge if pairs else _NoisyJudge)(176)
+    band = _BandJudge(176, holes={171, 172, 175}, islands={178})
+    band.prefetch = judge.prefetch if pairs else None
+    if not pairs:
+        del band.prefetch
+    probes = [(21, band.need(21)), (42, band.need(42))]
+    n = maxsize._search(band, 180, 2000, probes, band.cap, pairs=pairs)
+    assert n == 178 and not band.memo[179].fits and not band.memo[180].fits, band.calls
 
 
 def test_min_capacity_is_the_fit_threshold_the_search_steers_on():

@@ -24,8 +24,9 @@ when the seed is right (modern), 4-5 under paper2020, whose needed capacity carr
 of fragmentation near the top. Results are memoised and shared within the process.
 
 Near the top the verdict is not monotone in depth (fragmentation: under paper2020, C1 at 59
-layers needs 29.80 GB, at 54 layers 29.91 GB): the answer is the largest depth that fits below
-the smallest depth judged not to fit, so it can depend on which depths the search judged. The analytic model (``measure.analytic``) is
+layers needs 29.80 GB, at 54 layers 29.91 GB; ``python -m zero_repro.simulate.maxsize --scan``
+judges a range): the answer is the largest depth judged to fit whose next ``LOOKAHEAD`` = 2
+depths were judged not to -- a depth that does not fit below one that does is passed over. The analytic model (``measure.analytic``) is
 logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
 count ``flops.param_count`` (padded vocabulary, TP 1).
 
@@ -302,6 +303,7 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
                          judge.backend)
 
 
+LOOKAHEAD = 2  # the answer's LOOKAHEAD depths above it are judged not to fit
 SPREAD = 2  # an estimate that follows a miss is judged with depths SPREAD below and above it
 WIDE = 8  # a bracket of more open depths than this is narrowed by interpolation, not halving
 
@@ -318,8 +320,10 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
     ``pairs`` (a judge with ``prefetch``: a helper process): every round judges two depths, the
     second run beside the first -- next to an estimate its neighbour (the answer is a pair:
     fits, does not fit); when bisecting, the two depths that cut the bracket in thirds.
-    Fragmentation can make the verdict non-monotone near the top: the answer is the largest
-    depth that fits below the smallest depth judged not to."""
+    Fragmentation makes the verdict non-monotone near the top (under paper2020 C1 fits at 53,
+    not at 54, at 55-59 again, not at 60-62): the answer is the largest depth judged to fit
+    whose ``LOOKAHEAD`` depths above were judged not to (a depth that does not fit below a
+    larger one that does is passed over, as "largest model that trains" asks)."""
     pts = list(points or [])
     verdict: dict[int, bool] = {}
     lo, hi, n = 0, max_n + 1, seed
@@ -335,67 +339,83 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
             return judge.steer(memo[d])[0]
         return memo[d].peak_allocated
 
-    while hi - lo > 1:
-        interior = hi - lo - 1
-        bisecting = lo in verdict and hi in verdict
-        if (bisecting and interior > WIDE and capacity is not None and lo in memo
-                and hi in memo and need(hi) > need(lo)):
-            # a wide bracket: interpolate between its ends (their needed capacity is affine to
-            # ~±0.5 GB, a few layers; halving a wide bracket would take several rounds)
-            frac = (capacity - slack - need(lo)) / (need(hi) - need(lo))
-            n, bisecting = lo + int(frac * (hi - lo)), False
-        if bisecting and prefetch is not None and interior >= 2:
-            n, m = lo + max(1, (interior + 1) // 3), lo + max(2, (2 * interior + 2) // 3)
-        else:
-            n = (lo + hi) // 2 if bisecting else min(max(n, lo + 1), hi - 1)
-            # the seed's neighbour (when the seed is right, the pair is the answer); once an
-            # estimate has missed, a pair around it (its error is a few layers either way)
-            spread = SPREAD if (verdict and not bisecting) else 0
-            n, m = min(max(n - spread, lo + 1), hi - 1), n + spread + (spread == 0)
-            if not lo < m < hi or m == n:
-                m = n - 1
-            if prefetch is None or not lo < m < hi or m in verdict:
-                m = None
-        if m is not None:
-            prefetch(m)
-        verdict[n] = judge(n)
-        if m is not None:
-            verdict[m] = judge(m)
-        # the bracket: the smallest depth that does not fit, the largest below it that does
-        hi = min((d for d, v in verdict.items() if not v), default=max_n + 1)
-        lo = max((d for d, v in verdict.items() if v and d < hi), default=0)
-        judged = [d for d in (n, m) if d is not None]
-        if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
-            continue  # both ends of the bracket are judged: bisect
-        # steer from the bracket end this round moved
-        n = max(judged) if verdict[judged[0]] else min(judged)
-        ok = verdict[n]
-        if capacity is None or n not in memo:
-            n = (lo + hi) // 2
-            continue
-        for d in judged:
-            used, extra = judge.steer(memo[d]) if hasattr(judge, "steer") else (
-                need(d), memo[d].peak_reserved - memo[d].peak_allocated)
-            if verdict[d]:
-                slack = max(slack, extra)
-            pts = [p for p in pts if p[0] != d] + [(d, used)]
-        used = dict(pts)[n]
-        # slope over the widest baseline (the shallowest probe to this depth): neighbouring
-        # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
-        # fragmentation, so a slope between them is mostly noise
-        (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
-        slope = (used - p1) / (n - n1) if n != n1 else 0.0
-        est = n + int((capacity - slack - used) // slope) if slope > 0 else n
-        # the estimate, nudged off the bracket end just judged so the bracket always shrinks
-        if lo < est < hi:
-            n, streak = est, 0
-            continue
-        streak = streak + 1 if (gallop and last_ok == ok) else 0
-        last_ok = ok
-        step = 2 ** streak if gallop else 1
-        n = lo + step if ok else hi - step
-        if gallop and not lo < n < hi:
-            n = (lo + hi) // 2
+    def bracket() -> tuple[int, int]:
+        # the largest depth judged to fit, the smallest above it judged not to
+        lo_ = max((d for d, v in verdict.items() if v), default=0)
+        return lo_, min((d for d, v in verdict.items() if not v and d > lo_), default=max_n + 1)
+
+    while True:
+        while hi - lo > 1:
+            interior = hi - lo - 1
+            bisecting = lo in verdict and hi in verdict
+            if (bisecting and interior > WIDE and capacity is not None and lo in memo
+                    and hi in memo and need(hi) > need(lo)):
+                # a wide bracket: interpolate between its ends (their needed capacity is affine to
+                # ~±0.5 GB, a few layers; halving a wide bracket would take several rounds)
+                frac = (capacity - slack - need(lo)) / (need(hi) - need(lo))
+                n, bisecting = lo + int(frac * (hi - lo)), False
+            if bisecting and prefetch is not None and interior >= 2:
+                n, m = lo + max(1, (interior + 1) // 3), lo + max(2, (2 * interior + 2) // 3)
+            else:
+                n = (lo + hi) // 2 if bisecting else min(max(n, lo + 1), hi - 1)
+                # the seed's neighbour (when the seed is right, the pair is the answer); once an
+                # estimate has missed, a pair around it (its error is a few layers either way)
+                spread = SPREAD if (verdict and not bisecting) else 0
+                n, m = min(max(n - spread, lo + 1), hi - 1), n + spread + (spread == 0)
+                if not lo < m < hi or m == n:
+                    m = n - 1
+                if prefetch is None or not lo < m < hi or m in verdict:
+                    m = None
+            if m is not None:
+                prefetch(m)
+            verdict[n] = judge(n)
+            if m is not None:
+                verdict[m] = judge(m)
+            lo, hi = bracket()
+            judged = [d for d in (n, m) if d is not None]
+            if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
+                continue  # both ends of the bracket are judged: bisect
+            # steer from the bracket end this round moved
+            n = max(judged) if verdict[judged[0]] else min(judged)
+            ok = verdict[n]
+            if capacity is None or n not in memo:
+                n = (lo + hi) // 2
+                continue
+            for d in judged:
+                used, extra = judge.steer(memo[d]) if hasattr(judge, "steer") else (
+                    need(d), memo[d].peak_reserved - memo[d].peak_allocated)
+                if verdict[d]:
+                    slack = max(slack, extra)
+                pts = [p for p in pts if p[0] != d] + [(d, used)]
+            used = dict(pts)[n]
+            # slope over the widest baseline (the shallowest probe to this depth): neighbouring
+            # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
+            # fragmentation, so a slope between them is mostly noise
+            (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
+            slope = (used - p1) / (n - n1) if n != n1 else 0.0
+            est = n + int((capacity - slack - used) // slope) if slope > 0 else n
+            # the estimate, nudged off the bracket end just judged so the bracket always shrinks
+            if lo < est < hi:
+                n, streak = est, 0
+                continue
+            streak = streak + 1 if (gallop and last_ok == ok) else 0
+            last_ok = ok
+            step = 2 ** streak if gallop else 1
+            n = lo + step if ok else hi - step
+            if gallop and not lo < n < hi:
+                n = (lo + hi) // 2
+        # the fit is not monotone near the top: the LOOKAHEAD depths above the answer must not
+        # fit either (with a helper process the round judges one more above for free)
+        above = [d for d in range(lo + 2, lo + 2 + LOOKAHEAD - 1 + (prefetch is not None))
+                 if d <= max_n and d not in verdict]
+        if not above:
+            break
+        if prefetch is not None and len(above) > 1:
+            prefetch(above[1])
+        for d in above:
+            verdict[d] = judge(d)
+        lo, hi = bracket()
+        n = (lo + hi) // 2
     return lo
 
 
