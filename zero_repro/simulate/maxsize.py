@@ -40,6 +40,7 @@ judged on the trace WITH its build (DeepSpeed 0.2's build sequence, whose cached
 """
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import dataclasses
 import json
@@ -54,7 +55,10 @@ from omegaconf import OmegaConf
 from zero_repro import config as C
 from zero_repro.measure import analytic
 from zero_repro.model import flops
-from zero_repro.simulate.dryrun import dry_run, judges_with_build, stack_of
+from zero_repro.paper.setups import setups
+from zero_repro.simulate.dryrun import (apply_overrides, dry_run, judges_with_build,
+                                        setup_overrides, stack_of)
+from zero_repro.simulate.stack import switches as S
 
 log = logging.getLogger(__name__)
 
@@ -443,12 +447,6 @@ def main(argv=None) -> int:
     """``python -m zero_repro.simulate.maxsize --config C1 --stack paper2020 --scan 50 62``:
     judge every depth of a Figure 6 configuration (400 V100, MP 16) in a range; one line per
     depth: fits or OOM, and the capacity it needs."""
-    import argparse
-
-    from zero_repro.paper.setups import setups
-    from zero_repro.simulate.dryrun import apply_overrides, setup_overrides
-    from zero_repro.simulate.stack import switches as S
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", default="C1", help="ZeRO configuration C1..C5 (Figure 6)")
     ap.add_argument("--stack", default="paper2020", choices=sorted(S.STACKS))
