@@ -129,14 +129,14 @@ class DryRunJudge:
         self.memo: dict[int, Judgement] = {}
         self.order: list[Judgement] = []
         self.n_runs = 0
-        self._pool = None  # one spawned helper process for a second dry run in parallel
-        self._pending = None  # (key, n_layer, future) of the dry run running there
+        self._pending = None  # (key, n_layer, future) of the dry run in the helper process
 
     def close(self) -> None:
+        """End of a search. The helper process stays for the next search of this process
+        (spawning one and importing torch in it costs ~5 s), unless it is still busy."""
+        if self._pending is not None:
+            _drop_helper()
         self._pending = None
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
 
     def _cfg_at(self, n_layer: int) -> C.Config:
         return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model,
@@ -154,12 +154,10 @@ class DryRunJudge:
         key = self._key(self._cfg_at(n_layer))
         if key in self._shared or self._pending is not None:
             return
-        if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         cfg_dict = OmegaConf.to_container(OmegaConf.structured(self._cfg_at(n_layer)),
                                           resolve=True)
-        self._pending = (key, n_layer, self._pool.submit(_child_dry_run, cfg_dict,
-                                                         self.iterations))
+        self._pending = (key, n_layer, _helper().submit(_child_dry_run, cfg_dict,
+                                                        self.iterations))
 
     def _collect(self, key: tuple) -> None:
         if self._pending is None or self._pending[0] != key:
@@ -172,7 +170,7 @@ class DryRunJudge:
         except Exception as e:  # noqa: BLE001 - the search then judges it here
             log.warning("parallel dry run at %d layers failed (%s); continuing serially",
                         n_layer, e)
-            self.close()
+            _drop_helper()
 
     def _key(self, cfg: C.Config) -> tuple:
         d = dataclasses.asdict(cfg)
@@ -221,6 +219,23 @@ class DryRunJudge:
         """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
         depth needs, which already holds the allocator's rounding and fragmentation."""
         return j.min_capacity, 0
+
+
+_HELPER: cf.ProcessPoolExecutor | None = None  # one spawned helper, shared by every judge
+
+
+def _helper() -> cf.ProcessPoolExecutor:
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    return _HELPER
+
+
+def _drop_helper() -> None:
+    global _HELPER
+    if _HELPER is not None:
+        _HELPER.shutdown(wait=False, cancel_futures=True)
+        _HELPER = None
 
 
 def _child_dry_run(cfg_dict: dict, iterations: int):
