@@ -85,6 +85,15 @@ class _Block:
         self.next: _Block | None = None
 
 
+def _absorb(left: _Block, right: _Block) -> _Block:
+    """``right`` merged into its left neighbour ``left`` (both free, one segment)."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left
+    return left
+
+
 class AllocatorOOM(MemoryError):
     pass
 
@@ -239,29 +248,14 @@ class CachingAllocator:
         b.allocated = False
         self.allocated -= b.size
         self.requested -= nbytes
-        lst, by_key = self._free[b.small], self._by_key[b.small]
-        nb = b.prev  # merge with free neighbours of the same segment
-        if nb is not None and not nb.allocated:
-            key = (nb.size, nb.addr)
-            del lst[bisect_left(lst, key)]
-            del by_key[key]
-            nb.size += b.size
-            nb.next = b.next
-            if b.next is not None:
-                b.next.prev = nb
-            b = nb
-        nb = b.next
-        if nb is not None and not nb.allocated:
-            key = (nb.size, nb.addr)
-            del lst[bisect_left(lst, key)]
-            del by_key[key]
-            b.size += nb.size
-            b.next = nb.next
-            if nb.next is not None:
-                nb.next.prev = b
-        key = (b.size, b.addr)
-        insort(lst, key)
-        by_key[key] = b
+        prev, nxt = b.prev, b.next  # merge with free neighbours of the same segment
+        if prev is not None and not prev.allocated:
+            self._remove_free(prev)
+            b = _absorb(prev, b)
+        if nxt is not None and not nxt.allocated:
+            self._remove_free(nxt)
+            b = _absorb(b, nxt)
+        self._insert_free(b)
 
 
 MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a steady state
