@@ -10,15 +10,17 @@ afterwards.
 Two ways to run without data (``AllocationTracer(on_meta=...)``):
   * ``on_meta=True`` (the dry run's default): the runtime's tensors live on PyTorch's ``meta``
     device (shape, dtype, strides and a storage of the right size, no data). The tracer
-    redirects every placement on another device (``device="cpu"``: P_a+cpu host buffers, host
-    copies) to ``meta`` and remembers those storages as host memory (``host_sids``); it answers
+    redirects every placement on another device to ``meta`` (``device="cpu"``: P_a+cpu host
+    buffers; and factories that take the default device, which the autograd engine's thread
+    does not see set); as under fake tensors, the dry run identifies host storages from the
+    handles that own them (``simulate.dryrun``). It answers
     an op whose output metadata it has computed before for the same inputs from its own cache
     (``_OutputCache``: many meta kernels are Python reference implementations, ~100-500 us per
     call, and a transformer repeats the same few shapes thousands of times). Meta kernels follow
     the CUDA kernels' dtype rules, e.g. ``native_layer_norm`` of fp16 input keeps fp32 mean and
     rstd, as ``layer_norm_kernel.cu`` does (the CPU kernel keeps them in fp16).
   * ``on_meta=False``: the tracer sits on top of ``FakeTensorMode`` (fake CPU tensors): the
-    original mechanism, ~3-6x slower, kept as the reference the meta path is tested against.
+    original mechanism, ~6x slower at paper scale, kept as the reference the meta path is tested against.
 """
 from __future__ import annotations
 
