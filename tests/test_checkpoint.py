@@ -225,11 +225,15 @@ def test_bad_checkpoints_fail_clearly_and_load_nothing(tmp_path):
 
 def test_save_keeps_last_n_and_manifest_describes_state(tmp_path):
     topo, strat = _single(stage=2)
+    stale = tmp_path / "step_00000007.partial"  # an earlier run killed in the middle of a save
+    stale.mkdir()
+    (stale / ".metadata.tmp").write_bytes(b"half")
+    assert ck.latest(str(tmp_path)) is None
     for step in (1, 2, 3):
         train(strat, topo, [step])
         ck.save(str(tmp_path), strat, topo, step=step, keep=2)
     dirs = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
-    assert dirs == ["step_00000002", "step_00000003"]
+    assert dirs == ["step_00000002", "step_00000003"]  # the interrupted save is gone too
     man = json.load(open(tmp_path / "step_00000003" / ck.MANIFEST))
     assert (man["step"], man["stage"], man["dp"], man["tp"], man["opt_step"]) == (3, 2, 1, 1, 3)
     assert man["params"] == {n: list(p.shape) for n, p in strat.module.named_parameters()}

@@ -207,7 +207,21 @@ def _write_latest(root: str, name: str) -> None:
     os.replace(tmp, os.path.join(root, LATEST))
 
 
+def discard_partial(root: str) -> list[str]:
+    """Remove the ``step_N.partial`` directories under ``root``: saves interrupted before their
+    commit (no manifest; ``latest`` and ``load`` never take one, and no save can complete
+    one). Call only when no save into ``root`` is running. Returns what was removed."""
+    if not os.path.isdir(root):
+        return []
+    gone = sorted(os.path.join(root, d) for d in os.listdir(root)
+                  if d.startswith("step_") and d.endswith(".partial"))
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
+
+
 def _prune(root: str, keep: int) -> None:
+    discard_partial(root)  # an earlier run's interrupted saves (this one's is committed)
     if keep <= 0:
         return
     done = sorted(d for d in os.listdir(root)

@@ -395,9 +395,16 @@ def run_training(cfg: C.Config, run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     C.save(cfg, path)
     if cfg.launcher.name == "local":
-        results = launch.spawn(rank_main, cfg.parallel.world_size, path,
-                               backend=cfg.cluster.backend,
-                               timeout_s=cfg.launcher.collective_timeout_s)
+        try:
+            results = launch.spawn(rank_main, cfg.parallel.world_size, path,
+                                   backend=cfg.cluster.backend,
+                                   timeout_s=cfg.launcher.collective_timeout_s)
+        except BaseException:
+            # every rank has exited (spawn joins them before raising): a save they were in
+            # the middle of can never be committed
+            for d in checkpoint.discard_partial(checkpoint_root(cfg, run_dir)):
+                log.info("removed the interrupted checkpoint save %s", d)
+            raise
         return results[0]
     return _run_external(cfg, run_dir, path)
 
