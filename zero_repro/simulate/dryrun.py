@@ -173,11 +173,11 @@ class DryRunResult:
         ev = self.judged_events()
         return A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
 
-    def min_capacity(self) -> int:
+    def min_capacity(self, compute: bool = True) -> int | None:
         """Smallest device capacity (bytes, allocator's share) at which the judged replay does
         not run out of memory in the steady state (``allocator.min_capacity``; needs the
-        trace). Computed once."""
-        if self._min_capacity is None:
+        trace). Computed once; ``compute=False``: None unless computed before."""
+        if self._min_capacity is None and compute:
             ev = self.judged_events()
             known = (self.capacity, not self.allocator["oom"]) if self.capacity else None
             self._min_capacity = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
@@ -251,7 +251,7 @@ BACKENDS = ("meta", "meta_uncached", "fake")
 
 def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
             allocator_capacity: float | None = None, stack: S.Stack | None = None,
-            backend: str = "meta") -> DryRunResult:
+            backend: str = "meta", details: bool = True) -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
@@ -262,7 +262,10 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     ``allocator["oom"]``.
     ``backend``: ``meta`` (tensors on the meta device, the tracer's output cache),
     ``meta_uncached`` (every meta kernel run: the cache's reference) or ``fake``
-    (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``simulate.tracer``)."""
+    (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``simulate.tracer``).
+    ``details=False``: leave ``breakdown`` and (where the judge replays without the build)
+    ``allocator_with_build`` empty -- a replay each, ~5-10% of a dry run; the max-layers search
+    needs only the judged replay."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -318,13 +321,14 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
         log.warning("dry run: the last step is not closed (it keeps a storage into the next "
                     "or frees an older one): judged as traced, without the steady state")
     alloc_judged = A.replay(judged, capacity=cap, repeat_from=rep).as_dict()
-    rep_dev = repeat_start(dev)
-    alloc_all = (alloc_judged if with_build else
-                 A.replay(dev, capacity=cap, repeat_from=rep_dev).as_dict())
-    # the breakdown reads the peak of the steady replay: the trace with the repeated step
-    # written out as often as the judged replay repeated it (same storage ids: it is closed)
-    steady_judged = judged + (judged[rep:] * alloc_judged["repeats"] if rep is not None else [])
-    brk = K.breakdown(steady_judged, tracer.category_of, capacity=cap)
+    alloc_all, brk = (alloc_judged if with_build else {}), {}
+    if details:
+        if not with_build:
+            alloc_all = A.replay(dev, capacity=cap, repeat_from=repeat_start(dev)).as_dict()
+        # the breakdown reads the peak of the steady replay: the trace with the repeated step
+        # written out as often as the judged replay repeated it (same storage ids: it is closed)
+        steady = judged + (judged[rep:] * alloc_judged["repeats"] if rep is not None else [])
+        brk = K.breakdown(steady, tracer.category_of, capacity=cap)
     timings["total_s"] = time.perf_counter() - t_start
     ident = {"model": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
              "seq_len": m.seq_len, "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,

@@ -19,9 +19,13 @@ and the cached segments released before an OOM included); the dry run at full si
 decides, and secant steps through the judged points close the bracket [fits, does not fit].
 Each judgement is a full dry run; with 2+ cores every round of the search judges two depths
 at once (the second in a helper process, ``_search(pairs=True)``): the seed and seed + 1, then
-pairs around each new estimate, then the two depths that cut the bracket in thirds -- 1 round
-when the seed is right (modern), 4-5 under paper2020, whose needed capacity carries ~±0.5 GB
-of fragmentation near the top. Results are memoised and shared within the process.
+pairs around each new estimate; once a bracket of at most ``ENDGAME`` open depths has both ends
+judged, ``_plan`` picks the depths that decide the answer (look-ahead included) in the fewest
+rounds, and those judgements skip the needed-capacity bisection (verdicts decide there). 2
+rounds when the seed is right (modern: the answer and the look-ahead), 3-4 under paper2020,
+whose needed capacity carries ~±0.5 GB of fragmentation near the top (Figure 6, C1-C5: 18
+rounds, 222 s on 2 cores; before the end game 23 rounds, 320 s). Results are memoised and
+shared within the process.
 
 Near the top the verdict is not monotone in depth (fragmentation: under paper2020, C1 at 59
 layers needs 29.80 GB, at 54 layers 29.91 GB; ``python -m zero_repro.simulate.maxsize --scan``
@@ -43,6 +47,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import multiprocessing
@@ -84,8 +90,9 @@ class Judgement:
     seconds: float  # the dry run's own wall time (it may have run as a probe or in parallel)
     build_peak_live: int = 0  # live bytes during the build (not judged: see module docstring)
     # smallest capacity at which this depth's judged replay fits (allocator.min_capacity):
-    # fits iff min_capacity <= capacity; the search steers on it
-    min_capacity: int = 0
+    # fits iff min_capacity <= capacity; the search steers on it. None: not computed (a
+    # judgement of the search's end game, decided by verdicts alone: ``DryRunJudge.capacities``)
+    min_capacity: int | None = None
     # the judged replay repeated the last traced step this often before the allocator's
     # state settled (steady) -- or until the OOM (allocator.replay, repeat_from)
     repeats: int = 0
@@ -130,6 +137,10 @@ class DryRunJudge:
         self.order: list[Judgement] = []
         self.n_runs = 0
         self._pending = None  # (key, n_layer, future) of the dry run in the helper process
+        # compute each judged depth's needed capacity (~10 allocator replays, ~20% of a dry
+        # run): the search turns it off for the rounds whose verdicts alone decide, ``steer``
+        # computes it when asked
+        self.capacities = True
 
     def close(self) -> None:
         """End of a search. The helper process stays for the next search of this process
@@ -157,7 +168,7 @@ class DryRunJudge:
         cfg_dict = OmegaConf.to_container(OmegaConf.structured(self._cfg_at(n_layer)),
                                           resolve=True)
         self._pending = (key, n_layer, _helper().submit(_child_dry_run, cfg_dict,
-                                                        self.iterations))
+                                                        self.iterations, self.capacities))
 
     def _collect(self, key: tuple) -> None:
         if self._pending is None or self._pending[0] != key:
@@ -183,7 +194,7 @@ class DryRunJudge:
         self._collect(key)
         res = self._shared.get(key)
         if res is None:
-            res = dry_run(cfg, iterations=self.iterations, keep_trace=True)
+            res = dry_run(cfg, iterations=self.iterations, keep_trace=True, details=False)
             self.n_runs += 1
             self._store(key, res)
         return res
@@ -197,17 +208,18 @@ class DryRunJudge:
         j = Judgement(n_layer, not a["oom"], a["peak_reserved"], a["peak_allocated"],
                       max(res.live_peak_by_iteration.values(), default=0),
                       res.model_state_bytes, res.timings.get("total_s", 0.0),
-                      res.live_peak_by_phase.get("build", 0), res.min_capacity(),
-                      a["repeats"], a["steady"])
+                      res.live_peak_by_phase.get("build", 0),
+                      res.min_capacity(compute=self.capacities), a["repeats"], a["steady"])
         if res.live_peak_steady > 1.001 * j.peak_live:
             log.warning("%d layers: a further iteration would peak at %.2f GB live (this one "
                         "%.2f GB): judge with more iterations", n_layer,
                         res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
-        log.info("dry-run judge: %d layers -> %s (needs %.2f of %.2f GB, %.1f s, steady after "
+        log.info("dry-run judge: %d layers -> %s (needs %s of %.2f GB, %.1f s, steady after "
                  "%d repeats of the last step)", n_layer, "fits" if j.fits else "OOM",
-                 j.min_capacity / 1e9, self.capacity / 1e9, j.seconds, j.repeats)
+                 "?" if j.min_capacity is None else f"{j.min_capacity / 1e9:.2f}",
+                 self.capacity / 1e9, j.seconds, j.repeats)
         return j.fits
 
     def probe(self, n_layer: int) -> int:
@@ -218,6 +230,8 @@ class DryRunJudge:
     def steer(self, j: "Judgement") -> tuple[int, int]:
         """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
         depth needs, which already holds the allocator's rounding and fragmentation."""
+        if j.min_capacity is None:
+            j.min_capacity = self.run(j.n_layer).min_capacity()
         return j.min_capacity, 0
 
 
@@ -238,12 +252,14 @@ def _drop_helper() -> None:
         _HELPER = None
 
 
-def _child_dry_run(cfg_dict: dict, iterations: int):
+def _child_dry_run(cfg_dict: dict, iterations: int, capacity: bool = True):
     """A dry run in the judge's helper process (module level: pickled by name), with the
-    capacity it needs already found (``min_capacity``: ~10 allocator replays, done here in
-    parallel with the parent's dry run)."""
-    res = dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True)
-    res.min_capacity()
+    capacity it needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays,
+    done here in parallel with the parent's dry run)."""
+    res = dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True,
+                  details=False)
+    if capacity:
+        res.min_capacity()
     return res
 
 
@@ -325,6 +341,57 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
 LOOKAHEAD = 2  # the answer's LOOKAHEAD depths above it are judged not to fit
 SPREAD = 2  # an estimate that follows a miss is judged with depths SPREAD below and above it
 WIDE = 8  # a bracket of more open depths than this is narrowed by interpolation, not halving
+ENDGAME = 4  # a judged bracket with at most this many open depths is finished by ``_plan``
+HORIZON = 3  # rounds ``_plan`` looks ahead
+
+
+def _answer(verdict: dict, max_n: int, lookahead: int = LOOKAHEAD) -> int | None:
+    """The search's answer once it is decided: the largest depth judged to fit when its
+    ``lookahead`` depths above are all judged not to (or lie past ``max_n``); else None."""
+    lo = max((d for d, v in verdict.items() if v), default=0)
+    if all(d > max_n or verdict.get(d) is False for d in range(lo + 1, lo + lookahead + 1)):
+        return lo
+    return None
+
+
+def _plan(verdict: dict, per_round: int, max_n: int, lookahead: int = LOOKAHEAD,
+          horizon: int = HORIZON) -> tuple[int, ...]:
+    """The depths to judge next (``per_round`` of them, run side by side) near the end of a
+    search, chosen by looking ``horizon`` rounds ahead: fewest rounds to a decided answer
+    (``_answer``) whatever the verdicts (fit is not monotone in depth near the top, so every
+    open depth may go either way), then fewest on average over equally likely verdicts, then
+    the deeper depths. Open depths considered: those from the bracket's lower end up to
+    ``2 * lookahead`` past its upper end."""
+    if _answer(verdict, max_n, lookahead) is not None:
+        return ()
+    lo = max((d for d, v in verdict.items() if v), default=0)
+    hi = min((d for d, v in verdict.items() if not v and d > lo), default=max_n + 1)
+    window = tuple(d for d in range(lo + 1, min(hi + 2 * lookahead, max_n) + 1)
+                   if d not in verdict)
+    if not window:
+        return ()
+    base = {d: v for d, v in verdict.items() if d >= lo}
+
+    @functools.lru_cache(maxsize=None)
+    def cost(known: frozenset, depth: int) -> tuple[int, float]:
+        v = {**base, **dict(known)}
+        if _answer(v, max_n, lookahead) is not None:
+            return 0, 0.0
+        open_ = [d for d in window if d not in v]
+        if depth == horizon or not open_:
+            return horizon + 1, float(horizon + 1)  # not decided within the look-ahead
+        return min(_rate(known, c, depth) for c in
+                   itertools.combinations(open_, min(per_round, len(open_))))[:2]
+
+    def _rate(known: frozenset, depths: tuple, depth: int) -> tuple[int, float, tuple]:
+        outs = [cost(known | frozenset(zip(depths, o)), depth + 1)
+                for o in itertools.product((True, False), repeat=len(depths))]
+        return (1 + max(w for w, _ in outs), 1 + sum(m for _, m in outs) / len(outs),
+                tuple(-d for d in sorted(depths, reverse=True)))
+
+    best = min(itertools.combinations(window, min(per_round, len(window))),
+               key=lambda c: _rate(frozenset(), c, 0))
+    return tuple(sorted(best, reverse=True))
 
 
 def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None = None,
@@ -338,7 +405,8 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
 
     ``pairs`` (a judge with ``prefetch``: a helper process): every round judges two depths, the
     second run beside the first -- next to an estimate its neighbour (the answer is a pair:
-    fits, does not fit); when bisecting, the two depths that cut the bracket in thirds.
+    fits, does not fit); when bisecting, the two depths that cut the bracket in thirds; once
+    the judged bracket has at most ``ENDGAME`` open depths, the ones ``_plan`` picks.
     Fragmentation makes the verdict non-monotone near the top (under paper2020 C1 fits at 53,
     not at 54, at 55-59 again, not at 60-62): the answer is the largest depth judged to fit
     whose ``LOOKAHEAD`` depths above were judged not to (a depth that does not fit below a
@@ -364,78 +432,80 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         return lo_, min((d for d, v in verdict.items() if not v and d > lo_), default=max_n + 1)
 
     while True:
-        while hi - lo > 1:
-            interior = hi - lo - 1
-            bisecting = lo in verdict and hi in verdict
-            if (bisecting and interior > WIDE and capacity is not None and lo in memo
-                    and hi in memo and need(hi) > need(lo)):
-                # a wide bracket: interpolate between its ends (their needed capacity is affine to
-                # ~±0.5 GB, a few layers; halving a wide bracket would take several rounds)
-                frac = (capacity - slack - need(lo)) / (need(hi) - need(lo))
-                n, bisecting = lo + int(frac * (hi - lo)), False
-            if bisecting and prefetch is not None and interior >= 2:
-                n, m = lo + max(1, (interior + 1) // 3), lo + max(2, (2 * interior + 2) // 3)
-            else:
-                n = (lo + hi) // 2 if bisecting else min(max(n, lo + 1), hi - 1)
-                # the seed's neighbour (when the seed is right, the pair is the answer); once an
-                # estimate has missed, a pair around it (its error is a few layers either way)
-                spread = SPREAD if (verdict and not bisecting) else 0
-                n, m = min(max(n - spread, lo + 1), hi - 1), n + spread + (spread == 0)
-                if not lo < m < hi or m == n:
-                    m = n - 1
-                if prefetch is None or not lo < m < hi or m in verdict:
-                    m = None
-            if m is not None:
-                prefetch(m)
-            verdict[n] = judge(n)
-            if m is not None:
-                verdict[m] = judge(m)
-            lo, hi = bracket()
-            judged = [d for d in (n, m) if d is not None]
-            if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
-                continue  # both ends of the bracket are judged: bisect
-            # steer from the bracket end this round moved
-            n = max(judged) if verdict[judged[0]] else min(judged)
-            ok = verdict[n]
-            if capacity is None or n not in memo:
-                n = (lo + hi) // 2
-                continue
-            for d in judged:
-                used, extra = judge.steer(memo[d]) if hasattr(judge, "steer") else (
-                    need(d), memo[d].peak_reserved - memo[d].peak_allocated)
-                if verdict[d]:
-                    slack = max(slack, extra)
-                pts = [p for p in pts if p[0] != d] + [(d, used)]
-            used = dict(pts)[n]
-            # slope over the widest baseline (the shallowest probe to this depth): neighbouring
-            # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
-            # fragmentation, so a slope between them is mostly noise
-            (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
-            slope = (used - p1) / (n - n1) if n != n1 else 0.0
-            est = n + int((capacity - slack - used) // slope) if slope > 0 else n
-            # the estimate, nudged off the bracket end just judged so the bracket always shrinks
-            if lo < est < hi:
-                n, streak = est, 0
-                continue
-            streak = streak + 1 if (gallop and last_ok == ok) else 0
-            last_ok = ok
-            step = 2 ** streak if gallop else 1
-            n = lo + step if ok else hi - step
-            if gallop and not lo < n < hi:
-                n = (lo + hi) // 2
-        # the fit is not monotone near the top: the LOOKAHEAD depths above the answer must not
-        # fit either (with a helper process the round judges one more above for free)
-        above = [d for d in range(lo + 2, lo + 2 + LOOKAHEAD - 1 + (prefetch is not None))
-                 if d <= max_n and d not in verdict]
-        if not above:
-            break
-        if prefetch is not None and len(above) > 1:
-            prefetch(above[1])
-        for d in above:
-            verdict[d] = judge(d)
         lo, hi = bracket()
-        n = (lo + hi) // 2
-    return lo
+        if verdict and _answer(verdict, max_n) is not None:
+            return lo
+        endgame = hi - lo - 1 <= ENDGAME and (lo == 0 or lo in verdict) and hi in verdict
+        if hasattr(judge, "capacities"):  # the end game needs verdicts only
+            judge.capacities = not endgame
+        if endgame:
+            # near the end: the depths that decide the answer in the fewest rounds
+            plan = _plan(verdict, 1 if prefetch is None else 2, max_n)
+            if not plan:  # every depth that could decide it is judged: cannot happen
+                raise AssertionError(f"max-layers search stuck at {sorted(verdict.items())}")
+            if len(plan) > 1:
+                prefetch(plan[1])
+            for d in plan:
+                verdict[d] = judge(d)
+            continue
+        interior = hi - lo - 1
+        bisecting = lo in verdict and hi in verdict
+        if (bisecting and interior > WIDE and capacity is not None and lo in memo
+                and hi in memo and need(hi) > need(lo)):
+            # a wide bracket: interpolate between its ends (their needed capacity is affine to
+            # ~±0.5 GB, a few layers; halving a wide bracket would take several rounds)
+            frac = (capacity - slack - need(lo)) / (need(hi) - need(lo))
+            n, bisecting = lo + int(frac * (hi - lo)), False
+        if bisecting and prefetch is not None and interior >= 2:
+            n, m = lo + max(1, (interior + 1) // 3), lo + max(2, (2 * interior + 2) // 3)
+        else:
+            n = (lo + hi) // 2 if bisecting else min(max(n, lo + 1), hi - 1)
+            # the seed's neighbour (when the seed is right, the pair is the answer); once an
+            # estimate has missed, a pair around it (its error is a few layers either way)
+            spread = SPREAD if (verdict and not bisecting) else 0
+            n, m = min(max(n - spread, lo + 1), hi - 1), n + spread + (spread == 0)
+            if not lo < m < hi or m == n:
+                m = n - 1
+            if prefetch is None or not lo < m < hi or m in verdict:
+                m = None
+        if m is not None:
+            prefetch(m)
+        verdict[n] = judge(n)
+        if m is not None:
+            verdict[m] = judge(m)
+        lo, hi = bracket()
+        judged = [d for d in (n, m) if d is not None]
+        if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
+            continue  # both ends of the bracket are judged: bisect
+        # steer from the bracket end this round moved
+        n = max(judged) if verdict[judged[0]] else min(judged)
+        ok = verdict[n]
+        if capacity is None or n not in memo:
+            n = (lo + hi) // 2
+            continue
+        for d in judged:
+            used, extra = judge.steer(memo[d]) if hasattr(judge, "steer") else (
+                need(d), memo[d].peak_reserved - memo[d].peak_allocated)
+            if verdict[d]:
+                slack = max(slack, extra)
+            pts = [p for p in pts if p[0] != d] + [(d, used)]
+        used = dict(pts)[n]
+        # slope over the widest baseline (the shallowest probe to this depth): neighbouring
+        # depths differ by ~0.1 GB per layer but their needed capacity carries ~±0.5 GB of
+        # fragmentation, so a slope between them is mostly noise
+        (n1, p1) = min(pts) if len(pts) > 1 else (0, 0.0)
+        slope = (used - p1) / (n - n1) if n != n1 else 0.0
+        est = n + int((capacity - slack - used) // slope) if slope > 0 else n
+        # the estimate, nudged off the bracket end just judged so the bracket always shrinks
+        if lo < est < hi:
+            n, streak = est, 0
+            continue
+        streak = streak + 1 if (gallop and last_ok == ok) else 0
+        last_ok = ok
+        step = 2 ** streak if gallop else 1
+        n = lo + step if ok else hi - step
+        if gallop and not lo < n < hi:
+            n = (lo + hi) // 2
 
 
 # ------------------------------------------------------------------------------ depth scan
