@@ -370,3 +370,14 @@ def test_plan_finishes_a_bracket_with_its_look_ahead_in_one_round():
     assert maxsize._plan({192: True, 196: False, 198: False, 202: False}, 2, 2000) == (197, 195)
     assert maxsize._plan({100: True, 102: False}, 1, 2000) == (101,)  # serial: the one open
     assert maxsize._plan({100: True, 101: False, 102: False}, 2, 2000) == ()  # decided
+
+
+def test_dry_run_without_details_judges_the_same():
+    # the search's dry runs skip the breakdown and the with-build replay, nothing else
+    cfg = paper_cfg(2, "c4", batch=1)
+    full, lean = dry_run(cfg, details=True), dry_run(cfg, details=False)
+    assert full.breakdown and not lean.breakdown
+    assert full.allocator_with_build and not lean.allocator_with_build
+    assert lean.allocator == full.allocator and lean.trace == full.trace
+    assert lean.min_capacity(compute=False) is None
+    assert lean.min_capacity() == full.min_capacity() == lean.min_capacity(compute=False)
