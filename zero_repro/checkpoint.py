@@ -42,12 +42,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
-from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                              TensorProperties)
 
 from zero_repro.distributed import comm
 from zero_repro.distributed.topology import Topology
@@ -59,6 +53,19 @@ FORMAT = "zero-repro-dcp/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _dcp():
+    """torch.distributed.checkpoint and the ShardedTensor types, imported on first use: they
+    pull in DTensor's op registry (~1.5 s), which every CLI start and every rank that never
+    saves would pay for."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                  TensorProperties)
+    return dcp, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties
 
 
 class CheckpointError(RuntimeError):
@@ -87,9 +94,10 @@ def pieces(group: dict) -> list[Piece]:
     return out
 
 
-def _sharded(chunks: list[tuple[int, torch.Tensor]], numel: int, rank: int) -> ShardedTensor:
+def _sharded(chunks: list[tuple[int, torch.Tensor]], numel: int, rank: int):
     """A 1-D ShardedTensor of ``numel`` elements whose local shards are ``chunks`` =
     [(global offset, 1-D tensor)], the rest described as placeholder gaps."""
+    _, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties = _dcp()
     chunks = sorted(chunks, key=lambda c: c[0])
     t0 = chunks[0][1] if chunks else torch.empty(0)
     dev = "cpu" if t0.device.type == "cpu" else str(t0.device)
@@ -179,6 +187,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
     state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=topo.dp_rank == 0)
     state[f"rng/rank{topo.rank}"] = _rng_state()
     with _quiet():
+        dcp = _dcp()[0]
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
     if coordinator:
         manifest = {
@@ -328,6 +337,7 @@ def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
         state[rng_key] = _rng_state()
     try:
         with _quiet():
+            dcp = _dcp()[0]
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), **_dcp_kwargs(topo))
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in its own types
         raise CheckpointError(f"checkpoint {path!r} could not be read: "
