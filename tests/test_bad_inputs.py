@@ -9,6 +9,7 @@ line and exit status 2.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import copy
 import json
 import os
@@ -278,15 +279,22 @@ def test_oversubscribe_forces_the_resource_checks(base, files, nothing_starts, t
 
 def test_real_cli_prints_one_error_line_and_exits_2(tmp_path):
     results = tmp_path / "results"
-    for args, field in [(["train.lr=nan"], "train.lr"),
-                        (["parallel.world_size=64"], "parallel.world_size"),
-                        (["logging.level=FOO"], "logging.level"),
-                        (["-m", "train.lr=1e-3,-1"], "train.lr")]:
-        p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke", *args,
-                            f"experiment.results_dir={results}",
-                            f"hydra.run.dir={tmp_path / 'hydra'}",
-                            f"hydra.sweep.dir={tmp_path / 'multirun'}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=180)
+    cases = [(["train.lr=nan"], "train.lr"),
+             (["parallel.world_size=64"], "parallel.world_size"),
+             (["logging.level=FOO"], "logging.level"),
+             (["-m", "train.lr=1e-3,-1"], "train.lr")]
+
+    def one(i):  # each its own Hydra run directory: two run at once
+        args = cases[i][0]
+        return subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke", *args,
+                               f"experiment.results_dir={results}",
+                               f"hydra.run.dir={tmp_path / 'hydra' / str(i)}",
+                               f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=180)
+
+    with cf.ThreadPoolExecutor(2) as pool:  # two CLI starts at a time (2 cores)
+        runs = list(pool.map(one, range(len(cases))))
+    for (args, field), p in zip(cases, runs):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2, (args, p.returncode, p.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], \

@@ -2,6 +2,7 @@
 start nothing; plan and plot work from the CLI (no training run here)."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import glob
 import json
 import os
@@ -65,9 +66,16 @@ BAD = {
 
 def test_user_errors_exit_2_with_one_line_and_start_nothing(tmp_path):
     results = tmp_path / "results"
-    for case, (args, message) in BAD.items():
+
+    def one(case):  # each its own Hydra run directory: two run at once
+        args = BAD[case][0]
         exp = [] if any(a.startswith("+exp") for a in args) else ["+exp=smoke"]
-        p = run_cli(*exp, *args, f"experiment.results_dir={results}")
+        return run_cli(*exp, *args, f"experiment.results_dir={results}",
+                       f"hydra.run.dir={tmp_path / 'hydra' / case}")
+
+    with cf.ThreadPoolExecutor(2) as pool:  # two CLI starts at a time (2 cores)
+        runs = list(pool.map(one, BAD))
+    for (case, (_, message)), p in zip(BAD.items(), runs):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2, (case, p.returncode, p.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \

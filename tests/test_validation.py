@@ -7,6 +7,7 @@ rest of the CLI mechanism).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import subprocess
 import sys
@@ -88,10 +89,15 @@ def test_cli_new_cases_are_one_line_usage_errors(tmp_path):
              (["cluster=dgx9"], "unknown cluster 'dgx9'"),
              (["checkpoint.resume=/nonexistent/ck"], "checkpoint.resume='/nonexistent/ck'"),
              (["fault.rank=7"], "fault.rank=7 is not a rank")]
-    for args, message in cases:
-        p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke", *args,
-                            f"experiment.results_dir={results}"], cwd=REPO, capture_output=True,
-                           text=True, timeout=120)
+    def one(i):  # each its own Hydra run directory: two run at once
+        return subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke",
+                               *cases[i][0], f"experiment.results_dir={results}",
+                               f"hydra.run.dir={tmp_path / 'hydra' / str(i)}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    with cf.ThreadPoolExecutor(2) as pool:  # two CLI starts at a time (2 cores)
+        runs = list(pool.map(one, range(len(cases))))
+    for (args, message), p in zip(cases, runs):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2, (args, p.returncode, p.stderr[-1500:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
