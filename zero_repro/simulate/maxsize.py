@@ -345,10 +345,17 @@ ENDGAME = 4  # a judged bracket with at most this many open depths is finished b
 HORIZON = 3  # rounds ``_plan`` looks ahead
 
 
+def _bracket(verdict: dict, max_n: int) -> tuple[int, int]:
+    """(the largest depth judged to fit or 0, the smallest above it judged not to or
+    ``max_n + 1``)."""
+    lo = max((d for d, v in verdict.items() if v), default=0)
+    return lo, min((d for d, v in verdict.items() if not v and d > lo), default=max_n + 1)
+
+
 def _answer(verdict: dict, max_n: int, lookahead: int = LOOKAHEAD) -> int | None:
     """The search's answer once it is decided: the largest depth judged to fit when its
     ``lookahead`` depths above are all judged not to (or lie past ``max_n``); else None."""
-    lo = max((d for d, v in verdict.items() if v), default=0)
+    lo = _bracket(verdict, max_n)[0]
     if all(d > max_n or verdict.get(d) is False for d in range(lo + 1, lo + lookahead + 1)):
         return lo
     return None
@@ -364,8 +371,7 @@ def _plan(verdict: dict, per_round: int, max_n: int, lookahead: int = LOOKAHEAD,
     ``2 * lookahead`` past its upper end."""
     if _answer(verdict, max_n, lookahead) is not None:
         return ()
-    lo = max((d for d, v in verdict.items() if v), default=0)
-    hi = min((d for d, v in verdict.items() if not v and d > lo), default=max_n + 1)
+    lo, hi = _bracket(verdict, max_n)
     window = tuple(d for d in range(lo + 1, min(hi + 2 * lookahead, max_n) + 1)
                    if d not in verdict)
     if not window:
@@ -426,13 +432,8 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
             return judge.steer(memo[d])[0]
         return memo[d].peak_allocated
 
-    def bracket() -> tuple[int, int]:
-        # the largest depth judged to fit, the smallest above it judged not to
-        lo_ = max((d for d, v in verdict.items() if v), default=0)
-        return lo_, min((d for d, v in verdict.items() if not v and d > lo_), default=max_n + 1)
-
     while True:
-        lo, hi = bracket()
+        lo, hi = _bracket(verdict, max_n)
         if verdict and _answer(verdict, max_n) is not None:
             return lo
         endgame = hi - lo - 1 <= ENDGAME and (lo == 0 or lo in verdict) and hi in verdict
@@ -473,7 +474,7 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
         verdict[n] = judge(n)
         if m is not None:
             verdict[m] = judge(m)
-        lo, hi = bracket()
+        lo, hi = _bracket(verdict, max_n)
         judged = [d for d in (n, m) if d is not None]
         if len({verdict[d] for d in judged}) > 1 or (lo in verdict and hi in verdict):
             continue  # both ends of the bracket are judged: bisect
