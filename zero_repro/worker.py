@@ -51,7 +51,7 @@ import torch
 
 from zero_repro import checkpoint
 from zero_repro import config as C
-from zero_repro.distributed import comm, launch
+from zero_repro.distributed import comm, host_heap, launch
 from zero_repro.distributed.topology import Topology
 from zero_repro.model import flops
 from zero_repro.train import data, loop
@@ -216,6 +216,8 @@ def local_ranks(cfg: C.Config) -> int:
 
 def _check_device(cfg: C.Config) -> None:
     c = cfg.cluster
+    if c.backend == "gloo":
+        host_heap.mode()  # ZR_HOST_HEAP, read by every CPU rank when it starts
     if c.device != "cuda" and c.backend != "nccl":
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -467,7 +469,9 @@ def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     # failed launch's real cause ("execve(): torchrun: No such file", "NCCL not built in", a
     # rank's traceback) is there, not in the exit status
     tail: collections.deque = collections.deque(maxlen=200)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    # CPU ranks start on a caching malloc (distributed.host_heap); srun passes it on
+    env = host_heap.rank_env() if cfg.cluster.backend == "gloo" else None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     reader = threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, tail), daemon=True)
     reader.start()
     rc = proc.wait()

@@ -19,6 +19,7 @@ removed by the next spawn.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import glob
@@ -38,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from zero_repro.distributed import comm
+from zero_repro.distributed import comm, host_heap
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -104,6 +105,22 @@ def _remove_stale_spawn_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str] | None):
+    """``os.environ`` replaced by ``env`` (None: unchanged) for the block, then restored."""
+    if env is None:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -161,8 +178,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
                              args=(fn, r, world_size, port, backend, timeout_s, out_dir, args,
                                    os.getpid()))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        # CPU ranks start on a caching malloc (host_heap): the environment is what a spawned
+        # interpreter is exec'd with, so it is set around the starts only
+        with _environment(host_heap.rank_env() if backend == "gloo" else None):
+            for p in procs:
+                p.start()
         deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
         failure: WorkerFailed | None = None
         try:

@@ -6,9 +6,10 @@ Two signatures go into every record (``Record.provenance``):
 
 * ``machine``: what a measured number depends on besides the config: the device kind and
   model (CPU model and core count, or GPU name and count), the OS/architecture and the torch
-  version. It deliberately leaves out the hostname: two nodes of one cluster are the same
-  hardware. Points that run through Slurm are measured on compute nodes this process cannot
-  see, so their signature is the cluster config (``cluster.name``) and the torch version.
+  version; on CPU also the malloc the ranks run on (``distributed.host_heap``). It
+  deliberately leaves out the hostname: two nodes of one cluster are the same hardware.
+  Points that run through Slurm are measured on compute nodes this process cannot see, so
+  their signature is the cluster config (``cluster.name``) and the torch version.
 * ``code``: the git tree of the files that compute a number, ``zero_repro/`` and
   ``experiments/`` (``git rev-parse HEAD:<dir>``), plus a digest of any uncommitted change to
   them; outside a git checkout, the installed package version. A commit that changes only
@@ -33,6 +34,7 @@ import subprocess
 import torch
 
 from zero_repro import paths
+from zero_repro.distributed import host_heap
 from zero_repro.simulate.hardware import cpu_model
 
 CODE_DIRS = ("zero_repro", "experiments")
@@ -76,7 +78,8 @@ def this_machine() -> dict:
         info.update(device="cuda", device_name=" + ".join(names),
                     device_count=torch.cuda.device_count())
     else:
-        info.update(device="cpu", device_name=cpu_model(), device_count=os.cpu_count())
+        info.update(device="cpu", device_name=cpu_model(), device_count=os.cpu_count(),
+                    host_heap=host_heap.mode())
     return info
 
 
