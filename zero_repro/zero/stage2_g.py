@@ -17,6 +17,7 @@ shard in one pre-allocated contiguous tensor, false allocates each bucket's chun
 reduced gradient arrives and frees them all in ``zero_grad`` (fragmenting the heap).
 
 A fused buffer is not zeroed when it is taken from the pool: every gradient is copied into it,
+divided by N_d on the way (``buckets.scale_into``, one pass instead of a copy and a division),
 and only what stays unwritten (padding, parameters without a gradient this micro-batch) is
 zeroed when the bucket is launched. Collectives go through the DP group's transport
 (``distributed.transport``): a pool entry is the fused bucket plus the transport's scratch for
@@ -33,7 +34,8 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import Arrivals, GatheredAfterStep, bucket_pieces, slot_pieces
+from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces, scale_into,
+                                     slot_pieces)
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
@@ -75,7 +77,9 @@ class Stage2G(GatheredAfterStep, Strategy):
         grad = p.grad.reshape(-1)
         for b, lo, hi in bucket_pieces(self.flat.partition, s):
             buf = self._bucket_buffer(b)
-            buf[lo - b.start:hi - b.start].copy_(grad[lo - s.offset:hi - s.offset])
+            # divided by N_d on the way in (every micro-batch is reduced on its own)
+            scale_into(buf[lo - b.start:hi - b.start], grad[lo - s.offset:hi - s.offset],
+                       self.n_d)
             self._got[b.index].add(self._slot_idx[id(p)])
             if self._arrivals.add(b, hi - lo):
                 self._launch(b)
@@ -100,9 +104,7 @@ class Stage2G(GatheredAfterStep, Strategy):
             buf[max(part.numel - b.start, 0):b.size].zero_()
         self._arrivals.reset(b)
         self._got[b.index] = set()
-        inp = buf[:b.size]
-        if self.n_d > 1:
-            inp.div_(self.n_d)
+        inp = buf[:b.size]  # already divided by N_d (_on_grad); zeros stay zeros
         # the reduced own chunk: in the scratch after the fused bucket, or (in place) in it
         works, out = self.transport.reduce_scatter(inp, buf[self.cap:self.cap + b.chunk])
 

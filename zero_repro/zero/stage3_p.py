@@ -55,6 +55,7 @@ from torch import nn
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import InFlight, bucket_transport
+from zero_repro.zero.buckets import scale_into
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import FlatParams, GradShards, PeakBytes
 from zero_repro.zero.strategy import Strategy
@@ -74,6 +75,7 @@ class _Unit:
         self.works: list = []
         self.grad_buf: torch.Tensor | None = None  # transient full gradients of the unit
         self.filled = 0
+        self.got: set[int] = set()  # ids of the parameters whose gradient is in grad_buf
 
     def expect(self, *states: UnitState, event: str) -> None:
         if self.state not in states:
@@ -263,11 +265,14 @@ class Stage3P(Strategy):
         u = self.unit_of[id(p)]
         u.expect(UnitState.GATHERED, event="a parameter gradient arrived")
         if u.grad_buf is None:
-            u.grad_buf = torch.zeros(u.group.partition.padded_numel, dtype=self.dtype,
+            # not zeroed: every gradient is written into it; the rest is zeroed in _reduce_unit
+            u.grad_buf = torch.empty(u.group.partition.padded_numel, dtype=self.dtype,
                                      device=self.device)
             self.buffer_peak.alloc(u.grad_buf.numel() * u.grad_buf.element_size())
         s = u.group.slot_of[id(p)]
-        u.grad_buf[s.offset:s.end].copy_(p.grad.reshape(-1))
+        # divided by N_d on the way in: one pass instead of a copy and a division
+        scale_into(u.grad_buf[s.offset:s.end], p.grad.reshape(-1), self.n_d)
+        u.got.add(id(p))
         p.grad = None
         u.filled += s.numel
         if u.filled == u.group.numel:
@@ -276,9 +281,15 @@ class Stage3P(Strategy):
 
     def _reduce_unit(self, u: _Unit) -> None:
         buf, u.grad_buf, u.filled = u.grad_buf, None, 0
-        if self.n_d > 1:
-            buf.div_(self.n_d)
-        part = u.group.partition
+        g = u.group
+        if len(u.got) < len(g.params):  # parameters without a gradient reduce as zeros
+            for prm in g.params:
+                if id(prm) not in u.got:
+                    s = g.slot_of[id(prm)]
+                    buf[s.offset:s.end].zero_()
+        u.got = set()
+        buf[g.partition.numel:].zero_()  # padding
+        part = g.partition
         # the transport's scratch for the reduced shard: none when it reduces in place
         out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype,
                           device=self.device)
