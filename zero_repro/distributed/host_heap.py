@@ -35,22 +35,42 @@ CUDA caching allocator).
 """
 from __future__ import annotations
 
-import ctypes.util
 import functools
+import glob
 import os
+import platform
+import sys
+import sysconfig
 
 MODES = ("tcmalloc", "os")
 LIBRARIES = ("tcmalloc_minimal", "tcmalloc")  # gperftools; either serves malloc/free
 INSTALL_HINT = "apt install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools"
 
 
+def _library_dirs() -> list[str]:
+    """Where a tcmalloc is looked for (as ``torch.backends.xeon.run_cpu`` does: the
+    environment's own lib directories first, then the system's), without starting a process
+    (``ctypes.util.find_library`` runs ``ldconfig``)."""
+    arch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    prefixes = [os.environ.get("CONDA_PREFIX", ""), os.environ.get("VIRTUAL_ENV", ""),
+                sys.prefix, "/usr/local", "/usr", "/"]
+    out = []
+    for pre in filter(None, prefixes):
+        for sub in (f"lib/{arch}", "lib64", "lib"):
+            d = os.path.join(pre, sub)
+            if d not in out:
+                out.append(d)
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> str | None:
-    """The tcmalloc shared library the dynamic linker finds (its soname), or None."""
+    """Path of the tcmalloc shared library of this machine, or None."""
     for name in LIBRARIES:
-        found = ctypes.util.find_library(name)
-        if found:
-            return found
+        for d in _library_dirs():
+            hits = sorted(glob.glob(os.path.join(d, f"lib{name}.so*")))
+            if hits:
+                return hits[0]
     return None
 
 
