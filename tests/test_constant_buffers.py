@@ -1,8 +1,9 @@
 """C_B (paper §6.2): with constant-size buffers, the fused communication buffers a rank holds do
 not grow with the model; without C_B the fused buffer grows with it (the paper's baseline).
 
-Stage 1 keeps full gradients anyway and (on gloo) reduces each bucket in place inside them, so
-it holds no separate fused buffer at all; stage 3's buffers are gathered units (one block each,
+Stage 1 keeps full gradients anyway and reduces each bucket inside them: its only buffers are
+the transport's receive scratch (gloo: at most 4 buckets' (N_d - 1) chunks), constant with C_B;
+stage 3's buffers are gathered units (one block each,
 at most prefetch + 2 in flight), so they depend on the block size, not on the number of blocks.
 """
 import torch

@@ -4,8 +4,8 @@
 ``world`` CPU ranks, trains the same model on the same random tokens with each stage 0-3 in turn
 (TP 1, no ZeRO-R) and prints the median step time (after warm-up) per stage and its ratio to
 stage 0. Times are *measured* on this machine's CPUs over gloo; they say nothing about GPU
-clusters (gloo has no reduce-scatter / all-gather of flat buffers: stages 1-3 run them as N_d
-rooted reduces / broadcasts, ``distributed.transport.RootedTransport``, slower than all-reduce).
+clusters (gloo has no fast reduce-scatter / all-gather of flat buffers: stages 1-3 run them as
+point-to-point exchanges, ``distributed.transport.PairwiseTransport``).
 
 ``python -m zero_repro.bench --ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]``
 instead races each overlap knob of the ZeRO-DP schedule off (A) against on (B), for the stages

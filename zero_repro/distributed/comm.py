@@ -87,6 +87,9 @@ class Group:
     pg: object | None
     ledger: CommLedger
     backend: str = "none"  # the backend its collectives run on (picks the bucket transport)
+    # the backend whose bucket transport a dry run models on this group ("" = its own): a dry
+    # run of a gloo configuration runs on ``fake`` but accounts gloo's transport
+    models: str = ""
 
     @property
     def size(self) -> int:
@@ -250,6 +253,26 @@ def reduce(t: torch.Tensor, dst_group_rank: int, group: Group, op: str = "sum",
     group.ledger.record("reduce", group.name, t.numel(), t.element_size())
     return tdist.reduce(t, dst=group.global_rank(dst_group_rank), op=_op(op), group=group.pg,
                        async_op=async_op)
+
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+             group: Group, tag: int) -> list:
+    """Point-to-point: an async send of every ``(tensor, group rank)`` of ``sends`` and an async
+    receive into every one of ``recvs``; returns their work handles. Messages between two ranks
+    with one ``tag`` match in the order they are posted, so every rank posts its exchanges in
+    the same order (as it issues collectives). Not counted in the ledger: the caller records
+    the collective the exchanges make up (``record``). On the ``fake`` backend nothing moves."""
+    if group.size == 1 or group.backend == "fake":
+        return []
+    works = [tdist.isend(t, group.global_rank(q), group=group.pg, tag=tag) for t, q in sends]
+    works += [tdist.irecv(t, group.global_rank(q), group=group.pg, tag=tag) for t, q in recvs]
+    return works
+
+
+def record(op: str, group: Group, numel: int, element_size: int) -> None:
+    """Count a collective made of ``exchange``s: ``op`` of the logical ``numel`` elements."""
+    if group.size > 1:
+        group.ledger.record(op, group.name, numel, element_size)
 
 
 def barrier(group: Group | None = None) -> None:

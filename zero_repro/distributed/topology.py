@@ -67,6 +67,13 @@ class Topology:
             dp_group = g or dp_group
         return cls(world_size, rank, tp, dp, dp_rank, tp_rank, world, tp_group, dp_group, ledger)
 
+    def model_transport(self, backend: str) -> None:
+        """A dry run (``fake`` groups) accounts the bucket transport of ``backend`` on every
+        group (``comm.Group.models``): the gloo one for a CPU configuration."""
+        for g in (self.world, self.tp_group, self.dp_group):
+            if g is not None:
+                g.models = backend
+
     def describe(self) -> dict:
         return {"world_size": self.world_size, "rank": self.rank, "tp": self.tp, "dp": self.dp,
                 "dp_rank": self.dp_rank, "tp_rank": self.tp_rank}

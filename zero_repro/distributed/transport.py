@@ -2,7 +2,7 @@
 
 ZeRO-DP stages 1-3 split every bucket of ``n`` elements into ``N_d`` chunks of ``c = n/N_d``,
 reduce-scatter the gradients (rank k receives the sum of chunk k) and all-gather the updated
-parameters (every rank receives every chunk). Two transports realise that, picked once per
+parameters (every rank receives every chunk). Three transports realise that, picked once per
 group from the backend the group runs on (``bucket_transport``), the way FSDP2 picks its
 reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they hold.
 
@@ -11,19 +11,25 @@ reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they 
   stage stages the result (or the all-gather input) in pooled scratch buffers of ``c``
   elements, at most ``in_flight_limit`` = 2 collectives in flight (one being filled while the
   previous one is on the wire).
-* ``RootedTransport`` (gloo, and the ``fake`` group of the memory dry run): ``N_d`` rooted
-  reduces / broadcasts per bucket, one per chunk, in place in the bucket. gloo emulates the
-  native collectives, measured 1.5-2× slower than rooted ones of the same elements (world 2,
-  10 buckets of 2M fp32: reduce-scatter 99 ms vs 2×10 reduces 65 ms; all-gather 87 ms vs 2×10
-  broadcasts 44 ms). Nothing is staged, so nothing limits the collectives in flight, and a
-  stage keeps 4 fused gradient buckets in flight instead of 2 (with 2 the gradient hook blocked
-  backward ~0.2 s per step on GPT-20M while gloo's slower collectives drained). The fake group
-  follows gloo so that a dry run reproduces the CPU run's ledgers exactly; for an NCCL run it
-  then under-counts only constant-size scratch (``comm_buffers``), never model states.
+* ``PairwiseTransport`` (gloo): point-to-point sends / receives with every peer. gloo emulates
+  the native collectives slowly, and its rooted ones are slower than its sends: world 2, GPT-20M's
+  Ψ = 41.6M fp32 in buckets of 2M (measured 2026-12-02, 2 cores, tcmalloc): reduce-scatter as
+  2 reduces per bucket 100-107 ms, pairwise 56-63 ms, native 165 ms; all-gather as 2 broadcasts
+  per bucket 69-76 ms, pairwise 46 ms; for scale, one all-reduce 115 ms. A reduce-scatter
+  receives the peers' contributions to its chunk in ``(N_d - 1)·c`` elements of pooled scratch
+  (at most 4 buckets in flight); an all-gather receives in place. Counted as the
+  ``reduce_scatter`` / ``all_gather`` of the bucket.
+* ``RootedTransport`` (the ``fake`` group of the memory dry run): ``N_d`` rooted reduces /
+  broadcasts per bucket, one per chunk, in place in the bucket: it holds no scratch, so a dry
+  run of an NCCL cluster under-counts only constant-size scratch (``comm_buffers``), never
+  model states; the ledger records them as ``reduce`` / ``broadcast`` (a reduce or broadcast of
+  ``c`` counts ``c``, ``N_d`` of them ``n``). ``dry_run(..., transport_of="gloo")`` accounts the
+  pairwise one instead and reproduces a CPU run's ledgers exactly. Nothing is staged, so nothing
+  limits the collectives in flight, and a stage keeps 4 fused gradient buckets in flight
+  instead of 2 (with 2 the gradient hook blocked backward ~0.2 s per step on GPT-20M while
+  gloo's slower collectives drained, when gloo used it).
 
-Both move the same elements to the same ranks with the same §7 volume: a reduce or broadcast of
-``c`` counts ``c``, so ``N_d`` of them count ``n`` like the reduce-scatter / all-gather they
-replace; the ledger records them as ``reduce`` / ``broadcast``.
+All move the same elements to the same ranks with the same §7 volume.
 
 ``InFlight`` keeps async collective handles with a completion callback, waited oldest first;
 ``BufferPool`` hands out constant-size buffers (C_B, §6.3) and reports its capacity for the
@@ -38,8 +44,10 @@ import torch
 
 from zero_repro.distributed import comm
 
-# backends whose bucket collectives run as rooted reduces / broadcasts (see module docstring)
-ROOTED_BACKENDS = ("gloo", "fake")
+# backends whose bucket collectives run as point-to-point exchanges / as rooted reduces and
+# broadcasts (see the module docstring)
+PAIRWISE_BACKENDS = ("gloo",)
+ROOTED_BACKENDS = ("fake",)
 _UNBOUNDED = 1 << 30  # "no limit" on collectives in flight
 
 
@@ -130,11 +138,18 @@ class NativeTransport:
         self.group = group
 
     def scratch_numel(self, chunk: int) -> int:
-        """Elements of scratch a reduce-scatter result (or all-gather input) of ``chunk`` needs."""
+        """Elements of scratch a reduce-scatter of a bucket of ``chunk``-element chunks needs
+        (here: its result). Linear in ``chunk``: a stage slices one scratch by it."""
         return chunk
 
     def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
                      device: torch.device | str = "cpu"):
+        """Pooled reduce-scatter scratch (``scratch_numel(chunk)`` elements per buffer)."""
+        return BufferPool(chunk, dtype, inflight, device=device)
+
+    def gather_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                    device: torch.device | str = "cpu"):
+        """Pooled all-gather input staging (``all_gather_in_place``): ``chunk`` elements."""
         return BufferPool(chunk, dtype, inflight, device=device)
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor):
@@ -175,6 +190,8 @@ class RootedTransport:
     def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
                      device: torch.device | str = "cpu") -> NoBuffers:
         return NoBuffers(dtype, device)
+
+    gather_pool = scratch_pool
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         """One async reduce per chunk to its owner: afterwards this rank's chunk of ``inp`` (the
@@ -221,11 +238,85 @@ def broadcast_chunks(buf: torch.Tensor, chunk: int, group: comm.Group) -> list:
             for k in range(group.size)]
 
 
-Transport = NativeTransport | RootedTransport
+class PairwiseTransport:
+    """gloo: a bucket's reduce-scatter and all-gather as point-to-point exchanges with every
+    peer (``comm.exchange``), measured faster on gloo than its collectives (see the module
+    docstring): each rank sends every peer that peer's chunk and receives its own chunk from
+    each peer into scratch, then adds them into its chunk; an all-gather sends the own chunk
+    to every peer and receives each peer's chunk in place. Per rank (N-1)·c elements out and
+    in, as a ring; counted as the ``reduce_scatter`` / ``all_gather`` of the bucket they make
+    up, so the §7 volume is the same. The sum is taken by the chunk's owner alone (own chunk,
+    then the peers' in rank order) and gathered from it, so every rank holds the same values."""
+
+    in_flight_limit = _UNBOUNDED  # the scratch pools bound what is in flight
+    fused_buffers = 4  # as the rooted transport: gloo drains slower than backward fills
+    RS_TAG, AG_TAG = 1, 2  # reduce-scatters and all-gathers match in order within their kind
+
+    def __init__(self, group: comm.Group):
+        self.group = group
+
+    def scratch_numel(self, chunk: int) -> int:
+        return (self.group.size - 1) * chunk  # one chunk from every peer
+
+    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                     device: torch.device | str = "cpu") -> BufferPool:
+        return BufferPool(self.scratch_numel(chunk), dtype, inflight,
+                          max_buffers=self.fused_buffers, device=device)
+
+    def gather_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                    device: torch.device | str = "cpu") -> NoBuffers:
+        return NoBuffers(dtype, device)  # gathers straight into the bucket
+
+    def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor):
+        """Async reduce-scatter of ``inp``; ``scratch``: ``scratch_numel(chunk)`` elements that
+        receive the peers' contributions. Returns (works, this rank's chunk of ``inp``, which
+        holds the sum once the works are waited; the other chunks are left as they were)."""
+        g = self.group
+        c = inp.numel() // g.size
+        peers = [q for q in range(g.size) if q != g.rank]
+        slots = [scratch[j * c:(j + 1) * c] for j in range(len(peers))]
+        own = _own(inp, g)
+        comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
+        works = comm.exchange([(inp[q * c:(q + 1) * c], q) for q in peers],
+                              list(zip(slots, peers)), g, self.RS_TAG)
+        return works + [_Then(lambda: [own.add_(s) for s in slots])], own
+
+    def reduce_scatter_in_place(self, inp: torch.Tensor, scratch: torch.Tensor):
+        return self.reduce_scatter(inp, scratch)[0], _nothing
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> list:
+        _own(full, self.group).copy_(mine)
+        return self.all_gather_in_place(full)
+
+    def all_gather_in_place(self, full: torch.Tensor, scratch: torch.Tensor | None = None):
+        g = self.group
+        c = full.numel() // g.size
+        peers = [q for q in range(g.size) if q != g.rank]
+        comm.record("all_gather", g, full.numel(), full.element_size())
+        return comm.exchange([(_own(full, g), q) for q in peers],
+                             [(full[q * c:(q + 1) * c], q) for q in peers], g, self.AG_TAG)
+
+
+class _Then:
+    """A work handle that runs ``fn`` when waited: the local part of a collective (e.g. the sum
+    of a pairwise reduce-scatter), queued after the handles of its exchanges."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+
+    def wait(self) -> None:
+        self.fn()
+
+
+Transport = NativeTransport | RootedTransport | PairwiseTransport
 
 
 def bucket_transport(group: comm.Group) -> Transport:
-    """The transport for ``group``, chosen once from the backend its collectives run on."""
-    if group.backend in ROOTED_BACKENDS:
+    """The transport for ``group``, chosen once from the backend its collectives run on (or
+    the one a dry run models on it, ``Group.models``)."""
+    backend = group.models or group.backend
+    if backend in PAIRWISE_BACKENDS:
+        return PairwiseTransport(group)
+    if backend in ROOTED_BACKENDS:
         return RootedTransport(group)
     return NativeTransport(group)

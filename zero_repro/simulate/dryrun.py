@@ -251,7 +251,8 @@ BACKENDS = ("meta", "meta_uncached", "fake")
 
 def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
             allocator_capacity: float | None = None, stack: S.Stack | None = None,
-            backend: str = "meta", details: bool = True) -> DryRunResult:
+            backend: str = "meta", details: bool = True,
+            transport_of: str = "fake") -> DryRunResult:
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
@@ -265,7 +266,11 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``simulate.tracer``).
     ``details=False``: leave ``breakdown`` and (where the judge replays without the build)
     ``allocator_with_build`` empty -- a replay each, ~5-10% of a dry run; the max-layers search
-    needs only the judged replay."""
+    needs only the judged replay.
+    ``transport_of``: whose bucket transport the ranks' buffers follow (``distributed.transport``):
+    ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
+    it under-counts only constant-size scratch -- or ``gloo``, which reproduces a CPU run's
+    ledgers exactly (the pairwise transport's receive scratch)."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -287,6 +292,8 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
         # meta: factories without a device default to meta (torch.tensor, randint, ...)
         with torch.device("meta") if on_meta else FakeTensorMode(), tracer:
             topo = Topology.build(cfg.parallel.tp)
+            if transport_of != "fake":
+                topo.model_transport(transport_of)
             t0 = time.perf_counter()
             with tracer.category(S.FP16_PARAMS):
                 model, ckpt, strategy = build(cfg, topo, torch.device(

@@ -138,7 +138,7 @@ class FullGrads:
                 # mean over DP ranks; dividing first keeps fp16 sums in range
                 self.buffer[lo:hi].div_(self.n_d)
         numel = self.group.partition.numel
-        if b.end > numel:  # padding: a rooted reduce may leave it undefined on non-owners
+        if b.end > numel:  # padding: a reduce may leave it undefined on non-owners
             self.buffer[max(b.start, numel):b.end].zero_()
         self.reduce(b, self.buffer[b.start:b.end])
 
@@ -171,7 +171,7 @@ class ParamGather:
     bucket its own parameters reach. A parameter read inside the forward of a module other
     than its owner must come after the owner's forward (GPT's tied head reads ``wte.weight``
     after ``wte`` ran), or the gather must be waited with ``wait_all`` first.
-    ``pool`` stages the input where the transport needs it (``scratch_pool``).
+    ``pool`` stages the input where the transport needs it (``gather_pool``).
     """
 
     def __init__(self, g: FlatParams, transport: Transport, pool: BufferPool | NoBuffers,

@@ -16,8 +16,9 @@ buckets it reads (``buckets.ParamGather``), so the gather overlaps the step and 
 Collectives go through the DP group's transport (``distributed.transport``): a native
 reduce-scatter lands in a pooled scratch chunk (copied back over the own range) and a native
 all-gather reads a pooled copy of the own chunk (its input must not alias the output); the
-rooted transport (gloo) works in place in the gradient / parameter buffer and its scratch pools
-hold nothing. Either way 2Ψ in the §7 ledger.
+pairwise transport (gloo) receives the peers' contributions to the own chunk in a pooled scratch
+of (N_d - 1) chunks and adds them in place, and gathers in place; the rooted one (the dry run's
+fake group) works in place and its pools hold nothing. Either way 2Ψ in the §7 ledger.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Stage1Os(GatheredAfterStep, Strategy):
         self.inflight = InFlight(t.in_flight_limit)
         self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight, self.device)
         self.ag_inflight = InFlight(t.in_flight_limit)
-        self.ag_pool = t.scratch_pool(chunk, self.dtype, self.ag_inflight, self.device)
+        self.ag_pool = t.gather_pool(chunk, self.dtype, self.ag_inflight, self.device)
         self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
@@ -62,7 +63,8 @@ class Stage1Os(GatheredAfterStep, Strategy):
     def _reduce_scatter(self, b: Bucket, buf: torch.Tensor) -> None:
         """The own chunk of ``buf`` (= this rank's range of the gradient buffer) gets the sum."""
         scratch = self.rs_pool.acquire()
-        works, finish = self.transport.reduce_scatter_in_place(buf, scratch[:b.chunk])
+        works, finish = self.transport.reduce_scatter_in_place(
+            buf, scratch[:self.transport.scratch_numel(b.chunk)])
 
         def done():
             finish()

@@ -21,8 +21,8 @@ divided by N_d on the way (``buckets.scale_into``, one pass instead of a copy an
 and only what stays unwritten (padding, parameters without a gradient this micro-batch) is
 zeroed when the bucket is launched. Collectives go through the DP group's transport
 (``distributed.transport``): a pool entry is the fused bucket plus the transport's scratch for
-the reduced chunk (none for the rooted, in-place transport of gloo, which also keeps 4 fused
-buckets in flight instead of 2); the parameter all-gather is ``buckets.ParamGather``, shared
+the reduced chunk (gloo's pairwise transport: the peers' (N_d - 1) contributions to it; none for
+the rooted, in-place one of the dry run; both keep 4 fused buckets in flight instead of 2); the parameter all-gather is ``buckets.ParamGather``, shared
 with stage 1 (overlapped with the step and the next forward under
 ``zero.overlap_param_gather``). Same 2Ψ ledger volume either way.
 """
@@ -59,7 +59,7 @@ class Stage2G(GatheredAfterStep, Strategy):
         self.pool = BufferPool(self.cap + t.scratch_numel(self.cap_chunk), self.dtype,
                                self.inflight, max_buffers=t.fused_buffers, device=self.device)
         self.ag_inflight = InFlight(t.in_flight_limit)
-        self.ag_pool = t.scratch_pool(self.cap_chunk, self.dtype, self.ag_inflight, self.device)
+        self.ag_pool = t.gather_pool(self.cap_chunk, self.dtype, self.ag_inflight, self.device)
         self.grads = GradShards([b.chunk for b in part.buckets], self.dtype,
                                 self.zero_r.contiguous_memory, self.device)
         self._filling: dict[int, torch.Tensor] = {}  # bucket index -> pool buffer
@@ -106,7 +106,8 @@ class Stage2G(GatheredAfterStep, Strategy):
         self._got[b.index] = set()
         inp = buf[:b.size]  # already divided by N_d (_on_grad); zeros stay zeros
         # the reduced own chunk: in the scratch after the fused bucket, or (in place) in it
-        works, out = self.transport.reduce_scatter(inp, buf[self.cap:self.cap + b.chunk])
+        t = self.transport
+        works, out = t.reduce_scatter(inp, buf[self.cap:self.cap + t.scratch_numel(b.chunk)])
 
         def done():
             self.grads.accumulate(b.index, out)

@@ -37,8 +37,10 @@ Schedule:
 
 The per-bucket all-gathers and reduce-scatters go through the DP group's transport
 (``distributed.transport``): native ones gather straight from the shard and reduce into one
-unit-shard output per reduction in flight; the rooted one of gloo broadcasts / reduces in place
-in the unit's flat buffer / gradient buffer (scratch of 0 elements). Same ledger volume.
+unit-shard output per reduction in flight; gloo's pairwise one gathers in place in the unit's
+flat buffer and receives the peers' contributions to the own shard in (N_d - 1)·shard elements
+of scratch; the rooted one of the dry run broadcasts / reduces in place (scratch of 0
+elements). Same ledger volume.
 
 Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
 fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
@@ -295,9 +297,10 @@ class Stage3P(Strategy):
                           device=self.device)
         self.buffer_peak.alloc(out.numel() * out.element_size())
         works, reduced = [], []
+        sn = self.transport.scratch_numel  # linear in the chunk: one slice per bucket
         for b in part.buckets:
             w, piece = self.transport.reduce_scatter(
-                buf[b.start:b.end], out[b.shard_offset:b.shard_offset + b.chunk])
+                buf[b.start:b.end], out[sn(b.shard_offset):sn(b.shard_offset + b.chunk)])
             works += w
             reduced.append(piece)
 
