@@ -1,8 +1,11 @@
 """gloo's bucket transport (``distributed.transport.PairwiseTransport``) in real spawned ranks:
 the reduce-scatter and all-gather of a bucket give exactly the sums and the owners' chunks, for
 an odd group size (3: two peers, two scratch slots), several buckets in flight at once, and
-count the bucket's §7 volume."""
+count the bucket's §7 volume; a peer that never answers fails the wait after the collective
+timeout instead of hanging it."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -58,3 +61,26 @@ def test_pairwise_reduce_scatter_and_all_gather_are_exact_at_world_3():
         counts = {key: v for key, v in r["ledger"].items() if key.endswith("/dp")}
         assert counts["reduce_scatter/dp"]["elements"] == N_BUCKETS * n, counts
         assert counts["all_gather/dp"]["elements"] == N_BUCKETS * n, counts
+
+
+def _peer_never_sends(rank: int, world: int) -> str:
+    topo = Topology.build(tp=1)
+    t = bucket_transport(topo.dp_group)
+    if rank == 1:
+        time.sleep(8)  # alive, but never takes part
+        return "idle"
+    full = torch.zeros(2 * CHUNK)
+    t0 = time.monotonic()
+    try:
+        for w in t.all_gather_in_place(full):
+            w.wait()
+    except RuntimeError as e:
+        return f"raised after {time.monotonic() - t0:.1f} s: {e}"
+    return "returned"
+
+
+def test_a_silent_peer_fails_the_wait_after_the_collective_timeout():
+    res = spawn(_peer_never_sends, 2, timeout_s=2.0)
+    assert res[0].startswith("raised after"), res[0]
+    waited = float(res[0].split()[2])
+    assert 1.5 <= waited <= 6.0, res[0]

@@ -266,7 +266,23 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         return []
     works = [tdist.isend(t, group.global_rank(q), group=group.pg, tag=tag) for t, q in sends]
     works += [tdist.irecv(t, group.global_rank(q), group=group.pg, tag=tag) for t, q in recvs]
-    return works
+    # gloo waits for a point-to-point message without end unless told: a dead or hung peer
+    # must fail the wait after the world's collective timeout, as a collective would
+    timeout = default_timeout()
+    return works if timeout is None else [_TimedWork(w, timeout) for w in works]
+
+
+class _TimedWork:
+    """A work handle whose ``wait()`` gives up after ``timeout`` (raises, naming the wait)."""
+
+    def __init__(self, work, timeout: datetime.timedelta):
+        self.work, self.timeout = work, timeout
+
+    def wait(self) -> None:
+        self.work.wait(self.timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 def record(op: str, group: Group, numel: int, element_size: int) -> None:
