@@ -220,6 +220,11 @@ def _own(buf: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return buf[group.rank * c:(group.rank + 1) * c]
 
 
+def _peers(group: comm.Group) -> list[int]:
+    """The other ranks of ``group``, in rank order."""
+    return [q for q in range(group.size) if q != group.rank]
+
+
 def _nothing() -> None:
     return None
 
@@ -272,8 +277,7 @@ class PairwiseTransport:
         receive the peers' contributions. Returns (works, this rank's chunk of ``inp``, which
         holds the sum once the works are waited; the other chunks are left as they were)."""
         g = self.group
-        c = inp.numel() // g.size
-        peers = [q for q in range(g.size) if q != g.rank]
+        c, peers = inp.numel() // g.size, _peers(g)
         slots = [scratch[j * c:(j + 1) * c] for j in range(len(peers))]
         own = _own(inp, g)
         comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
@@ -290,8 +294,7 @@ class PairwiseTransport:
 
     def all_gather_in_place(self, full: torch.Tensor, scratch: torch.Tensor | None = None):
         g = self.group
-        c = full.numel() // g.size
-        peers = [q for q in range(g.size) if q != g.rank]
+        c, peers = full.numel() // g.size, _peers(g)
         comm.record("all_gather", g, full.numel(), full.element_size())
         return comm.exchange([(_own(full, g), q) for q in peers],
                              [(full[q * c:(q + 1) * c], q) for q in peers], g, self.AG_TAG)

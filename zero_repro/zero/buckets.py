@@ -44,16 +44,15 @@ def slot_pieces(g: FlatParams) -> list[list[tuple[int, int, int]]]:
     return pieces
 
 
-def scale_into(dst: torch.Tensor, grad: torch.Tensor, n_d: int) -> bool:
+def scale_into(dst: torch.Tensor, grad: torch.Tensor, n_d: int) -> None:
     """``dst = grad / n_d`` in one pass (the values of ``copy_`` then ``div_``: the same op on
-    the same dtype); a plain copy when ``n_d`` is 1. Returns True (``dst`` is scaled)."""
+    the same dtype); a plain copy when ``n_d`` is 1."""
     if n_d > 1 and grad.dtype == dst.dtype:
         torch.div(grad, n_d, out=dst)
     else:
         dst.copy_(grad)
         if n_d > 1:
             dst.div_(n_d)
-    return True
 
 
 class Arrivals:
@@ -112,8 +111,8 @@ class FullGrads:
         if self.written[i]:
             dst.add_(grad)
         elif launch:  # the slot's only gradient this step: divided on the way in
-            self.scaled[i] = scale_into(dst, grad, self.n_d)
-            self.written[i] = True
+            scale_into(dst, grad, self.n_d)
+            self.written[i] = self.scaled[i] = True
         else:
             dst.copy_(grad)
             self.written[i] = True
