@@ -88,7 +88,7 @@ def test_dry_run_matches_real_gloo_run():
     real = spawn(real_ledgers, 2, [OmegaConf.to_container(OmegaConf.structured(c))
                                    for c in cfgs])[0]
     for cfg, r in zip(cfgs, real):
-        fake = dry_run(cfg, keep_trace=False, transport_of="gloo")
+        fake = dry_run(cfg, keep_trace=False, transport_of=r["transport"])
         assert fake.ledger == r["ledger"], (cfg.zero.stage, cfg.zero_r.name)
         assert fake.psi_padded == r["psi_padded"]
         n_d = cfg.parallel.world_size // cfg.parallel.tp

@@ -1,22 +1,32 @@
-"""gloo's bucket transport (``distributed.transport.PairwiseTransport``) in real spawned ranks:
-the reduce-scatter and all-gather of a bucket give exactly the sums and the owners' chunks, for
-an odd group size (3: two peers, two scratch slots), several buckets in flight at once, and
-count the bucket's §7 volume; a peer that never answers fails the wait after the collective
-timeout instead of hanging it."""
+"""gloo's bucket transports in real spawned ranks, point-to-point (``PairwiseTransport``) and
+shared memory (``ShmTransport``, also with slots of a few bytes so that every bucket is many
+pieces and the slots wrap around while several buckets are in flight): the reduce-scatter,
+all-gather and all-reduce of a bucket give exactly the sums and the owners' chunks, for an odd
+group size (3: two peers), several buckets in flight at once, and count the bucket's §7
+volume; a peer that never answers fails the wait after the collective timeout instead of
+hanging it."""
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
+from zero_repro.distributed import shm
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import InFlight, PairwiseTransport, bucket_transport
+from zero_repro.distributed.transport import (InFlight, PairwiseTransport, ShmTransport,
+                                              bucket_transport)
+
+# ZR_CPU_TRANSPORT, the transport it gives, the slot size of the shared-memory segments
+MODES = [("pairwise", PairwiseTransport, shm.SLOT_BYTES), ("shm", ShmTransport, shm.SLOT_BYTES),
+         ("shm", ShmTransport, 16)]  # 16 bytes: one or two float64 per piece
 
 N_BUCKETS, CHUNK = 3, 5
 
 
-def _rank(rank: int, world: int) -> dict:
+def _rank(rank: int, world: int, slot_bytes: int) -> dict:
+    shm.SLOT_BYTES = slot_bytes
     topo = Topology.build(tp=1)
     g = topo.dp_group
     t = bucket_transport(g)
@@ -39,17 +49,31 @@ def _rank(rank: int, world: int) -> dict:
         works += t.all_gather(f, torch.full((CHUNK,), 100.0 * rank + k, dtype=torch.float64))
     for w in works:
         w.wait()
+    # all-reduce of random fp32 buckets (not a multiple of the group size), waited in reverse
+    torch.manual_seed(rank)
+    summed = [torch.randn(7 * k + 3) for k in range(N_BUCKETS)]
+    parts = [s.clone() for s in summed]
+    works = [t.all_reduce(s) for s in summed]
+    for w in reversed(works):
+        for h in w:
+            h.wait()
     return {"kind": type(t).__name__, "reduced": reduced, "gathered": full,
-            "ledger": topo.ledger.as_dict()}
+            "summed": summed, "parts": parts, "ledger": topo.ledger.as_dict()}
 
 
-def test_pairwise_reduce_scatter_and_all_gather_are_exact_at_world_3():
+@pytest.mark.parametrize("mode,kind,slot_bytes", MODES)
+def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_bytes):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
     world = 3
-    res = spawn(_rank, world)
+    res = spawn(_rank, world, slot_bytes)
     n = CHUNK * world
     total = sum(r + 1 for r in range(world))  # rank r contributes (r + 1) * value
+    for k in range(N_BUCKETS):  # the all-reduce: the same bits on every rank, the right sum
+        want = sum(r["parts"][k].double() for r in res)
+        assert torch.allclose(res[0]["summed"][k].double(), want, rtol=1e-6, atol=1e-6)
+        assert all(torch.equal(r["summed"][k], res[0]["summed"][k]) for r in res)
     for rank, r in enumerate(res):
-        assert r["kind"] == PairwiseTransport.__name__
+        assert r["kind"] == kind.__name__
         for k in range(N_BUCKETS):
             own = torch.arange(k * n + rank * CHUNK, k * n + (rank + 1) * CHUNK,
                                dtype=torch.float64)
@@ -79,7 +103,9 @@ def _peer_never_sends(rank: int, world: int) -> str:
     return "returned"
 
 
-def test_a_silent_peer_fails_the_wait_after_the_collective_timeout():
+@pytest.mark.parametrize("mode", ["pairwise", "shm"])
+def test_a_silent_peer_fails_the_wait_after_the_collective_timeout(monkeypatch, mode):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
     res = spawn(_peer_never_sends, 2, timeout_s=2.0)
     assert res[0].startswith("raised after"), res[0]
     waited = float(res[0].split()[2])

@@ -51,7 +51,7 @@ import torch
 
 from zero_repro import checkpoint
 from zero_repro import config as C
-from zero_repro.distributed import comm, host_heap, launch
+from zero_repro.distributed import comm, host_heap, launch, shm
 from zero_repro.distributed.topology import Topology
 from zero_repro.model import flops
 from zero_repro.train import data, loop
@@ -218,6 +218,7 @@ def _check_device(cfg: C.Config) -> None:
     c = cfg.cluster
     if c.backend == "gloo":
         host_heap.mode()  # ZR_HOST_HEAP, read by every CPU rank when it starts
+        shm.mode()  # ZR_CPU_TRANSPORT, read by every CPU rank's DP group
     if c.device != "cuda" and c.backend != "nccl":
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -379,7 +380,9 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         log.info(summary_line(cfg, metrics, mem.total()))
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
-           "hardware": hardware_info(device)}
+           "hardware": {**hardware_info(device),
+                        # how the DP buckets travelled (gloo on one host: shared memory)
+                        "dp_transport": strategy.transport.models_as}}
     if device.type == "cuda":
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)

@@ -90,6 +90,8 @@ class Group:
     # the backend whose bucket transport a dry run models on this group ("" = its own): a dry
     # run of a gloo configuration runs on ``fake`` but accounts gloo's transport
     models: str = ""
+    # the shared-memory channel of a gloo group on one host (``distributed.shm``), once built
+    channel: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:

@@ -6,7 +6,8 @@ Two signatures go into every record (``Record.provenance``):
 
 * ``machine``: what a measured number depends on besides the config: the device kind and
   model (CPU model and core count, or GPU name and count), the OS/architecture and the torch
-  version; on CPU also the malloc the ranks run on (``distributed.host_heap``). It
+  version; on CPU also the malloc the ranks run on (``distributed.host_heap``) and how their
+  buckets travel (``distributed.shm``: ``ZR_CPU_TRANSPORT``). It
   deliberately leaves out the hostname: two nodes of one cluster are the same hardware.
   Points that run through Slurm are measured on compute nodes this process cannot see, so
   their signature is the cluster config (``cluster.name``) and the torch version.
@@ -34,7 +35,7 @@ import subprocess
 import torch
 
 from zero_repro import paths
-from zero_repro.distributed import host_heap
+from zero_repro.distributed import host_heap, shm
 from zero_repro.simulate.hardware import cpu_model
 
 CODE_DIRS = ("zero_repro", "experiments")
@@ -79,7 +80,7 @@ def this_machine() -> dict:
                     device_count=torch.cuda.device_count())
     else:
         info.update(device="cpu", device_name=cpu_model(), device_count=os.cpu_count(),
-                    host_heap=host_heap.mode())
+                    host_heap=host_heap.mode(), cpu_transport=shm.mode())
     return info
 
 

@@ -269,8 +269,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     needs only the judged replay.
     ``transport_of``: whose bucket transport the ranks' buffers follow (``distributed.transport``):
     ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
-    it under-counts only constant-size scratch -- or ``gloo``, which reproduces a CPU run's
-    ledgers exactly (the pairwise transport's receive scratch)."""
+    it under-counts only constant-size scratch -- or the transport a CPU run used (its
+    ``models_as``, ``real_ledgers``' ``transport``): ``gloo`` (point-to-point, with receive
+    scratch) or ``shm`` (shared memory, none), which reproduce that run's ledgers exactly."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -410,7 +411,8 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
                  ) -> list[dict]:
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
     config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
-    Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded"}, ...]."""
+    Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded",
+    "transport"}, ...] (``transport``: the ``dry_run(transport_of=...)`` of its DP buckets)."""
     out = []
     for d in cfg_dicts:
         cfg = C.to_config(d)
@@ -423,7 +425,8 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
             ckpt.add_to_ledger(ledger)
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
                     "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                    "psi_padded": sum(g.partition.padded_numel for g in strategy.groups)})
+                    "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
+                    "transport": strategy.transport.models_as})
         strategy.remove_hooks()
     return out
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.distributed import comm
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import InFlight
+from zero_repro.distributed.transport import InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.buckets import FullGrads
 from zero_repro.zero.flat_buffer import FlatParams
@@ -36,6 +35,7 @@ class Stage0DDP(Strategy):
         # one shard: full parameters and optimizer state on every rank
         self.flat = FlatParams("model", self.named, self.dtype, 1, self._bucket_capacity())
         self.grads = FullGrads(self.flat, self.n_d, self._all_reduce)
+        self.transport = bucket_transport(self.dp_group)
         self.inflight = InFlight(max_in_flight=1 << 30)  # in place: nothing limits it
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._attach([self.flat], shard_rank=0, counts_norm=self.dp_rank == 0)
@@ -49,8 +49,7 @@ class Stage0DDP(Strategy):
             self.grads.launch_remaining()
 
     def _all_reduce(self, b: Bucket, buf: torch.Tensor) -> None:
-        work = comm.all_reduce(buf, self.dp_group, async_op=True)
-        self.inflight.launch([work], lambda: None)
+        self.inflight.launch(self.transport.all_reduce(buf), lambda: None)
 
     def _wait_reductions(self) -> None:
         self.grads.launch_remaining()  # e.g. step() after backward under no_sync()

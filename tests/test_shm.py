@@ -1,0 +1,81 @@
+"""The shared-memory channel's set-up (``distributed.shm``) in real spawned ranks: a group on
+one host gets it and leaves nothing in ``/dev/shm``; ranks that cannot see each other's
+segments (here: one rank looks in another directory, as a rank on another host would) fall
+back to gloo point-to-point under ``auto`` and fail with one clear error under ``shm``; a bad
+``ZR_CPU_TRANSPORT`` is refused before any process starts."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from zero_repro import cli
+from zero_repro import config as C
+from zero_repro.distributed import launch, shm
+from zero_repro.distributed.launch import spawn
+from zero_repro.distributed.topology import Topology
+from zero_repro.distributed.transport import bucket_transport
+
+
+def _build(rank: int, world: int, private_dir: str) -> dict:
+    if rank == 1 and private_dir:
+        shm.SHM_DIR = private_dir  # this rank's segments live where its peer cannot see them
+    topo = Topology.build(tp=1)
+    try:
+        t = bucket_transport(topo.dp_group)
+    except ValueError as e:
+        return {"error": str(e)}
+    left = sorted(f for f in os.listdir(shm.SHM_DIR) if f.startswith("zr-"))
+    x = torch.full((8,), float(rank + 1))
+    for w in t.all_reduce(x):
+        w.wait()
+    return {"kind": type(t).__name__, "left": left, "sum": x.tolist()}
+
+
+def test_one_host_shares_memory_and_leaves_no_files(monkeypatch):
+    monkeypatch.delenv("ZR_CPU_TRANSPORT", raising=False)
+    before = {f for f in os.listdir(shm.SHM_DIR) if f.startswith("zr-")}
+    res = spawn(_build, 2, "")
+    for r in res:
+        assert r["kind"] == "ShmTransport"
+        assert set(r["left"]) <= before  # every segment unlinked once mapped
+        assert r["sum"] == [3.0] * 8
+    assert {f for f in os.listdir(shm.SHM_DIR) if f.startswith("zr-")} <= before
+
+
+def test_ranks_that_cannot_see_each_other_fall_back_or_fail(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "auto")
+    res = spawn(_build, 2, str(tmp_path))
+    assert [r["kind"] for r in res] == ["PairwiseTransport"] * 2
+    assert all(r["sum"] == [3.0] * 8 for r in res)
+    assert not os.listdir(tmp_path)  # the private rank's own segment is gone too
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
+    res = spawn(_build, 2, str(tmp_path))
+    for r in res:
+        assert r["error"].startswith("ZR_CPU_TRANSPORT=shm but group 'dp' cannot share memory"), r
+        assert "unset it to use gloo" in r["error"]
+
+
+def test_pairwise_mode_never_maps_segments(monkeypatch):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")
+    assert [r["kind"] for r in spawn(_build, 2, "")] == ["PairwiseTransport"] * 2
+
+
+def test_a_bad_mode_is_one_error_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "nccl")
+    with pytest.raises(ValueError, match="ZR_CPU_TRANSPORT='nccl': use one of auto, shm, pairwise"):
+        shm.mode()
+
+    def refuse(*a, **k):
+        raise AssertionError("a process was started for a bad input")
+
+    monkeypatch.setattr(launch, "spawn", refuse)
+    C.register_configs()
+    with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
+        d = compose("config", overrides=["+exp=smoke",
+                                          f"experiment.results_dir={tmp_path / 'r'}"])
+    with pytest.raises((cli.UserError, ValueError), match="ZR_CPU_TRANSPORT='nccl'"):
+        cli.prepare(d)
+    assert not (tmp_path / "r").exists()
