@@ -373,6 +373,13 @@ def _write_report(t, out_dir: str) -> str:
              "for zero_repro: <= 0.95 at stages 0-1, <= 0.80 at stages 2-3). Within a process "
              "set the step times are divided directly; across sets through each set's lower "
              "bound.",
+             "- Transport: every peer's collectives run on torch's gloo backend (loopback "
+             "TCP sockets). `zero_repro_sk` moves its DP buckets through shared memory "
+             "(`distributed.shm`, gloo ranks on one host; `ZR_CPU_TRANSPORT`), "
+             "`zero_repro_sk_p2p` through gloo point-to-point sends, as the peers' travel: the "
+             "`_p2p` rows race the implementations on one transport, the plain ones show what "
+             "the transport adds. Both skip the global gradient norm (unclipped fp32: it "
+             "would only be logged, and DDP / FSDP2 compute none; DeepSpeed computes its own).",
              "- Process sets: DeepSpeed ZeRO-3 replaces `torch.nn.functional.linear` for the "
              "whole process (measured with DeepSpeed 0.19.8; ZeRO-1/2 patch nothing), so it "
              "runs in a process set of its own and no other framework runs through its linear "

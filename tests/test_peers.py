@@ -77,9 +77,10 @@ def test_torch_peers_and_our_stages_match_reference():
     root = TINY.vocab_size * TINY.n_embd + TINY.seq_len * TINY.n_embd + 2 * TINY.n_embd
     kept = root + (PSI - root) // TINY.n_layer
     for k, total in ((0, 2 * PSI), (1, 2 * PSI), (2, 2 * PSI), (3, 3 * PSI - kept)):
-        c = fw[f"zero_repro_s{k}"]["comm"]
-        vol = sum(v["volume"] for key, v in c.items() if key.endswith("/dp"))
-        assert vol == total, (k, c)
+        for tail in ("", "_p2p"):  # shared memory / gloo sockets: the same volume
+            c = fw[f"zero_repro_s{k}{tail}"]["comm"]
+            vol = sum(v["volume"] for key, v in c.items() if key.endswith("/dp"))
+            assert vol == total, (k, tail, c)
     # memory held per rank: sharded optimizer state / parameters take half of DDP's
     ddp = fw["torch_ddp"]["memory"]
     assert ddp["params"] == 4 * PSI and ddp["optimizer"] >= 8 * PSI

@@ -51,11 +51,18 @@ FRAMEWORKS: dict[str, tuple[int, str]] = {
     "zero_repro_s1": (1, "zero_repro"),
     "zero_repro_s2": (2, "zero_repro"),
     "zero_repro_s3": (3, "zero_repro"),
+    # the same stages with their DP buckets on gloo's sockets (point-to-point), as the peers'
+    # are, instead of shared memory (distributed.shm): what the transport alone gives
+    "zero_repro_s0_p2p": (0, "zero_repro"),
+    "zero_repro_s1_p2p": (1, "zero_repro"),
+    "zero_repro_s2_p2p": (2, "zero_repro"),
+    "zero_repro_s3_p2p": (3, "zero_repro"),
     "lower_bound": (-1, "bound"),  # compute only: not a framework, the floor of every stage
 }
 TORCH_PEERS = ("torch_ddp", "torch_zero_redundancy", "fsdp2_no_reshard", "fsdp2_reshard")
 DEEPSPEED_PEERS = ("deepspeed_z1", "deepspeed_z2", "deepspeed_z3")
-OURS = ("zero_repro_s0", "zero_repro_s1", "zero_repro_s2", "zero_repro_s3")
+OURS = ("zero_repro_s0", "zero_repro_s1", "zero_repro_s2", "zero_repro_s3",
+        "zero_repro_s0_p2p", "zero_repro_s1_p2p", "zero_repro_s2_p2p", "zero_repro_s3_p2p")
 LOWER_BOUND = "lower_bound"
 # frameworks that replace a torch function for the whole process (measured: DeepSpeed 0.19.8's
 # ZeRO-3 engine sets torch.nn.functional.linear to its own autograd function; stages 1-2 leave
@@ -409,13 +416,28 @@ class LowerBound(Runner):
 
 
 class ZeroRepro(Runner):
-    """This project's ZeRO-DP stage (zero_repro.zero.strategy), fp32, no clipping."""
+    """This project's ZeRO-DP stage (zero_repro.zero.strategy), fp32, no clipping; its DP
+    buckets on the transport ``cpu_transport`` asks for (``ZR_CPU_TRANSPORT``, ``""``: this
+    process's setting, shared memory by default)."""
+
+    cpu_transport = ""
 
     def __init__(self, spec, rank, world):  # noqa: D107
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
         zero = replace(spec.zero, stage=self.stage, grad_clip=0.0)
-        self.strategy = build_strategy(self.model, self.topo, zero, spec.train)
+        saved = os.environ.get("ZR_CPU_TRANSPORT")
+        if self.cpu_transport:  # read once, when the strategy builds its transport
+            os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
+        try:
+            self.strategy = build_strategy(self.model, self.topo, zero, spec.train)
+        finally:
+            if saved is None:
+                os.environ.pop("ZR_CPU_TRANSPORT", None)
+            else:
+                os.environ["ZR_CPU_TRANSPORT"] = saved
+        # no clipping, fp32: the norm would only be logged, and DDP / FSDP2 compute none
+        self.strategy.measure_grad_norm = False
 
     def step(self, x, y):
         losses: list[torch.Tensor] = []
@@ -433,10 +455,12 @@ class ZeroRepro(Runner):
         return self.topo.ledger
 
 
-def _ours(stage: int):
-    return type(f"ZeroReproS{stage}", (ZeroRepro,), {"name": f"zero_repro_s{stage}"})
+def _ours(stage: int, transport: str = ""):
+    tail = {"": "", "pairwise": "_p2p"}[transport]
+    return type(f"ZeroReproS{stage}{tail}", (ZeroRepro,),
+                {"name": f"zero_repro_s{stage}{tail}", "cpu_transport": transport})
 
 
 RUNNERS: dict[str, type] = {c.name: c for c in (
     TorchDDP, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
-    DeepSpeedZ3, LowerBound, *(_ours(k) for k in range(4)))}
+    DeepSpeedZ3, LowerBound, *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}

@@ -97,6 +97,10 @@ class Strategy:
         self.n_d, self.dp_rank = self.dp_group.size, self.dp_group.rank
         self.dtype = precision.lp_dtype(zero.dtype)
         self.scaler = precision.build_scaler(zero)
+        # the global gradient norm (and its non-finite check) each step: needed to clip and to
+        # scale dynamically, logged otherwise; a caller that logs nothing (the peers race, whose
+        # DDP / FSDP2 compute none) may turn it off where neither needs it
+        self.measure_grad_norm = True
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self.named]
         # the ranks' device (every buffer the strategy makes goes there: GPU runs, meta dry runs)
@@ -208,8 +212,12 @@ class Strategy:
         self._wait_reductions()
         scale = self.scaler.scale
         grads = self._grad_chunks()
-        stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
-        norm, overflow = clip.agree(stats, self.topo.world)
+        if self.measure_grad_norm or self.zero.grad_clip > 0 or \
+                isinstance(self.scaler, precision.DynamicLossScaler):
+            stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
+            norm, overflow = clip.agree(stats, self.topo.world)
+        else:
+            norm, overflow = float("nan"), False
         self.scaler.update(overflow)
         if overflow:
             log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
