@@ -62,13 +62,14 @@ def _dp_volume(trace_comm: dict, op: str) -> int:
 
 
 def test_torch_peers_and_our_stages_match_reference():
-    names = TORCH_PEERS + OURS
+    names = TORCH_PEERS + ("torch_ddp_shm",) + OURS
     results = spawn(run_peers, 2, _spec(names))
     eq = report.equivalence(results, lr=3e-3)
     _check_equivalent(eq, names)
     fw = min(results, key=lambda r: r["rank"])["frameworks"]
     # communication of one step (paper §7 volumes, comm.py convention: all-reduce counts 2n)
     assert _dp_volume(fw["torch_ddp"]["comm"], "all_reduce") == 2 * PSI
+    assert _dp_volume(fw["torch_ddp_shm"]["comm"], "all_reduce") == 2 * PSI  # the comm hook
     assert _dp_volume(fw["fsdp2_reshard"]["comm"], "all_gather") == 2 * PSI
     assert _dp_volume(fw["fsdp2_reshard"]["comm"], "reduce_scatter") == PSI
     assert _dp_volume(fw["fsdp2_no_reshard"]["comm"], "all_gather") == PSI

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_repro.distributed import comm
 from zero_repro.distributed.topology import Topology
+from zero_repro.distributed.transport import bucket_transport
 from zero_repro.model.gpt import GPT
 from zero_repro.train.step import train_step
 from zero_repro.zero import build_strategy
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 # framework -> (ZeRO stage it is the peer of, family)
 FRAMEWORKS: dict[str, tuple[int, str]] = {
     "torch_ddp": (0, "torch"),
+    # DDP with its buckets all-reduced through this project's shared-memory transport (a comm
+    # hook): DDP on zero_repro_s0's transport. Not a peer of its own (family "hybrid": never
+    # the "best peer"), the transport's contribution shown on DDP itself
+    "torch_ddp_shm": (0, "hybrid"),
     "torch_zero_redundancy": (1, "torch"),
     "fsdp2_no_reshard": (2, "torch"),
     "fsdp2_reshard": (3, "torch"),
@@ -268,6 +273,33 @@ class TorchDDP(Runner):
         return module_memory(self.model, self.opt)
 
 
+class TorchDDPShm(TorchDDP):
+    """torch DDP whose bucket all-reduce is a comm hook (``DDP.register_comm_hook``, torch's
+    API for replacing DDP's communication) on the DP group's bucket transport: on one host the
+    shared-memory one (``distributed.shm``) zero_repro's stages use. Each bucket is averaged and
+    waited in the hook (DDP takes the hook's completed future)."""
+
+    name = "torch_ddp_shm"
+
+    def __init__(self, spec, rank, world):  # noqa: D107
+        super().__init__(spec, rank, world)
+        self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
+        self.transport = bucket_transport(self.topo.dp_group)
+        self.ddp.register_comm_hook(None, self._all_reduce)
+
+    def _all_reduce(self, state, bucket):
+        buf = bucket.buffer()
+        buf.div_(self.topo.dp)
+        for w in self.transport.all_reduce(buf):
+            w.wait()
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def comm_ledger(self):
+        return self.topo.ledger
+
+
 class TorchZeroRedundancy(TorchDDP):
     """DDP for the gradients + ZeroRedundancyOptimizer: optimizer state partitioned (P_os)."""
 
@@ -462,5 +494,5 @@ def _ours(stage: int, transport: str = ""):
 
 
 RUNNERS: dict[str, type] = {c.name: c for c in (
-    TorchDDP, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
+    TorchDDP, TorchDDPShm, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
     DeepSpeedZ3, LowerBound, *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}

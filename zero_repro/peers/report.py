@@ -188,7 +188,7 @@ def _ratios(out: dict) -> None:
         # the best *peer* (other framework, not this project) at the same stage
         cands = [v for n, v in out.items()
                  if n != name and v["stage"] == row["stage"] and v["stage"] >= 0
-                 and v["family"] not in ("zero_repro", "bound") and v["step_time_s"]]
+                 and v["family"] not in ("zero_repro", "bound", "hybrid") and v["step_time_s"]]
         # on the bound's scale when every candidate has one (they may come from different
         # process sets), else raw step time (one set)
         key = "ratio_to_bound" if all(v["ratio_to_bound"] for v in cands) else "step_time_s"
