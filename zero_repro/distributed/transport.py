@@ -139,6 +139,7 @@ class NativeTransport:
     """Native reduce-scatter / all-gather into separate outputs (NCCL and others)."""
 
     models_as = "native"  # the ``dry_run(transport_of=...)`` that accounts it
+    reduces_into = False  # its result lands in its own view: accumulated after
     in_flight_limit = 2  # collectives holding pooled scratch at once
     fused_buffers = 2  # fused gradient buckets a stage keeps (filling + on the wire)
 
@@ -189,6 +190,7 @@ class RootedTransport:
     """Per-chunk rooted reduces / broadcasts, in place in the bucket (gloo, fake)."""
 
     models_as = "fake"  # the ``dry_run(transport_of=...)`` that accounts it
+    reduces_into = False  # its result lands in its own view: accumulated after
     in_flight_limit = _UNBOUNDED  # nothing staged, nothing to wait for
     fused_buffers = 4  # see the module docstring
 
@@ -267,6 +269,7 @@ class PairwiseTransport:
     then the peers' in rank order) and gathered from it, so every rank holds the same values."""
 
     models_as = "gloo"  # the ``dry_run(transport_of=...)`` that accounts it
+    reduces_into = False  # its result lands in its own view: accumulated after
     in_flight_limit = _UNBOUNDED  # the scratch pools bound what is in flight
     fused_buffers = 4  # as the rooted transport: gloo drains slower than backward fills
     RS_TAG, AG_TAG = 1, 2  # reduce-scatters and all-gathers match in order within their kind
@@ -329,6 +332,7 @@ class ShmTransport:
     models_as = "shm"  # the ``dry_run(transport_of=...)`` that accounts it
     in_flight_limit = 4
     fused_buffers = 4
+    reduces_into = True  # ``reduce_scatter(..., into=)`` writes the sum where it is wanted
 
     def __init__(self, group: comm.Group, channel: shm.Channel | None):
         self.group, self.channel = group, channel
@@ -346,15 +350,21 @@ class ShmTransport:
         step = self.channel.piece_numel(dtype, parts)
         return [(a, min(step, numel - a)) for a in range(0, numel, step)]
 
-    def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
-        """Async reduce-scatter of ``inp``: returns (works, this rank's chunk of ``inp``, which
-        holds the sum once they are waited; the other chunks are left as they were)."""
+    def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None,
+                       into: torch.Tensor | None = None):
+        """Async reduce-scatter of ``inp``: returns (works, the view that holds the sum once
+        they are waited): ``into`` (``c`` elements, e.g. a gradient shard's piece: the sum is
+        written there, no copy after) if given, else this rank's chunk of ``inp``; the other
+        chunks of ``inp`` are left as they were."""
         g, ch = self.group, self.channel
         c, peers, me, own = inp.numel() // g.size, _peers(g), g.rank, _own(inp, g)
         comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
         if ch is None or g.size == 1:
-            return [], own
+            if into is not None:
+                into.copy_(own)
+            return [], own if into is None else into
         parts = len(peers)
+        res = own if into is None else into
 
         def write(seq, a, m):
             slot = ch.slot(me, seq, inp.dtype, parts * m)
@@ -362,14 +372,15 @@ class ShmTransport:
                 slot[j * m:(j + 1) * m].copy_(inp[q * c + a:q * c + a + m])
 
         def read(seq, a, m):
-            dst = own[a:a + m]
-            j = me  # this rank's part in a peer's slot: peers skip themselves
-            for q in peers:
-                part = j - (1 if q < me else 0)
-                dst.add_(ch.slot(q, seq, inp.dtype, parts * m)[part * m:(part + 1) * m])
+            src, dst = own[a:a + m], res[a:a + m]
+            for q in peers:  # own chunk, then the peers' in rank order
+                part = me - (1 if q < me else 0)  # this rank's part: peers skip themselves
+                torch.add(src, ch.slot(q, seq, inp.dtype, parts * m)[part * m:(part + 1) * m],
+                          out=dst)
+                src = dst
 
         return [ch.issue([(functools.partial(write, a=a, m=m), functools.partial(read, a=a, m=m))
-                          for a, m in self._pieces(c, inp.dtype, parts)])], own
+                          for a, m in self._pieces(c, inp.dtype, parts)])], res
 
     def reduce_scatter_in_place(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         return self.reduce_scatter(inp)[0], _nothing

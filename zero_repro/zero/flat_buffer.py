@@ -96,7 +96,9 @@ class GradShards:
     M_D (paper §6.3) on: one pre-allocated contiguous buffer of Ψ/N_d elements and a view per
     piece, so the long-lived gradient shard never interleaves with short-lived tensors. Off: each
     piece is allocated when its first reduced gradient arrives (the fragmenting behaviour M_D
-    removes). Pieces accumulate across micro-batches until ``zero``.
+    removes). Pieces accumulate across micro-batches until ``zero``, which writes nothing: a
+    piece's first reduced gradient after it is copied in (one pass over Ψ/N_d a step instead of
+    a zero fill plus an addition); a piece still unwritten when read is zeroed then.
     """
 
     def __init__(self, sizes: Sequence[int], dtype: torch.dtype, contiguous: bool,
@@ -109,18 +111,34 @@ class GradShards:
             for n in sizes:
                 offsets.append(offsets[-1] + n)
             self.pieces = [self.buffer[a:b] for a, b in zip(offsets, offsets[1:])]
+        self._unwritten: set[int] = set()  # pieces that hold zeros in meaning, not in memory
 
     def accumulate(self, index: int, reduced: torch.Tensor) -> None:
         if self.pieces[index] is None:
             self.pieces[index] = reduced.clone()  # M_D off: allocated as it arrives
+        elif index in self._unwritten:
+            self._unwritten.discard(index)
+            self.pieces[index].copy_(reduced)
         else:
             self.pieces[index].add_(reduced)
 
+    def claim(self, index: int) -> torch.Tensor | None:
+        """Piece ``index`` for a reduction to write its result into (``reduce_scatter(...,
+        into=)``) when it holds nothing yet this step, counted as written; else None (the
+        result is ``accumulate``d)."""
+        if index not in self._unwritten:
+            return None
+        self._unwritten.discard(index)
+        return self.pieces[index]
+
     def chunks(self) -> list[torch.Tensor | None]:
+        for i in self._unwritten:
+            self.pieces[i].zero_()
+        self._unwritten.clear()
         return list(self.pieces)
 
     def zero(self) -> None:
         if self.buffer is not None:
-            self.buffer.zero_()
+            self._unwritten = set(range(len(self.pieces)))
         else:
             self.pieces = [None] * len(self.pieces)

@@ -107,10 +107,16 @@ class Stage2G(GatheredAfterStep, Strategy):
         inp = buf[:b.size]  # already divided by N_d (_on_grad); zeros stay zeros
         # the reduced own chunk: in the scratch after the fused bucket, or (in place) in it
         t = self.transport
-        works, out = t.reduce_scatter(inp, buf[self.cap:self.cap + t.scratch_numel(b.chunk)])
+        scratch = buf[self.cap:self.cap + t.scratch_numel(b.chunk)]
+        into = self.grads.claim(b.index) if t.reduces_into else None
+        if into is None:
+            works, out = t.reduce_scatter(inp, scratch)
+        else:  # the sum goes straight into the gradient shard's unwritten piece
+            works, out = t.reduce_scatter(inp, scratch, into=into)
 
         def done():
-            self.grads.accumulate(b.index, out)
+            if out is not into:
+                self.grads.accumulate(b.index, out)
             self.pool.release(buf)
 
         self.inflight.launch(works, done)

@@ -296,17 +296,23 @@ class Stage3P(Strategy):
         out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype,
                           device=self.device)
         self.buffer_peak.alloc(out.numel() * out.element_size())
-        works, reduced = [], []
-        sn = self.transport.scratch_numel  # linear in the chunk: one slice per bucket
-        for b in part.buckets:
-            w, piece = self.transport.reduce_scatter(
-                buf[b.start:b.end], out[sn(b.shard_offset):sn(b.shard_offset + b.chunk)])
+        works, reduced, t = [], [], self.transport
+        sn = t.scratch_numel  # linear in the chunk: one slice per bucket
+        for k, b in enumerate(part.buckets):
+            scratch = out[sn(b.shard_offset):sn(b.shard_offset + b.chunk)]
+            # the sum straight into the gradient shard's piece while it holds nothing yet
+            into = self.grads.claim(u.piece_base + k) if t.reduces_into else None
+            if into is None:
+                w, piece = t.reduce_scatter(buf[b.start:b.end], scratch)
+            else:
+                w, piece = t.reduce_scatter(buf[b.start:b.end], scratch, into=into)
             works += w
-            reduced.append(piece)
+            reduced.append((piece, into))
 
         def done():
-            for k, piece in enumerate(reduced):
-                self.grads.accumulate(u.piece_base + k, piece)
+            for k, (piece, into) in enumerate(reduced):
+                if piece is not into:
+                    self.grads.accumulate(u.piece_base + k, piece)
             self.buffer_peak.free((buf.numel() + out.numel()) * buf.element_size())
 
         self.inflight.launch(works, done)
