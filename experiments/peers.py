@@ -196,9 +196,15 @@ def summarize(records) -> list[dict]:
     return rows
 
 
+P2P = "_p2p"  # zero_repro stages on gloo point-to-point (the peers' transport)
+HYBRID = "torch_ddp_shm"  # DDP on zero_repro's shared-memory transport
+
+
 def _color(name: str) -> str:
-    return ("C2" if name.startswith("zero_repro") else "C1" if name.startswith("deepspeed")
-            else "0.5" if name == LOWER_BOUND else "C0")
+    if name.startswith("zero_repro"):
+        return "#a6dba0" if name.endswith(P2P) else "C2"
+    return ("C1" if name.startswith("deepspeed") else "0.5" if name == LOWER_BOUND
+            else "C9" if name == HYBRID else "C0")
 
 
 def _reps(v) -> list[float]:
@@ -227,9 +233,11 @@ def plot(table, out_dir: str) -> list[str]:
     _panel_bound(axes[0], t)
     _panel_best_peer(axes[1], t)
     _panel_size(axes[2], t)
-    fig.suptitle("ZeRO stages vs peers, measured on CPU/gloo, world 2, fp32 (blue torch, orange "
-                 "DeepSpeed, green zero_repro, grey lower bound; bars: median, whiskers: min-max "
-                 "of 3 repeats)", fontsize=10)
+    fig.suptitle("ZeRO stages vs peers, measured on CPU ranks, world 2, fp32; bars: median, "
+                 "whiskers: min-max of 3 repeats\nblue torch (gloo), cyan DDP on zero_repro's "
+                 "shared-memory transport, orange DeepSpeed (gloo), green zero_repro (shared "
+                 "memory; light green: _p2p, on gloo point-to-point like the peers), grey lower "
+                 "bound", fontsize=10)
     fig.tight_layout()
     paths = save_figure(fig, out_dir, FIGURE, dpi=130)
     paths.append(_write_report(t, out_dir))
@@ -252,6 +260,8 @@ def _panel_bound(ax, t) -> None:
                                   zip(d["x_value"], d["stage"])],
                   rotation=60, fontsize=7, ha="right")
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="lower bound (1.0)")
+    ax.axhline(report.GOAL_BOUND, color="C3", linestyle="--", linewidth=1,
+               label=f"issue 17 goal for zero_repro ({report.GOAL_BOUND:.2f})")
     top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
     ax.set_ylim(0, top * 1.08)  # whiskers included
     ax.set_ylabel("step time / lower bound [x], same fused AdamW")
@@ -263,17 +273,22 @@ def _panel_bound(ax, t) -> None:
 def _panel_best_peer(ax, t) -> None:
     d = t[(t["y_name"] == "ratio_to_best_peer") & t["x_value"].str.startswith("zero_repro")
           & t["table"].isin(["same_kernel", "as_shipped"])]
-    width = 0.38
-    for i, (table, hatch) in enumerate((("same_kernel", ""), ("as_shipped", "//"))):
-        e = d[d["table"] == table].sort_values("stage")
+    width = 0.2
+    bars = (("same_kernel", False, "C2", "", "shared memory; peers with fused AdamW"),
+            ("as_shipped", False, "#a6dba0", "//", "shared memory; peers as shipped"),
+            ("same_kernel", True, "#e5f5e0", "xx", "gloo p2p (_p2p); peers with fused AdamW"),
+            ("as_shipped", True, "#e5f5e0", "\\\\", "gloo p2p (_p2p); peers as shipped"))
+    for i, (table, p2p, color, hatch, label) in enumerate(bars):
+        e = d[(d["table"] == table) & (d["x_value"].str.endswith(P2P) == p2p)].sort_values("stage")
         if e.empty:  # not measured: no legend entry
             continue
         reps = [_reps(v) for v in e["repeats"]]
-        ax.bar(e["stage"] + (i - 0.5) * width, e["y"], width=width, color="C2" if i == 0 else
-               "#a6dba0", hatch=hatch, edgecolor="0.3", yerr=_errbar(list(e["y"]), reps),
-               capsize=2, label="peers with fused AdamW (same kernel)" if i == 0 else
-               "peers as shipped (default AdamW)")
+        ax.bar(e["stage"] + (i - 1.5) * width, e["y"], width=width, color=color, hatch=hatch,
+               edgecolor="0.3", yerr=_errbar(list(e["y"]), reps), capsize=2, label=label)
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="parity with the best peer")
+    for k, goal in sorted(report.GOAL_RATIO.items()):
+        ax.hlines(goal, k - 0.45, k + 0.45, colors="C3", linestyles="--", linewidth=1,
+                  label="issue 17 goal" if k == 0 else None)
     ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
     tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]
     ax.set_ylim(0, max([1.3] + tops) * 1.25)  # room for the legend above the bars
@@ -286,6 +301,7 @@ def _panel_best_peer(ax, t) -> None:
 def _panel_size(ax, t) -> None:
     d = t[(t["y_name"] == "ratio_to_bound") & (t["stage"].isin([2, 3]))
           & t["table"].isin(["same_kernel", "size"])].copy()
+    d = d[d["x_value"].isin(set(d.loc[d["table"] == "size", "x_value"]))]  # the series' own
     d["params_m"] = pd_numeric(d["params"]) / 1e6
     for (name, stage), e in d.groupby(["x_value", "stage"]):
         e = e.sort_values("params_m")

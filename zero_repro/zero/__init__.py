@@ -32,7 +32,8 @@ overlap knobs              -              overlap_param_  overlap_param_      pr
 Shared machinery: ``strategy`` (step, clipping, optimizer, state dict), ``buckets`` (bucket
 pieces and arrival counting, stage 0/1 full gradients, the stage 1/2 parameter all-gather),
 ``flat_buffer`` (flat parameter buffers, gradient shards); how a bucket travels over the DP
-group (native collectives, pairwise exchanges or rooted ones) is ``distributed.transport``, chosen once per group.
+group (native collectives; on gloo shared memory between ranks of one host or point-to-point
+exchanges; rooted ones in the dry run) is ``distributed.transport``, chosen once per group.
 The overlap knobs (``ZeroConfig``, all on by default, results bit-identical on or off) are
 described in ``strategy``; ``python -m zero_repro.bench --ab KNOB`` races each off against on.
 """

@@ -39,8 +39,9 @@ k times larger.
 
 Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
 stage 3 moves 3Ψ (less the root and last block it keeps across the turn); memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
-bucket reduce-scatters / all-gathers of stages 1-3 travel (native, point-to-point exchanges
-on gloo, or N_d rooted reduces / broadcasts in the dry run: same elements, same volume) is the DP group's transport
+bucket reduce-scatters / all-gathers of stages 1-3 and the all-reduces of stage 0 travel
+(native; on gloo through shared memory on one host, else point-to-point exchanges; N_d rooted
+reduces / broadcasts in the dry run: same elements, same volume) is the DP group's transport
 (``distributed.transport.bucket_transport``), picked once when a stage is built.
 
 Construction: ``Strategy.__init__`` sets what every stage shares (configs, DP group, N_d,
