@@ -57,8 +57,26 @@ def _rank(rank: int, world: int, slot_bytes: int) -> dict:
     for w in reversed(works):
         for h in w:
             h.wait()
+    ledger = topo.ledger.as_dict()
+    # the same on a buffer the peers read in place (shared memory only): two steps, each
+    # rank rewriting its buffer after the fence, every bucket all-reduced or reduce-scattered
+    shared, steps = t.shared_buffer(3 * 7 + 2 * n, torch.float32), []
+    for step in range(2 if shared is not None else 0):
+        t.fence(shared)
+        shared.copy_(torch.arange(shared.numel(), dtype=torch.float32) * (rank + 1) + step)
+        ar = [shared[:10], shared[10:21]]  # 10 and 11 elements: tails at world 3
+        rs = [shared[21:21 + n], shared[21 + n:21 + 2 * n]]
+        works = [w for b in ar for w in t.all_reduce(b)]
+        outs = []
+        for b in rs:
+            w, out = t.reduce_scatter(b)
+            works += w
+            outs.append(out)
+        for w in works:
+            w.wait()
+        steps.append({"ar": [b.clone() for b in ar], "rs": [o.clone() for o in outs]})
     return {"kind": type(t).__name__, "reduced": reduced, "gathered": full,
-            "summed": summed, "parts": parts, "ledger": topo.ledger.as_dict()}
+            "summed": summed, "parts": parts, "ledger": ledger, "shared_steps": steps}
 
 
 @pytest.mark.parametrize("mode,kind,slot_bytes", MODES)
@@ -72,6 +90,15 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
         want = sum(r["parts"][k].double() for r in res)
         assert torch.allclose(res[0]["summed"][k].double(), want, rtol=1e-6, atol=1e-6)
         assert all(torch.equal(r["summed"][k], res[0]["summed"][k]) for r in res)
+    total_w = sum(q + 1 for q in range(world))
+    for step in range(2 if kind is ShmTransport else 0):  # the shared buffer's steps
+        full = torch.arange(21 + 2 * n, dtype=torch.float32) * total_w + world * step
+        for rank, r in enumerate(res):
+            got = r["shared_steps"][step]
+            assert torch.equal(got["ar"][0], full[:10]) and torch.equal(got["ar"][1], full[10:21])
+            for k, o in enumerate(got["rs"]):
+                lo = 21 + k * n + rank * CHUNK
+                assert torch.equal(o, full[lo:lo + CHUNK]), (step, rank, k)
     for rank, r in enumerate(res):
         assert r["kind"] == kind.__name__
         for k in range(N_BUCKETS):
@@ -110,3 +137,32 @@ def test_a_silent_peer_fails_the_wait_after_the_collective_timeout(monkeypatch, 
     assert res[0].startswith("raised after"), res[0]
     waited = float(res[0].split()[2])
     assert 1.5 <= waited <= 6.0, res[0]
+
+
+def _slow_reader(rank: int, world: int, fence: bool) -> list:
+    if not fence:
+        shm.Channel.fence = lambda self, buf: None  # to show the test can fail
+    t = bucket_transport(Topology.build(tp=1).dp_group)
+    n = CHUNK * world
+    shared, outs = t.shared_buffer(n, torch.float32), []
+    for step in range(2):
+        t.fence(shared)  # the peers have read the last step's values: overwrite them
+        shared.copy_(torch.full((n,), 10.0 * step + rank))
+        works, out = t.reduce_scatter(shared)
+        if rank == world - 1 and step == 0:
+            time.sleep(0.5)  # the last rank reads late: its peers are a step ahead
+        for w in works:
+            w.wait()
+        outs.append(out.clone())
+    return outs
+
+
+@pytest.mark.parametrize("fence", [True, False])
+def test_a_shared_buffer_is_not_rewritten_before_its_readers_are_done(monkeypatch, fence):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
+    world = 3
+    res = spawn(_slow_reader, world, fence)
+    want = [torch.full((CHUNK,), float(sum(10 * step + q for q in range(world))))
+            for step in range(2)]
+    ok = all(torch.equal(o, w) for r in res for o, w in zip(r, want))
+    assert ok == fence, res  # without the fence the late reader sums the next step's values

@@ -29,6 +29,15 @@ world's collective timeout (a dead or hung peer fails the wait, naming it). x86-
 stores become visible in program order, so a counter is never seen before the data it covers
 (other architectures would need fences: they stay on gloo).
 
+*Shared buffers* (``Channel.shared_buffer``) go one copy further: a buffer every peer maps
+(stages 0-1's full gradients, stage 3's parameter shards) needs no slots at all: a collective on
+a view of it publishes nothing but its counter and the peers read the values in place (a
+piece's write is a no-op). The owner may write such a buffer again only after every peer has
+read it: ``fence`` waits for the peers' ``done`` to pass the last piece issued on it (stages call
+it before a step's first gradient write, before Adam writes the shards). An all-reduce's
+gather half is published only after its reduce-scatter half is read, so the sums it overwrites
+are never ones a peer still has to read.
+
 Segments are created when a group first builds a bucket transport (``channel_for``), checked
 to be shared (every rank reads every peer's magic word through its own mapping; ranks on other
 hosts see no file or another one) and unlinked at once: the mappings stay, nothing is left in
@@ -98,6 +107,7 @@ class Channel:
         self.consumed = 0  # of the last piece read (an all-reduce reads its own slot too)
         # (seq, write, read, written only after the earlier pieces are read), not yet read
         self.pending: deque = deque()
+        self.regions: list[Region] = []  # shared buffers (zero-copy collectives)
 
     # ------------------------------------------------------------------ slots
     def slot(self, rank: int, seq: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -109,6 +119,39 @@ class Channel:
         """Elements of one piece when a slot holds ``parts`` of them (one per peer)."""
         esize = torch.empty(0, dtype=dtype).element_size()
         return max(1, SLOT_BYTES // (esize * max(1, parts)))
+
+    # ------------------------------------------------------------------ shared buffers
+    def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collectively: a zeroed tensor of ``numel`` elements in shared memory that every
+        peer maps too (``Region``), or None (no room: the same answer on every rank). A
+        collective on a view of it moves nothing through the slots: the peers read it in
+        place (``region_of``); before this rank writes it again, ``fence`` it."""
+        esize = torch.empty(0, dtype=dtype).element_size()
+        segs, _ = _map_all(self.group, HEADER_BYTES + numel * esize, f"buf{len(self.regions)}")
+        if segs is None:
+            return None
+        region = Region([seg[HEADER_BYTES:].view(dtype) for seg in segs], self.me)
+        region.tensors[self.me].zero_()
+        self.regions.append(region)
+        return region.tensors[self.me]
+
+    def region_of(self, t: torch.Tensor) -> tuple[Region, int] | None:
+        """(region, element offset of ``t`` in it) when ``t`` is a contiguous view of one of
+        this rank's shared buffers, else None."""
+        for r in self.regions:
+            mine = r.tensors[self.me]
+            off = (t.data_ptr() - mine.data_ptr()) // mine.element_size()
+            if t.dtype == mine.dtype and t.is_contiguous() and \
+                    0 <= off and off + t.numel() <= mine.numel():
+                return r, off
+        return None
+
+    def fence(self, buf: torch.Tensor) -> None:
+        """Wait until every peer has read what it was to read of shared buffer ``buf`` (every
+        piece issued on it so far): after this, this rank may write it."""
+        for r in self.regions:
+            if r.tensors[self.me].data_ptr() == buf.data_ptr() and r.last_seq:
+                self._await(_DONE, r.last_seq, "a shared buffer's last reader")
 
     # ------------------------------------------------------------------ pieces
     def issue(self, pieces: list[tuple[Callable[[int], None], Callable[[int], None]]],
@@ -173,11 +216,21 @@ class Channel:
                 now = time.monotonic()
                 start = start or now
                 if now - start > self.timeout_s:
-                    raise ShmError(
+                    raise ShmError(  # "timed out": the launcher's mark of a lost peer
                         f"shared-memory transport of group {self.group.name!r}: rank "
-                        f"{self.group.global_rank(self.me)} waited {now - start:.0f} s for "
-                        f"rank {self.group.global_rank(q)} ({what}); it died or hangs")
+                        f"{self.group.global_rank(self.me)} timed out after "
+                        f"{now - start:.0f} s waiting for rank {self.group.global_rank(q)} "
+                        f"({what}): it died or hangs")
                 time.sleep(50e-6)
+
+
+class Region:
+    """A shared buffer: every rank's tensor of it (this rank's is written by it alone; the
+    peers' are read in place) and the last piece issued on it (what ``Channel.fence`` awaits)."""
+
+    def __init__(self, tensors: list[torch.Tensor], me: int):
+        self.tensors, self.me = tensors, me
+        self.last_seq = 0
 
 
 class _Work:
@@ -194,18 +247,67 @@ class _Work:
 
 
 # ---------------------------------------------------------------------- set-up
-def _create(path: str) -> torch.Tensor:
+def _create(path: str, nbytes: int) -> torch.Tensor:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, segment_bytes())
+        os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
-    return torch.from_file(path, shared=True, size=segment_bytes(), dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _room() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tensor] | None, str]:
+    """Collectively: one segment of ``nbytes`` per group rank, created by its rank and mapped by
+    every rank, each checked by the magic word at its start (a rank on another host sees no
+    file, or another one) and unlinked once all are mapped. Returns (segments, "") or (None,
+    why not) -- the same answer on every rank."""
+    me = group.rank
+    token = comm.all_gather_object(secrets.token_hex(7), group)[0]
+    # every rank of the host maps every segment: room for all of them, with a margin
+    fits = _architecture_ok() and os.path.isdir(SHM_DIR) and \
+        _room() > group.size * nbytes * 1.25
+    paths = [os.path.join(SHM_DIR, f"zr-{token}-{group.name}-{what}-{q}")
+             for q in range(group.size)]
+    mine, why = None, ""
+    if fits:
+        try:
+            mine = _create(paths[me], nbytes)
+            mine[:HEADER_BYTES].view(torch.int64)[_MAGIC] = int(token, 16) + me
+        except OSError as e:
+            why = f"{SHM_DIR}: {e}"
+    else:
+        why = f"{SHM_DIR} lacks {group.size * nbytes / 2**20:.0f} MiB or not x86-64"
+    created = comm.all_gather_object(mine is not None, group)
+    segments: list[torch.Tensor | None] = [None] * group.size
+    if all(created):
+        segments[me] = mine
+        for q in range(group.size):
+            if q == me:
+                continue
+            try:
+                # torch.from_file would create a missing file: look first, without O_CREAT
+                if os.stat(paths[q]).st_size != nbytes:
+                    raise OSError(f"{paths[q]} has another size")
+                seg = torch.from_file(paths[q], shared=True, size=nbytes, dtype=torch.uint8)
+                if int(seg[:HEADER_BYTES].view(torch.int64)[_MAGIC]) == int(token, 16) + q:
+                    segments[q] = seg
+                else:
+                    why = f"rank {group.global_rank(q)}'s segment is another file"
+            except (OSError, RuntimeError):
+                why = f"rank {group.global_rank(q)} is on another host"
+    # (also the point by which every rank has opened every segment or given up: unlink)
+    shared = comm.all_gather_object(all(x is not None for x in segments), group)
+    if mine is not None:
+        os.unlink(paths[me])
+    comm.barrier(group)  # and every segment unlinked: none of this group's files is left
+    if not all(shared):
+        return None, why or "a peer could not"
+    return segments, ""  # type: ignore[return-value]
 
 
 def channel_for(group: comm.Group) -> Channel | None:
@@ -217,49 +319,11 @@ def channel_for(group: comm.Group) -> Channel | None:
     want = mode()
     if want == "pairwise" or group.size == 1 or group.backend != "gloo":
         return None
-    me = group.rank
-    token = comm.all_gather_object(secrets.token_hex(7), group)[0]
-    # every rank of the host maps every segment: room for all of them, with a margin
-    fits = _architecture_ok() and os.path.isdir(SHM_DIR) and \
-        _room() > group.size * segment_bytes() * 1.25
-    paths = [os.path.join(SHM_DIR, f"zr-{token}-{group.name}-{q}") for q in range(group.size)]
-    mine, why = None, ""
-    if fits:
-        try:
-            mine = _create(paths[me])
-            mine[:HEADER_BYTES].view(torch.int64)[_MAGIC] = int(token, 16) + me
-        except OSError as e:
-            why = f"{SHM_DIR}: {e}"
-    else:
-        why = f"{SHM_DIR} lacks {group.size * segment_bytes() / 2**20:.0f} MiB or not x86-64"
-    created = comm.all_gather_object(mine is not None, group)
-    segments: list[torch.Tensor | None] = [None] * group.size
-    if all(created):
-        segments[me] = mine
-        for q in range(group.size):
-            if q == me:
-                continue
-            try:
-                # torch.from_file would create a missing file: look first, without O_CREAT
-                if os.stat(paths[q]).st_size != segment_bytes():
-                    raise OSError(f"{paths[q]} has another size")
-                s = torch.from_file(paths[q], shared=True, size=segment_bytes(),
-                                    dtype=torch.uint8)
-                if int(s[:HEADER_BYTES].view(torch.int64)[_MAGIC]) == int(token, 16) + q:
-                    segments[q] = s
-                else:
-                    why = f"rank {group.global_rank(q)}'s segment is another file"
-            except (OSError, RuntimeError):
-                why = f"rank {group.global_rank(q)} is on another host"
-    # (also the point by which every rank has opened every segment or given up: unlink)
-    shared = comm.all_gather_object(all(s is not None for s in segments), group)
-    if mine is not None:
-        os.unlink(paths[me])
-    comm.barrier(group)  # and every segment unlinked: none of this group's files is left
-    if not all(shared):
+    segments, why = _map_all(group, segment_bytes(), "slots")
+    if segments is None:
         if want == "shm":
             raise ValueError(f"ZR_CPU_TRANSPORT=shm but group {group.name!r} cannot share "
-                             f"memory ({why or 'a peer could not'}): unset it to use gloo")
+                             f"memory ({why}): unset it to use gloo")
         return None
-    group.channel = Channel(group, segments, comm.default_timeout())  # type: ignore[arg-type]
+    group.channel = Channel(group, segments, comm.default_timeout())
     return group.channel

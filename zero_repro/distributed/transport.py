@@ -16,7 +16,9 @@ reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they 
   ``pairwise``): the group's shared-memory channel (``distributed.shm``): each rank writes what
   its peers need into its own ``/dev/shm`` slots and reads theirs, no socket, no scratch of the
   torch heap; measured 3-4x faster than the pairwise one (below). A reduce-scatter can write
-  its sum straight into the caller's destination (``into=``: a gradient shard's piece).
+  its sum straight into the caller's destination (``into=``: a gradient shard's piece); on a
+  buffer from ``shared_buffer`` (memory the peers map too) nothing is copied into the slots:
+  the peers read it in place, and its owner ``fence``s it before writing it again.
 * ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
   sends / receives with every peer. gloo emulates
   the native collectives slowly, and its rooted ones are slower than its sends: world 2, GPT-20M's
@@ -138,6 +140,15 @@ class NoBuffers:
         return None
 
 
+def _no_shared_buffer(self, numel: int, dtype: torch.dtype) -> None:
+    """Transports without memory the peers can read in place: the caller allocates."""
+    return None
+
+
+def _no_fence(self, buf: torch.Tensor) -> None:
+    return None
+
+
 def _collective_all_reduce(self, buf: torch.Tensor) -> list:
     """Async sum of ``buf`` over the group, in place, by the backend's own all-reduce."""
     return [comm.all_reduce(buf, self.group, async_op=True)]
@@ -155,6 +166,8 @@ class NativeTransport:
         self.group = group
 
     all_reduce = _collective_all_reduce
+    shared_buffer = _no_shared_buffer
+    fence = _no_fence
 
     def scratch_numel(self, chunk: int) -> int:
         """Elements of scratch a reduce-scatter of a bucket of ``chunk``-element chunks needs
@@ -206,6 +219,8 @@ class RootedTransport:
         self.group = group
 
     all_reduce = _collective_all_reduce
+    shared_buffer = _no_shared_buffer
+    fence = _no_fence
 
     def scratch_numel(self, chunk: int) -> int:
         return 0
@@ -286,6 +301,8 @@ class PairwiseTransport:
         self.group = group
 
     all_reduce = _collective_all_reduce
+    shared_buffer = _no_shared_buffer
+    fence = _no_fence
 
     def scratch_numel(self, chunk: int) -> int:
         return (self.group.size - 1) * chunk  # one chunk from every peer
@@ -354,6 +371,16 @@ class ShmTransport:
 
     gather_pool = scratch_pool
 
+    def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collectively: a zeroed buffer the peers map too (``shm.Channel.shared_buffer``): a
+        collective on a view of it reads the peers' values in place, without the copy into
+        the slots. ``fence`` it before writing it again. None without a channel or room."""
+        return None if self.channel is None else self.channel.shared_buffer(numel, dtype)
+
+    def fence(self, buf: torch.Tensor) -> None:
+        if self.channel is not None:
+            self.channel.fence(buf)
+
     def _pieces(self, numel: int, dtype: torch.dtype, parts: int) -> list[tuple[int, int]]:
         step = self.channel.piece_numel(dtype, parts)
         return [(a, min(step, numel - a)) for a in range(0, numel, step)]
@@ -373,6 +400,20 @@ class ShmTransport:
             return [], own if into is None else into
         parts = len(peers)
         res = own if into is None else into
+        shared = ch.region_of(inp)
+        if shared is not None:  # the peers read this rank's chunks of ``inp`` in place
+            region, off = shared
+
+            def read_shared(seq):
+                src = own
+                for q in peers:  # own chunk, then the peers' in rank order
+                    peer = region.tensors[q][off + me * c:off + (me + 1) * c]
+                    torch.add(src, peer, out=res)
+                    src = res
+
+            work = ch.issue([(_no_write, read_shared)])
+            region.last_seq = ch.assigned
+            return [work], res
 
         def write(seq, a, m):
             slot = ch.slot(me, seq, inp.dtype, parts * m)
@@ -394,8 +435,23 @@ class ShmTransport:
         return self.reduce_scatter(inp)[0], _nothing
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> list:
-        _own(full, self.group).copy_(mine)
-        return self.all_gather_in_place(full)
+        g, ch = self.group, self.channel
+        _own(full, g).copy_(mine)
+        shared = None if ch is None or g.size == 1 else ch.region_of(mine)
+        if shared is None:
+            return self.all_gather_in_place(full)
+        # ``mine`` lies in a shared buffer (stage 3's shards): the peers read it in place
+        region, off = shared
+        c = full.numel() // g.size
+        comm.record("all_gather", g, full.numel(), full.element_size())
+
+        def read_shared(seq):
+            for q in _peers(g):  # the peer's chunk sits at the same offset of its buffer
+                full[q * c:(q + 1) * c].copy_(region.tensors[q][off:off + c])
+
+        work = ch.issue([(_no_write, read_shared)])
+        region.last_seq = ch.assigned
+        return [work]
 
     def all_gather_in_place(self, full: torch.Tensor, scratch: torch.Tensor | None = None):
         g, ch = self.group, self.channel
@@ -426,6 +482,7 @@ class ShmTransport:
         flat, me, peers, parts = buf.view(-1), g.rank, _peers(g), g.size - 1
         c = flat.numel() // g.size
         body, tail, own = flat[:c * g.size], flat[c * g.size:], flat[me * c:(me + 1) * c]
+        shared = ch.region_of(flat)
 
         def rs_write(seq, a, m):
             slot = ch.slot(me, seq, buf.dtype, parts * m)
@@ -453,14 +510,43 @@ class ShmTransport:
             for q in peers:
                 body[q * c + a:q * c + a + m].copy_(ch.slot(q, seq, buf.dtype, m))
 
-        pieces = [(functools.partial(rs_write, a=a, m=m), functools.partial(rs_read, a=a, m=m))
-                  for a, m in self._pieces(c, buf.dtype, parts)]
-        if tail.numel():
+        if shared is None:
+            pieces = [(functools.partial(rs_write, a=a, m=m),
+                       functools.partial(rs_read, a=a, m=m))
+                      for a, m in self._pieces(c, buf.dtype, parts)]
+        else:  # the peers read this rank's chunks in place: one piece each way, no slots
+            region, off = shared
+
+            def rs_shared(seq):
+                src = own
+                for q in peers:
+                    torch.add(src, region.tensors[q][off + me * c:off + (me + 1) * c], out=own)
+                    src = own
+
+            def ag_shared(seq):
+                for q in peers:  # the peer's own chunk holds its sum (written before its
+                    # all-gather piece is published: after every earlier piece is read)
+                    body[q * c:(q + 1) * c].copy_(region.tensors[q][off + q * c:off + (q + 1) * c])
+
+            pieces = [(_no_write, rs_shared)]
+        if tail.numel():  # the raw tails through the slots: each rank sums them in place
             pieces.append((tail_write, tail_read))
         after = len(pieces)
-        pieces += [(functools.partial(ag_write, a=a, m=m), functools.partial(ag_read, a=a, m=m))
-                   for a, m in self._pieces(c, buf.dtype, 1)]
-        return [ch.issue(pieces, after=after)]
+        if shared is None:
+            pieces += [(functools.partial(ag_write, a=a, m=m),
+                        functools.partial(ag_read, a=a, m=m))
+                       for a, m in self._pieces(c, buf.dtype, 1)]
+        else:
+            pieces.append((_no_write, ag_shared))
+        work = ch.issue(pieces, after=after)
+        if shared is not None:
+            shared[0].last_seq = ch.assigned
+        return [work]
+
+
+def _no_write(seq: int) -> None:
+    """The write of a piece whose data the peers read in place (a shared buffer)."""
+    return None
 
 
 class _Then:

@@ -91,9 +91,17 @@ class FullGrads:
     divided when their bucket is launched. The same values either way, one pass over Ψ less.
     """
 
-    def __init__(self, g: FlatParams, n_d: int, reduce: Callable[[Bucket, torch.Tensor], None]):
+    def __init__(self, g: FlatParams, n_d: int, reduce: Callable[[Bucket, torch.Tensor], None],
+                 transport: Transport | None = None):
         self.group, self.n_d, self.reduce = g, n_d, reduce
-        self.buffer = torch.zeros_like(g.flat)  # (padded,) persistent full gradients
+        # (padded,) persistent full gradients; where the DP transport offers memory its peers
+        # read in place (CPU ranks on one host), there: the reductions copy nothing into its
+        # slots, and each step's first write waits until the peers have read the last one's
+        shared = None if transport is None else transport.shared_buffer(g.flat.numel(),
+                                                                         g.flat.dtype)
+        self.buffer = torch.zeros_like(g.flat) if shared is None else shared
+        self._fence = None if shared is None else transport.fence
+        self._fenced = False
         self.arrivals = Arrivals(g.partition)
         self.launched = [False] * len(g.partition.buckets)
         self.slot_idx = {id(p): i for i, p in enumerate(g.params)}
@@ -105,6 +113,7 @@ class FullGrads:
     def add(self, p: nn.Parameter, launch: bool) -> None:
         """Accumulate ``p.grad`` (then drop it); ``launch``: last micro-batch, reduce the
         buckets this completes."""
+        self._before_write()
         s = self.group.slot_of[id(p)]
         i = self.slot_idx[id(p)]
         dst, grad = self.buffer[s.offset:s.end], p.grad.reshape(-1)
@@ -128,7 +137,14 @@ class FullGrads:
             if not self.launched[b.index]:
                 self.launch(b)
 
+    def _before_write(self) -> None:
+        if not self._fenced:
+            if self._fence is not None:
+                self._fence(self.buffer)
+            self._fenced = True
+
     def launch(self, b: Bucket) -> None:
+        self._before_write()
         self.launched[b.index] = True
         for i, lo, hi in self.pieces[b.index]:
             if not self.written[i]:  # no gradient since zero(): reduce zeros
@@ -145,6 +161,7 @@ class FullGrads:
         """After the reductions completed: the next backward starts counting afresh."""
         self.arrivals.reset()
         self.launched = [False] * len(self.launched)
+        self._fenced = False  # the peers may still read this step's values
 
     def chunks(self, rank: int) -> list[torch.Tensor]:
         return [self.buffer[b.owned(rank)[0]:b.owned(rank)[1]]

@@ -34,8 +34,8 @@ class Stage0DDP(Strategy):
         super().__init__(model, topo, zero, train, zero_r)
         # one shard: full parameters and optimizer state on every rank
         self.flat = FlatParams("model", self.named, self.dtype, 1, self._bucket_capacity())
-        self.grads = FullGrads(self.flat, self.n_d, self._all_reduce)
         self.transport = bucket_transport(self.dp_group)
+        self.grads = FullGrads(self.flat, self.n_d, self._all_reduce, self.transport)
         self.inflight = InFlight(max_in_flight=1 << 30)  # in place: nothing limits it
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._attach([self.flat], shard_rank=0, counts_norm=self.dp_rank == 0)

@@ -42,8 +42,8 @@ class Stage1Os(GatheredAfterStep, Strategy):
         super().__init__(model, topo, zero, train, zero_r)
         self.flat = FlatParams("model", self.named, self.dtype, self.n_d,
                                self._bucket_capacity())
-        self.grads = FullGrads(self.flat, self.n_d, self._reduce_scatter)
         t = self.transport = bucket_transport(self.dp_group)
+        self.grads = FullGrads(self.flat, self.n_d, self._reduce_scatter, t)
         chunk = max((b.chunk for b in self.flat.partition.buckets), default=0)
         self.inflight = InFlight(t.in_flight_limit)
         self.rs_pool = t.scratch_pool(chunk, self.dtype, self.inflight, self.device)

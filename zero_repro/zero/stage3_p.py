@@ -120,12 +120,22 @@ class Stage3P(Strategy):
         self.root: _Unit | None = None
         self.unit_of: dict[int, _Unit] = {}
         piece_base = 0
-        for idx, params in enumerate(per_unit):
-            if not params:
-                continue
-            g = FlatParams("root" if idx == 0 else f"blocks.{idx - 1}", params, self.dtype,
-                           self.n_d, cap)
-            shard = torch.empty(g.partition.shard_numel, dtype=self.dtype, device=self.device)
+        flats = [(idx, FlatParams("root" if idx == 0 else f"blocks.{idx - 1}", params,
+                                  self.dtype, self.n_d, cap))
+                 for idx, params in enumerate(per_unit) if params]
+        # every unit's shard in one store; where the DP transport offers memory its peers read
+        # in place (CPU ranks on one host), there: a gather then copies nothing into its slots,
+        # and the optimizer first waits until the peers have read it (``_before_update``)
+        total = sum(g.partition.shard_numel for _, g in flats)
+        store = self.transport.shared_buffer(total, self.dtype)
+        self._shared_store = store
+        if store is None:
+            store = torch.empty(total, dtype=self.dtype, device=self.device)
+        at = 0
+        for idx, g in flats:
+            params = per_unit[idx]
+            shard = store[at:at + g.partition.shard_numel]
+            at += g.partition.shard_numel
             for b, mine in zip(g.partition.buckets, g.owned_chunks(self.dp_rank)):
                 shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
             g.release()
@@ -331,6 +341,8 @@ class Stage3P(Strategy):
         for u in self.units:
             if u.state is not UnitState.SHARDED and u.grad_buf is None:
                 self._release(u)
+        if self._shared_store is not None:  # the peers have read the shards: overwrite them
+            self.transport.fence(self._shared_store)
 
     def _chunk_publisher(self):
         if not self.zero.prefetch_next_step:
