@@ -207,7 +207,20 @@ class NativeTransport:
         return self.all_gather(full, scratch)
 
 
-class RootedTransport:
+class _NoScratch:
+    """Transports that reduce and gather in place in the bucket: no scratch of the torch heap."""
+
+    def scratch_numel(self, chunk: int) -> int:
+        return 0
+
+    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
+                     device: torch.device | str = "cpu") -> NoBuffers:
+        return NoBuffers(dtype, device)
+
+    gather_pool = scratch_pool
+
+
+class RootedTransport(_NoScratch):
     """Per-chunk rooted reduces / broadcasts, in place in the bucket (gloo, fake)."""
 
     models_as = "fake"  # the ``dry_run(transport_of=...)`` that accounts it
@@ -221,15 +234,6 @@ class RootedTransport:
     all_reduce = _collective_all_reduce
     shared_buffer = _no_shared_buffer
     fence = _no_fence
-
-    def scratch_numel(self, chunk: int) -> int:
-        return 0
-
-    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
-                     device: torch.device | str = "cpu") -> NoBuffers:
-        return NoBuffers(dtype, device)
-
-    gather_pool = scratch_pool
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         """One async reduce per chunk to its owner: afterwards this rank's chunk of ``inp`` (the
@@ -344,7 +348,7 @@ class PairwiseTransport:
                              [(full[q * c:(q + 1) * c], q) for q in peers], g, self.AG_TAG)
 
 
-class ShmTransport:
+class ShmTransport(_NoScratch):
     """gloo ranks on one host: a bucket's reduce-scatter and all-gather through the group's
     shared-memory channel (``distributed.shm``), measured 3-4x faster than gloo's sockets.
     Every piece of a reduce-scatter is published as the peers' chunks of it (one slot, (N-1)
@@ -361,15 +365,6 @@ class ShmTransport:
 
     def __init__(self, group: comm.Group, channel: shm.Channel | None):
         self.group, self.channel = group, channel
-
-    def scratch_numel(self, chunk: int) -> int:
-        return 0
-
-    def scratch_pool(self, chunk: int, dtype: torch.dtype, inflight: InFlight,
-                     device: torch.device | str = "cpu") -> NoBuffers:
-        return NoBuffers(dtype, device)
-
-    gather_pool = scratch_pool
 
     def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Collectively: a zeroed buffer the peers map too (``shm.Channel.shared_buffer``): a
