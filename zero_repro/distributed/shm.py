@@ -250,9 +250,14 @@ class _Work:
 def _create(path: str, nbytes: int) -> torch.Tensor:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-    finally:
+        # reserve the pages now: a full tmpfs then fails here (ENOSPC: gloo is used instead)
+        # rather than with SIGBUS when a mapped page is first touched mid-step
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
