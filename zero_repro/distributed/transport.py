@@ -154,13 +154,12 @@ def _collective_all_reduce(self, buf: torch.Tensor) -> list:
     return [comm.all_reduce(buf, self.group, async_op=True)]
 
 
-class NativeTransport:
-    """Native reduce-scatter / all-gather into separate outputs (NCCL and others)."""
+class _Collective:
+    """Transports on the backend's own collectives or point-to-point messages: the stage's
+    all-reduce is the backend's, no memory the peers read in place, results land in the
+    transport's own views (accumulated by the caller after)."""
 
-    models_as = "native"  # the ``dry_run(transport_of=...)`` that accounts it
-    reduces_into = False  # its result lands in its own view: accumulated after
-    in_flight_limit = 2  # collectives holding pooled scratch at once
-    fused_buffers = 2  # fused gradient buckets a stage keeps (filling + on the wire)
+    reduces_into = False
 
     def __init__(self, group: comm.Group):
         self.group = group
@@ -168,6 +167,14 @@ class NativeTransport:
     all_reduce = _collective_all_reduce
     shared_buffer = _no_shared_buffer
     fence = _no_fence
+
+
+class NativeTransport(_Collective):
+    """Native reduce-scatter / all-gather into separate outputs (NCCL and others)."""
+
+    models_as = "native"  # the ``dry_run(transport_of=...)`` that accounts it
+    in_flight_limit = 2  # collectives holding pooled scratch at once
+    fused_buffers = 2  # fused gradient buckets a stage keeps (filling + on the wire)
 
     def scratch_numel(self, chunk: int) -> int:
         """Elements of scratch a reduce-scatter of a bucket of ``chunk``-element chunks needs
@@ -220,20 +227,12 @@ class _NoScratch:
     gather_pool = scratch_pool
 
 
-class RootedTransport(_NoScratch):
+class RootedTransport(_Collective, _NoScratch):
     """Per-chunk rooted reduces / broadcasts, in place in the bucket (gloo, fake)."""
 
     models_as = "fake"  # the ``dry_run(transport_of=...)`` that accounts it
-    reduces_into = False  # its result lands in its own view: accumulated after
     in_flight_limit = _UNBOUNDED  # nothing staged, nothing to wait for
     fused_buffers = 4  # see the module docstring
-
-    def __init__(self, group: comm.Group):
-        self.group = group
-
-    all_reduce = _collective_all_reduce
-    shared_buffer = _no_shared_buffer
-    fence = _no_fence
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         """One async reduce per chunk to its owner: afterwards this rank's chunk of ``inp`` (the
@@ -285,7 +284,7 @@ def broadcast_chunks(buf: torch.Tensor, chunk: int, group: comm.Group) -> list:
             for k in range(group.size)]
 
 
-class PairwiseTransport:
+class PairwiseTransport(_Collective):
     """gloo: a bucket's reduce-scatter and all-gather as point-to-point exchanges with every
     peer (``comm.exchange``), measured faster on gloo than its collectives (see the module
     docstring): each rank sends every peer that peer's chunk and receives its own chunk from
@@ -296,17 +295,9 @@ class PairwiseTransport:
     then the peers' in rank order) and gathered from it, so every rank holds the same values."""
 
     models_as = "gloo"  # the ``dry_run(transport_of=...)`` that accounts it
-    reduces_into = False  # its result lands in its own view: accumulated after
     in_flight_limit = _UNBOUNDED  # the scratch pools bound what is in flight
     fused_buffers = 4  # as the rooted transport: gloo drains slower than backward fills
     RS_TAG, AG_TAG = 1, 2  # reduce-scatters and all-gathers match in order within their kind
-
-    def __init__(self, group: comm.Group):
-        self.group = group
-
-    all_reduce = _collective_all_reduce
-    shared_buffer = _no_shared_buffer
-    fence = _no_fence
 
     def scratch_numel(self, chunk: int) -> int:
         return (self.group.size - 1) * chunk  # one chunk from every peer

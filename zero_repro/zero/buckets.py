@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zero_repro.distributed.transport import BufferPool, InFlight, NoBuffers, Transport
-from zero_repro.zero.flat_buffer import FlatParams
+from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket, Partition, Slot, intersect
 
 
@@ -75,6 +75,23 @@ class Arrivals:
             self.count = [0] * len(self.count)
         else:
             self.count[b.index] = 0
+
+
+def reduce_to_shard(t: Transport, grads: GradShards, index: int, inp: torch.Tensor,
+                    scratch: torch.Tensor) -> tuple[list, Callable[[], None]]:
+    """Async reduce-scatter of bucket ``inp`` into gradient-shard piece ``index`` (stages 2-3):
+    straight into the piece when the transport can write there (``reduces_into``) and the piece
+    holds nothing yet this step, else into the transport's own view. Returns (works, what to run
+    once they complete: nothing, or the accumulation of that view into the piece)."""
+    into = grads.claim(index) if t.reduces_into else None
+    if into is not None:
+        return t.reduce_scatter(inp, scratch, into=into)[0], _nothing_left
+    works, out = t.reduce_scatter(inp, scratch)
+    return works, lambda: grads.accumulate(index, out)
+
+
+def _nothing_left() -> None:
+    return None
 
 
 class FullGrads:

@@ -34,8 +34,8 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces, scale_into,
-                                     slot_pieces)
+from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces, reduce_to_shard,
+                                     scale_into, slot_pieces)
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
@@ -107,16 +107,11 @@ class Stage2G(GatheredAfterStep, Strategy):
         inp = buf[:b.size]  # already divided by N_d (_on_grad); zeros stay zeros
         # the reduced own chunk: in the scratch after the fused bucket, or (in place) in it
         t = self.transport
-        scratch = buf[self.cap:self.cap + t.scratch_numel(b.chunk)]
-        into = self.grads.claim(b.index) if t.reduces_into else None
-        if into is None:
-            works, out = t.reduce_scatter(inp, scratch)
-        else:  # the sum goes straight into the gradient shard's unwritten piece
-            works, out = t.reduce_scatter(inp, scratch, into=into)
+        works, finish = reduce_to_shard(t, self.grads, b.index, inp,
+                                        buf[self.cap:self.cap + t.scratch_numel(b.chunk)])
 
         def done():
-            if out is not into:
-                self.grads.accumulate(b.index, out)
+            finish()
             self.pool.release(buf)
 
         self.inflight.launch(works, done)

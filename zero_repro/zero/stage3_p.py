@@ -57,7 +57,7 @@ from torch import nn
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import InFlight, bucket_transport
-from zero_repro.zero.buckets import scale_into
+from zero_repro.zero.buckets import reduce_to_shard, scale_into
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import FlatParams, GradShards, PeakBytes
 from zero_repro.zero.strategy import Strategy
@@ -306,23 +306,18 @@ class Stage3P(Strategy):
         out = torch.empty(self.transport.scratch_numel(part.shard_numel), dtype=self.dtype,
                           device=self.device)
         self.buffer_peak.alloc(out.numel() * out.element_size())
-        works, reduced, t = [], [], self.transport
-        sn = t.scratch_numel  # linear in the chunk: one slice per bucket
+        works, finishes = [], []
+        sn = self.transport.scratch_numel  # linear in the chunk: one slice per bucket
         for k, b in enumerate(part.buckets):
-            scratch = out[sn(b.shard_offset):sn(b.shard_offset + b.chunk)]
-            # the sum straight into the gradient shard's piece while it holds nothing yet
-            into = self.grads.claim(u.piece_base + k) if t.reduces_into else None
-            if into is None:
-                w, piece = t.reduce_scatter(buf[b.start:b.end], scratch)
-            else:
-                w, piece = t.reduce_scatter(buf[b.start:b.end], scratch, into=into)
+            w, finish = reduce_to_shard(self.transport, self.grads, u.piece_base + k,
+                                        buf[b.start:b.end],
+                                        out[sn(b.shard_offset):sn(b.shard_offset + b.chunk)])
             works += w
-            reduced.append((piece, into))
+            finishes.append(finish)
 
         def done():
-            for k, (piece, into) in enumerate(reduced):
-                if piece is not into:
-                    self.grads.accumulate(u.piece_base + k, piece)
+            for finish in finishes:
+                finish()
             self.buffer_peak.free((buf.numel() + out.numel()) * buf.element_size())
 
         self.inflight.launch(works, done)
