@@ -371,35 +371,24 @@ class ShmTransport(_NoScratch):
         step = self.channel.piece_numel(dtype, parts)
         return [(a, min(step, numel - a)) for a in range(0, numel, step)]
 
-    def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None,
-                       into: torch.Tensor | None = None):
-        """Async reduce-scatter of ``inp``: returns (works, the view that holds the sum once
-        they are waited): ``into`` (``c`` elements, e.g. a gradient shard's piece: the sum is
-        written there, no copy after) if given, else this rank's chunk of ``inp``; the other
-        chunks of ``inp`` are left as they were."""
+    def _rs_pieces(self, inp: torch.Tensor, res: torch.Tensor):
+        """Pieces of a reduce-scatter of ``inp`` (N chunks of ``c``) whose sum (own chunk, then
+        the peers' in rank order) lands in ``res``; and the shared buffer ``inp`` lies in, if
+        any (then the peers read it in place: one piece, nothing written into the slots)."""
         g, ch = self.group, self.channel
         c, peers, me, own = inp.numel() // g.size, _peers(g), g.rank, _own(inp, g)
-        comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
-        if ch is None or g.size == 1:
-            if into is not None:
-                into.copy_(own)
-            return [], own if into is None else into
-        parts = len(peers)
-        res = own if into is None else into
         shared = ch.region_of(inp)
-        if shared is not None:  # the peers read this rank's chunks of ``inp`` in place
+        if shared is not None:
             region, off = shared
 
             def read_shared(seq):
                 src = own
-                for q in peers:  # own chunk, then the peers' in rank order
-                    peer = region.tensors[q][off + me * c:off + (me + 1) * c]
-                    torch.add(src, peer, out=res)
+                for q in peers:
+                    torch.add(src, region.tensors[q][off + me * c:off + (me + 1) * c], out=res)
                     src = res
 
-            work = ch.issue([(_no_write, read_shared)])
-            region.last_seq = ch.assigned
-            return [work], res
+            return [(_no_write, read_shared)], region
+        parts = len(peers)
 
         def write(seq, a, m):
             slot = ch.slot(me, seq, inp.dtype, parts * m)
@@ -408,14 +397,60 @@ class ShmTransport(_NoScratch):
 
         def read(seq, a, m):
             src, dst = own[a:a + m], res[a:a + m]
-            for q in peers:  # own chunk, then the peers' in rank order
+            for q in peers:
                 part = me - (1 if q < me else 0)  # this rank's part: peers skip themselves
                 torch.add(src, ch.slot(q, seq, inp.dtype, parts * m)[part * m:(part + 1) * m],
                           out=dst)
                 src = dst
 
-        return [ch.issue([(functools.partial(write, a=a, m=m), functools.partial(read, a=a, m=m))
-                          for a, m in self._pieces(c, inp.dtype, parts)])], res
+        return [(functools.partial(write, a=a, m=m), functools.partial(read, a=a, m=m))
+                for a, m in self._pieces(c, inp.dtype, parts)], None
+
+    def _ag_pieces(self, full: torch.Tensor, region: shm.Region | None = None,
+                   offset_of: Callable[[int], int] | None = None) -> list:
+        """Pieces of an all-gather into ``full`` whose own chunk holds this rank's values:
+        through the slots, or (``region``) each peer's chunk read from its shared buffer at
+        element ``offset_of(peer)``."""
+        g, ch = self.group, self.channel
+        c, peers, me, own = full.numel() // g.size, _peers(g), g.rank, _own(full, g)
+        if region is not None:
+            def read_shared(seq):
+                for q in peers:
+                    full[q * c:(q + 1) * c].copy_(region.tensors[q][offset_of(q):offset_of(q) + c])
+
+            return [(_no_write, read_shared)]
+
+        def write(seq, a, m):
+            ch.slot(me, seq, full.dtype, m).copy_(own[a:a + m])
+
+        def read(seq, a, m):
+            for q in peers:
+                full[q * c + a:q * c + a + m].copy_(ch.slot(q, seq, full.dtype, m))
+
+        return [(functools.partial(write, a=a, m=m), functools.partial(read, a=a, m=m))
+                for a, m in self._pieces(c, full.dtype, 1)]
+
+    def _issue(self, pieces: list, region: shm.Region | None, after: int = -1) -> list:
+        work = self.channel.issue(pieces, after=after)
+        if region is not None:  # its owner's next write waits for these pieces' readers
+            region.last_seq = self.channel.assigned
+        return [work]
+
+    def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None,
+                       into: torch.Tensor | None = None):
+        """Async reduce-scatter of ``inp``: returns (works, the view that holds the sum once
+        they are waited): ``into`` (``c`` elements, e.g. a gradient shard's piece: the sum is
+        written there, no copy after) if given, else this rank's chunk of ``inp``; the other
+        chunks of ``inp`` are left as they were."""
+        g, own = self.group, _own(inp, self.group)
+        res = own if into is None else into
+        comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
+        if self.channel is None or g.size == 1:
+            if into is not None:
+                into.copy_(own)
+            return [], res
+        pieces, region = self._rs_pieces(inp, res)
+        return self._issue(pieces, region), res
 
     def reduce_scatter_in_place(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         return self.reduce_scatter(inp)[0], _nothing
@@ -426,60 +461,34 @@ class ShmTransport(_NoScratch):
         shared = None if ch is None or g.size == 1 else ch.region_of(mine)
         if shared is None:
             return self.all_gather_in_place(full)
-        # ``mine`` lies in a shared buffer (stage 3's shards): the peers read it in place
-        region, off = shared
-        c = full.numel() // g.size
+        # ``mine`` lies in a shared buffer (stage 3's shards): each peer's chunk sits at the
+        # same offset of its buffer, read in place
         comm.record("all_gather", g, full.numel(), full.element_size())
-
-        def read_shared(seq):
-            for q in _peers(g):  # the peer's chunk sits at the same offset of its buffer
-                full[q * c:(q + 1) * c].copy_(region.tensors[q][off:off + c])
-
-        work = ch.issue([(_no_write, read_shared)])
-        region.last_seq = ch.assigned
-        return [work]
+        region, off = shared
+        return self._issue(self._ag_pieces(full, region, lambda q: off), region)
 
     def all_gather_in_place(self, full: torch.Tensor, scratch: torch.Tensor | None = None):
-        g, ch = self.group, self.channel
-        c, peers, me, own = full.numel() // g.size, _peers(g), g.rank, _own(full, g)
+        g = self.group
         comm.record("all_gather", g, full.numel(), full.element_size())
-        if ch is None or g.size == 1:
+        if self.channel is None or g.size == 1:
             return []
-
-        def write(seq, a, m):
-            ch.slot(me, seq, full.dtype, m).copy_(own[a:a + m])
-
-        def read(seq, a, m):
-            for q in peers:
-                full[q * c + a:q * c + a + m].copy_(ch.slot(q, seq, full.dtype, m))
-
-        return [ch.issue([(functools.partial(write, a=a, m=m), functools.partial(read, a=a, m=m))
-                          for a, m in self._pieces(c, full.dtype, 1)])]
+        return self._issue(self._ag_pieces(full), None)
 
     def all_reduce(self, buf: torch.Tensor) -> list:
         """Async sum of ``buf`` over the group, in place, as a reduce-scatter of its first
         ``N·c`` elements (``c = n // N``) and an all-gather of the sums (half the additions and
         memory traffic of every rank summing every rank's buffer, at N = 2), its last ``n % N``
-        elements summed by every rank in rank order; the same bits on every rank."""
+        elements summed by every rank in rank order; the same bits on every rank. The gather
+        half is published only after the reduce-scatter half is read: on a shared buffer the
+        sums it writes over are then no longer read by any peer."""
         g, ch = self.group, self.channel
         comm.record("all_reduce", g, buf.numel(), buf.element_size())
         if ch is None or g.size == 1:
             return []
-        flat, me, peers, parts = buf.view(-1), g.rank, _peers(g), g.size - 1
+        flat, me = buf.view(-1), g.rank
         c = flat.numel() // g.size
-        body, tail, own = flat[:c * g.size], flat[c * g.size:], flat[me * c:(me + 1) * c]
-        shared = ch.region_of(flat)
-
-        def rs_write(seq, a, m):
-            slot = ch.slot(me, seq, buf.dtype, parts * m)
-            for j, q in enumerate(peers):
-                slot[j * m:(j + 1) * m].copy_(body[q * c + a:q * c + a + m])
-
-        def rs_read(seq, a, m):
-            dst = own[a:a + m]
-            for q in peers:
-                part = me - (1 if q < me else 0)
-                dst.add_(ch.slot(q, seq, buf.dtype, parts * m)[part * m:(part + 1) * m])
+        body, tail = flat[:c * g.size], flat[c * g.size:]
+        pieces, region = self._rs_pieces(body, body[me * c:(me + 1) * c])
 
         def tail_write(seq):
             ch.slot(me, seq, buf.dtype, tail.numel()).copy_(tail)
@@ -489,45 +498,15 @@ class ShmTransport(_NoScratch):
                 src = ch.slot(q, seq, buf.dtype, tail.numel())
                 tail.copy_(src) if q == 0 else tail.add_(src)
 
-        def ag_write(seq, a, m):
-            ch.slot(me, seq, buf.dtype, m).copy_(own[a:a + m])
-
-        def ag_read(seq, a, m):
-            for q in peers:
-                body[q * c + a:q * c + a + m].copy_(ch.slot(q, seq, buf.dtype, m))
-
-        if shared is None:
-            pieces = [(functools.partial(rs_write, a=a, m=m),
-                       functools.partial(rs_read, a=a, m=m))
-                      for a, m in self._pieces(c, buf.dtype, parts)]
-        else:  # the peers read this rank's chunks in place: one piece each way, no slots
-            region, off = shared
-
-            def rs_shared(seq):
-                src = own
-                for q in peers:
-                    torch.add(src, region.tensors[q][off + me * c:off + (me + 1) * c], out=own)
-                    src = own
-
-            def ag_shared(seq):
-                for q in peers:  # the peer's own chunk holds its sum (written before its
-                    # all-gather piece is published: after every earlier piece is read)
-                    body[q * c:(q + 1) * c].copy_(region.tensors[q][off + q * c:off + (q + 1) * c])
-
-            pieces = [(_no_write, rs_shared)]
         if tail.numel():  # the raw tails through the slots: each rank sums them in place
             pieces.append((tail_write, tail_read))
         after = len(pieces)
-        if shared is None:
-            pieces += [(functools.partial(ag_write, a=a, m=m),
-                        functools.partial(ag_read, a=a, m=m))
-                       for a, m in self._pieces(c, buf.dtype, 1)]
-        else:
-            pieces.append((_no_write, ag_shared))
-        work = ch.issue(pieces, after=after)
-        if shared is not None:
-            shared[0].last_seq = ch.assigned
-        return [work]
+        if region is None:
+            pieces += self._ag_pieces(body)
+        else:  # each peer's own chunk of its shared buffer holds its sums
+            off = ch.region_of(body)[1]
+            pieces += self._ag_pieces(body, region, lambda q: off + q * c)
+        return self._issue(pieces, region, after=after)
 
 
 def _no_write(seq: int) -> None:
