@@ -21,7 +21,7 @@ def _reallocation(rank: int, world: int) -> tuple[str, int, float]:
     tensor is a little smaller than the last (as a training step's are the same size): a
     caching malloc serves it from the span just freed, while one a page larger may need a fresh
     span (CI's run of growing sizes faulted one round in, 24438 faults for 24414 pages, where
-    this machine's coalesced)."""
+    this machine's coalesced; shrinking sizes still faulted one round in on CI once)."""
     def rss_mb():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
@@ -59,9 +59,11 @@ def test_cpu_ranks_run_on_tcmalloc_and_reuse_freed_memory(monkeypatch):
     used, faults, grown = spawn(_reallocation, 1)[0]
     pages = NUMEL * 4 // os.sysconf("SC_PAGE_SIZE")
     assert used == "tcmalloc"
-    # the freed pages serve the next rounds: less than one round's worth of faults in all,
-    # and the memory stays bounded (no hole per round)
-    assert faults < pages, faults
+    # the freed pages serve the next rounds. At most one round may take a fresh span (CI: small
+    # allocations carved from the freed span left it short of the next tensor once, 24430
+    # faults for 24414 pages, then the spans coalesced); the OS malloc faults all ROUNDS in.
+    # The memory stays bounded (no hole per round).
+    assert faults < 2 * pages, faults
     assert grown < 2.5 * NUMEL * 4 / 1e6, grown
 
 
