@@ -60,21 +60,25 @@ def _rank(rank: int, world: int, slot_bytes: int) -> dict:
     ledger = topo.ledger.as_dict()
     # the same on a buffer the peers read in place (shared memory only): two steps, each
     # rank rewriting its buffer after the fence, every bucket all-reduced or reduce-scattered
-    shared, steps = t.shared_buffer(3 * 7 + 2 * n, torch.float32), []
+    shared, steps = t.shared_buffer(3 * 7 + 3 * n, torch.float32), []
     for step in range(2 if shared is not None else 0):
         t.fence(shared)
         shared.copy_(torch.arange(shared.numel(), dtype=torch.float32) * (rank + 1) + step)
         ar = [shared[:10], shared[10:21]]  # 10 and 11 elements: tails at world 3
         rs = [shared[21:21 + n], shared[21 + n:21 + 2 * n]]
+        ag = shared[21 + 2 * n:21 + 3 * n]  # the own chunk is this rank's: read in place
+        ag[rank * CHUNK:(rank + 1) * CHUNK] = 100.0 * rank + step
         works = [w for b in ar for w in t.all_reduce(b)]
         outs = []
         for b in rs:
             w, out = t.reduce_scatter(b)
             works += w
             outs.append(out)
+        works += t.all_gather_in_place(ag)
         for w in works:
             w.wait()
-        steps.append({"ar": [b.clone() for b in ar], "rs": [o.clone() for o in outs]})
+        steps.append({"ar": [b.clone() for b in ar], "rs": [o.clone() for o in outs],
+                      "ag": ag.clone()})
     return {"kind": type(t).__name__, "reduced": reduced, "gathered": full,
             "summed": summed, "parts": parts, "ledger": ledger, "shared_steps": steps}
 
@@ -99,6 +103,8 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
             for k, o in enumerate(got["rs"]):
                 lo = 21 + k * n + rank * CHUNK
                 assert torch.equal(o, full[lo:lo + CHUNK]), (step, rank, k)
+            gathered = torch.cat([torch.full((CHUNK,), 100.0 * q + step) for q in range(world)])
+            assert torch.equal(got["ag"], gathered), (step, rank)
     for rank, r in enumerate(res):
         assert r["kind"] == kind.__name__
         for k in range(N_BUCKETS):
@@ -166,3 +172,39 @@ def test_a_shared_buffer_is_not_rewritten_before_its_readers_are_done(monkeypatc
             for step in range(2)]
     ok = all(torch.equal(o, w) for r in res for o, w in zip(r, want))
     assert ok == fence, res  # without the fence the late reader sums the next step's values
+
+
+def _late_view_reader(rank: int, world: int, release: bool) -> list:
+    if not release:
+        shm.Channel.release = lambda self, buf: None  # to show the test can fail
+    t = bucket_transport(Topology.build(tp=1).dp_group)
+    n = 2 * world + 1  # a tail of one element: summed by every rank in place
+    shared, got = t.shared_buffer(n, torch.float32), []
+    for step in range(2):
+        t.fence(shared)
+        shared.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1) + 10.0 * step)
+        works, views = t.all_reduce_views(shared)
+        for w in works:
+            w.wait()
+        if rank == world - 1 and step == 0:
+            time.sleep(0.5)  # reads the peers' sums late, in place: they are a step ahead
+        got.append((len(views), torch.cat([v.clone() for v in views])))
+        t.release(shared)  # done with the peers' sums: they may write their buffers again
+    return got
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_all_reduce_views_read_the_peers_sums_in_place_until_released(monkeypatch, release):
+    """Stage 0's all-reduce on shared memory: only the reduce-scatter half runs, each rank's
+    sums are read in its own buffer by the peers; the owner writes again only after every
+    reader's ``release`` (without it the late reader sees the next step's raw values)."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
+    world = 3
+    res = spawn(_late_view_reader, world, release)
+    n = 2 * world + 1
+    total = sum(q + 1 for q in range(world))
+    want = [torch.arange(n, dtype=torch.float32) * total + 10.0 * world * step
+            for step in range(2)]
+    ok = all(torch.equal(v, w) for r in res for (_, v), w in zip(r, want))
+    assert ok == release, res
+    assert all(k == world + 1 for r in res for k, _ in r)  # one view per rank + the tail

@@ -26,6 +26,7 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.model.gpt import GPT, gather_full_state
 from zero_repro.paper.table1 import model_state_bytes
 from zero_repro.zero import build_strategy
+from zero_repro.zero.flat_buffer import Pieces
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                   vocab_pad_multiple=8)
@@ -113,6 +114,9 @@ def run_config(c: dict, rank: int) -> dict:
             _, loss = strat(idx[r0:r0 + MICRO], tgt[r0:r0 + MICRO])
             strat.backward(loss)
             losses.append(loss.item())
+        if c["stage"] == 0:  # on shared memory the peers' sums are read in place
+            out.setdefault("in_place", []).append(
+                any(isinstance(g, Pieces) for g in strat._grad_chunks()))
         info = strat.step()
         strat.zero_grad()
         out["comm"].append({"dp": topo.ledger.volume("dp"), "world": topo.ledger.volume("world")})
@@ -155,6 +159,7 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
         cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 3, "tp": 1, "steps": steps, "accum": 2, "prefetch": 2})
         cs.append({"stage": 1, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
+        cs.append({"stage": 0, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 2, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
         cs.append({"stage": 3, "tp": 1, "steps": steps,
@@ -197,6 +202,8 @@ def check_equivalence(results: list[dict], configs: list[dict]) -> None:
             f"{label}: first diverging step {r['first_bad'][0]}, tensor {r['first_bad'][1]}, "
             f"max |Δ| = {r['first_bad'][2]:.3g} > {TOL}")
         assert not any(i[0] for i in r["infos"]), f"{label}: a fp32 step was skipped"
+        if c["stage"] == 0 and r["topo"][0] > 1:  # the gather-free all-reduce was what ran
+            assert all(r["in_place"]), f"{label}: sums not read in place {r['in_place']}"
 
 
 def run_world(world: int, steps: int, full: bool) -> None:

@@ -34,7 +34,10 @@ stores become visible in program order, so a counter is never seen before the da
 a view of it publishes nothing but its counter and the peers read the values in place (a
 piece's write is a no-op). The owner may write such a buffer again only after every peer has
 read it: ``fence`` waits for the peers' ``done`` to pass the last piece issued on it (stages call
-it before a step's first gradient write, before Adam writes the shards). An all-reduce's
+it before a step's first gradient write, before Adam writes the shards). A peer that goes on
+reading a buffer in place after the collectives on it (stage 0 reads the peers' sums straight
+from their gradient buffers in its Adam step, no gather copy) says when it is done with
+``release``, an empty piece whose ``ready`` the owner's ``fence`` also waits for. An all-reduce's
 gather half is published only after its reduce-scatter half is read, so the sums it overwrites
 are never ones a peer still has to read.
 
@@ -148,10 +151,25 @@ class Channel:
 
     def fence(self, buf: torch.Tensor) -> None:
         """Wait until every peer has read what it was to read of shared buffer ``buf`` (every
-        piece issued on it so far): after this, this rank may write it."""
+        piece issued on it so far, and whatever the peers read of it in place after those
+        pieces, up to their ``release``): after this, this rank may write it."""
         for r in self.regions:
-            if r.tensors[self.me].data_ptr() == buf.data_ptr() and r.last_seq:
+            if r.tensors[self.me].data_ptr() != buf.data_ptr():
+                continue
+            if r.last_seq:
                 self._await(_DONE, r.last_seq, "a shared buffer's last reader")
+            if r.release_seq:  # this rank's own release first (it may still be pending)
+                self.complete(r.release_seq)  # ... then every peer's (its ``ready``)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Collectively (every rank at the same point): this rank has finished reading the
+        peers' parts of shared buffer ``buf`` in place, after the collectives on it (e.g. a
+        gradient all-reduce whose gather half is read straight from the peers' buffers). One
+        empty piece: its ``ready`` is the signal, and each owner's ``fence`` waits for it."""
+        for r in self.regions:
+            if r.tensors[self.me].data_ptr() == buf.data_ptr():
+                self.issue([(_nothing, _nothing)])
+                r.release_seq = self.assigned
 
     # ------------------------------------------------------------------ pieces
     def issue(self, pieces: list[tuple[Callable[[int], None], Callable[[int], None]]],
@@ -231,6 +249,12 @@ class Region:
     def __init__(self, tensors: list[torch.Tensor], me: int):
         self.tensors, self.me = tensors, me
         self.last_seq = 0
+        self.release_seq = 0  # the last ``Channel.release`` of it (its readers are done then)
+
+
+def _nothing(seq: int) -> None:
+    """The write and the read of a release piece: its counters are the message."""
+    return None
 
 
 class _Work:

@@ -154,6 +154,15 @@ def _collective_all_reduce(self, buf: torch.Tensor) -> list:
     return [comm.all_reduce(buf, self.group, async_op=True)]
 
 
+def _all_reduce_whole(self, buf: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+    """``all_reduce_views`` of a transport that always sums in place: the views are ``buf``."""
+    return self.all_reduce(buf), [buf]
+
+
+def _no_release(self, buf: torch.Tensor) -> None:
+    return None
+
+
 class _Collective:
     """Transports on the backend's own collectives or point-to-point messages: the stage's
     all-reduce is the backend's, no memory the peers read in place, results land in the
@@ -165,8 +174,10 @@ class _Collective:
         self.group = group
 
     all_reduce = _collective_all_reduce
+    all_reduce_views = _all_reduce_whole
     shared_buffer = _no_shared_buffer
     fence = _no_fence
+    release = _no_release
 
 
 class NativeTransport(_Collective):
@@ -367,6 +378,12 @@ class ShmTransport(_NoScratch):
         if self.channel is not None:
             self.channel.fence(buf)
 
+    def release(self, buf: torch.Tensor) -> None:
+        """Collectively: this rank is done reading the views ``all_reduce_views`` gave on
+        shared buffer ``buf`` (the peers' parts, in place); their owners' ``fence`` waits."""
+        if self.channel is not None and self.group.size > 1:
+            self.channel.release(buf)
+
     def _pieces(self, numel: int, dtype: torch.dtype, parts: int) -> list[tuple[int, int]]:
         step = self.channel.piece_numel(dtype, parts)
         return [(a, min(step, numel - a)) for a in range(0, numel, step)]
@@ -468,11 +485,19 @@ class ShmTransport(_NoScratch):
         return self._issue(self._ag_pieces(full, region, lambda q: off), region)
 
     def all_gather_in_place(self, full: torch.Tensor, scratch: torch.Tensor | None = None):
-        g = self.group
+        """All-gather where this rank's chunk of ``full`` holds its values; on a shared buffer
+        (stages 1-2's flat parameters) each peer's chunk is read in place, at the same offset
+        of its buffer (its owner ``fence``s it before writing it again)."""
+        g, ch = self.group, self.channel
         comm.record("all_gather", g, full.numel(), full.element_size())
-        if self.channel is None or g.size == 1:
+        if ch is None or g.size == 1:
             return []
-        return self._issue(self._ag_pieces(full), None)
+        shared = ch.region_of(full)
+        if shared is None:
+            return self._issue(self._ag_pieces(full), None)
+        region, off = shared
+        c = full.numel() // g.size
+        return self._issue(self._ag_pieces(full, region, lambda q: off + q * c), region)
 
     def all_reduce(self, buf: torch.Tensor) -> list:
         """Async sum of ``buf`` over the group, in place, as a reduce-scatter of its first
@@ -489,17 +514,8 @@ class ShmTransport(_NoScratch):
         c = flat.numel() // g.size
         body, tail = flat[:c * g.size], flat[c * g.size:]
         pieces, region = self._rs_pieces(body, body[me * c:(me + 1) * c])
-
-        def tail_write(seq):
-            ch.slot(me, seq, buf.dtype, tail.numel()).copy_(tail)
-
-        def tail_read(seq):
-            for q in range(g.size):  # this rank's own values are in its slot
-                src = ch.slot(q, seq, buf.dtype, tail.numel())
-                tail.copy_(src) if q == 0 else tail.add_(src)
-
         if tail.numel():  # the raw tails through the slots: each rank sums them in place
-            pieces.append((tail_write, tail_read))
+            pieces.append(self._tail_piece(tail))
         after = len(pieces)
         if region is None:
             pieces += self._ag_pieces(body)
@@ -509,8 +525,53 @@ class ShmTransport(_NoScratch):
         return self._issue(pieces, region, after=after)
 
 
+    def all_reduce_views(self, buf: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+        """Async sum of ``buf`` over the group; returns (works, views): once the works are
+        waited, ``views`` (consecutive tensors, ``buf.numel()`` elements in all) hold the sum.
+        On a shared buffer only the reduce-scatter half runs: the views are every rank's own
+        chunk of the sums in its own buffer (the peers' read in place) and the tail in
+        ``buf``: no gather copy, ~40% of an all-reduce's memory traffic saved at N = 2. The
+        reader then ``release``s ``buf`` when done with the views (before that no peer writes
+        its buffer again); counted as the all-reduce it stands for. Elsewhere the whole
+        ``all_reduce`` and ``[buf]``."""
+        g, ch = self.group, self.channel
+        shared = None if ch is None or g.size == 1 else ch.region_of(buf.view(-1))
+        if shared is None:
+            return self.all_reduce(buf), [buf]
+        comm.record("all_reduce", g, buf.numel(), buf.element_size())
+        flat, me = buf.view(-1), g.rank
+        c = flat.numel() // g.size
+        body, tail = flat[:c * g.size], flat[c * g.size:]
+        region, off = shared
+        pieces, _ = self._rs_pieces(body, body[me * c:(me + 1) * c])
+        if tail.numel():
+            pieces.append(self._tail_piece(tail))
+        # an empty piece published once this rank's sums are complete: waiting for it is
+        # waiting for every peer's sums (what the views read)
+        pieces.append((_no_write, _no_write))
+        views = [region.tensors[q][off + q * c:off + (q + 1) * c] for q in range(g.size)]
+        return (self._issue(pieces, region, after=len(pieces) - 1),
+                views + ([tail] if tail.numel() else []))
+
+    def _tail_piece(self, tail: torch.Tensor):
+        """The piece of an all-reduce's last ``n % N`` elements: the raw tails through the
+        slots, each rank sums them in place (in rank order: the same bits everywhere)."""
+        g, ch = self.group, self.channel
+
+        def tail_write(seq):
+            ch.slot(g.rank, seq, tail.dtype, tail.numel()).copy_(tail)
+
+        def tail_read(seq):
+            for q in range(g.size):  # this rank's own values are in its slot
+                src = ch.slot(q, seq, tail.dtype, tail.numel())
+                tail.copy_(src) if q == 0 else tail.add_(src)
+
+        return tail_write, tail_read
+
+
 def _no_write(seq: int) -> None:
-    """The write of a piece whose data the peers read in place (a shared buffer)."""
+    """The write of a piece whose data the peers read in place (a shared buffer); the write
+    and read of an empty piece (its counters are the message)."""
     return None
 
 

@@ -10,7 +10,8 @@ gradients of its parameters become ready together in backward. What every bucket
   micro-batches and reduced bucket by bucket in place on the last one (stages 0 and 1; stage 0
   all-reduces a bucket, stage 1 reduce-scatters it);
 * ``ParamGather``: the all-gather of every bucket's updated chunks into the flat parameters
-  after the step (stages 1 and 2; Ψ elements per step), either completed in ``step()`` or
+  after the step (stages 1 and 2; Ψ elements per step; on CPU ranks sharing memory the flat
+  parameters live in a buffer the peers map and are gathered from it in place), either completed in ``step()`` or
   launched bucket by bucket as Adam finishes each chunk and waited by the next forward, module
   by module, for just the buckets that module's parameters live in (``zero.overlap_param_gather``).
 
@@ -258,8 +259,21 @@ class GatheredAfterStep:
 
     def _attach_param_gather(self, flat: FlatParams, transport: Transport, pool: BufferPool,
                              inflight: InFlight) -> None:
+        # where the transport offers memory the peers map (CPU ranks on one host), the flat
+        # parameters live there: a gather reads the peers' updated chunks in place (no copy
+        # into the slots), and Adam writes the own chunks only after ``fence`` (the peers
+        # have read the last ones)
+        shared = transport.shared_buffer(flat.flat.numel(), flat.flat.dtype)
+        if shared is not None:
+            flat.rehome(shared)
+        self._shared_flat = shared is not None
         self.param_gather = ParamGather(flat, transport, pool, inflight)
         self._module_hooks = self.param_gather.module_hooks(self.module)
+
+    def _before_update(self) -> None:
+        self.wait_params()
+        if self._shared_flat:  # the peers have read this rank's chunks: overwrite them
+            self.param_gather.transport.fence(self.param_gather.group.flat)
 
     def _publish(self) -> None:
         self.param_gather.publish()

@@ -24,6 +24,43 @@ from torch import nn
 from zero_repro.zero.partition import Partition, Slot, layout
 
 
+class Pieces:
+    """One chunk's values held in consecutive flat tensors instead of one (stage 0 on shared
+    memory: a gradient bucket whose peers' sums are read in place, in the peers' buffers).
+    What reads a gradient chunk (``adam``, ``clip``) accepts it wherever it takes a tensor."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]):
+        self.parts = [t.reshape(-1) for t in parts]
+        self._numel = sum(t.numel() for t in self.parts)
+        self.dtype = self.parts[0].dtype if self.parts else torch.float32
+
+    def numel(self) -> int:
+        return self._numel
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Views of flat ``t`` (same number of elements) cut where the parts are cut."""
+        flat, out, a = t.reshape(-1), [], 0
+        for p in self.parts:
+            out.append(flat[a:a + p.numel()])
+            a += p.numel()
+        return out
+
+    def ranges(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of elements [lo, hi), one per part they reach."""
+        out, a = [], 0
+        for p in self.parts:
+            b = a + p.numel()
+            if lo < b and hi > a:
+                out.append(p[max(lo, a) - a:min(hi, b) - a])
+            a = b
+        return out
+
+
+def ranges_of(g: torch.Tensor | Pieces, lo: int, hi: int) -> list[torch.Tensor]:
+    """Views of elements [lo, hi) of a flat gradient chunk (a tensor or ``Pieces``)."""
+    return g.ranges(lo, hi) if isinstance(g, Pieces) else [g.reshape(-1)[lo:hi]]
+
+
 class FlatParams:
     """One flat, padded, bucketed buffer holding a group of parameters."""
 
@@ -44,6 +81,14 @@ class FlatParams:
         for s, p in zip(self.slots, self.params):
             p.data = self.view(s)
         self.slot_of = {id(p): s for s, p in zip(self.slots, self.params)}
+
+    def rehome(self, buf: torch.Tensor) -> None:
+        """Move the flat tensor into ``buf`` (same size and dtype, e.g. memory the peers map:
+        ``transport.shared_buffer``) and re-point every parameter at its view of it."""
+        buf.copy_(self.flat)
+        self.flat = buf
+        for s, p in zip(self.slots, self.params):
+            p.data = self.view(s)
 
     # ------------------------------------------------------------------ views
     def view(self, slot: Slot) -> torch.Tensor:

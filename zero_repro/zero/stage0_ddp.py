@@ -7,7 +7,10 @@ all-gather, §7.1).
 Gradients are accumulated into one flat buffer in the parameter layout. Buckets are
 consecutive ranges of that buffer (C_B elements each), so a bucket is all-reduced *in place*
 as soon as its last gradient arrives, overlapping the rest of backward (no separate fused copy:
-the flat gradient buffer is the fused buffer). Gradients are divided by N_d before the sum,
+the flat gradient buffer is the fused buffer). On CPU ranks sharing memory the buffer is one
+the peers map (``transport.shared_buffer``) and only the reduce-scatter half of each all-reduce
+runs: Adam reads the peers' sums in place, in their buffers (``all_reduce_views``: no gather
+copy), and ``_after_step`` releases them. Gradients are divided by N_d before the sum,
 so the reduced gradient is the mean over DP ranks. The gradient store (``buckets.FullGrads``,
 ``zero_grad`` without a pass over Ψ) is shared with stage 1 (P_os), which reduce-scatters the
 same buckets instead of all-reducing them.
@@ -21,7 +24,7 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.transport import InFlight, bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.buckets import FullGrads
-from zero_repro.zero.flat_buffer import FlatParams
+from zero_repro.zero.flat_buffer import FlatParams, Pieces
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
@@ -37,6 +40,8 @@ class Stage0DDP(Strategy):
         self.transport = bucket_transport(self.dp_group)
         self.grads = FullGrads(self.flat, self.n_d, self._all_reduce, self.transport)
         self.inflight = InFlight(max_in_flight=1 << 30)  # in place: nothing limits it
+        # per bucket, where its sums are read once reduced (``transport.all_reduce_views``)
+        self._sums: list[torch.Tensor | Pieces | None] = [None] * len(self.flat.partition.buckets)
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._attach([self.flat], shard_rank=0, counts_norm=self.dp_rank == 0)
 
@@ -49,7 +54,9 @@ class Stage0DDP(Strategy):
             self.grads.launch_remaining()
 
     def _all_reduce(self, b: Bucket, buf: torch.Tensor) -> None:
-        self.inflight.launch(self.transport.all_reduce(buf), lambda: None)
+        works, views = self.transport.all_reduce_views(buf)
+        self._sums[b.index] = views[0] if len(views) == 1 else Pieces(views)
+        self.inflight.launch(works, lambda: None)
 
     def _wait_reductions(self) -> None:
         self.grads.launch_remaining()  # e.g. step() after backward under no_sync()
@@ -60,8 +67,16 @@ class Stage0DDP(Strategy):
     def _param_chunks(self) -> list[torch.Tensor]:
         return self.flat.owned_chunks(self.shard_rank)
 
-    def _grad_chunks(self) -> list[torch.Tensor | None]:
-        return self.grads.chunks(self.shard_rank)
+    def _grad_chunks(self) -> list[torch.Tensor | Pieces | None]:
+        # where a bucket was reduced, its sums as the transport left them to be read
+        return [own if s is None else s
+                for own, s in zip(self.grads.chunks(self.shard_rank), self._sums)]
+
+    def _after_step(self) -> None:
+        # the peers' sums were read in place (every rank at the same point, step taken or
+        # skipped): the peers may write their gradient buffers again
+        self.transport.release(self.grads.buffer)
+        self._sums = [None] * len(self._sums)
 
     def _zero_grads(self) -> None:
         self.grads.zero()
