@@ -136,6 +136,11 @@ def run_config(c: dict, rank: int) -> dict:
             out["max_diff"].append(worst)
             if worst > TOL and out["first_bad"] is None:
                 out["first_bad"] = (step, name, worst)
+    ch = getattr(getattr(strat, "transport", None), "channel", None)
+    if ch is not None and c["stage"] in (1, 2):  # CPU ranks on one host: read in place
+        out["in_place"] = [ch.region_of(strat.flat.flat) is not None]  # parameter gathers
+        if c["stage"] == 2:  # ... and reduce-scatters of the fused buckets
+            out["in_place"] += [ch.region_of(b[:1]) is not None for b in strat.pool._free]
     out["ledger"] = strat.memory_ledger().as_dict()
     out["topo"] = (topo.dp, topo.tp)
     strat.remove_hooks()
@@ -202,8 +207,10 @@ def check_equivalence(results: list[dict], configs: list[dict]) -> None:
             f"{label}: first diverging step {r['first_bad'][0]}, tensor {r['first_bad'][1]}, "
             f"max |Δ| = {r['first_bad'][2]:.3g} > {TOL}")
         assert not any(i[0] for i in r["infos"]), f"{label}: a fp32 step was skipped"
-        if c["stage"] == 0 and r["topo"][0] > 1:  # the gather-free all-reduce was what ran
-            assert all(r["in_place"]), f"{label}: sums not read in place {r['in_place']}"
+        if c["stage"] in (0, 1, 2) and r["topo"][0] > 1:  # the in-place paths were the ones
+            # that ran (stage 0: the peers' sums; 1-2: their parameter chunks; 2: buckets)
+            assert r.get("in_place") and all(r["in_place"]), \
+                f"{label}: not read in place {r.get('in_place')}"
 
 
 def run_world(world: int, steps: int, full: bool) -> None:

@@ -100,19 +100,28 @@ class BufferPool:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, inflight: InFlight | None = None,
-                 max_buffers: int = 2, device: torch.device | str = "cpu"):
+                 max_buffers: int = 2, device: torch.device | str = "cpu",
+                 buffers: list[torch.Tensor] | None = None,
+                 before_write: Callable[[torch.Tensor], None] | None = None):
         self.numel, self.dtype, self.inflight = int(numel), dtype, inflight
         self.device = torch.device(device)  # the ranks' device: the buffers go on the wire
         self.max_buffers = max_buffers
-        self._free: list[torch.Tensor] = []
-        self.allocated = 0
+        # ``buffers``: made by the caller (e.g. ``shared_buffer``s the peers read in place,
+        # handed out in the same order on every rank); ``before_write(buf)`` runs on each one
+        # handed out (their ``fence``: the peers have read what it held)
+        self._free: list[torch.Tensor] = list(buffers or [])
+        self.allocated = len(self._free)
+        self.before_write = before_write
 
     def acquire(self) -> torch.Tensor:
         while (not self._free and self.allocated >= self.max_buffers
                and self.inflight is not None and len(self.inflight)):
             self.inflight.wait_oldest()
         if self._free:
-            return self._free.pop()
+            buf = self._free.pop()
+            if self.before_write is not None:
+                self.before_write(buf)
+            return buf
         self.allocated += 1
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 

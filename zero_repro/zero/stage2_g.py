@@ -56,8 +56,17 @@ class Stage2G(GatheredAfterStep, Strategy):
         # one collective in flight per fused bucket; a pool entry = fused input bucket
         # [0, cap) + the transport's scratch for the reduced chunk
         self.inflight = InFlight(max_in_flight=t.fused_buffers)
-        self.pool = BufferPool(self.cap + t.scratch_numel(self.cap_chunk), self.dtype,
-                               self.inflight, max_buffers=t.fused_buffers, device=self.device)
+        numel = self.cap + t.scratch_numel(self.cap_chunk)
+        # where the transport offers memory the peers map (CPU ranks on one host), the fused
+        # buckets live there: a reduce-scatter reads the peers' chunks in place instead of
+        # their copies in the slots; a bucket is refilled after its ``fence`` (its readers are
+        # done). Buckets take the buffers in the same order on every rank (same hooks).
+        shared = [t.shared_buffer(numel, self.dtype) for _ in range(t.fused_buffers)] \
+            if part.buckets else []
+        shared = shared if shared and all(b is not None for b in shared) else None
+        self.pool = BufferPool(numel, self.dtype, self.inflight, max_buffers=t.fused_buffers,
+                               device=self.device, buffers=shared,
+                               before_write=t.fence if shared else None)
         self.ag_inflight = InFlight(t.in_flight_limit)
         self.ag_pool = t.gather_pool(self.cap_chunk, self.dtype, self.ag_inflight, self.device)
         self.grads = GradShards([b.chunk for b in part.buckets], self.dtype,
