@@ -18,7 +18,9 @@ reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they 
   torch heap; measured 3-4x faster than the pairwise one (below). A reduce-scatter can write
   its sum straight into the caller's destination (``into=``: a gradient shard's piece); on a
   buffer from ``shared_buffer`` (memory the peers map too) nothing is copied into the slots:
-  the peers read it in place, and its owner ``fence``s it before writing it again.
+  the peers read it in place, and its owner ``fence``s it before writing it again. There an
+  all-reduce can also skip its gather half (``all_reduce_views``, stage 0): the caller reads
+  the peers' sums in their buffers and ``release``s them when done.
 * ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
   sends / receives with every peer. gloo emulates
   the native collectives slowly, and its rooted ones are slower than its sends: world 2, GPT-20M's
