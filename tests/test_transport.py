@@ -15,7 +15,8 @@ import torch
 from zero_repro.distributed import shm
 from zero_repro.distributed.launch import spawn
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import (InFlight, PairwiseTransport, ShmTransport,
+from zero_repro.distributed.buffers import InFlight
+from zero_repro.distributed.transport import (PairwiseTransport, ShmTransport,
                                               bucket_transport)
 
 # ZR_CPU_TRANSPORT, the transport it gives, the slot size of the shared-memory segments

@@ -43,19 +43,18 @@ reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they 
 
 All move the same elements to the same ranks with the same §7 volume.
 
-``InFlight`` keeps async collective handles with a completion callback, waited oldest first;
-``BufferPool`` hands out constant-size buffers (C_B, §6.3) and reports its capacity for the
-memory ledger. Collectives go through ``comm`` only.
+``InFlight``, ``BufferPool`` and ``NoBuffers`` (what is in flight, the pooled scratch) are in
+``distributed.buffers``. Collectives go through ``comm`` only.
 """
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable
 
 import torch
 
 from zero_repro.distributed import comm, shm
+from zero_repro.distributed.buffers import BufferPool, InFlight, NoBuffers
 
 # backends whose bucket collectives run as point-to-point exchanges / as rooted reduces and
 # broadcasts (see the module docstring)
@@ -63,92 +62,6 @@ PAIRWISE_BACKENDS = ("gloo",)
 ROOTED_BACKENDS = ("fake",)
 MODELLED_SHM = "shm"  # ``Group.models`` of a dry run of gloo ranks on one host (shared memory)
 _UNBOUNDED = 1 << 30  # "no limit" on collectives in flight
-
-
-class InFlight:
-    """Async collective handles, each with a callback run after it completes (oldest first)."""
-
-    def __init__(self, max_in_flight: int = 2):
-        self.max_in_flight = max(1, max_in_flight)
-        self._q: deque = deque()
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def launch(self, works: list, on_done: Callable[[], None]) -> None:
-        while len(self._q) >= self.max_in_flight:
-            self.wait_oldest()
-        self._q.append((works, on_done))
-
-    def wait_oldest(self) -> None:
-        works, on_done = self._q.popleft()
-        for w in works:
-            if w is not None:
-                w.wait()
-        on_done()
-
-    def wait_all(self) -> None:
-        while self._q:
-            self.wait_oldest()
-
-
-class BufferPool:
-    """Fixed-capacity buffers of ``numel`` elements (a C_B fused buffer each).
-
-    ``acquire`` prefers a free buffer, then allocates up to ``max_buffers`` (2 = one buffer
-    being filled while the previous one is on the wire), then waits for the oldest in-flight
-    collective (whose callback ``release``s its buffer); it grows past ``max_buffers`` only when
-    nothing is in flight. ``capacity_bytes`` is what the ledger counts.
-    """
-
-    def __init__(self, numel: int, dtype: torch.dtype, inflight: InFlight | None = None,
-                 max_buffers: int = 2, device: torch.device | str = "cpu",
-                 buffers: list[torch.Tensor] | None = None,
-                 before_write: Callable[[torch.Tensor], None] | None = None):
-        self.numel, self.dtype, self.inflight = int(numel), dtype, inflight
-        self.device = torch.device(device)  # the ranks' device: the buffers go on the wire
-        self.max_buffers = max_buffers
-        # ``buffers``: made by the caller (e.g. ``shared_buffer``s the peers read in place,
-        # handed out in the same order on every rank); ``before_write(buf)`` runs on each one
-        # handed out (their ``fence``: the peers have read what it held)
-        self._free: list[torch.Tensor] = list(buffers or [])
-        self.allocated = len(self._free)
-        self.before_write = before_write
-
-    def acquire(self) -> torch.Tensor:
-        while (not self._free and self.allocated >= self.max_buffers
-               and self.inflight is not None and len(self.inflight)):
-            self.inflight.wait_oldest()
-        if self._free:
-            buf = self._free.pop()
-            if self.before_write is not None:
-                self.before_write(buf)
-            return buf
-        self.allocated += 1
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
-
-    def release(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-
-    @property
-    def capacity_bytes(self) -> int:
-        # counted at capacity: the buffers this pool may hold, allocated or not yet
-        n = max(self.allocated, self.max_buffers)
-        return n * self.numel * self.dtype.itemsize
-
-
-class NoBuffers:
-    """The scratch pool of an in-place transport: hands out empty tensors, holds no memory."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.dtype, self.device = dtype, torch.device(device)
-        self.capacity_bytes = 0
-
-    def acquire(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=self.device)
-
-    def release(self, buf: torch.Tensor) -> None:
-        return None
 
 
 def _no_shared_buffer(self, numel: int, dtype: torch.dtype) -> None:
@@ -521,12 +434,7 @@ class ShmTransport(_NoScratch):
         comm.record("all_reduce", g, buf.numel(), buf.element_size())
         if ch is None or g.size == 1:
             return []
-        flat, me = buf.view(-1), g.rank
-        c = flat.numel() // g.size
-        body, tail = flat[:c * g.size], flat[c * g.size:]
-        pieces, region = self._rs_pieces(body, body[me * c:(me + 1) * c])
-        if tail.numel():  # the raw tails through the slots: each rank sums them in place
-            pieces.append(self._tail_piece(tail))
+        pieces, region, body, _, c = self._sum_half(buf)
         after = len(pieces)
         if region is None:
             pieces += self._ag_pieces(body)
@@ -534,7 +442,6 @@ class ShmTransport(_NoScratch):
             off = ch.region_of(body)[1]
             pieces += self._ag_pieces(body, region, lambda q: off + q * c)
         return self._issue(pieces, region, after=after)
-
 
     def all_reduce_views(self, buf: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
         """Async sum of ``buf`` over the group; returns (works, views): once the works are
@@ -550,19 +457,28 @@ class ShmTransport(_NoScratch):
         if shared is None:
             return self.all_reduce(buf), [buf]
         comm.record("all_reduce", g, buf.numel(), buf.element_size())
-        flat, me = buf.view(-1), g.rank
-        c = flat.numel() // g.size
-        body, tail = flat[:c * g.size], flat[c * g.size:]
-        region, off = shared
-        pieces, _ = self._rs_pieces(body, body[me * c:(me + 1) * c])
-        if tail.numel():
-            pieces.append(self._tail_piece(tail))
+        pieces, region, _, tail, c = self._sum_half(buf)
+        off = shared[1]
         # an empty piece published once this rank's sums are complete: waiting for it is
         # waiting for every peer's sums (what the views read)
         pieces.append((_no_write, _no_write))
         views = [region.tensors[q][off + q * c:off + (q + 1) * c] for q in range(g.size)]
         return (self._issue(pieces, region, after=len(pieces) - 1),
                 views + ([tail] if tail.numel() else []))
+
+    def _sum_half(self, buf: torch.Tensor):
+        """The pieces of an all-reduce's reduce-scatter half: the sum of this rank's chunk
+        of the first ``N·c`` elements (``c = n // N``) lands in that chunk of ``buf``, the raw
+        ``n % N`` tails go through the slots and every rank sums them in place. Returns
+        (pieces, the shared region ``buf`` lies in or None, body, tail, c)."""
+        g = self.group
+        flat, me = buf.view(-1), g.rank
+        c = flat.numel() // g.size
+        body, tail = flat[:c * g.size], flat[c * g.size:]
+        pieces, region = self._rs_pieces(body, body[me * c:(me + 1) * c])
+        if tail.numel():
+            pieces.append(self._tail_piece(tail))
+        return pieces, region, body, tail, c
 
     def _tail_piece(self, tail: torch.Tensor):
         """The piece of an all-reduce's last ``n % N`` elements: the raw tails through the

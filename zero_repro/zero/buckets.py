@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zero_repro.distributed.transport import BufferPool, InFlight, NoBuffers, Transport
+from zero_repro.distributed.buffers import BufferPool, InFlight, NoBuffers
+from zero_repro.distributed.transport import Transport
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket, Partition, Slot, intersect
 

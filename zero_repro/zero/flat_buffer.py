@@ -32,7 +32,6 @@ class Pieces:
     def __init__(self, parts: Sequence[torch.Tensor]):
         self.parts = [t.reshape(-1) for t in parts]
         self._numel = sum(t.numel() for t in self.parts)
-        self.dtype = self.parts[0].dtype if self.parts else torch.float32
 
     def numel(self) -> int:
         return self._numel

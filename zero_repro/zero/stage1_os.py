@@ -26,7 +26,8 @@ import torch
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import InFlight, bucket_transport
+from zero_repro.distributed.buffers import InFlight
+from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.buckets import FullGrads, GatheredAfterStep
 from zero_repro.zero.flat_buffer import FlatParams

@@ -32,7 +32,8 @@ import torch
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import BufferPool, InFlight, bucket_transport
+from zero_repro.distributed.buffers import BufferPool, InFlight
+from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces, reduce_to_shard,
                                      scale_into, slot_pieces)

@@ -56,7 +56,8 @@ from torch import nn
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import InFlight, bucket_transport
+from zero_repro.distributed.buffers import InFlight
+from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.buckets import reduce_to_shard, scale_into
 from zero_repro.zero.ledger import MemoryLedger
 from zero_repro.zero.flat_buffer import FlatParams, GradShards, PeakBytes
