@@ -51,7 +51,8 @@ def make(c: dict):
                       reduce_bucket_size=c.get("bucket", 6000),
                       allgather_bucket_size=c.get("bucket", 6000),
                       prefetch_blocks=c.get("prefetch", 1),
-                      initial_scale_power=c.get("scale_power", 12), hysteresis=1)
+                      initial_scale_power=c.get("scale_power", 12), hysteresis=1,
+                      split_tied_grad=c.get("split", False))
     train = TrainConfig(micro_batch_size=MICRO, grad_accum=c.get("accum", 1),
                         lr=c.get("lr", 1e-3), eps=1e-6, weight_decay=0.1)
     zr = c.get("zero_r")
@@ -160,6 +161,9 @@ def layouts(world: int) -> list[int]:
 def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
     tps = layouts(world) if (full or world == 4) else [1]
     cs = [{"stage": s, "tp": tp, "steps": steps} for tp in tps for s in range(4)]
+    # stage 2 with the tied embedding's gradient split (head GEMM into the buckets, lookup
+    # rows exchanged sparse): bucket 6000 cuts embedding rows of 64 at chunk boundaries
+    cs += [{"stage": 2, "tp": tp, "steps": steps, "split": True} for tp in tps]
     if full or world == 2:
         cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 3, "tp": 1, "steps": steps, "accum": 2, "prefetch": 2})
@@ -167,6 +171,8 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
         cs.append({"stage": 0, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 2, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
+        cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "split": True,
+                   "zero_r": {"constant_buffers": True, "contiguous_memory": False}})
         cs.append({"stage": 3, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
     return cs
@@ -175,7 +181,9 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
 def ledger_configs() -> list[dict]:
     """fp16 runs of one step for the Table 1 ledger and §7 communication checks."""
     return [{"stage": s, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
-             "ledger_check": True} for s in range(4)]
+             "ledger_check": True} for s in range(4)] + \
+        [{"stage": 2, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
+          "ledger_check": True, "split": True}]
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
@@ -193,7 +201,9 @@ def check_ledgers(results: list[dict], configs: list[dict]) -> None:
             assert not r["infos"][0][0], f"stage {stage}: fp16 step skipped"
             if n_d > 1:
                 want = (3 if stage == 3 else 2) * psi
-                got = r["comm"][0]["dp"]
+                # split tied gradient: + the all-gather of every rank's looked-up rows and ids
+                got = r["comm"][0]["dp"] - (n_d * MICRO * CFG.seq_len * (CFG.n_embd + 1)
+                                            if c.get("split") else 0)
                 assert abs(got / want - 1) <= 0.02, (f"stage {stage} N_d={n_d}: {got} elements"
                                                      f" per step vs {want} (§7)")
                 assert r["comm"][0]["world"] == 4  # the one (norm, overflow) all-reduce

@@ -14,6 +14,8 @@ it acts on (§7 volumes are the same either way):
   overlap_param_gather  stages 1, 2  bucket all-gathers overlap the step and the next forward
   prefetch_next_step    stage 3      the next forward's first gathers start inside step()
   keep_gathered_turn    stage 3      root + last block stay gathered from forward to backward
+  split_tied_grad       stage 2      tied embedding gradient: head GEMM into the buckets, lookup
+                                     rows exchanged sparse (not bit-identical: rounding differs)
   all                   stages 1-3   every knob above off (A) against every knob on (B)
 
 One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
@@ -24,8 +26,10 @@ launches is waited for in step k + 1) alternate in blocks of two steps, of which
 second is timed: a timed step always follows a step of its own variant. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
 its time the slowest rank's. Per repeat: the median step time of A (knob off, the other knobs
 at their defaults) and of B (knob on) and their ratio B/A; printed: the median ratio over the
-repeats with its spread (min-max), and both medians. Results are bit-identical either way
-(``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
+repeats with its spread (min-max), and both medians. Results are bit-identical either way for
+the overlap knobs (``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved;
+``split_tied_grad`` changes the rounding of the tied gradient's sum (the same values within
+fp32 rounding: ``tests/test_tied_grad.py``) and the work itself (no dense V×h lookup gradient).
 """
 from __future__ import annotations
 
@@ -88,8 +92,8 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
 
 
 KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
-               "keep_gathered_turn": (3,), "all": (1, 2, 3)}
-KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn")
+               "keep_gathered_turn": (3,), "split_tied_grad": (2,), "all": (1, 2, 3)}
+KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn", "split_tied_grad")
 
 
 def _variant(zero: ZeroConfig, knob: str, on: bool) -> ZeroConfig:

@@ -85,6 +85,12 @@ class ZeroConfig:
     # params_gathered peak is unchanged (forward already holds root + 1 + prefetch_blocks
     # blocks), the root is held while the loss is computed
     keep_gathered_turn: bool = True
+    # stage 2: the tied embedding's gradient taken as its two parts instead of autograd's dense
+    # V×h sum: the LM head's GEMM written straight into the fused buckets (reduce-scattered as
+    # soon as the head's backward ran), the lookup's B·s rows exchanged sparse at the end of
+    # backward (an all-gather of N_d·B·s·(h+1) elements beyond the 2Ψ). Off (default): the
+    # paper's schedule, exactly 2Ψ. Read at every forward (``Stage2G.takes_tied_grad``)
+    split_tied_grad: bool = False
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16

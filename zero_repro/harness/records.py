@@ -58,7 +58,7 @@ KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
 # (overlap_param_gather's default became None = automatic later: None enters the key, so a
 # CPU point of the new default -- overlap off -- never reuses a record made with it on)
 KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
-                               "keep_gathered_turn": True}}
+                               "keep_gathered_turn": True, "split_tied_grad": False}}
 SCHEMA_VERSION = 1
 
 

@@ -57,6 +57,28 @@ def scale_into(dst: torch.Tensor, grad: torch.Tensor, n_d: int) -> None:
             dst.div_(n_d)
 
 
+def matmul_flat_into(dst: torch.Tensor, a: torch.Tensor, x: torch.Tensor, e0: int, e1: int,
+                     alpha: float) -> None:
+    """``dst = alpha · (a.T @ x).flatten()[e0:e1]`` without forming the whole product: the
+    rows wholly inside [e0, e1) in one GEMM written straight into ``dst``, a partial row at
+    either end as one vector-matrix product (a bucket boundary may cut a row)."""
+    d = x.shape[1]
+    ra, rb = -(-e0 // d), e1 // d  # the whole rows
+    if ra > rb:  # [e0, e1) inside one row
+        r = e0 // d
+        dst.copy_((a[:, r] @ x)[e0 - r * d:e1 - r * d].mul_(alpha))
+        return
+    off = ra * d - e0
+    if off:  # the end of row ra - 1
+        dst[:off].copy_((a[:, ra - 1] @ x)[d - off:].mul_(alpha))
+    if rb > ra:
+        full = dst[off:off + (rb - ra) * d].view(rb - ra, d)
+        torch.addmm(full, a[:, ra:rb].t(), x, beta=0, alpha=alpha, out=full)
+    tail = e1 - rb * d
+    if tail:  # the start of row rb
+        dst[off + (rb - ra) * d:].copy_((a[:, rb] @ x)[:tail].mul_(alpha))
+
+
 class Arrivals:
     """Real gradient elements arrived per bucket since the last reset."""
 

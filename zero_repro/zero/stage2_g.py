@@ -25,6 +25,21 @@ the reduced chunk (gloo's pairwise transport: the peers' (N_d - 1) contributions
 the rooted, in-place one of the dry run; both keep 4 fused buckets in flight instead of 2); the parameter all-gather is ``buckets.ParamGather``, shared
 with stage 1 (overlapped with the step and the next forward under
 ``zero.overlap_param_gather``). Same 2Ψ ledger volume either way.
+
+``zero.split_tied_grad`` (off by default; on in the peers race): the GPT's tied embedding
+(``wte``, the vocabulary × h matrix, 62% of Ψ at gpt_20m) gets its gradient from two places,
+the LM head (first in backward, dense) and the token lookup (last in backward, B·s rows).
+Autograd sums them into a fresh dense V×h tensor (the lookup's part made dense first: zeros
+plus the rows) that the hook then copies into the buckets, so the embedding's buckets are
+reduce-scattered last, exposed at the end of backward. Split, the model hands this stage the
+two parts (``GPT.tied_grad_sink``, ``head`` / ``lookup`` below): the head's weight-gradient
+GEMM is computed bucket piece by bucket piece straight into the fused buffers (``buckets.
+matmul_flat_into``; Megatron-LM's gradient-accumulation fusion writes weight gradients into
+its buffers the same way) and each bucket is reduce-scattered as soon as the head's backward
+filled it; the lookup's rows (and ids) of every rank are all-gathered at the end of backward
+(N_d·B·s·(h+1) elements, counted as an ``all_gather`` beyond the 2Ψ) and each owner adds the
+ones in its chunks into its shard. No V×h gradient is ever formed. The sum is the same up to
+fp32 rounding (head and lookup parts are reduced apart: Σ(h/N) + Σ(l/N), not Σ((h+l)/N)).
 """
 from __future__ import annotations
 
@@ -35,8 +50,8 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.buffers import BufferPool, InFlight
 from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces, reduce_to_shard,
-                                     scale_into, slot_pieces)
+from zero_repro.zero.buckets import (Arrivals, GatheredAfterStep, bucket_pieces,
+                                     matmul_flat_into, reduce_to_shard, scale_into, slot_pieces)
 from zero_repro.zero.flat_buffer import FlatParams, GradShards
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
@@ -79,6 +94,70 @@ class Stage2G(GatheredAfterStep, Strategy):
         self._pieces = slot_pieces(self.flat)
         self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
+        # zero.split_tied_grad: the GPT's tied embedding gradient as the head's GEMM into the
+        # buckets and the lookup's rows exchanged sparse (``head``, ``lookup``)
+        self._lookups: list = []  # per micro-batch: (works, gathered rows, gathered grads)
+        emb = getattr(getattr(model, "wte", None), "weight", None)
+        self._tied = emb if hasattr(model, "tied_grad_sink") and emb is not None and \
+            id(emb) in self.flat.slot_of else None
+        if self._tied is not None:
+            model.tied_grad_sink = self
+
+    # ------------------------------------------------------------------ tied embedding
+    def takes_tied_grad(self) -> bool:
+        return self.zero.split_tied_grad
+
+    @torch.no_grad()
+    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """The head's part of the tied gradient, ``grad_logits.T @ x / N_d``, computed piece by
+        piece straight into the fused buckets; a bucket it completes is reduce-scattered now,
+        early in backward (the lookup's rows join the reduced shard in ``_wait_reductions``)."""
+        p = self._tied
+        s, i = self.flat.slot_of[id(p)], self._slot_idx[id(p)]
+        for b, lo, hi in bucket_pieces(self.flat.partition, s):
+            buf = self._bucket_buffer(b)
+            matmul_flat_into(buf[lo - b.start:hi - b.start], grad_logits, x, lo - s.offset,
+                             hi - s.offset, 1.0 / self.n_d)
+            self._got[b.index].add(i)
+            if self._arrivals.add(b, hi - lo):
+                self._launch(b)
+
+    @torch.no_grad()
+    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """The lookup's part: every rank's (rows, grads / N_d), all-gathered (async) and added
+        by each owner into its shard once the head's reductions have landed."""
+        n, t = self.n_d, self.transport
+        rows, grads = rows.contiguous(), (grads / n).reshape(-1)
+        all_rows = rows.new_empty(n * rows.numel())
+        all_grads = grads.new_empty(n * grads.numel())
+        works = t.all_gather(all_rows, rows) + t.all_gather(all_grads, grads)
+        self._lookups.append((works, all_rows, all_grads.view(n * rows.numel(), -1)))
+
+    def _add_lookups(self) -> None:
+        """Add the gathered lookup rows that fall in this rank's chunks into its shard (each
+        row's h elements may straddle a chunk boundary: matched element by element)."""
+        lookups, self._lookups = self._lookups, []
+        if not lookups:
+            return
+        for works, _, _ in lookups:
+            for w in works:
+                w.wait()
+        p = self._tied
+        if p.device.type == "meta":  # a dry run: nothing to add
+            return
+        s, d = self.flat.slot_of[id(p)], p.shape[-1]
+        shard = self.grads.chunks()
+        cols = torch.arange(d, device=p.device)
+        for _, rows, grads in lookups:
+            for b, lo, hi in bucket_pieces(self.flat.partition, s):
+                olo, ohi = b.owned(self.dp_rank)
+                lo, hi = max(lo, olo), min(hi, ohi)
+                if lo >= hi:
+                    continue
+                near = (rows >= (lo - s.offset) // d) & (rows < -(-(hi - s.offset) // d))
+                e = (rows[near] * d + s.offset).unsqueeze(1) + cols  # flat element indices
+                inside = (e >= lo) & (e < hi)
+                shard[b.index].index_add_(0, e[inside] - olo, grads[near][inside])
 
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
@@ -133,6 +212,12 @@ class Stage2G(GatheredAfterStep, Strategy):
 
     def _wait_reductions(self) -> None:
         self.inflight.wait_all()
+        self._add_lookups()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        if self._tied is not None and getattr(self.module, "tied_grad_sink", None) is self:
+            self.module.tied_grad_sink = None
 
     # ------------------------------------------------------------------ shards
     def _param_chunks(self) -> list[torch.Tensor]:
