@@ -161,9 +161,10 @@ def layouts(world: int) -> list[int]:
 def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
     tps = layouts(world) if (full or world == 4) else [1]
     cs = [{"stage": s, "tp": tp, "steps": steps} for tp in tps for s in range(4)]
-    # stage 2 with the tied embedding's gradient split (head GEMM into the buckets, lookup
-    # rows exchanged sparse): bucket 6000 cuts embedding rows of 64 at chunk boundaries
-    cs += [{"stage": 2, "tp": tp, "steps": steps, "split": True} for tp in tps]
+    # the tied embedding's gradient split (stages 0-1: into the full gradient; stage 2: head
+    # GEMM into the buckets, lookup rows exchanged sparse): bucket 6000 cuts rows of 64
+    cs += [{"stage": s, "tp": tp, "steps": steps, "split": True} for tp in tps
+           for s in (0, 1, 2)]
     if full or world == 2:
         cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 3, "tp": 1, "steps": steps, "accum": 2, "prefetch": 2})
@@ -173,6 +174,8 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
         cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "split": True,
                    "zero_r": {"constant_buffers": True, "contiguous_memory": False}})
+        cs.append({"stage": 0, "tp": 1, "steps": steps, "accum": 2, "split": True})
+        cs.append({"stage": 1, "tp": 1, "steps": steps, "accum": 2, "split": True})
         cs.append({"stage": 3, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
     return cs
@@ -182,8 +185,8 @@ def ledger_configs() -> list[dict]:
     """fp16 runs of one step for the Table 1 ledger and §7 communication checks."""
     return [{"stage": s, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
              "ledger_check": True} for s in range(4)] + \
-        [{"stage": 2, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
-          "ledger_check": True, "split": True}]
+        [{"stage": s, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
+          "ledger_check": True, "split": True} for s in (0, 1, 2)]
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
@@ -203,7 +206,7 @@ def check_ledgers(results: list[dict], configs: list[dict]) -> None:
                 want = (3 if stage == 3 else 2) * psi
                 # split tied gradient: + the all-gather of every rank's looked-up rows and ids
                 got = r["comm"][0]["dp"] - (n_d * MICRO * CFG.seq_len * (CFG.n_embd + 1)
-                                            if c.get("split") else 0)
+                                            if c.get("split") and stage == 2 else 0)
                 assert abs(got / want - 1) <= 0.02, (f"stage {stage} N_d={n_d}: {got} elements"
                                                      f" per step vs {want} (§7)")
                 assert r["comm"][0]["world"] == 4  # the one (norm, overflow) all-reduce

@@ -14,9 +14,10 @@ it acts on (§7 volumes are the same either way):
   overlap_param_gather  stages 1, 2  bucket all-gathers overlap the step and the next forward
   prefetch_next_step    stage 3      the next forward's first gathers start inside step()
   keep_gathered_turn    stage 3      root + last block stay gathered from forward to backward
-  split_tied_grad       stage 2      tied embedding gradient: head GEMM into the buckets, lookup
-                                     rows exchanged sparse (not bit-identical: rounding differs)
-  all                   stages 1-3   every knob above off (A) against every knob on (B)
+  split_tied_grad       stages 0-2   tied embedding gradient in its two parts, no dense V×h tensor
+                                     (stage 2: head GEMM into the buckets, lookup rows exchanged
+                                     sparse; not bit-identical: the rounding of the sum differs)
+  all                   stages 0-3   every knob above off (A) against every knob on (B)
 
 One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
 steps (it is read afresh every step, see the stages), so A and B steps alternate A B B A … on
@@ -92,7 +93,7 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
 
 
 KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
-               "keep_gathered_turn": (3,), "split_tied_grad": (2,), "all": (1, 2, 3)}
+               "keep_gathered_turn": (3,), "split_tied_grad": (0, 1, 2), "all": (0, 1, 2, 3)}
 KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn", "split_tied_grad")
 
 

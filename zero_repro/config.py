@@ -85,11 +85,14 @@ class ZeroConfig:
     # params_gathered peak is unchanged (forward already holds root + 1 + prefetch_blocks
     # blocks), the root is held while the loss is computed
     keep_gathered_turn: bool = True
-    # stage 2: the tied embedding's gradient taken as its two parts instead of autograd's dense
-    # V×h sum: the LM head's GEMM written straight into the fused buckets (reduce-scattered as
-    # soon as the head's backward ran), the lookup's B·s rows exchanged sparse at the end of
-    # backward (an all-gather of N_d·B·s·(h+1) elements beyond the 2Ψ). Off (default): the
-    # paper's schedule, exactly 2Ψ. Read at every forward (``Stage2G.takes_tied_grad``)
+    # stages 0-2: the GPT's tied embedding gradient taken as its two parts instead of
+    # autograd's dense V×h sum of them: the LM head's weight GEMM written straight where the
+    # stage keeps gradients, the lookup's B·s rows added after it (stages 0-1: into the full
+    # local gradient, the same 2Ψ reduced; stage 2: the GEMM into the fused buckets, which are
+    # reduce-scattered as soon as the head's backward ran, and the rows of every rank exchanged
+    # sparse at the end of backward, an all-gather of N_d·B·s·(h+1) elements beyond the 2Ψ).
+    # Off (default): the paper's schedule. Read at every forward (``Strategy.takes_tied_grad``);
+    # stage 3 ignores it
     split_tied_grad: bool = False
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     # dynamic loss scaling (fp16 only)

@@ -173,6 +173,36 @@ class FullGrads:
             if self.arrivals.add(b, hi - lo):
                 self.launch(b)
 
+    @torch.no_grad()
+    def add_head(self, p: nn.Parameter, grad_logits: torch.Tensor, x: torch.Tensor,
+                 launch: bool) -> None:
+        """A tied weight's head part (``grad_logits.T @ x``, ``zero.split_tied_grad``) computed
+        straight into its slot (written, or added to earlier micro-batches'); its buckets wait
+        for ``add_lookup``."""
+        self._before_write()
+        s, i = self.group.slot_of[id(p)], self.slot_idx[id(p)]
+        dst = self.buffer[s.offset:s.end].view(s.shape)
+        if self.written[i]:
+            dst.addmm_(grad_logits.t(), x)
+        else:
+            alpha = 1.0 / self.n_d if launch else 1.0  # the only gradient: divided on the way
+            torch.addmm(dst, grad_logits.t(), x, beta=0, alpha=alpha, out=dst)
+            self.written[i], self.scaled[i] = True, launch and self.n_d > 1
+
+    @torch.no_grad()
+    def add_lookup(self, p: nn.Parameter, rows: torch.Tensor, grads: torch.Tensor,
+                   launch: bool) -> None:
+        """The tied weight's lookup part (``grads[k]`` into row ``rows[k]``) after its head
+        part; ``launch``: last micro-batch, reduce the buckets this completes."""
+        s, i = self.group.slot_of[id(p)], self.slot_idx[id(p)]
+        assert self.written[i], "the head's part of a tied gradient comes first"
+        self.buffer[s.offset:s.end].view(s.shape).index_add_(
+            0, rows, grads, alpha=1.0 / self.n_d if self.scaled[i] else 1.0)
+        if launch:
+            for b, lo, hi in bucket_pieces(self.group.partition, s):
+                if self.arrivals.add(b, hi - lo):
+                    self.launch(b)
+
     def launch_remaining(self) -> None:
         for b in self.group.partition.buckets:
             if not self.launched[b.index]:

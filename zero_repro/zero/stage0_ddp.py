@@ -45,10 +45,19 @@ class Stage0DDP(Strategy):
         self._sums: list[torch.Tensor | Pieces | None] = [None] * len(self.flat.partition.buckets)
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._attach([self.flat], shard_rank=0, counts_norm=self.dp_rank == 0)
+        self._tied = self._tied_weight(self.flat)
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
         self.grads.add(p, launch=self._is_last)
+
+    # zero.split_tied_grad: the tied embedding's two gradient parts straight into the full
+    # local gradient (no dense V×h tensor; the same 2Ψ reduced afterwards)
+    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        self.grads.add_head(self._tied, grad_logits, x, launch=self._is_last)
+
+    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        self.grads.add_lookup(self._tied, rows, grads, launch=self._is_last)
 
     def _finish_backward(self) -> None:
         if self._is_last:  # buckets of parameters that got no gradient

@@ -52,10 +52,19 @@ class Stage1Os(GatheredAfterStep, Strategy):
         self.ag_pool = t.gather_pool(chunk, self.dtype, self.ag_inflight, self.device)
         self._attach_param_gather(self.flat, t, self.ag_pool, self.ag_inflight)
         self._attach([self.flat], shard_rank=self.dp_rank, counts_norm=True)
+        self._tied = self._tied_weight(self.flat)
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
         self.grads.add(p, launch=self._is_last)
+
+    # zero.split_tied_grad: the tied embedding's two gradient parts straight into the full
+    # local gradient (no dense V×h tensor; the same 2Ψ reduced afterwards)
+    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        self.grads.add_head(self._tied, grad_logits, x, launch=self._is_last)
+
+    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        self.grads.add_lookup(self._tied, rows, grads, launch=self._is_last)
 
     def _finish_backward(self) -> None:
         if self._is_last:  # buckets of parameters that got no gradient

@@ -97,16 +97,9 @@ class Stage2G(GatheredAfterStep, Strategy):
         # zero.split_tied_grad: the GPT's tied embedding gradient as the head's GEMM into the
         # buckets and the lookup's rows exchanged sparse (``head``, ``lookup``)
         self._lookups: list = []  # per micro-batch: (works, gathered rows, gathered grads)
-        emb = getattr(getattr(model, "wte", None), "weight", None)
-        self._tied = emb if hasattr(model, "tied_grad_sink") and emb is not None and \
-            id(emb) in self.flat.slot_of else None
-        if self._tied is not None:
-            model.tied_grad_sink = self
+        self._tied = self._tied_weight(self.flat)
 
     # ------------------------------------------------------------------ tied embedding
-    def takes_tied_grad(self) -> bool:
-        return self.zero.split_tied_grad
-
     @torch.no_grad()
     def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """The head's part of the tied gradient, ``grad_logits.T @ x / N_d``, computed piece by
@@ -213,11 +206,6 @@ class Stage2G(GatheredAfterStep, Strategy):
     def _wait_reductions(self) -> None:
         self.inflight.wait_all()
         self._add_lookups()
-
-    def remove_hooks(self) -> None:
-        super().remove_hooks()
-        if self._tied is not None and getattr(self.module, "tied_grad_sink", None) is self:
-            self.module.tied_grad_sink = None
 
     # ------------------------------------------------------------------ shards
     def _param_chunks(self) -> list[torch.Tensor]:

@@ -127,6 +127,20 @@ class Strategy:
                               precision.needs_master(self.zero.dtype))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
 
+    def _tied_weight(self, flat) -> torch.nn.Parameter | None:
+        """The model's tied embedding weight, when the model can hand its gradient over in
+        two parts (``GPT.tied_grad_sink``, used under ``zero.split_tied_grad``) and it lies in
+        ``flat``: this strategy becomes the sink (``takes_tied_grad``, ``head``, ``lookup``)."""
+        w = getattr(getattr(self.module, "wte", None), "weight", None)
+        if not hasattr(self.module, "tied_grad_sink") or w is None or id(w) not in flat.slot_of:
+            return None
+        self.module.tied_grad_sink = self
+        return w
+
+    def takes_tied_grad(self) -> bool:
+        """Read by the model at every forward: the tied gradient in two parts this step."""
+        return self.zero.split_tied_grad
+
     # ------------------------------------------------------------------ stage interface
     def _bucket_capacity(self) -> int:
         """C_B: constant fused-buffer elements, or the whole model (paper's baseline)."""
@@ -242,6 +256,8 @@ class Strategy:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if getattr(self.module, "tied_grad_sink", None) is self:
+            self.module.tied_grad_sink = None
 
     def memory_ledger(self) -> MemoryLedger:
         ledger = MemoryLedger()
