@@ -165,6 +165,7 @@ def summarize(records) -> list[dict]:
         table = m["table"]
         loads = [x for x in m.get("loadavg_1min") or [] if isinstance(x, (int, float))]
         load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else ""
+        split = bool(((r.config or {}).get("zero") or {}).get("split_tied_grad", False))
         for name, s in sp.items():
             e = eq.get(name, {})
             comm = r.comm.get(name, {})
@@ -192,7 +193,8 @@ def summarize(records) -> list[dict]:
                              "best_peer": s.get("best_peer") or "",
                              "repeats": json.dumps([round(x, 4) for x in reps]) if reps else "",
                              "detail": _detail(e) if y_name == "max_abs_dparam" else "",
-                             "loadavg_1min": load, "measured_at": r.timestamp})
+                             "loadavg_1min": load, "measured_at": r.timestamp,
+                             "split_tied_grad": split})
     return rows
 
 
@@ -366,6 +368,26 @@ def _load_line(t, table: str) -> list[str]:
         if loads else []
 
 
+def _split_line(t) -> list[str]:
+    """What ``zero.split_tied_grad`` did in the records shown (a bullet of the report)."""
+    if "split_tied_grad" not in t:
+        return []
+    on = set(t["split_tied_grad"].dropna().astype(bool))
+    if on == {False}:
+        return ["- zero_repro ran with `zero.split_tied_grad` off: autograd's dense tied "
+                "gradient, as every peer and the lower bound."]
+    return ["- zero_repro's stages 0-2 ran with `zero.split_tied_grad` "
+            f"{'on' if on == {True} else 'on in some records, off in others'} "
+            "(conf/exp/peers.yaml): the tied embedding's gradient is taken as the LM head's "
+            "GEMM, written straight where the stage keeps gradients (stage 2: the fused "
+            "buckets, reduce-scattered as soon as the head's backward ran), plus the lookup's "
+            "B·s rows (stage 2: all-gathered sparse, N_d·B·s·(h+1) elements beyond 2Ψ); no "
+            "dense V×h gradient is formed. The peers and the lower bound run plain autograd, "
+            "which forms it (zeros plus the rows, summed with the head's), so at stages 0-2 "
+            "`/ lower bound` also credits zero_repro with that work avoided. Its effect alone: "
+            "`python -m zero_repro.bench --ab split_tied_grad` (results/peers/overlap_ab.md)."]
+
+
 def _write_report(t, out_dir: str) -> str:
     lines = ["# Peers: measured step time, distance to the lower bound and equivalence",
              "", "World 2, fp32, CPU/gloo on a 2-core machine. Frameworks of one process set "
@@ -384,7 +406,7 @@ def _write_report(t, out_dir: str) -> str:
              "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
              "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
              "framework's distance to it (issue 17 goal for zero_repro: <= "
-             f"{report.GOAL_BOUND:.2f}).",
+             f"{report.GOAL_BOUND:.2f}).", *_split_line(t),
              "- `/ best peer`: the fastest other framework at the same ZeRO stage (issue 17 goal "
              "for zero_repro: <= 0.95 at stages 0-1, <= 0.80 at stages 2-3). Within a process "
              "set the step times are divided directly; across sets through each set's lower "
