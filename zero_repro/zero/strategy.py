@@ -25,10 +25,12 @@ Not overlapped because it cannot be exact: (1) Adam per bucket as its reduction 
 ``grad_clip`` 0 a step with a non-finite gradient anywhere (any dtype) is skipped, which is
 known only once every bucket is reduced; m, v and master of the early buckets could not be
 restored without a copy of them (12 bytes per element). (2) Reducing the tied embedding's head
-contribution early (stages 0-2): autograd sums the head's and the lookup's contributions before
-the gradient hook fires; reducing them apart rounds differently (Σ(h/N)+Σ(l/N) ≠ Σ((h+l)/N))
-and, the lookup's gradient being dense, sends the embedding twice. Its buckets complete last
-whatever the bucket order, so their reduction stays exposed at the end of backward.
+contribution early (stages 0-2) by default: autograd sums the head's and the lookup's
+contributions before the gradient hook fires, so the embedding's buckets complete last and their
+reduction is exposed at the end of backward. ``zero.split_tied_grad`` (off by default) takes the
+two parts apart instead (the model's ``tied_grad_sink``): stage 2 reduces the head's part as
+soon as the head's backward ran and exchanges the lookup's B·s rows sparse (not the dense
+embedding a second time); it rounds differently (Σ(h/N) + Σ(l/N) ≠ Σ((h+l)/N)), hence opt-in.
 
 Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
 Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
