@@ -247,6 +247,19 @@ class FullGrads:
         return self.buffer.numel() * self.buffer.element_size()
 
 
+class TiedIntoFullGrads:
+    """``gpt.TiedGradSink`` of a stage whose gradients are ``FullGrads`` (stages 0, 1; mixed in
+    before ``Strategy``, which sets ``_tied`` via ``_tied_weight``): under
+    ``zero.split_tied_grad`` the tied embedding's two gradient parts go straight into the full
+    local gradient (no dense V×h tensor; the same 2Ψ reduced afterwards)."""
+
+    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        self.grads.add_head(self._tied, grad_logits, x, launch=self._is_last)
+
+    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        self.grads.add_lookup(self._tied, rows, grads, launch=self._is_last)
+
+
 class ParamGather:
     """The all-gather of one flat group's updated chunks into ``g.flat`` (stages 1, 2).
 

@@ -24,13 +24,13 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.buffers import InFlight
 from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import FullGrads
+from zero_repro.zero.buckets import FullGrads, TiedIntoFullGrads
 from zero_repro.zero.flat_buffer import FlatParams, Pieces
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
 
-class Stage0DDP(Strategy):
+class Stage0DDP(TiedIntoFullGrads, Strategy):
     stage = 0
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
@@ -50,14 +50,6 @@ class Stage0DDP(Strategy):
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
         self.grads.add(p, launch=self._is_last)
-
-    # zero.split_tied_grad: the tied embedding's two gradient parts straight into the full
-    # local gradient (no dense V×h tensor; the same 2Ψ reduced afterwards)
-    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        self.grads.add_head(self._tied, grad_logits, x, launch=self._is_last)
-
-    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        self.grads.add_lookup(self._tied, rows, grads, launch=self._is_last)
 
     def _finish_backward(self) -> None:
         if self._is_last:  # buckets of parameters that got no gradient

@@ -29,13 +29,13 @@ from zero_repro.distributed.topology import Topology
 from zero_repro.distributed.buffers import InFlight
 from zero_repro.distributed.transport import bucket_transport
 from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.zero.buckets import FullGrads, GatheredAfterStep
+from zero_repro.zero.buckets import FullGrads, GatheredAfterStep, TiedIntoFullGrads
 from zero_repro.zero.flat_buffer import FlatParams
 from zero_repro.zero.partition import Bucket
 from zero_repro.zero.strategy import Strategy
 
 
-class Stage1Os(GatheredAfterStep, Strategy):
+class Stage1Os(TiedIntoFullGrads, GatheredAfterStep, Strategy):
     stage = 1
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
@@ -57,14 +57,6 @@ class Stage1Os(GatheredAfterStep, Strategy):
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
         self.grads.add(p, launch=self._is_last)
-
-    # zero.split_tied_grad: the tied embedding's two gradient parts straight into the full
-    # local gradient (no dense V×h tensor; the same 2Ψ reduced afterwards)
-    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        self.grads.add_head(self._tied, grad_logits, x, launch=self._is_last)
-
-    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        self.grads.add_lookup(self._tied, rows, grads, launch=self._is_last)
 
     def _finish_backward(self) -> None:
         if self._is_last:  # buckets of parameters that got no gradient
