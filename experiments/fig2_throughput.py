@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.harness import throughput as T
-from zero_repro.harness import throughput_plots as TP
-from zero_repro.harness import throughput_summary as TS
+from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab.figures import throughput_summary as TS
 
 FIGURE = "fig2"
 PAPER_FIGURE = "fig2"

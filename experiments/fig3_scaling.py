@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.harness import throughput as T
-from zero_repro.harness.figures import plt
-from zero_repro.harness import throughput_plots as TP
-from zero_repro.harness import throughput_summary as TS
+from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.figures.figures import plt
+from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab.figures import throughput_summary as TS
 
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"

@@ -30,12 +30,12 @@ import logging
 import os
 
 from zero_repro.config import ZeroRConfig
-from zero_repro.harness import paper_compare as paper
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.harness.records import loss_curve, skipped_steps_of
-from zero_repro.worker import run_training
-from zero_repro.zero_r.configs import TABLE3, describe, zero_r_config
+from zero_repro.lab.figures import paper_compare
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.lab.records import loss_curve, skipped_steps_of
+from zero_repro.lab.launcher import run_training
+from zero_repro.scale.paper.table3 import TABLE3, describe, zero_r_config
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ def tolerance(r) -> float:
 
 # ------------------------------------------------------------------------------------ plot
 def _paper_context(out_dir: str):
-    ref = paper.load_reference(paper.reference_path(os.path.dirname(os.path.abspath(out_dir))))
-    return paper.paper_rows(ref, PAPER_FIG, y_names=["validation_perplexity"])
+    ref = paper_compare.load_reference(paper_compare.reference_path(os.path.dirname(os.path.abspath(out_dir))))
+    return paper_compare.paper_rows(ref, PAPER_FIG, y_names=["validation_perplexity"])
 
 
 def plot(table, out_dir: str) -> list[str]:

@@ -25,12 +25,12 @@ in its 4th).
 """
 from __future__ import annotations
 
-from zero_repro.harness import records as R
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.paper.setups import setups
-from zero_repro.simulate import maxsize
-from zero_repro.simulate.dryrun import setup_overrides
+from zero_repro.lab import records as R
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.scale.paper.setups import setups
+from zero_repro.scale.dryrun import maxsize
+from zero_repro.scale.dryrun.dryrun import setup_overrides
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"

@@ -25,13 +25,13 @@ none: the prediction is whether they fit).
 """
 from __future__ import annotations
 
-from zero_repro.harness import records as R
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
+from zero_repro.lab import records as R
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
 import dataclasses
 
-from zero_repro.paper.setups import setups
-from zero_repro.simulate.dryrun import dry_run, setup_overrides
+from zero_repro.scale.paper.setups import setups
+from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
 
 FIGURE = "fig7"
 GB = 1e9

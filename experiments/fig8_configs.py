@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.harness import throughput as T
-from zero_repro.harness import throughput_plots as TP
-from zero_repro.harness import throughput_summary as TS
-from zero_repro.paper import table9
-from zero_repro.paper.setups import setups
+from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab.figures import throughput_summary as TS
+from zero_repro.scale.paper import table9
+from zero_repro.scale.paper.setups import setups
 
 FIGURE = "fig8"
 PAPER_FIGURE = "fig8"

@@ -4,7 +4,7 @@
 
 Parts (one point each):
   (a) ``mfu``: a ~1.5B GPT (conf/model/gpt_1p5b_48x1600) in bf16 at world 1, ZeRO stage 0 and
-      stage 3, through the real trainer (``worker.run_training``). MFU = model TFLOPs / the
+      stage 3, through the real trainer (``launcher.run_training``). MFU = model TFLOPs / the
       device's dense bf16 peak (conf/cluster). Targets (CUDA only): MFU >= 0.50 at stage 0 and
       step(stage 3) / step(stage 0) <= 1.10 (``summarize`` checks them across the two points).
   (b) ``paper``: one rank (rank 0) of the paper's 40B C4 and 100B C5 points at 400 GPUs, MP 16
@@ -38,21 +38,20 @@ import time
 
 import torch
 
-from zero_repro.harness.throughput import model_conf
 from zero_repro import config as C
-from zero_repro.distributed import comm, launch
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.harness.points import Point
-from zero_repro.model.gpt import GPT
-from zero_repro.simulate.dryrun import dry_run, setup_overrides
-from zero_repro.simulate.hardware import load_cluster
-from zero_repro.paper.setups import setups
-from zero_repro.train.build import build
-from zero_repro.train.data import make_source, rank_batch
-from zero_repro.train.step import train_step
-from zero_repro.worker import run_training
-from zero_repro.zero import build_strategy
+from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.lab.points import Point
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
+from zero_repro.scale.hardware import load_cluster
+from zero_repro.scale.paper.setups import setups
+from zero_repro.runtime.train.build import build
+from zero_repro.runtime.train.data import make_source, rank_batch
+from zero_repro.runtime.train.step import train_step
+from zero_repro.lab.launcher import run_training
+from zero_repro.runtime.zero import build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def plan(cfg) -> list[Point]:
     pts = []
     mfu = p.get("mfu") or {}
     model = mfu.get("model", "gpt_1p5b_48x1600") if cuda else mfu.get("cpu_model", "tiny")
-    base = {f"model.{k}": v for k, v in model_conf(model).items()}
+    base = {f"model.{k}": v for k, v in C.model_conf(model).items()}
     base.update({"parallel.world_size": 1, "parallel.tp": 1, "zero.dtype": "bf16",
                  "zero.reduce_bucket_size": 500_000_000,
                  "zero.allgather_bucket_size": 500_000_000,
@@ -127,7 +126,7 @@ def plan(cfg) -> list[Point]:
             overrides=ov, mode="measured"))
     eqp = p.get("equivalence") or {}
     emodel = eqp.get("model", "small") if cuda else eqp.get("cpu_model", "tiny")
-    ov = {f"model.{k}": v for k, v in model_conf(emodel).items()}
+    ov = {f"model.{k}": v for k, v in C.model_conf(emodel).items()}
     ov.update({"parallel.world_size": 1, "parallel.tp": 1, "zero.dtype": "bf16",
                "zero.grad_clip": 0.0, "train.steps": int(eqp.get("steps", 5)),
                "train.micro_batch_size": int(eqp.get("batch", 4)), "train.lr": 1e-3,

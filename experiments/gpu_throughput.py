@@ -1,5 +1,5 @@
 """GPU throughput check: one GPU (world 1), bf16, a GPT of about 1.5B parameters, ZeRO stage 0
-and stage 3 through the real trainer (``zero_repro.worker.run_training``); writes TFLOPs/GPU
+and stage 3 through the real trainer (``zero_repro.lab.launcher.run_training``); writes TFLOPs/GPU
 and MFU to ``results/gpu/``.
 
 Model FLOPs per iteration without recompute (activation checkpointing off):
@@ -20,8 +20,8 @@ import os
 import sys
 import time
 from zero_repro import config as C
-from zero_repro.simulate.hardware import load_cluster
-from zero_repro.worker import run_training
+from zero_repro.scale.hardware import load_cluster
+from zero_repro.lab.launcher import run_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

@@ -26,12 +26,12 @@ Unit: GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
 """
 from __future__ import annotations
 
-from zero_repro.harness import records as R
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.paper.setups import setups
-from zero_repro.simulate.dryrun import dry_run, setup_overrides
-from zero_repro.simulate.stack import switches as S
+from zero_repro.lab import records as R
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.scale.paper.setups import setups
+from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
+from zero_repro.scale.dryrun.stack import switches as S
 
 FIGURE = "memory_breakdown"
 GIB = 2**30

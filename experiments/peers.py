@@ -31,15 +31,15 @@ import json
 import logging
 import os
 
-from zero_repro.harness.throughput import model_conf
-from zero_repro.distributed.launch import spawn
-from zero_repro.harness import records as R
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.model.flops import param_count
-from zero_repro.peers import report
-from zero_repro.peers.frameworks import DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH
-from zero_repro.peers.runners import PeerSpec, process_sets, run_peers
+from zero_repro import config as C
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.lab import records as R
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.runtime.model.flops import param_count
+from zero_repro.lab.peers import report
+from zero_repro.lab.peers.frameworks import DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH
+from zero_repro.lab.peers.runners import PeerSpec, process_sets, run_peers
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def plan(cfg) -> list[Point]:
         s = p.get("size_series") or {}
         size_fws = _available(s.get("frameworks") or [])
         for name in s.get("models") or []:
-            ov = {f"model.{k}": v for k, v in model_conf(name).items()}
+            ov = {f"model.{k}": v for k, v in C.model_conf(name).items()}
             ov["train.steps"] = int(s.get("steps", cfg.train.steps))
             pts.append(Point(name=f"peers_{name}_w{w}_size",
                              params={"model": name, "world_size": w, "frameworks": size_fws,
@@ -385,7 +385,7 @@ def _split_line(t) -> list[str]:
             "dense V×h gradient is formed. The peers and the lower bound run plain autograd, "
             "which forms it (zeros plus the rows, summed with the head's), so at stages 0-2 "
             "`/ lower bound` also credits zero_repro with that work avoided. Its effect alone: "
-            "`python -m zero_repro.bench --ab split_tied_grad` (results/peers/overlap_ab.md)."]
+            "`python -m zero_repro.lab.bench --ab split_tied_grad` (results/peers/overlap_ab.md)."]
 
 
 def _write_report(t, out_dir: str) -> str:

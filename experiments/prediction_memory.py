@@ -16,14 +16,14 @@ Inputs of every value (shape, GPUs, MP, batch, configuration, stack, capacity) a
 """
 from __future__ import annotations
 
-from zero_repro.harness import records as R
-from zero_repro.harness import throughput as T
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.paper import table9
-from zero_repro.paper.clusters import DRYRUN_FIELDS, cluster_overrides, load_cluster
-from zero_repro.simulate.dryrun import dry_run
-from zero_repro.simulate.hardware import Hardware
+from zero_repro.lab import records as R
+from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.scale.paper import table9
+from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides, load_cluster
+from zero_repro.scale.dryrun.dryrun import dry_run
+from zero_repro.scale.hardware import Hardware
 
 FIGURE = "prediction_memory"
 GIB = 2**30

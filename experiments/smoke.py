@@ -2,7 +2,7 @@
 
 A tiny GPT trains for a few steps on ``parallel.world_size`` local ranks (``conf/exp/smoke.yaml``:
 2 ranks as DP 2, so ``zero.stage=0..3`` really partition) through
-``zero_repro.worker.run_training``; the record keeps the per-step losses and ``summarize`` turns
+``zero_repro.lab.launcher.run_training``; the record keeps the per-step losses and ``summarize`` turns
 them into ``kind=measured`` rows (y_name ``loss`` per ``step``). The check that matters: the loss
 goes down (``metrics.loss_decreased``). Series are named from each record's resolved config
 (``records.knob_label``: model shape, dtype, stage, ZeRO-R, world/TP/DP, steps), so an fp32 and a
@@ -10,10 +10,10 @@ bf16 run, or an 8- and a 6-step run, are two curves.
 """
 from __future__ import annotations
 
-from zero_repro.harness.points import Point
+from zero_repro.lab.points import Point
 from zero_repro import config as C
-from zero_repro.harness.records import knob_label, loss_curve
-from zero_repro.worker import run_training
+from zero_repro.lab.records import knob_label, loss_curve
+from zero_repro.lab.launcher import run_training
 
 FIGURE = "smoke"
 

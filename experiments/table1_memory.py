@@ -11,12 +11,12 @@ fp16 + Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 """
 from __future__ import annotations
 
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.distributed.launch import spawn
-from zero_repro.simulate.dryrun import real_ledgers
-from zero_repro.measure.analytic import model_state_bytes
-from zero_repro.measure import analytic
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.scale.dryrun.dryrun import real_ledgers
+from zero_repro.scale.analytic import model_state_bytes
+from zero_repro.scale import analytic
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"

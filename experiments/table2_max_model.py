@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import itertools
 
-from zero_repro.harness import records as R
-from zero_repro.harness.figures import save_figure
-from zero_repro.harness.points import Point
-from zero_repro.measure.analytic import max_params
-from zero_repro.paper.buckets import PAPER_BUCKETS
-from zero_repro.paper.clusters import DRYRUN_FIELDS, cluster_overrides
-from zero_repro.paper.overrides import paper_overrides
-from zero_repro.paper.setups import reference_rows
-from zero_repro.simulate import maxsize
+from zero_repro.lab import records as R
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.scale.analytic import max_params
+from zero_repro.scale.paper.buckets import PAPER_BUCKETS
+from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides
+from zero_repro.scale.paper.overrides import paper_overrides
+from zero_repro.scale.paper.setups import reference_rows
+from zero_repro.scale.dryrun import maxsize
 
 FIGURE = "table2"
 SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}

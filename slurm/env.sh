@@ -2,7 +2,7 @@
 # that `launcher=slurm` submits). Site-specific settings go in slurm/site.sh (not committed).
 #
 # Rendezvous: ranks are started by `srun` (one task per GPU) and initialise from the Slurm
-# environment (zero_repro.distributed.launch.init_from_env reads SLURM_PROCID / SLURM_NTASKS /
+# environment (zero_repro.runtime.comm.launch.init_from_env reads SLURM_PROCID / SLURM_NTASKS /
 # SLURM_LOCALID); MASTER_ADDR / MASTER_PORT below are exported before srun so every task sees them.
 if [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
   MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}

@@ -15,4 +15,4 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=slurm/env.sh
 source "$here/env.sh"
 cd "$here/.."
-exec "${PYTHON:-python}" -m zero_repro.harness.sweep --point-file "$POINT_FILE"
+exec "${PYTHON:-python}" -m zero_repro.lab.sweep --point-file "$POINT_FILE"

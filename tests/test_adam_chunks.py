@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_repro.simulate.tracer import ALLOC, FREE, AllocationTracer
-from zero_repro.zero.adam import ShardAdamW, fused_available
+from zero_repro.scale.dryrun.tracer import ALLOC, FREE, AllocationTracer
+from zero_repro.runtime.zero.adam import ShardAdamW, fused_available
 
 SIZES = (1000, 3000, 500, 2500)  # four chunks of one shard
 

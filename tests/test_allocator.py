@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_repro.simulate import allocator as A
+from zero_repro.scale.dryrun import allocator as A
 
 MiB = 1 << 20
 

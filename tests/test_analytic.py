@@ -3,8 +3,9 @@ import math
 
 import pytest
 
-from zero_repro.measure import analytic as A
-from zero_repro.paper.setups import reference_rows, setups
+from zero_repro.scale import analytic as A
+from zero_repro.scale.paper.setups import reference_rows
+from zero_repro.scale.paper.setups import setups
 
 
 def _num(text: str) -> float:

@@ -22,9 +22,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from zero_repro import cli
+from zero_repro.lab import cli
 from zero_repro import config as C
-from zero_repro.distributed import launch
+from zero_repro.runtime.comm import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN, INF = float("nan"), float("inf")

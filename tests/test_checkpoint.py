@@ -1,4 +1,4 @@
-"""Resharding DCP checkpoints (zero_repro.checkpoint): save at ZeRO stage s on DP a, load at
+"""Resharding DCP checkpoints (zero_repro.runtime.train.checkpoint): save at ZeRO stage s on DP a, load at
 stage t on DP b, continue, and land on the parameters of the run that never stopped.
 
 One spawn at world 4 hosts every layout: sub-worlds of 1, 2 and 4 ranks (ranks 0..n-1) are
@@ -18,14 +18,14 @@ import os
 import pytest
 import torch
 
-from zero_repro import checkpoint as ck
+from zero_repro.runtime.train import checkpoint as ck
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.distributed import comm
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology, grid_rank
-from zero_repro.model.gpt import GPT
-from zero_repro.train.step import train_step
-from zero_repro.zero import build_strategy
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology, grid_rank
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.train.step import train_step
+from zero_repro.runtime.zero import build_strategy
 
 CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
                   vocab_pad_multiple=8)

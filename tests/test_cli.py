@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from zero_repro import config as C
-from zero_repro.cli import conf_dir
+from zero_repro.lab.cli import conf_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPO, "conf", "exp", "*.yaml")))
@@ -29,8 +29,8 @@ def run_cli(*args, cwd=REPO, env=None):
 
 @pytest.mark.parametrize("name", EXPS)
 def test_every_experiment_overlay_composes_and_validates(name):
-    from zero_repro.harness import registry as base
-    from zero_repro.harness import sweep as orchestrate
+    from zero_repro.lab import registry as base
+    from zero_repro.lab import sweep as orchestrate
 
     C.register_configs()
     # the GPU proof refuses to plan without CUDA (it never falls back silently): its CPU path
@@ -105,7 +105,7 @@ def test_plan_lists_points_and_writes_point_files(tmp_path):
 
 def test_plot_action_regenerates_from_results_alone(tmp_path):
     """A smoke record on disk -> table.csv + smoke.png/.pdf, via run.py and experiments.plot."""
-    from zero_repro.harness.records import Record
+    from zero_repro.lab.records import Record
 
     rec = Record(key="k1", experiment="smoke", point="tiny", params={}, mode="measured",
                  status="ok", metrics={"losses": [6.2, 5.1, 4.0]},

@@ -9,11 +9,11 @@ at most prefetch + 2 in flight), so they depend on the block size, not on the nu
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import GPT
-from zero_repro.model.flops import param_count
-from zero_repro.zero import build_strategy
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.model.flops import param_count
+from zero_repro.runtime.zero import build_strategy
 
 BUCKET = 20_000  # elements; far below either model's size so every buffer is at capacity
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from zero_repro.distributed import launch
-from zero_repro.train import data
+from zero_repro.runtime.comm import launch
+from zero_repro.runtime.train import data
 
 
 def test_rank_batches_tile_the_global_batch():

@@ -17,14 +17,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
-from zero_repro.distributed.launch import spawn
-from zero_repro.paper.buckets import PAPER_BUCKETS
-from zero_repro.paper.overrides import paper_overrides
-from zero_repro.paper.table1 import model_state_bytes
-from zero_repro.paper.table3 import zero_r_config
-from zero_repro.simulate import allocator as A
-from zero_repro.simulate import maxsize
-from zero_repro.simulate.dryrun import (
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.scale.paper.buckets import PAPER_BUCKETS
+from zero_repro.scale.paper.overrides import paper_overrides
+from zero_repro.scale.paper.table1 import model_state_bytes
+from zero_repro.scale.paper.table3 import zero_r_config
+from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun import maxsize
+from zero_repro.scale.dryrun.dryrun import (
     apply_overrides,
     dry_run,
     live_peaks,

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from zero_repro import config as C
-from zero_repro.distributed.launch import WorkerFailed
-from zero_repro.worker import run_training
+from zero_repro.runtime.comm.launch import WorkerFailed
+from zero_repro.lab.launcher import run_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

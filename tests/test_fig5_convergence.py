@@ -12,13 +12,13 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from zero_repro.harness import regenerate as plot
-from zero_repro.harness import registry as base
+from zero_repro.lab.figures import regenerate as plot
+from zero_repro.lab import registry as base
 from experiments import fig5_convergence as F
 from zero_repro import config as C
-from zero_repro.harness import sweep as orchestrate
-from zero_repro.cli import conf_dir
-from zero_repro.harness.records import Record
+from zero_repro.lab import sweep as orchestrate
+from zero_repro.lab.cli import conf_dir
+from zero_repro.lab.records import Record
 
 NAME = "fig5_convergence"
 

@@ -14,11 +14,11 @@ import pytest
 
 from zero_repro import config as C
 from zero_repro import paths
-from zero_repro.harness import provenance as P
-from zero_repro.harness import records as R
-from zero_repro.harness import regenerate
-from zero_repro.harness import sweep
-from zero_repro.harness.points import Point
+from zero_repro.lab import provenance as P
+from zero_repro.lab import records as R
+from zero_repro.lab.figures import regenerate
+from zero_repro.lab import sweep
+from zero_repro.lab.points import Point
 
 import experiments.smoke as smoke
 

@@ -15,9 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.test_model_tp import ROOT, load_model_cfg
 from zero_repro.config import ModelConfig, padded_vocab
-from zero_repro.distributed import comm
-from zero_repro.model import flops
-from zero_repro.model.gpt import GPT
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.model import flops
+from zero_repro.runtime.model.gpt import GPT
 
 PAPER_MODELS = sorted(os.path.basename(p)[:-5]
                       for p in glob.glob(str(ROOT / "conf" / "model" / "gpt_*.yaml"))

@@ -13,9 +13,10 @@ from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
 from zero_repro import config as C
-from zero_repro.cli import conf_dir
-from zero_repro.harness import regenerate, sweep
-from zero_repro.harness.records import RecordStore
+from zero_repro.lab.cli import conf_dir
+from zero_repro.lab.figures import regenerate
+from zero_repro.lab import sweep
+from zero_repro.lab.records import RecordStore
 
 
 def _cfg(*overrides: str) -> C.Config:

@@ -8,8 +8,8 @@ import resource
 import pytest
 import torch
 
-from zero_repro.distributed import host_heap
-from zero_repro.distributed.launch import spawn
+from zero_repro.runtime.comm.cpu import host_heap
+from zero_repro.runtime.comm.launch import spawn
 
 NUMEL = 25_000_000  # 100 MB of fp32: above glibc's largest mmap threshold (32 MiB)
 ROUNDS = 6

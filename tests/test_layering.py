@@ -17,18 +17,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("zero_repro", "experiments")
 
-# bottom first; a module may import its own layer and the layers below it
-LAYERS: list[tuple[str, ...]] = [
-    ("zero_repro", "zero_repro.config", "zero_repro.paths", "zero_repro.paper"),
-    ("zero_repro.distributed",),
-    ("zero_repro.model",),
-    ("zero_repro.zero", "zero_repro.zero_r"),
-    ("zero_repro.train", "zero_repro.checkpoint", "zero_repro.worker", "zero_repro.examples"),
-    ("zero_repro.measure", "zero_repro.simulate", "zero_repro.peers", "zero_repro.bench"),
-    ("zero_repro.harness",),
-    ("experiments",),
-    ("zero_repro.cli", "run"),
+# The three wings, bottom first; a module may import its own layer and the layers below it.
+# ground: the schema and where files are. runtime: what a ZeRO user imports (torch only; nothing
+# of scale or lab). scale: the paper at scale without the hardware (paper facts, closed-form
+# models, the dry run). lab: running experiments and keeping their results. experiments: one
+# module per conf/exp overlay. Inside the runtime wing the sub-packages keep their own order.
+GROUND = ("zero_repro", "zero_repro.config", "zero_repro.paths")
+RUNTIME = [
+    ("zero_repro.runtime", "zero_repro.runtime.comm"),
+    ("zero_repro.runtime.model",),
+    ("zero_repro.runtime.zero", "zero_repro.runtime.zero_r"),
+    ("zero_repro.runtime.train", "zero_repro.examples"),
 ]
+SCALE = ("zero_repro.scale",)
+LAB = ("zero_repro.lab",)
+LAYERS: list[tuple[str, ...]] = [GROUND, *RUNTIME, SCALE, LAB, ("experiments",), ("run",)]
+# the CPU-only fast path (shared-memory buckets, tcmalloc) is fenced off: these may import it
+CPU_FAST_PATH = "zero_repro.runtime.comm.cpu"
+CPU_FAST_PATH_USERS = ("zero_repro.runtime.comm.cpu", "zero_repro.runtime.comm.transport",
+                       "zero_repro.runtime.comm.launch", "zero_repro.lab")
 
 
 def layer_of(module: str) -> int:
@@ -158,12 +165,36 @@ def test_no_import_cycle():
             assert cyc is None, "import cycle: " + " -> ".join(cyc)
 
 
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_cpu_fast_path_is_fenced_off():
+    """Only the transport, the launcher and the lab import the CPU-only fast path."""
+    reach = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
+             for f in project_files() for target, line, _ in imports_of(f)
+             if _under(target, (CPU_FAST_PATH,))
+             and not _under(module_name(f), CPU_FAST_PATH_USERS)]
+    assert not reach, "the CPU fast path reaches:\n" + "\n".join(reach)
+
+
+def test_runtime_imports_nothing_of_scale_or_lab():
+    runtime = tuple(p for layer in RUNTIME for p in layer)
+    bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
+           for f in project_files() if _under(module_name(f), runtime)
+           for target, line, _ in imports_of(f) if _under(target, SCALE + LAB)]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("src,target,bad", [
-    ("zero_repro.zero.stage2_g", "zero_repro.harness.records", True),
-    ("zero_repro.harness.sweep", "zero_repro.zero.strategy", False),
-    ("zero_repro.simulate.dryrun", "zero_repro.worker", False),
-    ("zero_repro.train.build", "zero_repro.simulate.dryrun", True),
-    ("experiments.fig6_max_model", "zero_repro.cli", True),
+    ("zero_repro.runtime.zero.stage2_g", "zero_repro.lab.records", True),
+    ("zero_repro.lab.sweep", "zero_repro.runtime.zero.strategy", False),
+    ("zero_repro.scale.dryrun.dryrun", "zero_repro.lab.rank", True),
+    ("zero_repro.runtime.train.build", "zero_repro.scale.dryrun.dryrun", True),
+    ("zero_repro.scale.analytic", "zero_repro.runtime.zero.partition", False),
+    ("zero_repro.runtime.comm.comm", "zero_repro.runtime.zero.strategy", True),
+    ("experiments.fig6_max_model", "zero_repro.lab.cli", False),
+    ("zero_repro.lab.cli", "experiments.fig6_max_model", True),
 ])
 def test_layer_order_catches_upward_imports(src, target, bad):
     """The rule itself: a planted upward import is caught, a downward one is not."""

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from zero_repro import config as C
-from zero_repro.distributed import comm, launch
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import causal_attention
-from zero_repro.paper.overrides import paper_overrides
-from zero_repro.paper.table3 import zero_r_config
-from zero_repro.simulate.dryrun import _one_step, apply_overrides, dry_run
-from zero_repro.simulate.tracer import AllocationTracer
-from zero_repro.train.build import build
+from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import causal_attention
+from zero_repro.scale.paper.overrides import paper_overrides
+from zero_repro.scale.paper.table3 import zero_r_config
+from zero_repro.scale.dryrun.dryrun import _one_step, apply_overrides, dry_run
+from zero_repro.scale.dryrun.tracer import AllocationTracer
+from zero_repro.runtime.train.build import build
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from zero_repro.config import ModelConfig, padded_vocab
-from zero_repro.distributed import comm
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.model import flops
-from zero_repro.model.gpt import GPT, gather_full_state, shard_full_state
-from zero_repro.model.tp import (ColumnParallelLinear, RowParallelLinear,
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model import flops
+from zero_repro.runtime.model.gpt import GPT, gather_full_state, shard_full_state
+from zero_repro.runtime.model.tp import (ColumnParallelLinear, RowParallelLinear,
                                  vocab_parallel_cross_entropy)
 
 # vocab 100 pads to 104 (TP=1), 112 (TP=2), 128 (TP=4): every degree has different padding,

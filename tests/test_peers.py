@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.peers import report
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.lab.peers import report
 import os
 
 import pandas as pd
@@ -25,12 +25,12 @@ from hydra import compose, initialize_config_dir
 
 from experiments import peers as exp
 from zero_repro import config as C
-from zero_repro.cli import conf_dir
-from zero_repro.harness import regenerate
-from zero_repro.harness import sweep
-from zero_repro.peers.frameworks import (DEEPSPEED_PEERS, LOWER_BOUND, OURS, PATCHES_TORCH,
+from zero_repro.lab.cli import conf_dir
+from zero_repro.lab.figures import regenerate
+from zero_repro.lab import sweep
+from zero_repro.lab.peers.frameworks import (DEEPSPEED_PEERS, LOWER_BOUND, OURS, PATCHES_TORCH,
                                          TORCH_PEERS, Reference)
-from zero_repro.peers.runners import PeerSpec, compare, digest, process_sets, run_peers
+from zero_repro.lab.peers.runners import PeerSpec, compare, digest, process_sets, run_peers
 
 TINY = ModelConfig(name="tiny", n_layer=2, n_embd=64, n_head=4, seq_len=64, vocab_size=512,
                    vocab_pad_multiple=8)
@@ -158,7 +158,7 @@ def test_deepspeed_absent_is_skipped_with_a_message(monkeypatch):
 
     from experiments import peers as exp
     from zero_repro.config import Config
-    from zero_repro.peers import frameworks
+    from zero_repro.lab.peers import frameworks
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     ok, why = frameworks.deepspeed_available()

@@ -3,10 +3,11 @@ import dataclasses
 
 import pytest
 
-from zero_repro.model.flops import flops_per_iteration
-from zero_repro.simulate import calibrate as C
-from zero_repro.simulate import perf_model as P
-from zero_repro.simulate.hardware import hardware, list_clusters, load_cluster
+from zero_repro.runtime.model.flops import flops_per_iteration
+from zero_repro.scale import calibrate as C
+from zero_repro.scale import perf_model as P
+from zero_repro.scale.hardware import hardware
+from zero_repro.scale.hardware import list_clusters, load_cluster
 
 HW = hardware("dgx2_v100")
 PP = P.PerfParams(e_max=0.5, x_half=1.2e4, comm_eff=0.3)

@@ -9,14 +9,14 @@ import os
 import pandas as pd
 import pytest
 
-from zero_repro.harness import paper_compare as paper
-from zero_repro.harness import regenerate as plot
-from zero_repro.harness import registry as base
-from zero_repro.harness import points
-from zero_repro.harness.points import Point
+from zero_repro.lab.figures import paper_compare
+from zero_repro.lab.figures import regenerate as plot
+from zero_repro.lab import registry as base
+from zero_repro.lab import points
+from zero_repro.lab.points import Point
 from zero_repro import config as C
-from zero_repro.harness import sweep as orchestrate
-from zero_repro.harness import records as R
+from zero_repro.lab import sweep as orchestrate
+from zero_repro.lab import records as R
 
 
 def make_cfg(tmp_path, name="fake", **experiment) -> C.Config:
@@ -131,7 +131,7 @@ def test_oom_is_recorded_and_sweep_continues(tmp_path):
     orchestrate.run_sweep(cfg, exp2)
     assert exp2.calls == [2]
     # a WorkerFailed from a remote rank carrying an OOM traceback is an OOM too
-    from zero_repro.distributed.launch import WorkerFailed
+    from zero_repro.runtime.comm.launch import WorkerFailed
 
     assert R.classify_failure(WorkerFailed(1, "OutOfMemoryError: CUDA out of memory"))[0] == "oom"
     assert R.classify_failure(MemoryError())[0] == "oom"
@@ -173,7 +173,7 @@ def test_invalid_point_stops_before_anything_runs(tmp_path):
 
 def test_table_and_plot_from_results_alone(tmp_path):
     """fig3-like fake: per-GPU throughput at 64/128 GPUs joined to the paper's values."""
-    ref = paper.load_reference()
+    ref = paper_compare.load_reference()
     fam = "ZeRO-100B 60B model, Performance/GPU (bars)"
     want = ref[(ref.figure == "fig3") & (ref.series == fam) & (ref.y_name == "throughput_per_gpu")]
     paper_at = {int(float(x)): float(y) for x, y in zip(want.x_value, want.y_value)}
@@ -225,7 +225,7 @@ def test_summarize_rows_are_checked(tmp_path):
                      "y_value": 1, "unit": "u", "kind": "paper"}]
 
     with pytest.raises(ValueError, match="kind"):
-        plot.build_table(Wrong(), [], paper.load_reference())
+        plot.build_table(Wrong(), [], paper_compare.load_reference())
 
 
 def test_registry_errors():

@@ -11,12 +11,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from zero_repro import cli
+from zero_repro.lab import cli
 from zero_repro import config as C
-from zero_repro.distributed import launch, shm
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.transport import bucket_transport
+from zero_repro.runtime.comm import launch
+from zero_repro.runtime.comm.cpu import shm
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.comm.transport import bucket_transport
 
 
 def _build(rank: int, world: int, private_dir: str) -> dict:

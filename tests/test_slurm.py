@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from zero_repro.harness.points import Point
+from zero_repro.lab.points import Point
 from zero_repro import config as C
-from zero_repro import worker
-from zero_repro.harness import records as R
-from zero_repro.harness import slurm
-from zero_repro.harness import sweep as orchestrate
+from zero_repro.lab import launcher
+from zero_repro.lab import records as R
+from zero_repro.lab import slurm
+from zero_repro.lab import sweep as orchestrate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,7 @@ cp "$script" "$d/job_$n.sbatch"
 echo "Submitted batch job $n"
 """
 # sacct: one line per -j job in the --format/-o columns asked for (submitit asks JobID,State,
-# NodeList; zero_repro.harness.slurm asks JobID,State,ExitCode), COMPLETED once the script exited
+# NodeList; zero_repro.lab.slurm asks JobID,State,ExitCode), COMPLETED once the script exited
 FAKE_SACCT = r"""#!/bin/bash
 fmt=JobID,State; jobs=(); header=1
 while [ $# -gt 0 ]; do
@@ -284,19 +284,19 @@ def test_reason_quotes_the_logs_last_error_lines(tmp_path):
 def test_srun_command_inside_allocation_and_inside_a_step():
     cfg = C.Config()
     cfg.launcher = C.LauncherConfig(name="slurm")
-    batch = worker.launch_command(cfg, "c.yaml", "o.json", env={"SLURM_CPUS_ON_NODE": "8"})
+    batch = launcher.launch_command(cfg, "c.yaml", "o.json", env={"SLURM_CPUS_ON_NODE": "8"})
     assert batch[:6] == ["srun", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
                          "--kill-on-bad-exit=1", "--cpus-per-task=4"]
     assert "--overlap" not in batch
     # a Hydra submitit job runs its task in step 0: the ranks' step must share its CPUs
-    step = worker.launch_command(cfg, "c.yaml", "o.json",
+    step = launcher.launch_command(cfg, "c.yaml", "o.json",
                                  env={"SLURM_CPUS_ON_NODE": "2", "SLURM_STEP_ID": "0"})
     assert "--overlap" in step and "--cpus-per-task=1" in step
 
 
 def test_ranks_survive_the_time_limit_warning(tmp_path):
     """SIGUSR2 (submitit's --signal) is noted, not fatal, in a worker process."""
-    code = ("import os, signal, time; from zero_repro import worker; "
+    code = ("import os, signal, time; from zero_repro.lab import rank as worker; "
             "signal.signal(worker.TIME_LIMIT_SIGNAL, worker._note_time_limit_signal); "
             "os.kill(os.getpid(), signal.SIGUSR2); time.sleep(0.2); "
             "print(worker._signals_seen[0]['signal'])")

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from zero_repro import config as C
-from zero_repro.harness import records as R
+from zero_repro.lab import records as R
 
 pytestmark = pytest.mark.slurm
 

@@ -10,16 +10,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zero_repro import config as C
 from zero_repro.config import ModelConfig
-from zero_repro.distributed import comm, launch
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import Block
-from zero_repro.paper.table3 import zero_overrides
-from zero_repro.simulate import allocator as A
-from zero_repro.simulate import dryrun as DR
-from zero_repro.simulate.stack import categories as K
-from zero_repro.simulate.stack import deepspeed02 as D
-from zero_repro.simulate.stack import megatron2019 as M
-from zero_repro.simulate.stack import switches as S
+from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import Block
+from zero_repro.scale.paper.table3 import zero_overrides
+from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun import dryrun as DR
+from zero_repro.scale.dryrun.stack import categories as K
+from zero_repro.scale.dryrun.stack import deepspeed02 as D
+from zero_repro.scale.dryrun.stack import megatron2019 as M
+from zero_repro.scale.dryrun.stack import switches as S
 
 W = "W"
 B, SEQ, H, HEADS = 2, 48, 64, 4  # s² fp16 36 KiB, mask 18 KiB; b·s·h·2 12 KiB, b·s·4h·2 48 KiB

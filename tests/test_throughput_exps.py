@@ -15,17 +15,17 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import gpu_throughput
-from zero_repro.paper import table9
-from zero_repro.harness import paper_compare as paper
-from zero_repro.harness import registry as base
+from zero_repro.scale.paper import table9
+from zero_repro.lab.figures import paper_compare
+from zero_repro.lab import registry as base
 from zero_repro import config as C
-from zero_repro.harness import sweep as orchestrate
-from zero_repro.cli import conf_dir
-from zero_repro.harness import throughput as T
-from zero_repro.paper.clusters import load_cluster
-from zero_repro.paper.setups import setups
-from zero_repro.paper.table3 import zero_overrides
-from zero_repro.simulate import calibrate
+from zero_repro.lab import sweep as orchestrate
+from zero_repro.lab.cli import conf_dir
+from zero_repro.lab.figures import throughput as T
+from zero_repro.scale.paper.clusters import load_cluster
+from zero_repro.scale.paper.setups import setups
+from zero_repro.scale.paper.table3 import zero_overrides
+from zero_repro.scale import calibrate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPS = {"fig2_throughput": "fig2", "fig3_scaling": "fig3", "fig4_dp_only": "fig4",
@@ -131,7 +131,7 @@ def test_fig3_superlinear_and_fig2_fit(results_dir):
     per = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == T.Y_NAME}
     assert agg[128] == pytest.approx(per[128] * 128)
     exp2, recs2 = _simulated_records("fig2_throughput", results_dir)
-    table = paper.compare(pd.DataFrame(exp2.summarize(recs2)), paper.load_reference())
+    table = paper_compare.compare(pd.DataFrame(exp2.summarize(recs2)), paper_compare.load_reference())
     zero = table[(table["series"] == exp2.ZERO) & (table["y_name"] == T.Y_NAME)]
     assert len(zero) == 9 and zero["rel_error_vs_paper"].notna().all()
     assert zero["rel_error_vs_paper"].abs().max() < 0.15

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import GPT
-from zero_repro.zero import build_strategy
-from zero_repro.zero.buckets import matmul_flat_into
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero.buckets import matmul_flat_into
 
 CFG = ModelConfig(n_layer=2, n_embd=48, n_head=4, seq_len=16, vocab_size=300,
                   vocab_pad_multiple=8)

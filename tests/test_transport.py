@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from zero_repro.distributed import shm
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.distributed.buffers import InFlight
-from zero_repro.distributed.transport import (PairwiseTransport, ShmTransport,
+from zero_repro.runtime.comm.cpu import shm
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.comm.buffers import InFlight
+from zero_repro.runtime.comm.transport import (PairwiseTransport, ShmTransport,
                                               bucket_transport)
 
 # ZR_CPU_TRANSPORT, the transport it gives, the slot size of the shared-memory segments

@@ -27,15 +27,17 @@ import psutil
 import pytest
 
 from experiments import fig5_convergence, smoke
-from zero_repro import checkpoint, cli
+from zero_repro.runtime.train import checkpoint
+from zero_repro.lab import cli
 from zero_repro import config as C
-from zero_repro.distributed import launch
-from zero_repro.harness import records as R
-from zero_repro.harness import sweep
-from zero_repro.harness.points import Point
-from zero_repro.train import loop
-from zero_repro.worker import resume_path, run_training
-from zero_repro.zero.strategy import StepInfo
+from zero_repro.runtime.comm import launch
+from zero_repro.lab import records as R
+from zero_repro.lab import sweep
+from zero_repro.lab.points import Point
+from zero_repro.runtime.train import loop
+from zero_repro.lab.rank import resume_path
+from zero_repro.lab.launcher import run_training
+from zero_repro.runtime.zero.strategy import StepInfo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -259,7 +261,7 @@ def test_resume_falls_back_to_the_newest_committed_checkpoint(tmp_path):
 
 _EXP = '''
 import os, time
-from zero_repro.harness.points import Point
+from zero_repro.lab.points import Point
 def plan(cfg):
     return [Point(name=f"p{i}", params={"i": i}, mode="measured") for i in range(4)]
 def run_point(cfg, point):
@@ -275,7 +277,7 @@ _RUN = '''
 import sys
 import zr_lock_exp
 from zero_repro import config as C
-from zero_repro.harness import sweep
+from zero_repro.lab import sweep
 cfg = C.Config()
 cfg.experiment.name, cfg.experiment.results_dir = "lockexp", sys.argv[1]
 cfg.train.progress = False

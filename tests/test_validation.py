@@ -75,7 +75,7 @@ def test_valid_defaults_and_resume_modes_pass(tmp_path):
 
 
 def test_resume_latest_without_checkpoint_fails_before_spawning(tmp_path):
-    from zero_repro.worker import run_training
+    from zero_repro.lab.launcher import run_training
 
     cfg = C.validate(_config({"checkpoint.resume": "latest"}))
     with pytest.raises(ValueError, match="checkpoint.resume=latest but .* holds no committed"):

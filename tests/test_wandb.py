@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from zero_repro import config as C
-from zero_repro.harness import sweep as orchestrate
-from zero_repro.harness.records import Record
-from zero_repro.harness.wandb_log import WandbMirror, flatten, step_rows
-from zero_repro.train.wandb_live import StepLogger
+from zero_repro.lab import sweep as orchestrate
+from zero_repro.lab.records import Record
+from zero_repro.lab.wandb_runs import WandbMirror, flatten, step_rows
+from zero_repro.lab.wandb_runs import StepLogger
 
 # every series the training loop logs live, once per step (CPU run: memory is the peak RSS)
 LIVE_SERIES = ("loss", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",

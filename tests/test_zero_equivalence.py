@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import GPT, gather_full_state
-from zero_repro.paper.table1 import model_state_bytes
-from zero_repro.zero import build_strategy
-from zero_repro.zero.flat_buffer import Pieces
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT, gather_full_state
+from zero_repro.scale.paper.table1 import model_state_bytes
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero.flat_buffer import Pieces
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                   vocab_pad_multiple=8)

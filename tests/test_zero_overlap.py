@@ -10,13 +10,13 @@ import dataclasses
 
 import torch
 
-from zero_repro import bench
+from zero_repro.lab import bench
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.model.gpt import GPT
-from zero_repro.zero import build_strategy
-from zero_repro.zero.stage3_p import UnitState
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero.stage3_p import UnitState
 
 CFG = ModelConfig(n_layer=3, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                   vocab_pad_multiple=8)
@@ -160,7 +160,7 @@ def test_overlap_param_gather_defaults_to_the_devices_schedule():
     GPU cluster, on CPU fake tensors, takes the GPU schedule); a strategy built directly
     resolves it by the device of its flat buffers."""
     from zero_repro import config as C
-    from zero_repro.train.build import build
+    from zero_repro.runtime.train.build import build
 
     assert ZeroConfig().overlap_param_gather is None
     assert C.effective_zero(ZeroConfig(), "cuda").overlap_param_gather is True

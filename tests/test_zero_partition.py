@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_repro.zero.partition import Partition, counted_subranges, layout, padded_numel
+from zero_repro.runtime.zero.partition import Partition, counted_subranges, layout, padded_numel
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

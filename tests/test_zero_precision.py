@@ -18,13 +18,13 @@ import torch
 
 from tests.test_zero_equivalence import CFG, MICRO, SEED, batch, make, worker
 from zero_repro.config import TrainConfig, ZeroConfig
-from zero_repro.distributed.launch import spawn
-from zero_repro.distributed.topology import Topology
-from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.model.gpt import GPT
-from zero_repro.paper.table1 import model_state_bytes
-from zero_repro.zero import build_strategy
-from zero_repro.zero.precision import DynamicLossScaler
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.zero.ledger import MemoryLedger
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.scale.paper.table1 import model_state_bytes
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero.precision import DynamicLossScaler
 
 LOSS_TOL = {"fp16": 0.02, "bf16": 0.06}  # |loss - fp32 loss| over 6 steps at lr 3e-3 (one batch, memorised)
 

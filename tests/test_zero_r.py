@@ -27,16 +27,15 @@ from zero_repro.config import (
     to_config,
     validate,
 )
-from zero_repro.distributed import comm
-from zero_repro.distributed.launch import spawn
-from zero_repro.train.step import train_step
-from zero_repro.distributed.topology import Topology
-from zero_repro.zero.ledger import MemoryLedger
-from zero_repro.model.gpt import GPT, gather_full_state
-from zero_repro.paper.table3 import zero_overrides, zero_r_config
-from zero_repro.zero import build_strategy
-from zero_repro.zero_r import (
-    TABLE3,
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.train.step import train_step
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.zero.ledger import MemoryLedger
+from zero_repro.runtime.model.gpt import GPT, gather_full_state
+from zero_repro.scale.paper.table3 import TABLE3, zero_overrides, zero_r_config
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero_r import (
     CheckpointArena,
     apply_activation_checkpointing,
     canonical_name,
@@ -339,7 +338,7 @@ def _compose(overrides):
 
 
 def test_table3_configs_compose():
-    """conf/zero_r/c*.yaml equal the one definition, zero_repro.paper.table3."""
+    """conf/zero_r/c*.yaml equal the one definition, zero_repro.scale.paper.table3."""
     for name, row in TABLE3.items():
         cfg = validate(_compose([f"zero_r={name}"]))
         assert cfg.zero.stage == row.stage

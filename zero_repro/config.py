@@ -15,6 +15,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from zero_repro.paths import conf_group_dir
+
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
 ZERO_R_NAMES = ("off", "c1", "c2", "c3", "c4", "c5", "custom")
@@ -32,7 +34,7 @@ REFERENCE_RESULTS = "results"
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
 MAX_SCALE_POWER = 32
-# software stacks of the paper-scale dry run (zero_repro.simulate.stack.switches.STACKS)
+# software stacks of the paper-scale dry run (zero_repro.scale.dryrun.stack.switches.STACKS)
 SIM_STACKS = ("modern", "paper2020")
 
 
@@ -148,7 +150,7 @@ class ClusterConfig:
 class LauncherConfig:
     name: str = "local"  # local | torchrun | slurm
     # per point: Slurm's --time; on the local launcher the point's ranks are stopped after it
-    # and its record says ``timeout`` (zero_repro.harness.sweep.wall_clock_limit)
+    # and its record says ``timeout`` (zero_repro.lab.sweep.wall_clock_limit)
     timeout_min: float = 60.0
     partition: str = ""
     account: str = ""
@@ -156,7 +158,7 @@ class LauncherConfig:
     # launcher=slurm: Slurm sends SIGUSR2 this long before the time limit (submitit's --signal)
     signal_delay_s: int = 120
     # run even when the local ranks outnumber the CPU cores (x RANKS_PER_CORE) or the analytic
-    # memory estimate exceeds this machine's memory (zero_repro.harness.preflight)
+    # memory estimate exceeds this machine's memory (zero_repro.lab.preflight)
     oversubscribe: bool = False
 
 
@@ -171,7 +173,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """DCP checkpoints (zero_repro.checkpoint): save every N steps, resume on another stage or
+    """DCP checkpoints (zero_repro.runtime.train.checkpoint): save every N steps, resume on another stage or
     DP size (same TP degree)."""
 
     dir: str = ""  # "" = <run dir>/checkpoints
@@ -204,7 +206,7 @@ class ExperimentConfig:
 
 @dataclass
 class SimulateConfig:
-    """Paper-scale dry run (``zero_repro.simulate``); not part of a record's config key
+    """Paper-scale dry run (``zero_repro.scale``); not part of a record's config key
     (``harness.records.KEY_SECTIONS``): experiments put the stack into their point params."""
 
     # software stack the dry run executes: modern (this runtime) | paper2020 (DeepSpeed 0.2 +
@@ -312,7 +314,7 @@ def effective_zero(zero: "ZeroConfig", device_type: str) -> "ZeroConfig":
 def validate(cfg: Config) -> Config:
     """Raise ValueError with an actionable one-line message for any inconsistent setting: every
     group, every numeric field's domain. Pure (no files, devices or machine resources: those are
-    ``worker.check_runnable`` and ``zero_repro.harness.preflight``)."""
+    ``launcher.check_runnable`` and ``zero_repro.lab.preflight``)."""
     _validate_model_parallel(cfg)
     _validate_zero(cfg)
     _validate_train(cfg)
@@ -463,3 +465,20 @@ def summary(cfg: Config) -> dict[str, Any]:
     """Flat dict of the knobs that identify a run point (for records and W&B)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore
 
+
+def model_files() -> dict:
+    """Every conf/model/<name>.yaml as {name: fields} (``defaults`` dropped)."""
+    out = {}
+    for p in sorted(conf_group_dir("model").glob("*.yaml")):
+        d = OmegaConf.to_container(OmegaConf.load(p))
+        d.pop("defaults", None)
+        out[p.stem] = d
+    return out
+
+
+def model_conf(name: str) -> dict:
+    """The fields of conf/model/<name>.yaml (for local points' overrides)."""
+    try:
+        return dict(model_files()[name])
+    except KeyError:
+        raise ValueError(f"no conf/model/{name}.yaml; choose one of {sorted(model_files())}") from None

@@ -12,7 +12,7 @@ from one ``Config``); (4) feed each DP rank its own slice of the global batch â€
 targets are int64 token ids of shape ``(micro_batch, seq_len)``, the same on the TP ranks of one
 DP rank; (5) forward, ``strategy.backward(loss)``, ``strategy.step()`` (ZeRO's reduce-scatter /
 all-gather and the sharded AdamW), ``strategy.zero_grad()``; (6) save sharded checkpoints with
-``zero_repro.checkpoint.save`` into a directory of your choice (every rank writes its shard;
+``zero_repro.runtime.train.checkpoint.save`` into a directory of your choice (every rank writes its shard;
 ``checkpoint.load`` restores them at any stage or DP size).
 
 ZeRO partitions over the DP ranks: with DP = 1 (e.g. 2 ranks as TP 2) every stage is stage 0 in
@@ -25,12 +25,13 @@ import logging
 import os
 import tempfile
 
-from zero_repro import checkpoint
+from zero_repro.runtime.train import checkpoint
 from zero_repro.config import Config, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from zero_repro.distributed import comm, launch
-from zero_repro.distributed.topology import Topology
-from zero_repro.train.build import build, device_for
-from zero_repro.train.data import make_source, rank_batch
+from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.train.build import build
+from zero_repro.runtime.train.build import device_for
+from zero_repro.runtime.train.data import make_source, rank_batch
 
 log = logging.getLogger("zero_repro.examples.minimal")
 

@@ -1,0 +1,2 @@
+"""Running experiments and keeping their results: the CLI, the launcher (CLI process) and the rank
+program (every rank), sweeps, records, provenance, pre-flight, Slurm, W&B, figures, peers, bench."""

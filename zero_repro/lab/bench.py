@@ -1,0 +1,220 @@
+"""Step-time benchmark of the ZeRO-DP stages (paper §5/§7, measured on local gloo ranks).
+
+``python -m zero_repro.lab.bench [--model tiny|<conf/model name>] [--world 2] [--steps N]`` spawns
+``world`` CPU ranks, trains the same model on the same random tokens with each stage 0-3 in turn
+(TP 1, no ZeRO-R) and prints the median step time (after warm-up) per stage and its ratio to
+stage 0. Times are *measured* on this machine's CPUs over gloo; they say nothing about GPU
+clusters (gloo has no fast reduce-scatter / all-gather of flat buffers: stages 1-3 run them as
+point-to-point exchanges, ``distributed.transport.PairwiseTransport``).
+
+``python -m zero_repro.lab.bench --ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]``
+instead races each overlap knob of the ZeRO-DP schedule off (A) against on (B), for the stages
+it acts on (§7 volumes are the same either way):
+
+  overlap_param_gather  stages 1, 2  bucket all-gathers overlap the step and the next forward
+  prefetch_next_step    stage 3      the next forward's first gathers start inside step()
+  keep_gathered_turn    stage 3      root + last block stay gathered from forward to backward
+  split_tied_grad       stages 0-2   tied embedding gradient in its two parts, no dense V×h tensor
+                                     (stage 2: head GEMM into the buckets, lookup rows exchanged
+                                     sparse; not bit-identical: the rounding of the sum differs)
+  all                   stages 0-3   every knob above off (A) against every knob on (B)
+
+One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
+steps (it is read afresh every step, see the stages), so A and B steps alternate A B B A … on
+the same model, data stream and machine load; the machine is shared, so only interleaved
+medians are compared. Knobs that act across the step boundary (``CROSS_STEP``: what step k
+launches is waited for in step k + 1) alternate in blocks of two steps, of which only the
+second is timed: a timed step always follows a step of its own variant. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
+its time the slowest rank's. Per repeat: the median step time of A (knob off, the other knobs
+at their defaults) and of B (knob on) and their ratio B/A; printed: the median ratio over the
+repeats with its spread (min-max), and both medians. Results are bit-identical either way for
+the overlap knobs (``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved;
+``split_tied_grad`` changes the rounding of the tied gradient's sum (the same values within
+fp32 rounding: ``tests/test_tied_grad.py``) and the work itself (no dense V×h lookup gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.train.step import train_step
+from zero_repro.paths import conf_group_dir
+from zero_repro.runtime.zero import build_strategy
+
+
+def model_config(name: str) -> ModelConfig:
+    if name == "tiny":
+        return ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
+                           vocab_pad_multiple=8)
+    path = conf_group_dir("model") / f"{name}.yaml"
+    if path.exists():
+        raw = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items()
+               if k != "defaults"}
+        return ModelConfig(**raw)
+    if name == "gpt_20m":
+        return ModelConfig(name="gpt_20m", n_layer=6, n_embd=512, n_head=8, seq_len=128,
+                           vocab_size=50257)
+    raise ValueError(f"--model {name!r}: use tiny or gpt_20m (or add conf/model/{name}.yaml)")
+
+
+def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: int,
+                  micro: int, dtype: str) -> dict:
+    out = {}
+    for stage in range(4):
+        topo = Topology.build(1)
+        model = GPT(mcfg, topo.tp_group)
+        model.init_weights(0)
+        strat = build_strategy(model, topo, ZeroConfig(stage=stage, dtype=dtype),
+                               TrainConfig(micro_batch_size=micro))
+        g = torch.Generator().manual_seed(rank)
+        times, losses = [], []
+        for step in range(warmup + steps):
+            idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
+            t0 = time.perf_counter()
+            step_losses: list[torch.Tensor] = []
+            train_step(strat, [(idx, idx)], on_loss=step_losses.append)
+            dt = time.perf_counter() - t0
+            if step >= warmup:
+                times.append(dt)
+            losses.append(step_losses[0].item())
+        out[stage] = {"median_s": statistics.median(times), "last_loss": losses[-1],
+                      "psi": sum(p.numel() for p in model.parameters())}
+        strat.remove_hooks()
+    return out
+
+
+KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
+               "keep_gathered_turn": (3,), "split_tied_grad": (0, 1, 2), "all": (0, 1, 2, 3)}
+KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn", "split_tied_grad")
+
+
+def _variant(zero: ZeroConfig, knob: str, on: bool) -> ZeroConfig:
+    names = KNOBS if knob == "all" else (knob,)
+    return dataclasses.replace(zero, **{n: on for n in names})
+
+
+def _order(steps: int) -> list[bool]:
+    """A B B A A B B A …: each variant equally often first and second of a pair."""
+    return [(i % 4) in (1, 2) for i in range(2 * steps)]
+
+
+# knobs whose effect crosses a step boundary: what step k starts (the next step's first
+# gathers, the parameter all-gather) is paid in step k and saved in step k + 1
+CROSS_STEP = {"overlap_param_gather", "prefetch_next_step", "all"}
+
+
+def _schedule(steps: int, knob: str) -> list[tuple[bool, bool]]:
+    """(variant, timed) per step. Within-step knobs: A B B A …, every step timed. Cross-step
+    knobs: the same order in blocks of two steps, only the second timed, so every timed step
+    follows a step of its own variant (per-step alternation would credit a B step's prefetch
+    to the A step after it)."""
+    if knob not in CROSS_STEP:
+        return [(on, True) for on in _order(steps)]
+    return [(on, timed) for on in _order(steps) for timed in (False, True)]
+
+
+def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, str]],
+               steps: int, warmup: int, repeats: int, micro: int, dtype: str) -> dict:
+    out = {}
+    for stage, knob in cases:
+        topo = Topology.build(1)
+        model = GPT(mcfg, topo.tp_group)
+        model.init_weights(0)
+        base = ZeroConfig(stage=stage, dtype=dtype)
+        strat = build_strategy(model, topo, base, TrainConfig(micro_batch_size=micro))
+        g = torch.Generator().manual_seed(rank)
+
+        def one_step(on: bool) -> float:
+            strat.zero = _variant(base, knob, on)
+            idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
+            t0 = time.perf_counter()
+            train_step(strat, [(idx, idx)])
+            return time.perf_counter() - t0
+
+        for i in range(warmup):
+            one_step(i % 2 == 1)
+        reps = []
+        for _ in range(repeats):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for on, timed in _schedule(steps, knob):
+                t = one_step(on)
+                if timed:
+                    times[on].append(t)
+            reps.append(times)
+        out[(stage, knob)] = reps
+        strat.remove_hooks()
+    return out
+
+
+def summarize(results: list[dict], cases: list[tuple[int, str]]) -> list[dict]:
+    """Per case: per-repeat medians (slowest rank per step) and B/A ratios."""
+    rows = []
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        meds = []
+        for k in range(len(per_rank[0])):
+            step_t = {on: [max(r[k][on][j] for r in per_rank)
+                           for j in range(len(per_rank[0][k][on]))] for on in (False, True)}
+            meds.append((statistics.median(step_t[False]), statistics.median(step_t[True])))
+        ratios = [b / a for a, b in meds]
+        rows.append({"stage": case[0], "knob": case[1], "a_ms": [a * 1e3 for a, _ in meds],
+                     "b_ms": [b * 1e3 for _, b in meds], "ratios": ratios,
+                     "ratio": statistics.median(ratios)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--ab", nargs="+", choices=list(KNOB_STAGES),
+                    help="A/B race of overlap knobs instead of the stage table")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="with --ab")
+    ap.add_argument("--repeats", type=int, default=3, help="with --ab")
+    a = ap.parse_args(argv)
+    mcfg = model_config(a.model)
+    if a.ab:
+        return ab_main(a, mcfg)
+    res = spawn(_bench_worker, a.world, mcfg, a.steps, a.warmup, a.micro, a.dtype)
+    # a step ends when the slowest rank ends: take the max over ranks of each stage's median
+    med = {s: max(r[s]["median_s"] for r in res) for s in range(4)}
+    psi = res[0][0]["psi"]
+    print(f"measured on local CPU ranks (gloo): model={a.model} Ψ={psi:,} world={a.world} "
+          f"micro_batch={a.micro} dtype={a.dtype} steps={a.steps} (+{a.warmup} warm-up)")
+    print(f"{'stage':>5} {'median step (ms)':>17} {'ratio to stage 0':>17} {'last loss':>10}")
+    for s in range(4):
+        print(f"{s:>5} {med[s] * 1e3:>17.1f} {med[s] / med[0]:>17.2f} "
+              f"{res[0][s]['last_loss']:>10.4f}")
+
+
+def ab_main(a: argparse.Namespace, mcfg: ModelConfig) -> None:
+    """The --ab race: interleaved medians and B/A ratios per (stage, knob)."""
+    cases = [(s, k) for k in a.ab for s in KNOB_STAGES[k] if s in a.stages]
+    res = spawn(_ab_worker, a.world, mcfg, cases, a.steps, a.warmup, a.repeats, a.micro,
+                a.dtype)
+    print(f"measured on local CPU ranks (gloo), interleaved A/B: model={a.model} "
+          f"world={a.world} micro_batch={a.micro} dtype={a.dtype} {a.steps} steps per variant "
+          f"x {a.repeats} repeats (+{a.warmup} warm-up); A = knob off, B = knob on")
+    print(f"{'stage':>5} {'knob':>21} {'A medians ms':>22} {'B medians ms':>22} "
+          f"{'B/A median':>10} {'B/A spread':>13}")
+    for r in summarize(res, cases):
+        rng = lambda xs: f"{min(xs):.0f}-{max(xs):.0f}"  # noqa: E731
+        print(f"{r['stage']:>5} {r['knob']:>21} {rng(r['a_ms']):>22} {rng(r['b_ms']):>22} "
+              f"{r['ratio']:>10.3f} {min(r['ratios']):>6.3f}-{max(r['ratios']):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Plotting shared by the throughput figures (paper Figures 2, 3, 4, 8): a paper-scale panel
+(simulated + the paper's values overlaid + cluster-measured) and a panel for the local
+scaled-down measurement; bars for categorical x, lines for numeric x. Axis titles are words
+with units (``axis_label``), legends sit below the axes (never over data) with full labels,
+and a paper bar is drawn hatched and unfilled in its series' colour, so it never looks like a
+simulated or measured bar.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from zero_repro.lab.figures.figures import LINESTYLES, MARKERS, save_figure
+from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, UNIT, Y_NAME
+from zero_repro.lab.figures.throughput_summary import write_predictions
+
+def _pyplot():
+    # matplotlib is only needed to draw (regenerating a table does not); Agg: no display
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+AXIS_WORDS = {Y_NAME: f"throughput per GPU [{UNIT}]", AGG_NAME: f"aggregate throughput "
+              f"[{AGG_UNIT}]", "num_gpus": "number of GPUs",
+              "model_size_B": "model size [billion parameters]",
+              "zero_config": "ZeRO configuration (Table 3)"}
+
+
+def axis_label(name: str) -> str:
+    """An axis title in words with its unit, for a table's x_name / y_name."""
+    return AXIS_WORDS.get(name, str(name).replace("_", " "))
+
+
+def label(series: str, kind: str) -> str:
+    return f"{series} [{kind}]"
+
+
+def legend_below(ax, handles=None, labels=None, ncol: int = 1, fontsize: float = 7.5) -> None:
+    """The legend under the axes (outside the data), full labels."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+                  ncol=ncol, fontsize=fontsize, frameon=False)
+
+
+def mean_err(df) -> str:
+    if "rel_error_vs_paper" not in df:
+        return ""
+    e = pd.to_numeric(df["rel_error_vs_paper"], errors="coerce").abs()
+    return f"  mean |err| vs paper {100 * e.mean():.1f}%" if e.notna().any() else ""
+
+
+def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) -> None:
+    """Grouped bars: one group per x in ``xs`` (categorical), one bar per (series, kind);
+    colour = series, paper bars unfilled and hatched in that colour."""
+    groups = list(dict.fromkeys(zip(df["series"], df["kind"])))
+    palette = palette or [f"C{i}" for i in range(10)]
+    colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(df["series"]))}
+    width = 0.8 / max(1, len(groups))
+    hatch = {"paper": "///", "simulated": "", "measured": "..", "analytic": "xx"}
+    for i, (series, kind) in enumerate(groups):
+        g = df[(df["series"] == series) & (df["kind"] == kind)]
+        pos = [xs.index(x) + (i - (len(groups) - 1) / 2) * width for x in g["x_value"]]
+        paper = kind == "paper"
+        ax.bar(pos, g["y_value"].astype(float), width, label=label(series, kind),
+               hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
+               edgecolor=colors[series] if paper else "black",
+               color="white" if paper else colors[series])
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def draw_lines(ax, df, logx: bool = False) -> None:
+    """Lines over a numeric x: one per (series, kind); paper values as X markers."""
+    xnum = pd.to_numeric(df["x_value"], errors="coerce")
+    for _, r in df[xnum.isna()].iterrows():  # the paper's reference lines (x = "all")
+        name = str(r["series"])  # drawn as the caption says: "(dotted)", "(dashed)"
+        style = ":" if "dotted" in name else "--" if "dashed" in name else "-."
+        ax.axhline(float(r["y_value"]), color="gray", linewidth=1.0, linestyle=style)
+        ax.annotate(str(r["series"]), (0.99, float(r["y_value"])), fontsize=7, ha="right",
+                    xycoords=("axes fraction", "data"), va="bottom", color="gray")
+    df = df[xnum.notna()].assign(_x=xnum[xnum.notna()])
+    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(df["series"]))}
+    for (series, kind), g in df.groupby(["series", "kind"], sort=False):
+        g = g.sort_values("_x")
+        ax.plot(g["_x"], g["y_value"].astype(float), marker=MARKERS.get(kind, "o"),
+                linestyle=LINESTYLES.get(kind, "-"), color=colors[series],
+                markersize=9 if kind == "paper" else 5, label=label(series, kind))
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+
+
+def save(fig, out_dir: str, name: str) -> list[str]:
+    fig.tight_layout()
+    return save_figure(fig, out_dir, name, dpi=130)
+
+
+def split(table):
+    """(paper-scale rows incl. paper overlay, local measured rows) of a throughput table."""
+    local = table["hardware"].fillna("").str.contains("CPU rank") if "hardware" in table else (
+        table["kind"] == "__none__")
+    return table[~local], table[local]
+
+
+def local_title(local) -> str:
+    hw = next((h for h in local.get("hardware", []) if isinstance(h, str) and h), "")
+    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90]
+
+
+def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool) -> list[str]:
+    """Paper-scale panel (simulated + paper overlay + cluster-measured) and local panel."""
+    plt = _pyplot()
+    write_predictions(table, out_dir)
+    big, local = split(table)
+    big, local = big[big["y_name"] == Y_NAME], local[local["y_name"] == Y_NAME]
+    n = 1 + bool(len(local))
+    fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 6.4), squeeze=False)
+    ax = axes[0][0]
+    if categorical:
+        draw_bars(ax, big, sorted(dict.fromkeys(big["x_value"]), key=str))  # C1..C5
+    else:  # a linear x: every model size where it is (a log axis crowds 40-170B together)
+        draw_lines(ax, big)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(axis_label(Y_NAME))
+    ax.set_xlabel(axis_label(big["x_name"].iloc[0]) if len(big) else "")
+    ax.set_title(title + mean_err(big), fontsize=9)
+    legend_below(ax)
+    if len(local):
+        ax = axes[0][1]
+        size = local["x_name"].iloc[0] == "model_size_B"
+        # local models are millions of parameters: label them so, not "0.000137" B
+        local = local.assign(x_value=[f"{float(x) * 1e3:.3g}M" if size else
+                                      f"{x:.4g}" if isinstance(x, float) else str(x)
+                                      for x in local["x_value"]])
+        draw_bars(ax, local, list(dict.fromkeys(local["x_value"])))
+        ax.set_xlabel("model size [million parameters]" if size
+                      else axis_label(local["x_name"].iloc[0]))
+        ax.set_title(local_title(local), fontsize=9)
+        legend_below(ax)
+    return save(fig, out_dir, name)

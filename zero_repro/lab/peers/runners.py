@@ -1,0 +1,248 @@
+"""Peer runners: the same GPT, seed and global batches trained by torch DDP, DDP +
+ZeroRedundancyOptimizer, FSDP2 ``fully_shard``, DeepSpeed ZeRO 1-3 and this project's stages
+0-3, each in lock step with a single-process reference (paper §5: every ZeRO-DP stage trains
+*the same model* as baseline DP; §7: stages 0-2 move 2Ψ elements per step, stage 3 moves 3Ψ).
+
+Equivalence: after every step s each framework's parameters θ_f(s) are compared with the
+reference θ_ref(s) (``torch.optim.AdamW`` on the TP=1 model over the full global batch):
+``max |θ_f(s) - θ_ref(s)|`` per tensor, over the elements this rank holds (a full replica for
+DDP-like peers, the local shard for FSDP2, the gathered parameters for the project's stages and
+DeepSpeed ZeRO-3). The reference runs on every rank (redundantly, not timed), so no reference
+snapshot is stored or sent anywhere.
+
+Speed: frameworks are interleaved step by step (the order rotates every step) inside one set of
+processes, so load from other programs on the machine hits every framework alike. A timed step
+is barrier -> forward/backward/step/zero_grad -> clock; the step time of a step is the slowest
+rank's. Like with like: with ``optimizer="fused"`` every peer runs ``torch.optim.AdamW(
+fused=True)``, the kernel of this project's ShardAdamW (``"as_shipped"``: the peers' defaults).
+``lower_bound`` is the floor: the same micro-batch's forward + backward with no communication
+plus the fused AdamW on Ψ/N_d elements.
+
+Isolation: a framework that replaces a torch function for the whole process (``PATCHES_TORCH``:
+DeepSpeed ZeRO-3 sets ``torch.nn.functional.linear``, measured) runs in its own process set
+(``process_sets``), so no other framework runs through its functions; the lower bound runs in
+every set and puts the sets on one scale (report.py).
+
+Communication: one untimed warm-up step per framework runs under ``CommCounter`` (a
+``TorchDispatchMode`` that sees every c10d collective, including DDP's C++ reducer calls) and is
+counted in a ``comm.CommLedger`` with comm.py's paper-volume convention. Memory: bytes of the
+distinct storages of parameters, gradients and optimizer state this rank holds after a step.
+
+Entry points (module level, usable with ``launch.spawn``): ``run_peers(rank, world, spec)``
+and one ``run_<framework>`` per framework.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.train.data import make_source, rank_batch
+from zero_repro.lab.peers.frameworks import (FRAMEWORKS, LOWER_BOUND, OPTIMIZERS, PATCHES_TORCH,
+                                         RUNNERS, CommCounter, Reference, Runner)
+
+log = logging.getLogger(__name__)
+
+
+
+def process_sets(frameworks, anchors=(LOWER_BOUND,), by_stage: bool = False
+                 ) -> list[tuple[str, ...]]:
+    """Split ``frameworks`` into process sets: one for every framework that does not patch
+    torch (one per ZeRO stage with ``by_stage``: fewer model copies per process for large
+    models), one per patching framework. ``anchors`` (the lower bound) run in every set, so
+    each set's times can be put on one scale (ratios across sets divide by the set's bound)."""
+    fws = [f for f in frameworks if f not in anchors]
+    plain = [f for f in fws if f not in PATCHES_TORCH]
+    if by_stage:
+        stages = sorted({FRAMEWORKS[f][0] for f in plain})
+        sets = [[f for f in plain if FRAMEWORKS[f][0] == k] for k in stages]
+    else:
+        sets = [plain] if plain else []
+    sets += [[f] for f in fws if f in PATCHES_TORCH]
+    anchors = [a for a in anchors if a in frameworks]
+    return [tuple(s + anchors) for s in sets] or ([tuple(anchors)] if anchors else [])
+
+
+@dataclass
+class PeerSpec:
+    """Everything a run needs (picklable: travels to spawned ranks)."""
+
+    model: ModelConfig
+    train: TrainConfig  # lr, betas, eps, weight_decay, micro_batch_size, steps, warmup, seed
+    zero: ZeroConfig  # bucket sizes for the project's stages and DeepSpeed; dtype must be fp32
+    frameworks: tuple = ()
+    digest_every: int = 1  # compare with the reference every k steps (and at the last step)
+    comm_step: int = -1  # step counted by CommCounter (untimed); -1: the last warm-up step
+    param_tol_rel_lr: float = 0.05  # |Δθ| floor at step s: param_tol_rel_lr · lr · (s + 1)
+    # "fused": every peer's AdamW is torch.optim.AdamW(fused=True), the kernel this project's
+    # ShardAdamW runs (like with like); "as_shipped": the peers' defaults (on CPU torch's
+    # AdamW then takes its single-tensor path). The project's stages run fused in both.
+    optimizer: str = "fused"
+    reference: bool = True  # train the single-process reference and compare (equivalence)
+    # fp32 rounding of a gradient, relative to the largest gradient of its tensor, that the
+    # conditioning budget assumes (report.py: principled parameter tolerance)
+    grad_rounding_rel: float = 1e-5
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.frameworks if f not in FRAMEWORKS]
+        if unknown:
+            raise ValueError(f"unknown peer frameworks {unknown}: choose from {list(FRAMEWORKS)}")
+        if self.zero.dtype != "fp32":
+            raise ValueError("peer comparisons run in fp32: set zero.dtype=fp32")
+        if self.train.grad_accum != 1:
+            raise ValueError("peer comparisons use train.grad_accum=1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose from {list(OPTIMIZERS)}")
+
+
+# ------------------------------------------------------------------------------ the driver
+@dataclass
+class Trace:
+    """What one framework did on this rank."""
+
+    losses: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)  # every step (warm-up included)
+    dparam: list = field(default_factory=list)  # per step: (max |Δ|, tensor) or None
+    comm: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    build_s: float = 0.0
+
+
+def digest(runner: Runner, ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """(max |θ_f - θ_ref| over the elements this rank holds, the tensor where it is largest)."""
+    c = compare(runner, ref)
+    return c[0], c[1]
+
+
+def compare(runner: Runner, ref: dict[str, torch.Tensor],
+            budget: dict[str, torch.Tensor] | None = None, abs_tol: float = 0.0
+            ) -> tuple[float, str, float, int]:
+    """(max |Δθ|, its tensor, max over elements of |Δθ| / (abs_tol + budget), elements beyond
+    ``abs_tol`` but within their budget) over the elements this rank holds, Δθ = θ_f - θ_ref.
+
+    The third value is the verdict (<= 1: equivalent); without ``budget`` it is
+    max |Δθ| / abs_tol (inf when abs_tol is 0 and Δθ is not)."""
+    worst, where, ratio, n_cond = 0.0, "", 0.0, 0
+    for name, t, row0 in runner.views():
+        if t.numel() == 0:
+            continue
+        r = ref[name]
+        b = budget.get(name) if budget is not None else None
+        if row0 is not None:
+            rows = t.shape[0] if t.dim() else 0
+            r = r.narrow(0, min(row0, r.shape[0]), rows) if rows else r[:0]
+            if b is not None:
+                b = b.narrow(0, min(row0, b.shape[0]), rows) if rows else b[:0]
+        diff = (t.float() - r.reshape(t.shape)).abs()
+        d = float(diff.max())
+        if d > worst or not where or math.isnan(d):
+            worst, where = d, name
+        allowed = abs_tol + (b.reshape(t.shape) if b is not None else 0.0)
+        if isinstance(allowed, float) and allowed == 0.0:
+            q = 0.0 if d == 0 else math.inf
+        else:
+            q = float((diff / allowed).max()) if not math.isnan(d) else math.nan
+        if not q <= ratio:  # NaN counts as the worst
+            ratio = q
+        if b is not None:
+            n_cond += int(((diff > abs_tol) & (diff <= allowed)).sum())
+    return worst, where, ratio, n_cond
+
+
+def _timed_step(runner: Runner, x, y, world: comm.Group) -> tuple[float, float]:
+    comm.barrier(world)
+    t0 = time.perf_counter()
+    loss = runner.step(x, y)
+    return loss, time.perf_counter() - t0
+
+
+def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
+    """Train every framework of ``spec`` (and the reference, unless ``spec.reference`` is
+    false) in lock step on this rank.
+
+    Returns ``{"frameworks": {name: Trace as dict}, "reference_losses": [...], "rank": r}``;
+    losses are this rank's local losses (the global loss is the mean over ranks). ``dparam``
+    entries are ``compare``'s (max |Δθ|, tensor, tolerance ratio, elements within budget
+    only)."""
+    t = spec.train
+    world = None  # comm.barrier(None): the default group, every rank
+    source = make_source(t.data, spec.model.seq_len, spec.model.vocab_size, t.seed)
+    ref = Reference(spec, rank, world_size) if spec.reference else None
+    runners: dict[str, Runner] = {}
+    traces: dict[str, Trace] = {}
+    for name in spec.frameworks:
+        t0 = time.perf_counter()
+        runners[name] = RUNNERS[name](spec, rank, world_size)
+        traces[name] = Trace(build_s=time.perf_counter() - t0)
+    comm_step = spec.comm_step if spec.comm_step >= 0 else max(0, t.warmup_steps - 1)
+    ref_losses = []
+    names = list(runners)
+    for step in range(t.steps):
+        ref_params = None
+        if ref is not None:
+            gx, gy = rank_batch(source, step, t.micro_batch_size * world_size, 1, 0)
+            ref_losses.append(ref.step(gx, gy))
+            ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+        x, y = rank_batch(source, step, t.micro_batch_size, world_size, rank)
+        k = step % max(1, len(names))
+        last = step == t.steps - 1
+        for name in names[k:] + names[:k]:  # rotate: no framework always runs first
+            r, tr = runners[name], traces[name]
+            if step == comm_step:
+                tr.losses.append(_counted_step(r, tr, x, y))
+                tr.step_times.append(float("nan"))
+            else:
+                loss, dt = _timed_step(r, x, y, world)
+                tr.losses.append(loss)
+                tr.step_times.append(dt)
+            check = ref_params is not None and name != LOWER_BOUND and (
+                last or step % spec.digest_every == 0)
+            abs_tol = spec.param_tol_rel_lr * t.lr * (step + 1)
+            tr.dparam.append(compare(r, ref_params, ref.budget, abs_tol) if check else None)
+            if last:
+                tr.memory = r.memory()
+    return {"rank": rank, "reference_losses": ref_losses,
+            "frameworks": {n: vars(tr) for n, tr in traces.items()}}
+
+
+def _counted_step(runner: Runner, trace: Trace, x, y) -> float:
+    comm.barrier(None)
+    own = runner.comm_ledger()
+    if own is not None:
+        own.reset()
+        loss = runner.step(x, y)
+        trace.comm = {"source": "zero_repro.runtime.comm.comm ledger", **own.as_dict()}
+        return loss
+    ledger = comm.CommLedger()
+    with CommCounter(ledger):
+        loss = runner.step(x, y)
+    trace.comm = {"source": "c10d dispatch counter", **ledger.as_dict()}
+    return loss
+
+
+def _single(name: str):
+    def run(rank: int, world_size: int, spec: PeerSpec) -> dict:
+        return run_peers(rank, world_size, replace(spec, frameworks=(name,)))
+
+    run.__name__ = run.__qualname__ = f"run_{name}"
+    run.__doc__ = f"``run_peers`` with the single framework {name!r} (usable with spawn)."
+    return run
+
+
+run_torch_ddp = _single("torch_ddp")
+run_torch_zero_redundancy = _single("torch_zero_redundancy")
+run_fsdp2_no_reshard = _single("fsdp2_no_reshard")
+run_fsdp2_reshard = _single("fsdp2_reshard")
+run_deepspeed_z1 = _single("deepspeed_z1")
+run_deepspeed_z2 = _single("deepspeed_z2")
+run_deepspeed_z3 = _single("deepspeed_z3")
+run_zero_repro_s0 = _single("zero_repro_s0")
+run_zero_repro_s1 = _single("zero_repro_s1")
+run_zero_repro_s2 = _single("zero_repro_s2")
+run_zero_repro_s3 = _single("zero_repro_s3")
+run_lower_bound = _single(LOWER_BOUND)

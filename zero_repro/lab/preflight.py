@@ -1,0 +1,114 @@
+"""Pre-flight checks of a sweep's points against this machine, before the first point runs.
+
+``config.validate`` checks a configuration by itself; this module checks what a point needs
+from the machine that starts its ranks, so that a point that cannot run is a user error (one
+line, exit status 2) and not a ``failed`` record minutes later or an OOM-killed machine:
+
+* files and devices (``launcher.check_runnable``): the token file, CUDA/NCCL, the checkpoint
+  directory, the checkpoint to resume from;
+* cores: more local ranks than ``RANKS_PER_CORE`` x the usable cores is refused (each rank
+  spins in its collectives; far past the core count gloo times out and nothing is measured);
+* memory: the closed-form per-rank estimate of paper §3/§5/§6 (``measure.analytic``:
+  model states ``(2·lp + K)Ψ`` split by the stage, activations, logits, buffers) plus a Python +
+  torch process per rank, summed over the ranks on this machine, against the memory available
+  now (CPU) or each device's memory (CUDA).
+
+``launcher.oversubscribe=true`` skips the two resource checks (the estimate is an estimate;
+oversubscribing cores is legitimate for debugging). Checks apply to points that start ranks on
+this machine: ``mode=measured`` with ``launcher=local`` or ``torchrun``, or ``slurm`` inside an
+allocation; simulated and analytic points start nothing.
+"""
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from zero_repro import config as C
+from zero_repro.lab import launcher
+from zero_repro.scale import analytic
+
+RANKS_PER_CORE = 4  # fig5's default 4 ranks must run on a 2-core laptop; 64 must not
+PROCESS_BYTES = 0.35e9  # one rank's Python + torch + gloo before the model (measured: ~0.3 GB)
+
+
+def runs_here(cfg: C.Config, mode: str) -> bool:
+    """Whether a point of this mode starts ranks on this machine."""
+    if mode != "measured":
+        return False
+    return cfg.launcher.name != "slurm" or "SLURM_JOB_ID" in os.environ
+
+
+def check_points(planned) -> None:
+    """ValueError naming the first point (a PlannedPoint of ``harness.sweep``) that cannot run
+    here, and the setting to change."""
+    for pp in planned:
+        if not runs_here(pp.cfg, pp.point.mode):
+            continue
+        try:
+            launcher.check_runnable(pp.cfg, pp.point.run_dir)
+            check_resources(pp.cfg)
+        except ValueError as e:
+            raise ValueError(f"point {pp.point.name!r}: {e}") from None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def estimate_rank_bytes(cfg: C.Config) -> float:
+    """Closed-form bytes one rank holds at its peak (paper §3, §5, §6; ``analytic``)."""
+    m, p, z, zr, t = cfg.model, cfg.parallel, cfg.zero, cfg.zero_r, cfg.train
+    mem = analytic.MemConfig(stage=z.stage, checkpointing=zr.activation_checkpointing,
+                             p_a=zr.partition_activations, cpu=zr.cpu_checkpointing,
+                             c_b=zr.constant_buffers, m_d=zr.contiguous_memory)
+    parts = analytic.memory_breakdown(
+        m.n_layer, m.n_embd, m.n_head, p.tp, p.world_size // p.tp, t.micro_batch_size,
+        config=mem, seq=m.seq_len, vocab=C.padded_vocab(m, p.tp),
+        reduce_bucket=z.reduce_bucket_size, allgather_bucket=z.allgather_bucket_size,
+        dropout=m.dropout > 0)
+    # the closed form counts 2-byte activations; fp32 runs keep 4-byte ones (model states are
+    # 16 bytes/parameter either way: fp32 params+grads+m+v = fp16 params+grads + K=12)
+    act = 2.0 if z.dtype == "fp32" else 1.0
+    acts = parts["activation_checkpoints"] + parts["activation_working"] + parts["logits"]
+    states = sum(v for k, v in parts.items()
+                 if k not in ("activation_checkpoints", "activation_working", "logits"))
+    return states + act * acts
+
+
+def check_resources(cfg: C.Config) -> None:
+    """ValueError if the point's local ranks oversubscribe this machine's cores or memory
+    (skipped with ``launcher.oversubscribe=true``)."""
+    if cfg.launcher.oversubscribe:
+        return
+    ranks = launcher.local_ranks(cfg)
+    cores = usable_cores()
+    if cfg.cluster.device == "cpu" and ranks > RANKS_PER_CORE * cores:
+        raise ValueError(f"parallel.world_size={cfg.parallel.world_size} starts {ranks} ranks on "
+                         f"{cores} CPU cores (at most {RANKS_PER_CORE * cores} run usefully): "
+                         f"lower parallel.world_size, or force it with "
+                         f"launcher.oversubscribe=true")
+    per_rank = estimate_rank_bytes(cfg)
+    m = cfg.model
+    what = (f"model={m.name} ({m.n_layer} layers x {m.n_embd} hidden) with "
+            f"train.micro_batch_size={cfg.train.micro_batch_size}")
+    if cfg.cluster.device == "cuda" and torch.cuda.is_available():
+        have = torch.cuda.get_device_properties(0).total_memory
+        if per_rank > have:
+            raise ValueError(f"{what} needs ~{per_rank / 1e9:.1f} GB per "
+                             f"GPU (analytic estimate), the GPU has {have / 1e9:.1f} GB: use a "
+                             f"smaller model or batch, a higher zero.stage, or force it with "
+                             f"launcher.oversubscribe=true")
+        return
+    need = ranks * (per_rank + PROCESS_BYTES)
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise ValueError(f"{what} on {ranks} CPU ranks needs ~"
+                         f"{need / 1e9:.1f} GB (analytic estimate), this machine has "
+                         f"{have / 1e9:.1f} GB available: use a smaller model or batch, fewer "
+                         f"ranks, a higher zero.stage, or force it with "
+                         f"launcher.oversubscribe=true")

@@ -1,0 +1,405 @@
+"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``.
+
+Every number the suite reports (paper §10 figures, Tables 1-3) is derived from these records,
+so a record carries everything needed to trust and regenerate it: the resolved config, the git
+SHA, the host and hardware, the topology, how the number was obtained (``mode``: measured |
+simulated | analytic), the metrics, the memory/communication ledgers and a status
+(``STATUSES``: ok | oom | diverged | cancelled | timeout | node_fail | failed, + reason).
+
+Durability rule (what a killed sweep may do to the file): ``RecordStore.put`` takes an
+inter-process file lock, reads the file, drops any earlier record with the same key, writes the
+whole file to a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
+``points.jsonl``. The rename is atomic, so a kill at any moment leaves either the old or the
+new file: no record is lost or half-written, and the file holds at most one record per key
+(a retried failed point, or a forced re-run, replaces its old record; but a record that is not
+``ok`` never replaces an ``ok`` one unless ``put(..., replace_ok=True)``). The lock serialises
+concurrent writers (Slurm jobs of one sweep finishing together on a shared file system); a
+writer holds it while its temporary file exists, so any ``points.jsonl.<pid>.tmp`` found under
+the lock was left by a killed writer and is removed.
+
+Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
+its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
+after the point's overrides. The same command re-run gives the same keys (so done points are
+skipped); changing a knob that changes the numbers gives new keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from filelock import FileLock
+
+from zero_repro.paths import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+# ok: measured; oom: does not fit (a result); diverged: non-finite loss / nothing trained;
+# cancelled (SIGINT/SIGTERM, scancel), timeout (wall-clock limit), node_fail / preempted (Slurm's
+# own state, zero_repro.lab.slurm) and failed (anything else) are not results: the point
+# runs again next time
+STATUSES = ("ok", "oom", "diverged", "cancelled", "timeout", "node_fail", "preempted", "failed")
+DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
+KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
+# knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
+KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
+# knobs added after records were committed, left out of the key at these values (their
+# default) so the committed keys stay valid; any other value enters the key as usual
+# (overlap_param_gather's default became None = automatic later: None enters the key, so a
+# CPU point of the new default -- overlap off -- never reuses a record made with it on)
+KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
+                               "keep_gathered_turn": True, "split_tied_grad": False}}
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Record:
+    key: str  # point key (see module docstring)
+    experiment: str
+    point: str  # point name
+    params: dict  # identifying parameters of the point
+    mode: str  # measured | simulated | analytic
+    status: str  # one of STATUSES
+    reason: str = ""  # why a point is oom/failed (first lines of the error)
+    metrics: dict = field(default_factory=dict)  # loss_first, losses, tokens_per_s, ...
+    memory: dict = field(default_factory=dict)  # memory ledger: category -> bytes
+    comm: dict = field(default_factory=dict)  # communication ledger
+    topology: dict = field(default_factory=dict)  # world_size, tp, dp, nodes, ...
+    hardware: dict = field(default_factory=dict)  # torch, device name, cpu count, ...
+    hostname: str = ""
+    config: dict = field(default_factory=dict)  # the point's resolved Config
+    git_sha: str = ""
+    sweep_id: str = ""
+    timestamp: str = ""  # ISO-8601 UTC, when the record was written
+    duration_s: float = 0.0
+    schema: int = SCHEMA_VERSION
+    # machine and code signatures (zero_repro.lab.provenance): when the record may be reused
+    provenance: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(_jsonable(dataclasses.asdict(self)), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE_STATUSES
+
+
+def _jsonable(x: Any) -> Any:
+    """JSON-safe copy: NaN/inf become None, tuples lists, numpy/torch scalars Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "item"):  # numpy / torch scalar
+        return _jsonable(x.item())
+    return str(x)
+
+
+# ----------------------------------------------------------------------------------- keys
+def config_fingerprint(config: dict) -> dict:
+    """The run-relevant part of a resolved config (what the point key depends on)."""
+    out = {}
+    for sec in KEY_SECTIONS:
+        d = dict(config.get(sec) or {})
+        for k in KEY_IGNORED.get(sec, ()):
+            d.pop(k, None)
+        for k, default in KEY_ADDED_DEFAULTS.get(sec, {}).items():
+            if d.get(k, default) == default:
+                d.pop(k, None)
+        out[sec] = d
+    return out
+
+
+def point_key(params: dict, mode: str, config: dict | None = None) -> str:
+    payload = {"params": _jsonable(params), "mode": mode,
+               "config": _jsonable(config_fingerprint(config or {}))}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ provenance
+@functools.lru_cache(maxsize=None)
+def git_sha(repo_dir: str | None = None) -> str:
+    """HEAD's SHA, with ``-dirty`` when tracked files differ; ``unknown`` outside a checkout."""
+    repo_dir = repo_dir or str(REPO_ROOT)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=repo_dir, capture_output=True, text=True, timeout=10).stdout
+        return sha + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def host_info() -> dict:
+    """Host and software facts. Imports nothing heavy: torch is asked about devices only when
+    the process has already imported it (a CPU-only analytic point should not pay for it)."""
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
+                            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        info["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        info["torch"] = None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(0)
+        info["device_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        if var in os.environ:
+            info[var.lower()] = os.environ[var]
+    return info
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------- OOM / errors
+# CUDA's OutOfMemoryError, Python's MemoryError, and the CPU allocator's failure
+# ("DefaultCPUAllocator: can't allocate memory"); a remote rank's error arrives as text
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory",
+                "can't allocate memory", "DefaultCPUAllocator: not enough memory")
+# exception type names a rank raises that are statuses of their own (train.loop.Diverged); a
+# rank's error reaches this process as text, so they are matched by name
+_STATUS_MARKERS = (("Diverged", "diverged"),)
+
+
+def classify_failure(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) for an exception raised by a point: ``oom``, ``diverged`` or
+    ``failed`` (KeyboardInterrupt and the CLI's SIGTERM, ``launch.Terminated``: ``cancelled``;
+    ``timeout`` / ``node_fail`` come from Slurm's job state)."""
+    text = f"{type(exc).__name__}: {exc}"
+    status = "failed"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or type(exc).__name__ == "Cancelled":
+        status = "cancelled"
+    elif isinstance(exc, MemoryError) or any(m in text for m in _OOM_MARKERS):
+        status = "oom"
+    else:
+        status = next((st for marker, st in _STATUS_MARKERS if marker in text), "failed")
+    reason = text.strip().splitlines()
+    # keep the head (the error) and the last line (often the real cause in a remote traceback)
+    short = "\n".join(reason[:3] + (reason[-1:] if len(reason) > 3 else []))[:2000]
+    return status, short
+
+
+# ---------------------------------------------------------------------------------- store
+class RecordStore:
+    """``results/<exp>/points.jsonl``: load, query and atomically put records."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        # the lock file lives in the git-ignored runs/ folder, not beside the committed JSONL
+        self.lock_path = os.path.join(os.path.dirname(self.path), "runs", ".points.jsonl.lock")
+
+    @classmethod
+    def for_experiment(cls, results_dir: str, experiment: str) -> "RecordStore":
+        return cls(os.path.join(results_dir, experiment, "points.jsonl"))
+
+    def load(self) -> list[Record]:
+        if not os.path.exists(self.path):
+            return []
+        out = []
+        with open(self.path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                    if not isinstance(doc, dict):
+                        raise TypeError(f"a JSON {type(doc).__name__}, not an object")
+                    out.append(Record.from_dict(doc))
+                except (json.JSONDecodeError, TypeError, ValueError) as e:
+                    # only possible if someone edited the file by hand: keep the rest usable
+                    log.warning("%s:%d: skipping unreadable record (%s)", self.path, i, e)
+        return out
+
+    def done_keys(self) -> set[str]:
+        """Keys with an ok/oom record, whoever made it (``harness.sweep.reusable_keys`` adds
+        the machine/code rule that decides what a sweep skips)."""
+        return {r.key for r in self.load() if r.done}
+
+    def done_records(self) -> dict[str, Record]:
+        return {r.key: r for r in self.load() if r.done}
+
+    def put(self, record: Record, replace_ok: bool = False) -> bool:
+        """Insert/replace ``record`` (by key) atomically; see the module docstring. A record
+        that is not ``ok`` does not replace an ``ok`` one (returns False, file unchanged)
+        unless ``replace_ok``."""
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        with FileLock(self.lock_path, timeout=600):
+            self._remove_stale_temps()
+            old = self.load()
+            if record.status != "ok" and not replace_ok and any(
+                    r.key == record.key and r.status == "ok" for r in old):
+                log.warning("point %s: keeping its ok record; the %s re-run is not recorded "
+                            "over it", record.point, record.status)
+                return False
+            kept = [r for r in old if r.key != record.key]
+            _atomic_write_lines(self.path, [r.to_json() for r in kept] + [record.to_json()])
+        return True
+
+    def _remove_stale_temps(self) -> None:
+        """Under the lock: temporary files of writers that were killed mid-write."""
+        folder, base = os.path.dirname(self.path), os.path.basename(self.path)
+        if not os.path.isdir(folder):
+            return
+        for name in os.listdir(folder):
+            if name.startswith(base + ".") and name.endswith(".tmp"):
+                log.info("removing %s, left by a writer that was killed", name)
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+    def remove(self, keys: Iterable[str]) -> int:
+        keys = set(keys)
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        with FileLock(self.lock_path, timeout=600):
+            self._remove_stale_temps()
+            records = self.load()
+            kept = [r for r in records if r.key not in keys]
+            _atomic_write_lines(self.path, [r.to_json() for r in kept])
+        return len(records) - len(kept)
+
+
+def _atomic_write_lines(path: str, lines: list[str]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable (POSIX: fsync the directory)
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def loss_curve(record: Record) -> list[tuple[int, Any]]:
+    """(step, loss) of every step a record knows, placed at its true step index: a resumed run's
+    ``losses`` start at ``metrics.start_step``; the steps before it (from the checkpoint it
+    resumed, ``losses_before_start``) come first when known. Summaries must index losses
+    through this, never by list position."""
+    m = record.metrics or {}
+    start = int(m.get("start_step") or 0)
+    before = list(m.get("losses_before_start") or [])
+    out = list(enumerate(before)) if len(before) == start else []
+    return out + [(start + i, v) for i, v in enumerate(m.get("losses") or [])]
+
+
+def skipped_steps_of(record: Record) -> set[int]:
+    """Step indices whose optimizer step was skipped (fp16 overflow / non-finite gradient),
+    including those before a resume."""
+    m = record.metrics or {}
+    return set(m.get("skipped_at") or []) | set(m.get("skipped_before_start") or [])
+
+
+def _ident(r: Record) -> str:
+    return json.dumps([r.point, _jsonable(r.params), r.mode], sort_keys=True)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(_jsonable(v), sort_keys=True)
+    return out
+
+
+def knob_label(config: dict) -> str:
+    """A series name from a record's resolved config (never from a label a config pinned):
+    model shape, dtype, ZeRO stage and ZeRO-R, world = TP x DP, steps. E.g.
+    ``GPT 2x64 (h4, s64) fp32 stage 2 w2=tp1xdp2 8 steps``."""
+    m, p = config.get("model") or {}, config.get("parallel") or {}
+    z, zr, t = config.get("zero") or {}, config.get("zero_r") or {}, config.get("train") or {}
+    world, tp = p.get("world_size", 1), p.get("tp", 1)
+    label = (f"GPT {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
+             f"s{m.get('seq_len')}) {z.get('dtype')} stage {z.get('stage')}")
+    if zr.get("name") not in (None, "", "off"):
+        label += f" + ZeRO-R {str(zr['name']).upper()}"
+    return label + f" w{world}=tp{tp}xdp{world // max(1, tp)} {t.get('steps')} steps"
+
+
+def knob_diff(record: Record, others: Iterable[Record]) -> dict:
+    """The run-relevant config knobs (``config_fingerprint``, dotted) whose value in ``record``
+    differs from at least one of ``others``: what tells two records of one point apart."""
+    mine = _flat(config_fingerprint(record.config))
+    keys: set = set()
+    for o in others:
+        theirs = _flat(config_fingerprint(o.config))
+        keys |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+    return {k: json.loads(mine[k]) if k in mine else None for k in sorted(keys)}
+
+
+def variants(records: Iterable[Record]) -> list[list[Record]]:
+    """Records in layers: layer 0 holds the newest done record of every (point name, params,
+    mode),
+    layer 1 the next newest of those that have more, and so on. Records of one point that
+    differ in a config knob (dtype, steps, model, ...) have different keys and all stay
+    visible: each layer is summarized on its own and its series named by the knobs that tell
+    it apart (``harness.regenerate.summary_frame``)."""
+    by: dict[str, list[Record]] = {}
+    for r in records:
+        by.setdefault(_ident(r), []).append(r)
+    layers: list[list[Record]] = []
+    for group in by.values():
+        # done (ok/oom) records first: a failed re-run never hides a result
+        group = sorted(group, key=lambda r: (r.done, r.timestamp), reverse=True)
+        for i, r in enumerate(group):
+            if i == len(layers):
+                layers.append([])
+            layers[i].append(r)
+    return layers
+
+
+def latest(records: Iterable[Record]) -> list[Record]:
+    """Newest record per (point name, params, mode), in first-seen order (layer 0 of
+    ``variants``)."""
+    layers = variants(records)
+    return layers[0] if layers else []
+
+
+def newest_ok(records: Iterable[Record]) -> list[Record]:
+    """The newest ``ok`` record of every point name, in first-seen order: for summaries whose
+    points changed their identifying params over time (e.g. a dry run's traced steps 1 -> 2):
+    the older records stay in points.jsonl as history, the table shows the current method."""
+    out: dict[str, Record] = {}
+    for r in records:
+        if r.status == "ok" and (r.point not in out or r.timestamp >= out[r.point].timestamp):
+            out[r.point] = r
+    return list(out.values())
+

@@ -1,0 +1,330 @@
+"""GPT-2-like language model (nanoGPT shape) with Megatron tensor parallelism: the model ZeRO
+trains in the paper's experiments (§10.1: "GPT-2 like transformer based models").
+
+Pre-LN blocks, learned position embedding, causal self-attention, GELU MLP of width 4h, final
+LayerNorm, LM head tied to the vocabulary-parallel token embedding. Parameter count (bias on,
+padded vocabulary V):  Ψ = 12·l·h² + 13·l·h + (V + s)·h + 2h  (see ``flops.param_count``).
+
+Tensor parallelism (TP degree t): QKV and MLP-in are column-parallel (heads / MLP columns split
+over t), attention-out and MLP-out are row-parallel (one all-reduce each), the token embedding
+is vocabulary-parallel, and the loss is the vocabulary-parallel cross entropy of the per-shard
+logits. The model knows nothing of ZeRO: activation checkpointing and stage-3 parameter
+gathering wrap ``model.blocks`` (an ``nn.ModuleList`` of ``Block``, ``block(x) -> x``) from outside.
+
+Vocabulary padding: the embedding has ``padded_vocab(cfg, t)`` rows; rows >= vocab_size are zero
+at init and, since the loss excludes their logits (masked to -inf inside the cross entropy)
+and no input id reaches them, their gradient is exactly zero, so they stay zero. Returned logits
+therefore hold 0 in padded columns; compare or sample from the first ``vocab_size`` columns only.
+
+TP-consistent init: every parameter's *full* (TP=1) tensor is drawn from a CPU generator seeded
+by (seed, parameter name) and this rank keeps its slice, so any TP degree trains the same model.
+QKV uses a head-major layout [head, (q,k,v), head_dim] along its output dim so that a contiguous
+TP slice is a whole group of heads with their q, k and v.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero_repro.config import ModelConfig, padded_vocab
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.model.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                 copy_to_tp, vocab_parallel_cross_entropy)
+
+log = logging.getLogger(__name__)
+
+
+def _resolve_group(tp_group: comm.Group | None) -> comm.Group:
+    return tp_group if tp_group is not None else comm.single_group("tp", comm.CommLedger())
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: comm.Group, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        if cfg.n_head % group.size:
+            raise ValueError(f"TP size {group.size} does not divide n_head={cfg.n_head}")
+        self.n_head_local = cfg.n_head // group.size
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, group, bias=cfg.bias, **kw)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, group, bias=cfg.bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.n_head_local, 3, self.head_dim)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(dim=3))  # (B, nh/tp, T, hd)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, self.n_head_local * self.head_dim)  # (B, T, h/tp)
+        return self.proj(y)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout_p: float) -> torch.Tensor:
+    """Causal fused attention (B, nh, T, hd). On ``meta`` tensors (the paper-scale dry run,
+    ``simulate.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
+    materialises the s² scores; PyTorch chooses the kernel by device above the dispatcher
+    (``sdp_utils.cpp``), so the dry run calls the kernel a CUDA GPU runs instead: the
+    memory-efficient one, the choice on the paper's V100s (sm70; flash attention needs sm80+),
+    which saves the output and an fp32 log-sum-exp of B·nh·T for backward."""
+    if q.is_meta:
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, need_lse, dropout_p, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: comm.Group, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, bias=cfg.bias, **kw)
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, bias=cfg.bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # fc out: (B, T, 4h/tp)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)). ``block(x) -> x``."""
+
+    def __init__(self, cfg: ModelConfig, group: comm.Group, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, **kw)
+        self.attn = CausalSelfAttention(cfg, group, **kw)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, **kw)
+        self.mlp = MLP(cfg, group, **kw)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class TiedGradSink(Protocol):
+    """Where a runtime takes the tied embedding's gradient when it asks for it
+    (``GPT.tied_grad_sink``; ``zero.stage2_g``): as the two parts autograd would sum into a
+    dense (V/tp × h) tensor, the LM head's ``grad_logits.T @ x`` and the lookup's rows.
+    Megatron-LM fuses weight-gradient GEMMs into its gradient buffers the same way
+    (``gradient_accumulation_fusion``, megatron/core/tensor_parallel/layers.py)."""
+
+    def takes_tied_grad(self) -> bool:
+        """Read at every forward with gradients on: False = plain autograd this step."""
+
+    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """In backward, after the head: the weight gradient is ``grad_logits.T @ x``
+        ((N, V/tp) and (N, h)); nothing reaches the weight through autograd."""
+
+    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """At the end of backward: the lookup's gradient is ``grads[i]`` added to row
+        ``rows[i]`` (local rows, duplicates summed; rows of other TP ranks' ids carry zeros)."""
+
+
+class _HeadIntoSink(torch.autograd.Function):
+    """The tied LM head ``x @ W.T`` whose weight gradient ``grad_logits.T @ x`` goes to a
+    ``TiedGradSink`` (which writes it where it is wanted, e.g. the fused buckets) instead of
+    into a fresh (V × h) tensor for autograd to sum with the lookup's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sink):
+        ctx.save_for_backward(x, weight)
+        ctx.sink = sink
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        ctx.sink.head(g2, x.reshape(-1, x.shape[-1]))
+        return grad @ weight, None, None
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: comm.Group | None = None, device=None,
+                 dtype=None, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = group = _resolve_group(tp_group)
+        if cfg.dropout > 0 and group.size > 1:
+            # dropout inside a TP region needs per-rank RNG streams (Megatron's RNG tracker)
+            raise ValueError("model.dropout > 0 with parallel.tp > 1 is not supported: set "
+                             "model.dropout=0 (the paper's throughput/memory runs need none)")
+        kw = dict(device=device, dtype=dtype)
+        self.vocab_padded = padded_vocab(cfg, group.size)
+        self.wte = VocabParallelEmbedding(self.vocab_padded, cfg.n_embd, group, **kw)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd, **kw)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, group, **kw) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, **kw)
+        log.debug("GPT %s: %d layers x %d, tp %d, padded vocab %d", cfg.name, cfg.n_layer,
+                  cfg.n_embd, group.size, self.vocab_padded)
+        if torch.device(device or "cpu").type != "meta":
+            self.init_weights(seed)
+        # a runtime that takes the tied embedding's gradient in its two parts (``TiedGradSink``)
+        self.tied_grad_sink: TiedGradSink | None = None
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) -> (logits_local (B, T, V_pad/tp), mean loss or None)."""
+        b, t = idx.shape
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        sink = self.tied_grad_sink
+        if sink is not None and not (torch.is_grad_enabled() and sink.takes_tied_grad()):
+            sink = None
+        tok = self.wte(idx) if sink is None else self.wte.forward_into(idx, sink)
+        x = self.drop(tok + self.wpe(pos))  # (B, T, h)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        # tied LM head = column-parallel linear with the embedding's vocabulary slice
+        x = copy_to_tp(x, self.tp_group)
+        logits = F.linear(x, self.wte.weight) if sink is None else \
+            _HeadIntoSink.apply(x, self.wte.weight.detach(), sink)  # (B, T, V_pad/tp)
+        if targets is None:
+            return logits, None
+        loss = vocab_parallel_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t),
+                                            self.tp_group, vocab_size=self.cfg.vocab_size)
+        return logits, loss
+
+    # ---------------------------------------------------------------- side tables
+    def tp_partition_dims(self) -> dict[str, int | None]:
+        """Parameter name -> dimension split over TP, or None if replicated on every TP rank."""
+        dims: dict[str, int | None] = {}
+        for mname, mod in self.named_modules():
+            table = getattr(type(mod), "PARTITION_DIMS", {})
+            for pname, _ in mod.named_parameters(recurse=False):
+                dims[f"{mname}.{pname}" if mname else pname] = table.get(pname)
+        return dims
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> shape in the TP=1 model (vocab padded for TP=1)."""
+        dims, t = self.tp_partition_dims(), self.tp_group.size
+        out = {}
+        for name, p in self.named_parameters():
+            shape = list(p.shape)
+            if dims[name] is not None:
+                shape[dims[name]] *= t
+            if name == "wte.weight":
+                shape[0] = padded_vocab(self.cfg, 1)
+            out[name] = tuple(shape)
+        return out
+
+    # ---------------------------------------------------------------- init
+    def _init_spec(self, name: str) -> tuple[str, float]:
+        """(kind, std) for the full tensor of parameter ``name``."""
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if ".ln_" in name or name.startswith("ln_f"):
+            return "ones", 0.0
+        if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+            # GPT-2: two residual adds per block, so scale by 1/sqrt(2·n_layer)
+            return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
+        return "normal", self.cfg.init_std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        dims, full_shapes = self.tp_partition_dims(), self.full_shapes()
+        t, r = self.tp_group.size, self.tp_group.rank
+        for name, p in self.named_parameters():
+            if p.is_meta or is_fake(p):
+                continue  # nothing to fill (dry runs); materialize with to_empty + init_weights
+            full = _full_init(name, full_shapes[name], *self._init_spec(name), seed,
+                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None)
+            shard = _slice(full, dims[name], r, t, p.shape)
+            p.copy_(shard.to(device=p.device, dtype=p.dtype))
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # crc32 is stable across processes and Python versions (hash() is salted)
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _full_init(name, shape, kind, std, seed, n_real_rows=None) -> torch.Tensor:
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+    rows = shape[0] if n_real_rows is None else n_real_rows
+    full = torch.zeros(shape)
+    # draw only the real rows, so the values do not depend on the padding of any TP degree
+    full[:rows].normal_(0.0, std, generator=gen)
+    return full
+
+
+def _slice(full: torch.Tensor, dim: int | None, rank: int, tp: int, local_shape) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``, zero-padding ``dim`` to local*tp first."""
+    if dim is None:
+        return full
+    k = local_shape[dim]
+    need = k * tp
+    if full.shape[dim] < need:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = need - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.narrow(dim, rank * k, k)
+
+
+# -------------------------------------------------------------------- TP state conversion
+def gather_full_state(model: GPT, tp_group: comm.Group | None = None, grads: bool = False
+                      ) -> dict[str, torch.Tensor]:
+    """Rebuild the TP=1 parameters (or their gradients, ``grads=True``) from the TP shards.
+
+    Every TP rank gets the full dict (all-gathers over ``tp_group``, default the model's). The
+    token embedding is cut to the TP=1 padded vocabulary (rows beyond vocab_size are padding).
+    Missing gradients come back as zeros.
+    """
+    group = tp_group if tp_group is not None else model.tp_group
+    dims, full_shapes = model.tp_partition_dims(), model.full_shapes()
+    out = {}
+    for name, p in model.named_parameters():
+        x = p.grad if grads else p
+        x = torch.zeros_like(p) if x is None else x.detach()
+        d = dims[name]
+        if d is not None and group.size > 1:
+            moved = x.movedim(d, 0).contiguous()
+            buf = torch.empty((group.size,) + tuple(moved.shape), dtype=x.dtype, device=x.device)
+            comm.all_gather_into(buf.view(-1), moved.view(-1), group)
+            x = buf.flatten(0, 1).movedim(0, d)
+        if d is not None:
+            x = x.narrow(d, 0, full_shapes[name][d])
+        out[name] = x.clone()
+    return out
+
+
+def shard_full_state(full: dict[str, torch.Tensor], tp_rank: int, tp: int,
+                     dims: dict[str, int | None],
+                     shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """Inverse of ``gather_full_state``: this TP rank's slice of every full tensor.
+
+    ``shapes`` (name -> local shape, e.g. from the TP=k model's named_parameters) lets a
+    dimension be zero-padded to local·tp first (the TP=k padded vocabulary); without it each
+    split dimension must divide by ``tp``.
+    """
+    out = {}
+    for name, x in full.items():
+        d = dims[name]
+        if d is None:
+            out[name] = x.clone()
+            continue
+        local = list(shapes[name]) if shapes is not None else None
+        if local is None:
+            if x.shape[d] % tp:
+                raise ValueError(f"{name}: dim {d} of size {x.shape[d]} is not divisible by "
+                                 f"tp={tp}; pass shapes= to pad it")
+            local = list(x.shape)
+            local[d] //= tp
+        out[name] = _slice(x, d, tp_rank, tp, local).clone()
+    return out

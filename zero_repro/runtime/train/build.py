@@ -1,0 +1,87 @@
+"""One build step for a training run: the model and every parallelism applied to it from
+outside, in a fixed order (as torchtitan's ``parallelize_llama`` applies TP, activation
+checkpointing, then FSDP):
+
+    1. TP (Megatron §3): the GPT is constructed with the TP group, its linears column/row
+       parallel and its embedding vocab-parallel;
+    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, M_D arena) wraps the blocks;
+    3. ZeRO-DP wrap (§5: stage 0-3 strategy): parameters re-pointed into flat buffers in the
+       training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
+       by the strategy.
+
+Used by the worker, the dry run (``simulate.dryrun``: on meta tensors + the fake process
+group), the stage benchmark and the tests. The model is built directly in the training dtype:
+an fp32 build of one rank of a 100B model (6.25B parameters at TP 16) would need 25 GB before
+the strategy even casts it; the fp32 master is made by the strategy for its shard only.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from zero_repro import config as C
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero.precision import lp_dtype
+from zero_repro.runtime.zero.strategy import Strategy
+from zero_repro.runtime.zero_r.activation_ckpt import ActivationCheckpointing, apply_activation_checkpointing
+
+log = logging.getLogger(__name__)
+
+
+def dp1_warning(cfg: C.Config, dp: int) -> str | None:
+    """ZeRO-DP partitions over the DP group (§5): at DP = 1 there is nothing to partition, so
+    stages 1-3 hold the same memory and compute the same thing as stage 0."""
+    if cfg.zero.stage >= 1 and dp == 1:
+        p = cfg.parallel
+        return (f"zero.stage={cfg.zero.stage} with DP = 1 (world {p.world_size} = TP {p.tp} x "
+                f"DP 1): ZeRO partitions over DP ranks, so this run is stage 0 in all but name; "
+                f"raise parallel.world_size or lower parallel.tp to see the stage")
+    return None
+
+
+def build(cfg: C.Config, topo: Topology, device: torch.device, *,
+          make_model: Callable | None = None, make_ckpt: Callable | None = None,
+          make_strategy: Callable | None = None
+          ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
+    """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
+    handle or None, strategy).
+
+    The three steps can be replaced, the order cannot: the paper-scale dry run's ``paper2020``
+    stack (``simulate.stack``) passes the 2019 layer (``make_model(cfg, topo, device, dtype)``),
+    the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed 0.2's ZeRO-DP
+    allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the runtime's."""
+    warning = dp1_warning(cfg, topo.dp)
+    if warning and topo.rank == 0:
+        log.warning(warning)
+    torch.manual_seed(cfg.train.seed)
+    dtype = lp_dtype(cfg.zero.dtype)
+    if make_model is None:
+        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+    else:
+        model = make_model(cfg, topo, device, dtype)
+    ckpt = None
+    if cfg.zero_r.activation_checkpointing:
+        ckpt = (make_ckpt or apply_activation_checkpointing)(model, topo, cfg.zero_r)
+    if make_strategy is None:
+        # automatic knobs resolved for the cluster's device, not this process's (the dry run
+        # of a GPU cluster runs on CPU fake tensors and must take the GPU schedule)
+        strategy = build_strategy(model, topo, C.effective_zero(cfg.zero, cfg.cluster.device),
+                                  cfg.train, cfg.zero_r)
+    else:
+        strategy = make_strategy(model, topo, cfg)
+    return model, ckpt, strategy
+
+
+def device_for(cfg: C.Config, local_rank: int) -> torch.device:
+    """The device of this rank (``cluster.device``); CUDA selects ``local_rank``'s GPU."""
+    if cfg.cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
+                               "use cluster=local")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

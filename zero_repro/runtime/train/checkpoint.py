@@ -1,0 +1,360 @@
+"""Resharding checkpoints of ZeRO-DP training state with torch.distributed.checkpoint (DCP).
+
+What is saved (paper §5: the model states ZeRO partitions are the fp32 master weights and the
+Adam moments, 12Ψ/N_d bytes per rank for stages 1-3): for every parameter, the fp32 master, m
+and v as 1-D tensors of the parameter's (TP-local) element count, under canonical names
+``master/tp{t}/{param}``, ``exp_avg/...``, ``exp_avg_sq/...``. Training-dtype parameters are
+not saved: they are the master cast down. Scalars (data position = next step index, Adam step
+count, loss-scaler state, the layout it was saved from) go into ``manifest.json``, with a
+SHA-256 of every file; per-rank RNG states are saved as ``rng/rank{r}`` byte tensors.
+
+Why this layout reshards. A rank's ZeRO shard is a set of ranges of its group's flat buffer
+(``Strategy.state_dict()['groups'][i]['shard_ranges']``, interleaved bucket chunks, see
+``zero/partition.py``). Intersected with the parameter slots, each range becomes pieces
+``(param, offset, length)``, i.e. 1-D chunks of that parameter with a global offset. Each rank
+hands DCP a ``ShardedTensor`` per parameter whose local shards are its pieces, so every
+element is written exactly once, by the rank that owns it (stage 0: DP rank 0 writes, the
+others hold copies). Loading builds the same description for the *new* layout (any stage, any
+DP size, any bucket size); DCP intersects the requested chunks with the saved ones and reads
+only the overlapping bytes. Invariant checked by the tests: resume(save(state)) equals the
+uninterrupted state elementwise; for the same layout bit for bit.
+
+The ``ShardedTensor`` global metadata is only consulted by DCP for the global size (chunk
+offsets come from the local shards); we describe the elements this rank does not hold as
+placeholder "gap" shards, which avoids a metadata all-gather and lets stage-0 ranks all read
+full copies. TP resharding is not supported: a checkpoint loads only at the TP degree it was
+saved with (a clear ``CheckpointError`` otherwise).
+
+Commit protocol: DCP writes into ``step_N.partial/``; the coordinator then writes the manifest
+(the commit marker), renames the directory to ``step_N`` and updates ``latest``. A directory
+without a manifest, a file whose hash does not match, a different model or TP degree raise
+``CheckpointError`` before any tensor is loaded: never a silent partial load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.zero.partition import intersect
+
+log = logging.getLogger(__name__)
+
+FORMAT = "zero-repro-dcp/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _dcp():
+    """torch.distributed.checkpoint and the ShardedTensor types, imported on first use: they
+    pull in DTensor's op registry (~1.5 s), which every CLI start and every rank that never
+    saves would pay for."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                  TensorProperties)
+    return dcp, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: incomplete, corrupt, or from another model/TP."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [offset, offset + length) of parameter ``name`` (flattened), stored at
+    ``shard_offset`` of its group's shard tensors."""
+
+    name: str
+    offset: int
+    length: int
+    shard_offset: int
+
+
+def pieces(group: dict) -> list[Piece]:
+    """This rank's pieces of one group of ``Strategy.state_dict()`` (padding excluded)."""
+    out = []
+    for flat_start, shard_start, length in group["shard_ranges"]:
+        for name, off, numel, _shape in group["slots"]:
+            r = intersect(off, off + numel, flat_start, flat_start + length)
+            if r is not None:
+                out.append(Piece(name, r[0] - off, r[1] - r[0], shard_start + r[0] - flat_start))
+    return out
+
+
+def _sharded(chunks: list[tuple[int, torch.Tensor]], numel: int, rank: int):
+    """A 1-D ShardedTensor of ``numel`` elements whose local shards are ``chunks`` =
+    [(global offset, 1-D tensor)], the rest described as placeholder gaps."""
+    _, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties = _dcp()
+    chunks = sorted(chunks, key=lambda c: c[0])
+    t0 = chunks[0][1] if chunks else torch.empty(0)
+    dev = "cpu" if t0.device.type == "cpu" else str(t0.device)
+    local = [Shard(t, ShardMetadata([off], [t.numel()], f"rank:{rank}/{dev}"))
+             for off, t in chunks]
+    metas, pos = [s.metadata for s in local], 0
+    for off, t in chunks + [(numel, None)]:
+        if off > pos:  # elements held elsewhere (other ranks' pieces)
+            metas.append(ShardMetadata([pos], [off - pos], f"rank:{rank}/{dev}"))
+        pos = off + (t.numel() if t is not None else 0)
+    props = TensorProperties(dtype=torch.float32)
+    md = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]),
+                               tensor_properties=props)
+    # the base-class initializer does no cross-rank communication or validation (see docstring)
+    st = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, md)
+    # what ShardedTensor's own initializer sets (_prepare_init), without its requirement of an
+    # initialised default group: DCP only reads local shards and metadata
+    st._init_rrefs, st._sharded_tensor_id, st._remote_shards = False, None, {}
+    st._process_group = None
+    return st
+
+
+def _state_tensors(sd: dict, tp_rank: int, rank: int, writer: bool) -> dict:
+    """DCP state dict of ShardedTensors over ``sd`` (a Strategy.state_dict()); the local shards
+    are views of ``sd``'s shard tensors, so a DCP load fills ``sd`` in place."""
+    numel = {name: n for g in sd["groups"] for name, _, n, _ in g["slots"]}
+    chunks: dict[str, list] = {f"{k}/tp{tp_rank}/{n}": [] for k in STATES for n in numel}
+    for g in sd["groups"]:
+        # stage 0 keeps the full state on every DP rank: only DP rank 0 writes it
+        if not writer and g["partition"]["world"] == 1:
+            continue
+        for pc in pieces(g):
+            for k in STATES:
+                chunks[f"{k}/tp{tp_rank}/{pc.name}"].append(
+                    (pc.offset, g[k][pc.shard_offset:pc.shard_offset + pc.length]))
+    # keys this rank holds nothing of are left out: DCP needs no rank to list every key, and an
+    # empty ShardedTensor cannot even tell its device without a process group
+    return {key: _sharded(c, numel[key.split("/", 2)[2]], rank)
+            for key, c in chunks.items() if c}
+
+
+def _files(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f != MANIFEST)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dcp_kwargs(topo: Topology) -> dict:
+    if topo.world.size == 1:  # one process (or a one-rank sub-world): no collectives
+        return {"no_dist": True}
+    return {"process_group": topo.world.pg}
+
+
+@contextmanager
+def _quiet():
+    """DCP warns on every call that ShardedTensor is deprecated in favour of DTensor (DTensor
+    cannot describe ZeRO's interleaved chunks) and that a one-process save has no group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        yield
+
+
+def _rng_state() -> torch.Tensor:
+    return torch.get_rng_state().clone()
+
+
+# ------------------------------------------------------------------------------------ save
+def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
+         extra: dict | None = None) -> str:
+    """Collective over ``topo.world``: save the training state after ``step`` steps (the data
+    position to resume from) into ``root/step_{step}``; return that directory."""
+    final = os.path.join(root, f"step_{step:08d}")
+    partial = final + ".partial"
+    coordinator = topo.world.rank == 0
+    if coordinator:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    comm.barrier(topo.world)  # nobody writes before the directory is clean
+    sd = strategy.state_dict()
+    state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=topo.dp_rank == 0)
+    state[f"rng/rank{topo.rank}"] = _rng_state()
+    with _quiet():
+        dcp = _dcp()[0]
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
+    if coordinator:
+        manifest = {
+            "format": FORMAT, "step": int(step), "stage": sd["stage"], "dtype": sd["dtype"],
+            "dp": topo.dp, "tp": topo.tp, "world_size": topo.world_size,
+            "opt_step": int(sd["step"]), "scaler": sd["scaler"],
+            "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
+            "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
+            "extra": extra or {}}
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _write_latest(root, os.path.basename(final))
+        _prune(root, keep)
+        log.info("checkpoint saved: %s (step %d, stage %d, dp %d, tp %d)", final, step,
+                 sd["stage"], topo.dp, topo.tp)
+    comm.barrier(topo.world)  # the checkpoint is committed before anyone goes on
+    return final
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def discard_partial(root: str) -> list[str]:
+    """Remove the ``step_N.partial`` directories under ``root``: saves interrupted before their
+    commit (no manifest; ``latest`` and ``load`` never take one, and no save can complete
+    one). Call only when no save into ``root`` is running. Returns what was removed."""
+    if not os.path.isdir(root):
+        return []
+    gone = sorted(os.path.join(root, d) for d in os.listdir(root)
+                  if d.startswith("step_") and d.endswith(".partial"))
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
+
+
+def _prune(root: str, keep: int) -> None:
+    discard_partial(root)  # an earlier run's interrupted saves (this one's is committed)
+    if keep <= 0:
+        return
+    done = sorted(d for d in os.listdir(root)
+                  if d.startswith("step_") and not d.endswith(".partial"))
+    for d in done[:-keep]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ load
+def committed(root: str) -> list[str]:
+    """The committed checkpoints under ``root`` (those with a manifest), newest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = sorted((d for d in os.listdir(root)
+                    if d.startswith("step_") and not d.endswith(".partial")), reverse=True)
+    return [os.path.join(root, d) for d in steps
+            if os.path.isfile(os.path.join(root, d, MANIFEST))]
+
+
+def latest(root: str) -> str | None:
+    """The newest committed checkpoint under ``root``, or None if there is none. ``root/latest``
+    is only a hint: a newer step directory without a manifest (a save interrupted before its
+    commit, or a manifest deleted since) is passed over for the newest one that has one."""
+    found = committed(root)
+    ptr = os.path.join(root, LATEST)
+    if found and os.path.isfile(ptr):
+        with open(ptr) as f:
+            hinted = os.path.join(root, f.read().strip())
+        if hinted not in found:
+            log.warning("checkpoint %s is not committed (no %s): using %s", hinted, MANIFEST,
+                        found[0])
+    return found[0] if found else None
+
+
+def uncommitted(root: str) -> list[str]:
+    """Step directories under ``root`` without a manifest (interrupted saves, deleted
+    manifests), for messages."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root)
+                  if d.startswith("step_") and not os.path.isfile(os.path.join(root, d, MANIFEST)))
+
+
+def read_manifest(path: str, verify: bool = True) -> dict:
+    """The manifest of checkpoint ``path``; CheckpointError if incomplete or corrupt."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist")
+    if not os.path.isfile(mpath):
+        raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST}: the save was "
+                              f"interrupted); resume from an earlier one")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: unreadable {MANIFEST} ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path!r} has format {manifest.get('format')!r}, "
+                              f"expected {FORMAT!r}")
+    if verify:
+        for name, digest in manifest["files"].items():
+            fpath = os.path.join(path, name)
+            if not os.path.isfile(fpath):
+                raise CheckpointError(f"checkpoint {path!r} is missing file {name!r}")
+            if _sha256(fpath) != digest:
+                raise CheckpointError(f"checkpoint {path!r} is corrupt: file {name!r} does not "
+                                      f"match its SHA-256 in {MANIFEST}")
+    return manifest
+
+
+def check_compatible(manifest: dict, sd: dict, topo: Topology, path: str) -> None:
+    """CheckpointError unless the checkpoint holds exactly this model at this TP degree."""
+    if manifest["tp"] != topo.tp:
+        raise CheckpointError(
+            f"checkpoint {path!r} was saved with parallel.tp={manifest['tp']}; this run has "
+            f"parallel.tp={topo.tp}. Stage and DP size may change on resume, the TP degree may "
+            f"not: resume with parallel.tp={manifest['tp']}")
+    here = {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]}
+    saved = manifest["params"]
+    for name, shape in here.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path!r} is from a different model: it has no "
+                                  f"parameter {name!r}")
+        if list(saved[name]) != shape:
+            raise CheckpointError(f"checkpoint {path!r} is from a different model: {name!r} "
+                                  f"has shape {tuple(saved[name])} there, {tuple(shape)} here")
+    extra = sorted(set(saved) - set(here))
+    if extra:
+        raise CheckpointError(f"checkpoint {path!r} is from a different model: parameter "
+                              f"{extra[0]!r} (and {len(extra) - 1} more) not in this model")
+
+
+def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
+    """Collective over ``topo.world``: restore ``strategy`` (any stage, any DP size) from
+    checkpoint ``path`` saved at the same TP degree; returns the manifest (``step`` = the data
+    position to continue from)."""
+    manifest = read_manifest(path, verify)
+    sd = strategy.state_dict()
+    check_compatible(manifest, sd, topo, path)
+    state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=True)
+    rng_key = f"rng/rank{topo.rank}"
+    same_world = manifest["world_size"] == topo.world_size
+    if same_world:
+        state[rng_key] = _rng_state()
+    try:
+        with _quiet():
+            dcp = _dcp()[0]
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), **_dcp_kwargs(topo))
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in its own types
+        raise CheckpointError(f"checkpoint {path!r} could not be read: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+                              ) from e
+    sd["step"] = manifest["opt_step"]
+    if manifest["dtype"] != sd["dtype"]:
+        log.warning("checkpoint %s was saved in %s, resuming in %s: fp32 master and Adam "
+                    "states carry over, the loss scaler restarts", path, manifest["dtype"],
+                    sd["dtype"])
+    else:
+        sd["scaler"] = manifest["scaler"]
+    strategy.load_state_dict(sd)
+    if same_world:
+        torch.set_rng_state(state[rng_key])
+    else:  # a different world: per-rank streams cannot map 1:1; reseed deterministically
+        torch.manual_seed(1_000_003 * manifest["step"] + topo.rank)
+    log.info("resumed from %s: step %d (saved at stage %d dp %d, now stage %d dp %d)", path,
+             manifest["step"], manifest["stage"], manifest["dp"], sd["stage"], topo.dp)
+    return manifest

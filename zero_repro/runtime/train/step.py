@@ -1,0 +1,63 @@
+"""One optimizer step through a ZeRO-DP strategy (paper §5): the only place the step sequence
+is written down. The training loop, the paper-scale dry run, the stage benchmark, the peers race
+and the tests all call ``train_step``.
+
+    for each of k = train.grad_accum micro-batches:   forward -> strategy.backward(loss)
+    before_update()                                   (fault injection in the loop)
+    strategy.step()  -> StepInfo (skipped?, grad norm, loss scale)
+    strategy.zero_grad()
+
+``strategy.backward`` divides the loss by k, so k micro-batches of size b equal one batch of
+size k·b. ``phase(name)`` wraps the forward and the backward of every micro-batch and the update
+(the dry run's allocation tracer attributes each allocation to its phase there); the loss of a
+micro-batch is handed to ``on_loss`` (a real run reads its value) and dropped right after
+backward, so nothing of the micro-batch outlives it (under fake tensors ``float(loss)`` is
+impossible, and holding the loss would shift the dry run's peak).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterable
+
+import torch
+
+from zero_repro.runtime.zero.strategy import StepInfo, Strategy
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), (b, s) each
+
+
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def train_step(strategy: Strategy, micro_batches: Iterable[Batch], *,
+               phase: Callable[[str], ContextManager] = _no_phase,
+               on_loss: Callable[[torch.Tensor], None] | None = None,
+               after_forward: Callable[[], None] | None = None,
+               before_update: Callable[[], None] | None = None) -> StepInfo:
+    """Forward + backward every micro-batch of ``micro_batches`` (an iterator is advanced
+    inside the forward phase, so the batch's allocation counts there), then the optimizer
+    step and ``zero_grad``. Returns the strategy's ``StepInfo``."""
+    batches = iter(micro_batches)
+    while True:
+        with phase("forward"):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            # the logits are not kept: a name bound to them would hold b·s·V/t elements through
+            # backward and the step (found by the dry run's trace: a storage of the forward
+            # freed only when the next iteration rebinds the name)
+            loss = strategy.module(*batch)[1]
+            if on_loss is not None:
+                on_loss(loss.detach())
+            if after_forward is not None:
+                after_forward()
+        with phase("backward"):
+            strategy.backward(loss)
+            del loss, batch
+    if before_update is not None:
+        before_update()
+    with phase("step"):
+        info = strategy.step()
+        strategy.zero_grad()
+    return info

@@ -1,0 +1,79 @@
+"""Global gradient norm from shard norms (paper §5: with P_g each rank holds 1/N_d of the
+gradients, so the global norm is assembled from per-shard sums of squares).
+
+||g||² = Σ_ranks Σ_{elements counted on that rank} g², one all-reduce of two numbers over the
+world (DP × TP): the sum of squares and an overflow flag. Each element must be counted exactly
+once: stage 0 keeps full gradients on every DP rank, so only DP rank 0 counts them; TP-replicated
+parameters (LayerNorm weights, row-parallel biases, …) are counted on TP rank 0 only. The
+clipping coefficient follows ``torch.nn.utils.clip_grad_norm_``: min(1, max_norm/(norm+1e-6)).
+
+Cost: one multi-tensor norm over the owned gradient elements (``torch._foreach_norm``, the
+kernel ``clip_grad_norm_`` uses), each owned element read once, results kept on the device
+until the world all-reduce; the only host reads are the two agreed numbers. The non-finite flag
+comes from the norms themselves (inf/nan propagate into a norm), so elements that are not
+counted (stage 0 on DP rank > 0, TP-replicated parameters on TP rank > 0) still enter the
+overflow check. Norms are computed in fp32 (fp16/bf16 gradients are upcast inside the kernel,
+a 2-norm of fp16 values would overflow at 65504); per-range norms are squared and summed in
+fp64. A finite gradient whose 2-norm exceeds the fp32 range (> 3.4e38) counts as overflow.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.zero.flat_buffer import Pieces, ranges_of
+
+
+def _segments(n: int, ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, int]],
+                                                              list[tuple[int, int]]]:
+    """(counted ranges, the gaps between them) covering [0, n) exactly once."""
+    gaps, pos = [], 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < n:
+        gaps.append((pos, n))
+    return list(ranges), gaps
+
+
+def local_stats(grads: Sequence[torch.Tensor | Pieces | None], counted: Sequence[list[tuple[int, int]]],
+                inv_scale: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(2,) fp64 tensor: [sum of squares of the counted, unscaled elements; 1.0 if any owned
+    element is non-finite else 0.0]. No host synchronisation."""
+    counted_views, other_views = [], []
+    for g, ranges in zip(grads, counted):
+        if g is None:
+            continue
+        cnt, gaps = _segments(g.numel(), ranges)
+        counted_views += [v for a, b in cnt for v in ranges_of(g, a, b)]
+        other_views += [v for a, b in gaps for v in ranges_of(g, a, b)]
+    views = counted_views + other_views
+    if not views:
+        return torch.zeros(2, dtype=torch.float64, device=device)  # no gradient here
+    norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double()
+    sq = norms.square()
+    nc = len(counted_views)
+    sumsq = sq[:nc].sum() * (inv_scale * inv_scale)
+    bad = torch.isfinite(sq.sum()).logical_not().double()
+    return torch.stack([sumsq, bad])
+
+
+def agree(stats: torch.Tensor, world: comm.Group) -> tuple[float, bool]:
+    """World all-reduce of ``local_stats`` (sumsq, overflow): (global norm, overflow on any
+    rank). The one host synchronisation of the step's norm computation."""
+    # a rank with a non-finite element contributes 0 to the sum: the norm is reported as inf
+    t = torch.stack([torch.where(stats[1] > 0, torch.zeros_like(stats[0]), stats[0]), stats[1]])
+    comm.all_reduce(t, world, op="sum")
+    overflow = bool(t[1].item() > 0)
+    return (math.sqrt(t[0].item()) if not overflow else float("inf")), overflow
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """Multiplier applied to every gradient (1.0 when clipping is off or not needed)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
