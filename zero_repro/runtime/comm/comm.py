@@ -1,23 +1,14 @@
-"""The only module that calls torch.distributed collectives (paper §7 communication analysis).
+"""The only caller of torch.distributed collectives; it counts what each one moves (paper §7).
 
-Every collective goes through here so that the *communication ledger* can count what each
-step moves, per collective and per process group, and so that API renames between torch
-versions live in one place (torch 2.13 deprecates ``all_gather_into_tensor`` /
-``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``;
-older cluster installs only have the former).
+Every collective goes through here, so the communication ledger (``CommLedger``) sees each
+step's volume per collective and process group, and torch API renames live in one place
+(torch 2.13's ``all_gather_single`` / ``reduce_scatter_single`` vs the older ``*_tensor``).
 
-Counting convention (what the paper's §7 calls "communication volume", in elements):
-
-* ``all_reduce`` of n elements counts 2n (a bandwidth-optimal all-reduce is a reduce-scatter
-  followed by an all-gather, §7.1);
-* ``reduce_scatter`` counts the full (unsharded) input n;
-* ``all_gather`` counts the full (gathered) output n;
-* ``broadcast`` counts n;
-* ``reduce`` (to one root) counts n.
-
-With that convention baseline DP, P_os and P_os+g move 2Ψ elements per step and P_os+g+p 3Ψ.
-The ledger also records raw bytes and call counts. A group of size 1 performs no
-communication and records nothing.
+Counting convention (§7 "communication volume", in elements): ``all_reduce`` of n counts 2n
+(a reduce-scatter plus an all-gather, §7.1); ``reduce_scatter`` counts its full input n,
+``all_gather`` its full output n, ``broadcast`` and ``reduce`` n. Invariant: baseline DP, P_os
+and P_os+g move 2Ψ elements per step, P_os+g+p 3Ψ. Raw bytes and call counts are kept too; a
+group of size 1 communicates nothing and records nothing.
 """
 from __future__ import annotations
 
@@ -90,7 +81,7 @@ class Group:
     # the backend whose bucket transport a dry run models on this group ("" = its own): a dry
     # run of a gloo configuration runs on ``fake`` but accounts gloo's transport
     models: str = ""
-    # the shared-memory channel of a gloo group on one host (``distributed.shm``), once built
+    # the shared-memory channel of a gloo group on one host (``cpu.shm``), once built
     channel: object | None = field(default=None, repr=False, compare=False)
 
     @property

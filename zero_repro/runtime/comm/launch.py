@@ -1,21 +1,16 @@
-"""Process launch: local multi-process spawn (gloo, CPU), torchrun / SLURM env (NCCL, GPU),
-and the ``fake`` backend for paper-scale dry runs.
+"""Process launch: local spawn of gloo CPU ranks, torchrun / Slurm environments (NCCL), and the
+``fake`` process group of paper-scale dry runs.
 
-``spawn`` starts ``world_size`` fresh Python processes (``spawn`` start method, so no CUDA or
-gloo state is inherited), each of which initialises the default process group and calls
-``fn(rank, world_size, *args)``. Results come back through per-rank pickle files. If any rank
-raises or dies, the others are terminated and ``WorkerFailed`` names the failing rank, so a
-crashed rank never leaves the rest hanging in a collective; a rank that hangs while its peers
-time out waiting for it is the one named.
-
-Ranks die with their parent: on Linux each rank asks the kernel for SIGKILL when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls ``os.getppid()``; a parent
-that is interrupted (KeyboardInterrupt, or the CLI's SIGTERM handler raising) terminates its
-ranks on the way out. A rank that returned destroys its process groups and leaves with
-``os._exit(0)``: no gloo object outlives ``destroy_process_group`` into interpreter teardown
-(where gloo aborted: "terminate called without an active exception"). Per-spawn temporary
-directories are named after the parent's pid; those of dead parents (a SIGKILLed CLI) are
-removed by the next spawn.
+``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn`` start method,
+so no CUDA or gloo state is inherited); each initialises the default process group, runs
+``fn(rank, world_size, *args)`` and returns its result through a per-rank pickle file.
+Invariants: a rank that raises, dies or hangs is named in ``WorkerFailed`` and the others are
+terminated (no rank is left waiting in a collective); ranks die with their parent
+(``PR_SET_PDEATHSIG`` on Linux, else a watchdog thread); an interrupted parent terminates its
+ranks; a rank that returned destroys its process groups and leaves with ``os._exit(0)`` (no
+gloo object outlives ``destroy_process_group`` into interpreter teardown, where gloo aborts);
+temporary directories of dead parents are removed by the next spawn. ``init_from_env`` and
+``init_fake`` set up the other two cases.
 """
 from __future__ import annotations
 

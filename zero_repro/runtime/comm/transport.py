@@ -1,50 +1,24 @@
-"""Bucket transport: how one group moves a bucket's reduce-scatter and all-gather (paper §7).
-
-ZeRO-DP stages 1-3 split every bucket of ``n`` elements into ``N_d`` chunks of ``c = n/N_d``,
-reduce-scatter the gradients (rank k receives the sum of chunk k) and all-gather the updated
-parameters (every rank receives every chunk); stage 0 all-reduces its buckets
-(``all_reduce``). Four transports realise that, picked once per
-group from the backend the group runs on (``bucket_transport``), the way FSDP2 picks its
+"""Bucket transports: how one group moves a bucket's reduce-scatter, all-gather and all-reduce
+(paper §7). ``bucket_transport(group)`` picks one per group from its backend, as FSDP2 picks its
 reduce-scatter once per ``FSDPParamGroup``; the stages never ask which one they hold.
 
-* ``NativeTransport`` (NCCL and any other backend): ``reduce_scatter_tensor`` /
-  ``all_gather_into_tensor`` into a separate output; its input must not alias its output, so a
-  stage stages the result (or the all-gather input) in pooled scratch buffers of ``c``
-  elements, at most ``in_flight_limit`` = 2 collectives in flight (one being filled while the
-  previous one is on the wire).
-* ``ShmTransport`` (gloo, every rank of the group on one host, ``ZR_CPU_TRANSPORT`` not
-  ``pairwise``): the group's shared-memory channel (``distributed.shm``): each rank writes what
-  its peers need into its own ``/dev/shm`` slots and reads theirs, no socket, no scratch of the
-  torch heap; measured 3-4x faster than the pairwise one (below). A reduce-scatter can write
-  its sum straight into the caller's destination (``into=``: a gradient shard's piece); on a
-  buffer from ``shared_buffer`` (memory the peers map too) nothing is copied into the slots:
-  the peers read it in place, and its owner ``fence``s it before writing it again. There an
-  all-reduce can also skip its gather half (``all_reduce_views``, stage 0): the caller reads
-  the peers' sums in their buffers and ``release``s them when done.
-* ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
-  sends / receives with every peer. gloo emulates
-  the native collectives slowly, and its rooted ones are slower than its sends: world 2, GPT-20M's
-  Ψ = 41.6M fp32 in buckets of 2M (measured 2026-12-02, 2 cores, tcmalloc): reduce-scatter as
-  2 reduces per bucket 100-107 ms, pairwise 56-63 ms, native 165 ms; all-gather as 2 broadcasts
-  per bucket 69-76 ms, pairwise 46 ms; for scale, one all-reduce 115 ms. A reduce-scatter
-  receives the peers' contributions to its chunk in ``(N_d - 1)·c`` elements of pooled scratch
-  (at most 4 buckets in flight); an all-gather receives in place. Counted as the
-  ``reduce_scatter`` / ``all_gather`` of the bucket.
-* ``RootedTransport`` (the ``fake`` group of the memory dry run): ``N_d`` rooted reduces /
-  broadcasts per bucket, one per chunk, in place in the bucket: it holds no scratch, so a dry
-  run of an NCCL cluster under-counts only constant-size scratch (``comm_buffers``), never
-  model states; the ledger records them as ``reduce`` / ``broadcast`` (a reduce or broadcast of
-  ``c`` counts ``c``, ``N_d`` of them ``n``). ``dry_run(..., transport_of="gloo" | "shm")``
-  accounts the pairwise or the shared-memory one instead (each transport's ``models_as``) and
-  reproduces a CPU run's ledgers exactly. Nothing is staged, so nothing
-  limits the collectives in flight, and a stage keeps 4 fused gradient buckets in flight
-  instead of 2 (with 2 the gradient hook blocked backward ~0.2 s per step on GPT-20M while
-  gloo's slower collectives drained, when gloo used it).
+Contract: a bucket of ``n`` elements is ``N_d`` chunks of ``c = n / N_d``; a reduce-scatter
+leaves on rank k the sum of chunk k, an all-gather leaves every chunk on every rank, and every
+transport moves the same elements to the same ranks with the same §7 volume in the ledger.
 
-All move the same elements to the same ranks with the same §7 volume.
+* ``NativeTransport`` (NCCL and other backends): the backend's collectives into separate
+  outputs, staged in pooled scratch of ``c`` elements, at most ``in_flight_limit`` = 2 in flight.
+* ``ShmTransport`` (gloo, the whole group on one host, ``ZR_CPU_TRANSPORT`` not ``pairwise``):
+  the group's shared-memory channel (``zero_repro.runtime.comm.cpu.shm``), no socket and no
+  torch-heap scratch; buffers from ``shared_buffer`` are read by the peers in place.
+* ``PairwiseTransport`` (gloo otherwise): point-to-point exchanges with every peer, the peers'
+  contributions received in (N_d - 1)·c elements of pooled scratch.
+* ``RootedTransport`` (the dry run's ``fake`` group): N_d rooted reduces / broadcasts per bucket,
+  in place, no scratch (a dry run of an NCCL cluster under-counts only constant-size scratch);
+  ``dry_run(..., transport_of="gloo" | "shm")`` accounts a CPU transport instead (``models_as``).
 
-``InFlight``, ``BufferPool`` and ``NoBuffers`` (what is in flight, the pooled scratch) are in
-``distributed.buffers``. Collectives go through ``comm`` only.
+``InFlight``, ``BufferPool`` and ``NoBuffers`` are in ``zero_repro.runtime.comm.buffers``;
+collectives go through ``comm`` only. Timings of the gloo variants: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -168,7 +142,7 @@ class RootedTransport(_Collective, _NoScratch):
 
     models_as = "fake"  # the ``dry_run(transport_of=...)`` that accounts it
     in_flight_limit = _UNBOUNDED  # nothing staged, nothing to wait for
-    fused_buffers = 4  # see the module docstring
+    fused_buffers = 4  # nothing limits what is in flight: 4 fused buckets, not 2 (peers notes)
 
     def reduce_scatter(self, inp: torch.Tensor, scratch: torch.Tensor | None = None):
         """One async reduce per chunk to its owner: afterwards this rank's chunk of ``inp`` (the
@@ -222,8 +196,8 @@ def broadcast_chunks(buf: torch.Tensor, chunk: int, group: comm.Group) -> list:
 
 class PairwiseTransport(_Collective):
     """gloo: a bucket's reduce-scatter and all-gather as point-to-point exchanges with every
-    peer (``comm.exchange``), measured faster on gloo than its collectives (see the module
-    docstring): each rank sends every peer that peer's chunk and receives its own chunk from
+    peer (``comm.exchange``), faster on gloo than its collectives (results/peers/notes.md):
+    each rank sends every peer that peer's chunk and receives its own chunk from
     each peer into scratch, then adds them into its chunk; an all-gather sends the own chunk
     to every peer and receives each peer's chunk in place. Per rank (N-1)·c elements out and
     in, as a ring; counted as the ``reduce_scatter`` / ``all_gather`` of the bucket they make
@@ -277,7 +251,7 @@ class PairwiseTransport(_Collective):
 
 class ShmTransport(_NoScratch):
     """gloo ranks on one host: a bucket's reduce-scatter and all-gather through the group's
-    shared-memory channel (``distributed.shm``), measured 3-4x faster than gloo's sockets.
+    shared-memory channel (``cpu.shm``), faster than gloo's sockets (results/peers/notes.md).
     Every piece of a reduce-scatter is published as the peers' chunks of it (one slot, (N-1)
     parts) and summed by its owner (own chunk, then the peers' in rank order, as the pairwise
     transport); an all-gather publishes the own chunk and copies the peers'. No scratch of the

@@ -1,25 +1,18 @@
-"""GPT-2-like language model (nanoGPT shape) with Megatron tensor parallelism: the model ZeRO
-trains in the paper's experiments (§10.1: "GPT-2 like transformer based models").
+"""GPT-2-like language model (nanoGPT shape) with Megatron tensor parallelism: the model the
+paper's experiments train (§10.1, "GPT-2 like transformer based models").
 
 Pre-LN blocks, learned position embedding, causal self-attention, GELU MLP of width 4h, final
-LayerNorm, LM head tied to the vocabulary-parallel token embedding. Parameter count (bias on,
-padded vocabulary V):  Ψ = 12·l·h² + 13·l·h + (V + s)·h + 2h  (see ``flops.param_count``).
+LayerNorm, LM head tied to the vocabulary-parallel token embedding; Ψ = 12·l·h² + 13·l·h +
+(V + s)·h + 2h for the padded vocabulary V (``flops.param_count``). TP degree t: QKV and MLP-in
+column-parallel, attention-out and MLP-out row-parallel, vocabulary-parallel embedding and
+cross entropy. The model knows nothing of ZeRO: checkpointing and stage-3 gathering wrap
+``model.blocks`` (``Block``: ``x -> x``) from outside.
 
-Tensor parallelism (TP degree t): QKV and MLP-in are column-parallel (heads / MLP columns split
-over t), attention-out and MLP-out are row-parallel (one all-reduce each), the token embedding
-is vocabulary-parallel, and the loss is the vocabulary-parallel cross entropy of the per-shard
-logits. The model knows nothing of ZeRO: activation checkpointing and stage-3 parameter
-gathering wrap ``model.blocks`` (an ``nn.ModuleList`` of ``Block``, ``block(x) -> x``) from outside.
-
-Vocabulary padding: the embedding has ``padded_vocab(cfg, t)`` rows; rows >= vocab_size are zero
-at init and, since the loss excludes their logits (masked to -inf inside the cross entropy)
-and no input id reaches them, their gradient is exactly zero, so they stay zero. Returned logits
-therefore hold 0 in padded columns; compare or sample from the first ``vocab_size`` columns only.
-
-TP-consistent init: every parameter's *full* (TP=1) tensor is drawn from a CPU generator seeded
-by (seed, parameter name) and this rank keeps its slice, so any TP degree trains the same model.
-QKV uses a head-major layout [head, (q,k,v), head_dim] along its output dim so that a contiguous
-TP slice is a whole group of heads with their q, k and v.
+Invariants: padded vocabulary rows (``padded_vocab``) start at zero, their logits are masked in
+the loss, so their gradient is exactly zero and they stay zero (compare or sample from the first
+``vocab_size`` columns only); initialisation is TP-consistent (each full tensor drawn from a
+generator seeded by (seed, parameter name), each rank keeps its slice: any TP degree trains the
+same model); QKV is head-major ([head, (q, k, v), head_dim]) so a TP slice is whole heads.
 """
 from __future__ import annotations
 
@@ -68,7 +61,7 @@ class CausalSelfAttention(nn.Module):
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      dropout_p: float) -> torch.Tensor:
     """Causal fused attention (B, nh, T, hd). On ``meta`` tensors (the paper-scale dry run,
-    ``simulate.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
+    ``zero_repro.scale.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
     materialises the s² scores; PyTorch chooses the kernel by device above the dispatcher
     (``sdp_utils.cpp``), so the dry run calls the kernel a CUDA GPU runs instead: the
     memory-efficient one, the choice on the paper's V100s (sm70; flash attention needs sm80+),

@@ -1,18 +1,15 @@
-"""One build step for a training run: the model and every parallelism applied to it from
-outside, in a fixed order (as torchtitan's ``parallelize_llama`` applies TP, activation
-checkpointing, then FSDP):
+"""One training run's build: the model and every parallelism applied from outside, in a fixed order
+(as torchtitan's ``parallelize_llama``: TP, activation checkpointing, then FSDP):
 
-    1. TP (Megatron §3): the GPT is constructed with the TP group, its linears column/row
-       parallel and its embedding vocab-parallel;
-    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, M_D arena) wraps the blocks;
-    3. ZeRO-DP wrap (§5: stage 0-3 strategy): parameters re-pointed into flat buffers in the
-       training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
-       by the strategy.
+    1. TP (Megatron): the GPT is constructed with the TP group;
+    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
+    3. ZeRO-DP wrap (§5, stages 0-3): parameters re-pointed into flat buffers in the training
+       dtype; the strategy creates this rank's shard of fp32 master + Adam state.
 
-Used by the worker, the dry run (``simulate.dryrun``: on meta tensors + the fake process
-group), the stage benchmark and the tests. The model is built directly in the training dtype:
-an fp32 build of one rank of a 100B model (6.25B parameters at TP 16) would need 25 GB before
-the strategy even casts it; the fp32 master is made by the strategy for its shard only.
+``build`` is used by the rank program, the dry run (``zero_repro.scale.dryrun.dryrun``: meta
+tensors + the fake process group), the benchmark and the tests. The model is built directly in
+the training dtype (an fp32 build of one rank of a 100B model, 6.25B parameters at TP 16, would
+need 25 GB before the cast); the fp32 master exists for this rank's shard only.
 """
 from __future__ import annotations
 

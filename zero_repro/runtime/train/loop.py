@@ -1,24 +1,16 @@
-"""The training loop: warm-up steps, timed steps, per-step loss and throughput.
+"""The training loop (``train``): warm-up steps, timed steps, per-step loss and throughput.
 
-One optimizer step (``train.step.train_step``) = ``grad_accum`` micro-batches of forward +
-backward through the strategy, then ``strategy.step()``. The first ``warmup_steps`` steps are
-run but not timed (allocator warm-up, lazy optimizer state, gloo connection set-up). Per-step wall time is measured with
-``time.perf_counter`` after a device synchronize (CUDA events would time only the GPU work;
-the step time the paper reports is wall clock).
+One optimizer step is ``train.step.train_step``. The first ``warmup_steps`` run untimed
+(allocator warm-up, lazy optimizer state, connection set-up); step wall time is
+``time.perf_counter`` after a device synchronize (the paper reports wall-clock step time, not
+GPU kernel time). Measurement has no side effects: losses are gathered once at the
+end by an object all-gather the ledger does not count. ``start_step`` resumes at a checkpoint's
+data position (batches are a function of (seed, step), so a resumed run sees the data the
+uninterrupted one would). fp16 overflow skips are counted and logged.
 
-Measurement has no side effects on training: losses are collected locally and gathered once
-at the end with an object all-gather that the communication ledger does not count.
-
-Resuming: ``start_step`` is the data position restored from a checkpoint (batches are a pure
-function of (seed, step), so starting the step loop there replays exactly the data the
-uninterrupted run would have seen). fp16 overflow skips are data: counted, their step indices
-kept, and each one logged.
-
-Divergence (``Diverged``, recorded as status ``diverged``): a non-finite loss, or
-``FLOOR_SKIPS`` consecutive skipped steps at the lowest loss scale (fp16 at
-``zero.min_loss_scale``; fp32/bf16 have no scale to lower, so any non-finite gradient counts),
-stops the run at once; a run in which every step was skipped ends as diverged too. Training on
-would only write steps that trained nothing.
+``Diverged`` (status ``diverged``): a non-finite loss, ``FLOOR_SKIPS`` consecutive skipped steps
+at the lowest loss scale (any non-finite gradient for fp32/bf16), or a run whose every step was
+skipped stops at once.
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
-"""One optimizer step through a ZeRO-DP strategy (paper §5): the only place the step sequence
-is written down. The training loop, the paper-scale dry run, the stage benchmark, the peers race
-and the tests all call ``train_step``.
+"""One optimizer step through a ZeRO-DP strategy (paper §5): the only place the step sequence is
+written down. The loop, the dry run, the benchmark, the peers race and the tests call
+``train_step``.
 
     for each of k = train.grad_accum micro-batches:   forward -> strategy.backward(loss)
     before_update()                                   (fault injection in the loop)
     strategy.step()  -> StepInfo (skipped?, grad norm, loss scale)
     strategy.zero_grad()
 
-``strategy.backward`` divides the loss by k, so k micro-batches of size b equal one batch of
-size k·b. ``phase(name)`` wraps the forward and the backward of every micro-batch and the update
-(the dry run's allocation tracer attributes each allocation to its phase there); the loss of a
-micro-batch is handed to ``on_loss`` (a real run reads its value) and dropped right after
-backward, so nothing of the micro-batch outlives it (under fake tensors ``float(loss)`` is
-impossible, and holding the loss would shift the dry run's peak).
+``strategy.backward`` divides the loss by k, so k micro-batches of b equal one batch of k·b.
+``phase(name)`` wraps each micro-batch's forward and backward and the update (the dry run's
+tracer attributes allocations to phases); a micro-batch's loss goes to ``on_loss`` and is
+dropped right after backward, so nothing of it outlives the micro-batch (the dry run's peak).
 """
 from __future__ import annotations
 

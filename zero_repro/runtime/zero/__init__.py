@@ -1,8 +1,9 @@
-"""ZeRO-DP (paper §5): one Strategy per stage behind one interface (``strategy.Strategy``).
+"""ZeRO-DP (paper §5): one Strategy per stage behind one interface (``strategy.Strategy``),
+built by ``build_strategy``.
 
 The stages side by side (Ψ parameters, N_d DP ranks, K = 12 for mixed-precision Adam; memory in
 bytes per rank at fp16 params/grads, Table 1; communication in elements per step over the DP
-group, §7 convention of ``distributed.comm``):
+group, §7 convention of ``zero_repro.runtime.comm.comm``):
 
 =========================  =============  ==============  ==================  ==============
                            0 baseline DP  1 P_os          2 P_os+g            3 P_os+g+p
@@ -30,12 +31,11 @@ overlap knobs              -              overlap_param_  overlap_param_      pr
 =========================  =============  ==============  ==================  ==============
 
 Shared machinery: ``strategy`` (step, clipping, optimizer, state dict), ``buckets`` (bucket
-pieces and arrival counting, stage 0/1 full gradients, the stage 1/2 parameter all-gather),
-``flat_buffer`` (flat parameter buffers, gradient shards); how a bucket travels over the DP
-group (native collectives; on gloo shared memory between ranks of one host or point-to-point
-exchanges; rooted ones in the dry run) is ``distributed.transport``, chosen once per group.
-The overlap knobs (``ZeroConfig``, all on by default, results bit-identical on or off) are
-described in ``strategy``; ``python -m zero_repro.lab.bench --ab KNOB`` races each off against on.
+pieces and arrivals, stage 0/1 full gradients, the stage 1/2 parameter all-gather),
+``flat_buffer`` (flat parameters, gradient shards). How a bucket travels over the DP group is
+the group's transport (``zero_repro.runtime.comm.transport``), chosen once per group. The
+overlap knobs (``ZeroConfig``, on by default, bit-identical on or off) are described in
+``strategy``; ``python -m zero_repro.lab.bench --ab KNOB`` races each off against on.
 """
 from __future__ import annotations
 

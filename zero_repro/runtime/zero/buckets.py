@@ -1,21 +1,15 @@
-"""Bucket bookkeeping shared by the ZeRO-DP stages (paper §5, buckets of C_B elements, §6.3).
+"""Bucket bookkeeping shared by the ZeRO-DP stages (paper §5; buckets of C_B elements, §6.3).
 
-A bucket is a consecutive range of a group's flat layout (``partition.Bucket``), so the
-gradients of its parameters become ready together in backward. What every bucketed stage needs:
-
-* ``bucket_pieces`` / ``slot_pieces``: where each parameter (slot) lies in which bucket;
-* ``Arrivals``: how many real (non-padding) gradient elements of each bucket have arrived, so a
-  bucket is launched the moment it is complete, overlapping the rest of backward;
-* ``FullGrads``: the full training-dtype gradient in the flat layout, accumulated over
-  micro-batches and reduced bucket by bucket in place on the last one (stages 0 and 1; stage 0
-  all-reduces a bucket, stage 1 reduce-scatters it);
-* ``ParamGather``: the all-gather of every bucket's updated chunks into the flat parameters
-  after the step (stages 1 and 2; Ψ elements per step; on CPU ranks sharing memory the flat
-  parameters live in a buffer the peers map and are gathered from it in place), either completed in ``step()`` or
-  launched bucket by bucket as Adam finishes each chunk and waited by the next forward, module
-  by module, for just the buckets that module's parameters live in (``zero.overlap_param_gather``).
-
-Communication itself goes through the group's transport (``distributed.transport``).
+A bucket is a consecutive range of a group's flat layout (``partition.Bucket``), so its
+parameters' gradients become ready together in backward. ``bucket_pieces`` / ``slot_pieces``
+say where each parameter lies in which bucket; ``Arrivals`` counts a bucket's real gradient
+elements so it is launched the moment it is complete; ``FullGrads`` is the full training-dtype
+gradient of stages 0-1, reduced in place bucket by bucket on the last micro-batch (all-reduce
+at stage 0, reduce-scatter at stage 1); ``reduce_to_shard`` reduce-scatters a bucket into a
+gradient shard (stages 2-3); ``ParamGather`` all-gathers every bucket's updated chunks into the
+flat parameters after the step (stages 1-2, Ψ elements per step), completed in ``step()`` or
+waited module by module by the next forward (``zero.overlap_param_gather``). Communication goes
+through the group's transport (``zero_repro.runtime.comm.transport``).
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
-"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership.
+"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership (no
+tensors, no communication: integers only, tested exhaustively).
 
-No torch.distributed and no tensors here, only integers, so it can be unit-tested exhaustively.
+One group's parameters (the whole model for stages 0-2, one unit for stage 3) are laid end to
+end in ``named_parameters`` order (``layout``) and cut into *buckets* of at most C_B elements
+(§6.3), each a multiple of N_d and split into N_d equal *chunks*; DP rank r owns chunk r of
+every bucket (``Partition``). Interleaved ownership lets a bucket filled in backward be
+reduce-scattered as it is, and the same chunks be all-gathered after the step.
 
-Layout. The parameters of one group (the whole model for stages 0-2, one unit = one
-transformer block or the root for stage 3) are laid end to end in one flat buffer, in
-``named_parameters`` order. The flat buffer is cut into *buckets*: consecutive ranges whose
-size is a multiple of the DP degree N_d and at most the bucket capacity C_B (paper §6.3,
-constant-size buffers). Every bucket is split into N_d equal *chunks*; DP rank r owns chunk r
-of every bucket.
-
-Why interleaved ownership rather than one contiguous 1/N_d slice per rank: a bucket filled
-during backward (its parameters are adjacent, so their gradients become ready together) can
-then be reduce-scattered as it is, and each rank receives exactly the elements it owns. The
-same chunks are all-gathered after the optimizer step, in the same constant-size pieces.
-
-Padding. Full buckets hold N_d·c elements with c = min(C_B // N_d, ceil(Ψ/N_d)); the last
-bucket holds the remainder rounded up to a multiple of N_d, so the padding is < N_d elements
-per group (stage 3: per unit). Padding elements are zero in parameters and gradients and never
-move away from zero (AdamW on a zero parameter with zero gradient stays zero).
-
-Memory formula this supports: each rank's shard of a group is padded_numel / N_d elements,
-so optimizer state per rank is 12·Ψ/N_d bytes (+ < 12·N_d bytes of padding per group).
+Invariants: full buckets hold N_d·c elements, c = min(C_B // N_d, ceil(Ψ/N_d)); the last holds
+the remainder rounded up to a multiple of N_d, so padding is < N_d elements per group and stays
+zero. Each rank's shard is padded_numel / N_d elements: optimizer state 12·Ψ/N_d bytes per rank
+(+ < 12·N_d bytes of padding per group).
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
-"""Baseline data parallelism (paper §3.1, §7.1): every rank keeps all model states.
+"""Baseline data parallelism (paper §3.1, §7.1): every rank keeps all model states (``Stage0DDP``).
 
 Memory per rank (mixed precision, Adam): 2Ψ params + 2Ψ grads + 12Ψ optimizer = 16Ψ bytes.
-Communication per step: one all-reduce of the gradients = 2Ψ elements (reduce-scatter +
-all-gather, §7.1).
+Communication per step: one all-reduce of the gradients = 2Ψ elements (§7.1).
 
-Gradients are accumulated into one flat buffer in the parameter layout. Buckets are
-consecutive ranges of that buffer (C_B elements each), so a bucket is all-reduced *in place*
-as soon as its last gradient arrives, overlapping the rest of backward (no separate fused copy:
-the flat gradient buffer is the fused buffer). On CPU ranks sharing memory the buffer is one
-the peers map (``transport.shared_buffer``) and only the reduce-scatter half of each all-reduce
-runs: Adam reads the peers' sums in place, in their buffers (``all_reduce_views``: no gather
-copy), and ``_after_step`` releases them. Gradients are divided by N_d before the sum,
-so the reduced gradient is the mean over DP ranks. The gradient store (``buckets.FullGrads``,
-``zero_grad`` without a pass over Ψ) is shared with stage 1 (P_os), which reduce-scatters the
-same buckets instead of all-reducing them.
+Gradients accumulate in one flat buffer in the parameter layout (``buckets.FullGrads``, shared
+with stage 1); a bucket (C_B consecutive elements of it) is all-reduced in place through the DP
+group's transport as soon as its last gradient arrives, overlapping the rest of backward.
+Gradients are divided by N_d before the sum, so the result is the mean over DP ranks.
 """
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
-"""P_os: optimizer-state partitioning (paper §5.1).
+"""P_os: optimizer-state partitioning (paper §5.1), ``Stage1Os``.
 
 Memory per rank: 2Ψ params + 2Ψ grads + 12Ψ/N_d optimizer (fp32 master, m, v of this rank's
 shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gradients (Ψ) +
-all-gather of the updated parameters (Ψ) = 2Ψ elements, the same as baseline DP (§7.2.1).
+all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1).
 
-Full training-dtype gradients are accumulated as in stage 0 (``buckets.FullGrads``); on the
-last micro-batch each
-bucket is reduce-scattered as soon as it is complete, and this rank's reduced chunk lands in its
-own range of the gradient buffer (the rest of the buffer is stale and unused). After the AdamW
-step on the fp32 shard, the updated chunks are all-gathered bucket by bucket (constant-size
-pieces) straight into the flat parameter buffer; with ``zero.overlap_param_gather`` bucket k
-is on the wire while Adam updates chunk k+1, and the next forward waits per module for the
-buckets it reads (``buckets.ParamGather``), so the gather overlaps the step and the next forward.
-
-Collectives go through the DP group's transport (``distributed.transport``): a native
-reduce-scatter lands in a pooled scratch chunk (copied back over the own range) and a native
-all-gather reads a pooled copy of the own chunk (its input must not alias the output); the
-pairwise transport (gloo) receives the peers' contributions to the own chunk in a pooled scratch
-of (N_d - 1) chunks and adds them in place, and gathers in place; the rooted one (the dry run's
-fake group) works in place and its pools hold nothing. Either way 2Ψ in the §7 ledger.
+Full gradients accumulate as in stage 0 (``buckets.FullGrads``); on the last micro-batch each
+complete bucket is reduce-scattered and this rank's chunk lands in its own range of the gradient
+buffer. After AdamW on the fp32 shard the updated chunks are all-gathered bucket by bucket into
+the flat parameters (``buckets.ParamGather``; with ``zero.overlap_param_gather`` bucket k is on
+the wire while Adam updates chunk k+1 and the next forward waits per module). Collectives go
+through the DP group's transport.
 """
 from __future__ import annotations
 

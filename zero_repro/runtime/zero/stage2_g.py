@@ -1,45 +1,25 @@
-"""P_os+g: optimizer-state and gradient partitioning (paper §5.2).
+"""P_os+g: optimizer-state and gradient partitioning (paper §5.2), ``Stage2G``.
 
 Memory per rank: 2Ψ params + 2Ψ/N_d gradient shard + 12Ψ/N_d optimizer = 2Ψ + 14Ψ/N_d bytes,
 plus constant-size fused buckets (C_B, §6.3). Communication per step: reduce-scatter of the
 gradients (Ψ) + all-gather of the parameters (Ψ) = 2Ψ elements (§7.2.1).
 
-During backward each gradient is copied into the fused buffer of the bucket(s) it belongs to
-(a bucket is a consecutive range of the flat layout, so its gradients become ready together);
-a complete bucket is reduce-scattered asynchronously while backward continues, and this rank
-adds the reduced chunk into its persistent gradient shard. The full gradient never exists on
-any rank. With gradient accumulation every micro-batch is reduce-scattered (the shard
-accumulates), which keeps the gradient memory at Ψ/N_d at the price of k reduce-scatters.
+In backward each gradient is copied (divided by N_d, ``buckets.scale_into``) into the fused
+buffer of its bucket(s); a complete bucket is reduce-scattered asynchronously and the reduced
+chunk added into the persistent gradient shard: the full gradient never exists on any rank.
+Every micro-batch is reduce-scattered (gradient memory stays Ψ/N_d). ZeRO-R:
+``constant_buffers`` false sizes the fused buffer to the whole model (what C_B fixes);
+``contiguous_memory`` (M_D) keeps the shard in one pre-allocated tensor, else each chunk is
+allocated on first use and freed in ``zero_grad``. The parameter all-gather is
+``buckets.ParamGather``, shared with stage 1; collectives go through the DP group's transport.
 
-ZeRO-R knobs: ``constant_buffers`` false sizes the fused buffer to the whole model (the
-baseline behaviour the paper's C_B fixes); ``contiguous_memory`` (M_D) true keeps the gradient
-shard in one pre-allocated contiguous tensor, false allocates each bucket's chunk when its first
-reduced gradient arrives and frees them all in ``zero_grad`` (fragmenting the heap).
-
-A fused buffer is not zeroed when it is taken from the pool: every gradient is copied into it,
-divided by N_d on the way (``buckets.scale_into``, one pass instead of a copy and a division),
-and only what stays unwritten (padding, parameters without a gradient this micro-batch) is
-zeroed when the bucket is launched. Collectives go through the DP group's transport
-(``distributed.transport``): a pool entry is the fused bucket plus the transport's scratch for
-the reduced chunk (gloo's pairwise transport: the peers' (N_d - 1) contributions to it; none for
-the rooted, in-place one of the dry run; both keep 4 fused buckets in flight instead of 2); the parameter all-gather is ``buckets.ParamGather``, shared
-with stage 1 (overlapped with the step and the next forward under
-``zero.overlap_param_gather``). Same 2Ψ ledger volume either way.
-
-``zero.split_tied_grad`` (off by default; on in the peers race): the GPT's tied embedding
-(``wte``, the vocabulary × h matrix, 62% of Ψ at gpt_20m) gets its gradient from two places,
-the LM head (first in backward, dense) and the token lookup (last in backward, B·s rows).
-Autograd sums them into a fresh dense V×h tensor (the lookup's part made dense first: zeros
-plus the rows) that the hook then copies into the buckets, so the embedding's buckets are
-reduce-scattered last, exposed at the end of backward. Split, the model hands this stage the
-two parts (``GPT.tied_grad_sink``, ``head`` / ``lookup`` below): the head's weight-gradient
-GEMM is computed bucket piece by bucket piece straight into the fused buffers (``buckets.
-matmul_flat_into``; Megatron-LM's gradient-accumulation fusion writes weight gradients into
-its buffers the same way) and each bucket is reduce-scattered as soon as the head's backward
-filled it; the lookup's rows (and ids) of every rank are all-gathered at the end of backward
-(N_d·B·s·(h+1) elements, counted as an ``all_gather`` beyond the 2Ψ) and each owner adds the
-ones in its chunks into its shard. No V×h gradient is ever formed. The sum is the same up to
-fp32 rounding (head and lookup parts are reduced apart: Σ(h/N) + Σ(l/N), not Σ((h+l)/N)).
+``zero.split_tied_grad`` (off by default): the tied embedding's gradient arrives in its two
+parts (``GPT.tied_grad_sink``): ``head`` computes the LM head's part bucket piece by piece into
+the fused buffers (``buckets.matmul_flat_into``, like Megatron-LM's gradient-accumulation
+fusion), reduce-scattered as the head's backward fills them; ``lookup``'s rows and ids are
+all-gathered at the end of backward (N_d·B·s·(h+1) elements beyond the 2Ψ) and each owner adds
+those in its chunks. No V×h gradient is formed; the sum differs by fp32 rounding
+(Σ(h/N) + Σ(l/N), not Σ((h+l)/N)).
 """
 from __future__ import annotations
 

@@ -1,50 +1,24 @@
-"""P_os+g+p: optimizer-state, gradient and parameter partitioning (paper §5.3, §7.2.2).
+"""P_os+g+p: optimizer-state, gradient and parameter partitioning (paper §5.3, §7.2.2), ``Stage3P``.
 
-Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the transient
-gathered units (the block being computed and ``zero.prefetch_blocks`` ahead) and constant-size
-buffers. Communication per step: all-gather of the parameters in forward (Ψ) and again in
-backward (Ψ), reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP (§7.2.2);
-with ``zero.keep_gathered_turn`` the root and the last block are gathered once per step, not
-twice: 3Ψ - Ψ_root - Ψ_last block (2.3Ψ at GPT-20M, whose root is 62% of Ψ).
+Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the gathered units in
+use (the block being computed and ``zero.prefetch_blocks`` ahead) and constant-size buffers.
+Communication per step: all-gather of the parameters in forward (Ψ) and again in backward (Ψ) +
+reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP; with
+``zero.keep_gathered_turn`` (default) the root and the last block stay gathered from forward
+into backward: 3Ψ - Ψ_root - Ψ_last block.
 
-Units: each child of ``model.blocks`` (an ``nn.ModuleList``, if the model has one) is a unit,
-plus one *root* unit with every other parameter (embeddings, final norm, tied head). Each unit
-has its own flat buffer (``FlatParams``), padded to its bucket grid, and this rank keeps only
-its chunks (``shard``); the flat storage is freed (resized to 0 bytes) whenever the unit is
-not in use, so the module's parameter views hold no data.
-
-Schedule:
-  forward   root pre-hook gathers the root; each block's forward pre-hook waits for (or starts)
-            its gather and prefetches the next ``prefetch_blocks`` blocks asynchronously; its
-            forward post-hook releases it and hooks the block output's gradient. The root is
-            released after the model's forward. With ``zero.keep_gathered_turn`` (default) a
-            forward with autograd on keeps the root and the last block gathered into backward,
-            which needs both first (the head's and the last block's gradients): releasing them
-            only to gather them again at once exposed two gathers per step (~5% of the step at
-            GPT-20M, 62% of whose Ψ is the tied embedding). The params_gathered peak is the
-            same (forward holds root + 1 + ``prefetch_blocks`` blocks anyway).
-  backward  ``strategy.backward`` gathers the root and prefetches the last blocks; the hook on a
-            block's output gradient (fires just before that block's backward) waits for its
-            gather and prefetches the previous blocks. When every gradient of a unit has been
-            accumulated (post-accumulate-grad hooks), the unit's gradients are reduce-scattered
-            (async) into the persistent gradient shard and the unit is released.
-  step      nothing to gather: the updated shard is the parameter storage. With
-            ``zero.prefetch_next_step`` (default) the gathers the next forward needs first
-            (the root, then the first ``prefetch_blocks`` blocks) start inside ``step`` as soon
-            as Adam has updated that unit's shard (the root's chunks come first), so they
-            overlap the rest of the update; a skipped step starts them at its end. A step or a
-            load that changes the shards first releases what is gathered (never stale).
-
-The per-bucket all-gathers and reduce-scatters go through the DP group's transport
-(``distributed.transport``): native ones gather straight from the shard and reduce into one
-unit-shard output per reduction in flight; gloo's pairwise one gathers in place in the unit's
-flat buffer and receives the peers' contributions to the own shard in (N_d - 1)·shard elements
-of scratch; the rooted one of the dry run broadcasts / reduces in place (scratch of 0
-elements). Same ledger volume.
-
-Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
-fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
-directly instead of ``strategy.backward(loss)``).
+Units: each child of ``model.blocks`` plus one *root* unit (every other parameter), each with
+its own ``FlatParams`` padded to its bucket grid; this rank keeps only its chunks and the flat
+storage is freed whenever the unit is not in use. Schedule: forward pre-hooks gather a block
+(prefetching ``prefetch_blocks`` ahead), post-hooks release it; backward (``strategy.backward``)
+gathers in reverse, and once every gradient of a unit has accumulated its gradients are
+reduce-scattered into the persistent shard and the unit released; ``step`` gathers nothing (the
+updated shard is the parameter storage); with ``zero.prefetch_next_step`` (default) the next
+forward's first gathers start inside ``step`` as each unit's shard is updated. Whatever changes
+the shards first releases what is gathered (never stale). Each unit is a state machine
+(``UnitState``: SHARDED -> GATHERING -> GATHERED -> SHARDED); a hook that fires in the wrong
+state raises an error naming the unit (e.g. ``loss.backward()`` instead of
+``strategy.backward(loss)``).
 """
 from __future__ import annotations
 

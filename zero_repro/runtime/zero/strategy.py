@@ -1,58 +1,28 @@
 """The one interface every ZeRO-DP stage implements (paper §5); the stages side by side and
-``build_strategy`` are in ``zero_repro.runtime.zero`` (``__init__``).
+``build_strategy`` are in ``zero_repro.runtime.zero``.
 
-A ``Strategy`` wraps an ``nn.Module`` the way DDP does: call ``strategy.module(...)`` (or
-``strategy.forward``), then ``strategy.backward(loss)`` and ``strategy.step()``.
+A ``Strategy`` wraps an ``nn.Module`` the way DDP does: ``strategy.module(...)`` (or
+``forward``), ``backward(loss)``, ``step()`` -> ``StepInfo``, ``zero_grad()``.
+  backward(loss)  scales the loss (loss scale / grad_accum) and runs autograd; gradient hooks
+                  move each gradient into the stage's storage and launch bucketed async
+                  collectives while backward goes on.
+  step()          waits for the collectives; unscales; agrees the overflow flag and the norm
+                  over the world (DP × TP) in one all-reduce; skips on overflow (every rank),
+                  else clips by the global norm, runs AdamW on this rank's fp32 shard, casts it
+                  into the training dtype and publishes the parameters (stage-specific).
+Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``step()``; stages
+0-1 reduce on the last micro-batch only (DDP's no_sync), stages 2-3 reduce-scatter every
+micro-batch into the shard; k micro-batches equal one batch k times larger.
 
-Per-step contract (all stages):
-  backward(loss)  scales the loss (loss scale / grad_accum), runs autograd; gradient hooks
-                  (``Tensor.register_post_accumulate_grad_hook``) move each gradient into the
-                  stage's storage and launch bucketed async collectives while backward goes on.
-  step()          waits for outstanding collectives; unscale; overflow flag and grad norm agreed
-                  over the world (DP × TP) in one all-reduce; skip the step on overflow (every
-                  rank), else clip by the global norm and run AdamW on this rank's fp32 shard;
-                  cast into the training-dtype shard; publish the parameters (stage-specific).
-  zero_grad()     clears gradient storage.
-
-Overlap across steps (``zero.overlap_param_gather``, bit-identical either way): stages 1-2 put
-bucket k's all-gather on the wire as soon as Adam finished its chunk (``_chunk_publisher``) and
-the next forward waits module by module for the buckets it reads; stage 3 starts gathering the
-next forward's first units at the end of ``step`` (``_after_step``). Whatever reads parameters
-outside forward waits first (``wait_params``: backward, ``state_dict``, ``full_parameters``);
-whatever writes shards first settles what still reads them (``_before_update``: step, load).
-Not overlapped because it cannot be exact: (1) Adam per bucket as its reduction lands (stages
-2-3): the clip coefficient needs the global norm of every bucket on every rank, and even with
-``grad_clip`` 0 a step with a non-finite gradient anywhere (any dtype) is skipped, which is
-known only once every bucket is reduced; m, v and master of the early buckets could not be
-restored without a copy of them (12 bytes per element). (2) Reducing the tied embedding's head
-contribution early (stages 0-2) by default: autograd sums the head's and the lookup's
-contributions before the gradient hook fires, so the embedding's buckets complete last and their
-reduction is exposed at the end of backward. ``zero.split_tied_grad`` (off by default) takes the
-two parts apart instead (the model's ``tied_grad_sink``): stage 2 reduces the head's part as
-soon as the head's backward ran and exchanges the lookup's B·s rows sparse (not the dense
-embedding a second time); it rounds differently (Σ(h/N) + Σ(l/N) ≠ Σ((h+l)/N)), hence opt-in.
-
-Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
-Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
-micro-batch only (DDP's no_sync behaviour), stages 2/3 reduce-scatter every micro-batch and
-accumulate into the gradient shard (they never hold full gradients). ``backward(loss,
-is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equal one batch
-k times larger.
-
-Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ (less the root and last block it keeps across the turn); memory per rank follows Table 1 (``paper.table1.model_state_bytes``). How the
-bucket reduce-scatters / all-gathers of stages 1-3 and the all-reduces of stage 0 travel
-(native; on gloo through shared memory on one host, else point-to-point exchanges; N_d rooted
-reduces / broadcasts in the dry run: same elements, same volume) is the DP group's transport
-(``distributed.transport.bucket_transport``), picked once when a stage is built.
-
-Construction: ``Strategy.__init__`` sets what every stage shares (configs, DP group, N_d,
-dtype, loss scaler, the trainable parameters); each stage's ``__init__`` builds the storage it
-owns and ends with ``_attach`` (optimizer over the owned chunks, norm ranges, gradient hooks).
-
-Step cost outside the collectives: one multi-tensor norm over the owned gradients (``clip``;
-one host read of the agreed (norm, overflow) pair per step) and torch's fused AdamW kernel over
-the owned shard (``adam``).
+Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
+keeps gathered across the turn); memory per rank Table 1's
+(``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
+(``zero.overlap_param_gather``, ``prefetch_next_step``, ``keep_gathered_turn``) are bit-identical
+on or off: whatever reads parameters outside forward waits first (``wait_params``), whatever
+writes shards first settles what still reads them. Not overlapped, because it cannot be exact:
+Adam per bucket as its reduction lands (the clip and the overflow skip need every bucket), and,
+by default, the tied embedding's head gradient (autograd sums head and lookup first;
+``zero.split_tied_grad`` splits them at a rounding difference, hence opt-in).
 """
 from __future__ import annotations
 

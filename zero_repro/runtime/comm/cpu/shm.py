@@ -1,52 +1,25 @@
-"""Shared-memory channel: how CPU (gloo) ranks on one host move bucket chunks without sockets.
+"""Shared-memory channel: CPU (gloo) ranks on one host move bucket chunks without sockets.
 
-gloo carries every byte of a CPU collective through a loopback TCP socket: the sender's kernel
-copies it into a socket buffer, the receiver's copies it out, and on a 2-core machine gloo's
-threads take those cycles from the ranks' compute. Ranks on one host can instead read each
-other's memory (as NCCL does inside a node through its shared-memory / P2P transports): each
-rank of a group maps one segment of ``/dev/shm`` per group rank, writes what its peers need
-into its own segment and reads what it needs from theirs. Measured (world 2, 2 cores, Ψ =
-41.6M fp32 in 2M buckets, 2026-12-02, ``/work`` microbench of this design): reduce-scatter
-22 ms vs gloo point-to-point 73-85 ms, all-gather 21 ms vs 62-75 ms.
+Each rank of a group maps one ``/dev/shm`` segment per group rank (``channel_for``, built once,
+collectively; checked to be shared, then unlinked so nothing is left when a rank dies), writes
+what its peers need into its own segment and reads theirs, as NCCL does inside a node.
 
-A segment holds a header (this rank's counters) and ``SLOTS`` slots of ``SLOT_BYTES``. A
-collective is cut into *pieces* that each fit one slot; pieces get consecutive sequence
-numbers, in the order the collectives are issued (the same on every rank, as collectives
-are), and piece ``j`` lives in slot ``j % SLOTS`` of every segment. Two counters per rank,
-each written only by its rank:
+Protocol (the invariant every collective keeps): a collective is cut into *pieces* that each
+fit one of ``SLOTS`` slots of ``SLOT_BYTES``; pieces are numbered in issue order (the same on
+every rank) and piece ``j`` lives in slot ``j % SLOTS``. Each rank writes two counters, ``ready``
+(pieces published) and ``done`` (peers' pieces consumed). A rank writes piece ``j`` only once
+every rank's ``done >= j - SLOTS`` and reads it only once every peer's ``ready >= j``; a wait
+completes every earlier piece first, so all ranks move through the pieces in one order and no
+wait depends on a piece a peer cannot reach. A dead or hung peer fails the wait after the
+world's collective timeout, naming it. x86-64 only: its stores become visible in program
+order, so a counter is never seen before the data it covers (elsewhere ranks stay on gloo).
 
-* ``ready``: every piece through it is written into this rank's slots (publish),
-* ``done``: this rank has read every peer's piece through it (consume).
-
-A rank may write piece ``j`` once every rank's ``done`` is at least ``j - SLOTS`` (the slot's
-previous piece is read, by the peers and by itself: an all-reduce reads its own slot too), and may read it once every peer's ``ready`` is at least ``j``. Pieces
-are published when issued if their slot is free (the peers can start on them while this rank
-computes), else when waited; a wait completes every earlier piece first, in order, so every
-rank moves through the pieces in one order, as through blocking collectives, and nothing
-waits on a piece its peer cannot reach. Waits poll with ``sched_yield``, then with short sleeps,
-and give up after the
-world's collective timeout (a dead or hung peer fails the wait, naming it). x86-64 only: its
-stores become visible in program order, so a counter is never seen before the data it covers
-(other architectures would need fences: they stay on gloo).
-
-*Shared buffers* (``Channel.shared_buffer``) go one copy further: a buffer every peer maps
-(stages 0-1's full gradients, stage 3's parameter shards) needs no slots at all: a collective on
-a view of it publishes nothing but its counter and the peers read the values in place (a
-piece's write is a no-op). The owner may write such a buffer again only after every peer has
-read it: ``fence`` waits for the peers' ``done`` to pass the last piece issued on it (stages call
-it before a step's first gradient write, before Adam writes the shards). A peer that goes on
-reading a buffer in place after the collectives on it (stage 0 reads the peers' sums straight
-from their gradient buffers in its Adam step, no gather copy) says when it is done with
-``release``, an empty piece whose ``ready`` the owner's ``fence`` also waits for. An all-reduce's
-gather half is published only after its reduce-scatter half is read, so the sums it overwrites
-are never ones a peer still has to read.
-
-Segments are created when a group first builds a bucket transport (``channel_for``), checked
-to be shared (every rank reads every peer's magic word through its own mapping; ranks on other
-hosts see no file or another one) and unlinked at once: the mappings stay, nothing is left in
-``/dev/shm`` when a rank dies. ``ZR_CPU_TRANSPORT`` picks the mode: ``auto`` (default) uses
-shared memory when it can and gloo point-to-point otherwise, ``shm`` requires it (one error
-line when it cannot), ``pairwise`` never uses it.
+*Shared buffers* (``Channel.shared_buffer``, a ``Region``) are memory every peer maps: a
+collective on a view of one publishes only its counter and the peers read in place. Its owner
+``fence``s it before writing it again (waits for the peers' ``done`` and their ``release``).
+``ZR_CPU_TRANSPORT`` (``mode()``): ``auto`` (default: shared memory when possible, else gloo
+point-to-point), ``shm`` (required; one error line when impossible), ``pairwise`` (never).
+Timings: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -95,7 +68,9 @@ class ShmError(RuntimeError):
 
 
 class Channel:
-    """One group's mapped segments and its piece sequence (see the module docstring)."""
+    """One group's mapped segments and its piece sequence (protocol: the module docstring).
+    A piece is published when issued if its slot is free (the peers start on it while this
+    rank computes), else when waited."""
 
     def __init__(self, group: comm.Group, segments: list[torch.Tensor],
                  timeout: datetime.timedelta | None):
