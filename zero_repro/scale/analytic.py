@@ -1,24 +1,16 @@
-"""Closed-form per-rank memory model of ZeRO (paper §3, §5, §6; Tables 1-2, Figure 6 seed).
+"""Closed-form per-rank memory model of ZeRO (paper §3, §5, §6; Tables 1-2, the Figure 6 seed).
 
-Model states per data-parallel rank: Table 1's formula, ``zero_repro.scale.paper.table1``
-(Ψ = parameters of one TP shard = param_count / tp, K = 12 for mixed-precision Adam):
-baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
-
-Residual states (§3.2, §6):
-  * activations without checkpointing: the paper's footnote counts ≈12·h·b·s·l *elements*
-    (fp16, so 24·h·b·s·l bytes: GPT-2 1.5B, s=1K, b=32 -> 60 GB). ``activation_bytes_per_layer``
-    is a finer per-op count of one Megatron block on one TP rank (op enumeration in its doc).
-  * checkpoints (one block input per layer): b·s·h elements per layer, 2 bytes each; P_a keeps
-    1/tp of them; P_a+cpu keeps none on the device. The paper's §6.1 example (100B, b=32, s=1024,
-    MP=16, "≈33 GB -> ≈2 GB") matches the *element count* b·s·h·l = 33.5e9 of the Table 5 100B
-    shape (125 x 8192); in fp16 bytes that is 67 GB, consistent with §3.2's "≈60 GB" for the same
-    model. We compute bytes; the tests document the discrepancy.
-  * working memory while one block is recomputed and back-propagated: one block's full
-    activations (+ the gathered full checkpoint with P_a) + the logits of the LM head.
-  * fused buffers: without C_B one fp32 buffer of Ψ elements (1.5B -> 6 GB); with C_B the
-    constant bucket sizes (elements x lp bytes), independent of the model size.
-
-Units: bytes everywhere; ``GB`` = 1e9 bytes, as in the paper's tables.
+Model states per DP rank: Table 1's formula (``zero_repro.scale.paper.table1``; Ψ = parameters
+of one TP shard, K = 12): baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
+Residual states (§3.2, §6): activations without checkpointing (the paper's footnote ≈12·h·b·s·l
+elements, ``activation_elements_footnote``; ``activation_bytes_per_layer`` counts one Megatron
+block per op on one TP rank); checkpoints b·s·h elements per layer (P_a: 1/tp of them; P_a+cpu:
+none on the device); working memory of one block's recompute and backward plus the LM-head
+logits; fused buffers (Ψ fp32 elements without C_B, the constant bucket sizes with it). Bytes
+everywhere, ``GB`` = 1e9 bytes as in the paper's tables. The paper's §6.1 example (100B,
+"≈33 GB -> ≈2 GB") matches the *element* count b·s·h·l = 33.5e9 of Table 5's 100B shape; in
+fp16 bytes that is 67 GB (§3.2's "≈60 GB"): we compute bytes, the tests document the gap.
+Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``.
 """
 from __future__ import annotations
 
