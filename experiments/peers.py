@@ -263,7 +263,7 @@ def _panel_bound(ax, t) -> None:
                   rotation=60, fontsize=7, ha="right")
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="lower bound (1.0)")
     ax.axhline(report.GOAL_BOUND, color="C3", linestyle="--", linewidth=1,
-               label=f"issue 17 goal for zero_repro ({report.GOAL_BOUND:.2f})")
+               label=f"goal for zero_repro: <= {report.GOAL_BOUND:.2f} x lower bound")
     top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
     ax.set_ylim(0, top * 1.08)  # whiskers included
     ax.set_ylabel("step time / lower bound [x], same fused AdamW")
@@ -290,7 +290,7 @@ def _panel_best_peer(ax, t) -> None:
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="parity with the best peer")
     for k, goal in sorted(report.GOAL_RATIO.items()):
         ax.hlines(goal, k - 0.45, k + 0.45, colors="C3", linestyles="--", linewidth=1,
-                  label="issue 17 goal" if k == 0 else None)
+                  label="goal: <= 0.95 (stages 0-1), 0.80 (2-3)" if k == 0 else None)
     ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
     tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]
     ax.set_ylim(0, max([1.3] + tops) * 1.25)  # room for the legend above the bars
@@ -405,15 +405,15 @@ def _write_report(t, out_dir: str) -> str:
              "## How to read it", "",
              "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
              "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
-             "framework's distance to it (issue 17 goal for zero_repro: <= "
+             "framework's distance to it (goal for zero_repro: <= "
              f"{report.GOAL_BOUND:.2f}).", *_split_line(t),
-             "- `/ best peer`: the fastest other framework at the same ZeRO stage (issue 17 goal "
+             "- `/ best peer`: the fastest other framework at the same ZeRO stage (goal "
              "for zero_repro: <= 0.95 at stages 0-1, <= 0.80 at stages 2-3). Within a process "
              "set the step times are divided directly; across sets through each set's lower "
              "bound.",
              "- Transport: every peer's collectives run on torch's gloo backend (loopback "
              "TCP sockets). `zero_repro_sk` moves its DP buckets through shared memory "
-             "(`distributed.shm`, gloo ranks on one host; `ZR_CPU_TRANSPORT`), "
+             "(`runtime.comm.cpu.shm`, gloo ranks on one host; `ZR_CPU_TRANSPORT`), "
              "`zero_repro_sk_p2p` through gloo point-to-point sends, as the peers' travel: the "
              "`_p2p` rows race the implementations on one transport, the plain ones show what "
              "the transport adds. Both skip the global gradient norm (unclipped fp32: it "

@@ -31,8 +31,9 @@ communication) runs in every process set: ``ratio_to_bound`` = t / bound of the 
 ``ratio_to_best_peer`` divides by the fastest *other-framework* peer at the same ZeRO stage:
 t_f / t_peer when both ran in one set, else (t_f / bound_f) / (t_peer / bound_peer) (the bound
 puts two sets on one scale: machine load hits the bound as it hits the frameworks).
-``ratio_to_ddp`` divides by torch DDP. The issue's goals (issue 17): zero_repro stage k <=
-0.95 × the best peer at stages 0-1, <= 0.80 at stages 2-3, and <= 1.15 × the lower bound.
+``ratio_to_ddp`` divides by torch DDP. The goals (``GOAL_RATIO``, ``GOAL_BOUND``): zero_repro
+stage k <= 0.95 × the best peer at stages 0-1, <= 0.80 at stages 2-3, and <= 1.15 × the lower
+bound.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ import statistics
 
 from zero_repro.lab.peers.frameworks import FRAMEWORKS
 
-GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # issue 17: ours / best peer, per stage
-GOAL_BOUND = 1.15  # issue 17: ours / lower bound, every stage
+GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # goal: ours / best peer, per stage
+GOAL_BOUND = 1.15  # goal: ours / lower bound, every stage
 BOUND = "lower_bound"
 
 
@@ -223,7 +224,7 @@ def format_report(eq: dict, sp: dict) -> str:
             f"DIVERGES at step {fd['step']} in {fd['tensor']} (rank {fd['rank']})" if fd else "-")
         goal = ""
         if s.get("goal_met") is not None:
-            goal = (f"  issue-17 goal <= {s['goal_ratio']:.2f} x best peer: "
+            goal = (f"  goal <= {s['goal_ratio']:.2f} x best peer: "
                     + ("met" if s["goal_met"] else "NOT met"))
         if s.get("goal_bound_met") is not None:
             goal += f"; <= {GOAL_BOUND:.2f} x bound: " + ("met" if s["goal_bound_met"]
