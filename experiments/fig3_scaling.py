@@ -82,7 +82,7 @@ def summarize(records) -> list[dict]:
 
 
 def _source(series: str) -> str:
-    """`` · this machine: <hw>`` of a labelled series (``harness.regenerate``), else ''."""
+    """`` · this machine: <hw>`` of a labelled series (``lab.figures.regenerate``), else ''."""
     return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
 
 

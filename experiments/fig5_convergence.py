@@ -1,26 +1,20 @@
-"""Figure 5 analogue: convergence equivalence of ZeRO-DP stages 0-3 and ZeRO-R C1-C5.
+"""Figure 5 analogue: convergence equivalence of ZeRO-DP stages 0-3 and ZeRO-R C1-C5 (paper §10.6).
 
-The paper's Figure 5 (§10.6) plots the validation perplexity of Turing-NLG (17B, trained with
-ZeRO-100B) against Megatron-LM 8.3B over 300K iterations. That run cannot be repeated here; what
-the figure rests on can: ZeRO changes *where* optimizer states, gradients, parameters and
-activation checkpoints live (§5, §6), never *what* is computed. With the same data and seed, an
-fp32 run must therefore follow the same loss curve under every stage and every Table 3
-configuration,
+The paper's Figure 5 (Turing-NLG 17B with ZeRO-100B vs Megatron-LM 8.3B, 300K iterations) cannot
+be repeated here; what it rests on can: ZeRO changes *where* states live (§5, §6), never *what*
+is computed. With the same data and seed an fp32 run must follow the same loss curve under every
+stage and every Table 3 configuration,
 
     max_t |loss_t(config) - loss_t(stage 0, fp32)|  ~ 1e-6   (reduction order only),
 
 and an fp16/bf16 run (fp32 master weights, §5.1) must track it within a stated tolerance.
 
-Points (``conf/exp/fig5_convergence.yaml``): stages 0, 1, 2, 3 with ZeRO-R off and C1..C5 in
-fp32, plus fp16 and bf16 variants of a few configurations, all on one grid (default world 4 =
-TP 2 x DP 2, so both the DP sharding and P_a's 1/tp checkpoint slices are exercised), the same
-seed and the real-text ``pystdlib`` data, so the loss visibly falls.
-
-Rows (``kind=measured``): ``loss`` per ``step`` for each series; ``abs_dloss_vs_stage0_fp32`` per
-step; and one ``max_abs_dloss_vs_stage0_fp32`` row per series (listed first, so the CLI prints
-them) with its ``tolerance`` and ``within_tolerance``. The paper's Figure 5 values appear only in
-a side panel of the plot (kind ``paper``, read from ``results/paper/reference.csv``), labelled as
-a different experiment: they are not comparable with our numbers.
+Points (``conf/exp/fig5_convergence.yaml``): stages 0-3 with ZeRO-R off and C1-C5 in fp32, plus
+fp16 and bf16 variants of a few, on one grid (default world 4 = TP 2 x DP 2), one seed, the
+``pystdlib`` text. Rows (``kind=measured``): ``loss`` per ``step`` per series,
+``abs_dloss_vs_stage0_fp32`` per step, and one ``max_abs_dloss_vs_stage0_fp32`` row per series
+(listed first) with its ``tolerance`` and ``within_tolerance``. The paper's values appear only in
+a side panel (kind ``paper``), labelled as a different experiment: not comparable with ours.
 """
 from __future__ import annotations
 

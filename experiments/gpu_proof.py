@@ -1,33 +1,26 @@
 """GPU proof: what one GPU can prove about the runtime in <= 8 minutes (paper §10.2 throughput,
-§10.5 / Figure 7 memory, §5 equivalence), as one experiment writing records like any other
-(``results/gpu_proof/``), each labelled with the device name.
+§10.5 / Figure 7 memory, §5 equivalence), as an experiment writing records like any other
+(``results/gpu_proof/``), each labelled with the device name. One point per part:
 
-Parts (one point each):
-  (a) ``mfu``: a ~1.5B GPT (conf/model/gpt_1p5b_48x1600) in bf16 at world 1, ZeRO stage 0 and
-      stage 3, through the real trainer (``launcher.run_training``). MFU = model TFLOPs / the
-      device's dense bf16 peak (conf/cluster). Targets (CUDA only): MFU >= 0.50 at stage 0 and
-      step(stage 3) / step(stage 0) <= 1.10 (``summarize`` checks them across the two points).
-  (b) ``paper``: one rank (rank 0) of the paper's 40B C4 and 100B C5 points at 400 GPUs, MP 16
-      (Table 8, ``simulate.paper_setups`` "fig7"), run for real: ``train.build.build`` and
-      ``train.step.train_step`` on the device under the ``fake`` process group of 400 ranks
-      (collectives are no-ops, memory is real), ``torch.cuda.max_memory_allocated/reserved``
-      (after the build, ``empty_cache`` + peak reset: the training steps only) beside the dry
-      run's prediction for the same config (``simulate.dryrun.dry_run``: fake tensors + the
-      caching-allocator model). ``paper_layers`` sets a smaller depth for a point whose full
-      depth does not fit the device (stated in the record).
-  (c) ``equivalence``: the project's stages 0-3 in bf16 at world 1 on the device against a
-      plain fp32 ``torch.optim.AdamW`` reference (same init, same batches): the loss of every
-      step within ``loss_rel_tol`` of the reference's, the update direction within
-      ``update_rel_tol`` (||θ_k - θ_ref|| / ||θ_ref - θ_0||), and stages 1-3 against stage 0 in
-      bf16 within ``stage_tol`` (same arithmetic at world 1, up to reduction order).
+  (a) ``mfu``: a ~1.5B GPT (``conf/model/gpt_1p5b_48x1600``) in bf16 at world 1, stages 0 and 3
+      through the real trainer (``launcher.run_training``); MFU = model TFLOPs / the device's
+      dense bf16 peak. Targets (CUDA only, ``summarize``): MFU >= 0.50 at stage 0 and
+      step(stage 3) / step(stage 0) <= 1.10.
+  (b) ``paper``: rank 0 of the paper's 40B C4 and 100B C5 points at 400 GPUs, MP 16 (Table 8,
+      ``zero_repro.scale.paper.setups`` "fig7"), run for real (``train.build.build`` +
+      ``train.step.train_step`` on the device under the ``fake`` group: collectives are no-ops,
+      memory is real); ``torch.cuda.max_memory_allocated/reserved`` of the training steps beside
+      the dry run's prediction (``zero_repro.scale.dryrun.dryrun.dry_run``). ``paper_layers`` sets
+      a smaller depth where the full one does not fit (stated in the record).
+  (c) ``equivalence``: stages 0-3 in bf16 at world 1 against a plain fp32 ``torch.optim.AdamW``
+      reference (loss within ``loss_rel_tol``, update direction within ``update_rel_tol``) and
+      stages 1-3 against stage 0 in bf16 within ``stage_tol``.
 
-``device: cpu`` (the CI path, tests/test_gpu_proof.py) runs the same code on the CPU at tiny
-sizes: a tiny MFU model (no peak: MFU and its targets are skipped), the paper points at a
-tiny depth/width/sequence (``cpu_paper``), and the CPU run's ledger (model-state bytes from
-``strategy.memory_ledger()``) in place of the CUDA memory statistics.
+``device: cpu`` (the CI path, tests/test_gpu_proof.py) runs the same code at tiny sizes (no MFU
+targets; the CPU ledger in place of the CUDA memory statistics).
 
-    python run.py +exp=gpu_proof                       # on one H200 (<= 8 min)
-    python run.py +exp=gpu_proof experiment.params.device=cpu   # the CI path
+    python run.py +exp=gpu_proof                                 # on one H200 (<= 8 min)
+    python run.py +exp=gpu_proof experiment.params.device=cpu    # the CI path
 """
 from __future__ import annotations
 

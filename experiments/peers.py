@@ -1,28 +1,20 @@
-"""Peers experiment: this project's ZeRO-DP stages side by side with torch DDP,
-DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7),
-racing like with like, with the distance of every framework to a lower bound.
+"""Peers experiment: this project's ZeRO-DP stages beside torch DDP, DDP + ZeroRedundancyOptimizer,
+FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7), racing like with like, each
+framework's distance to a lower bound.
 
-Points (each one record):
-  * ``same_kernel`` (the headline): every peer's AdamW is ``torch.optim.AdamW(fused=True)``,
-    the kernel this project's ShardAdamW runs; all frameworks + the lower bound (compute only:
-    the micro-batch's forward + backward, no communication, plus the fused AdamW on Ψ/N_d) +
-    the single-process reference (equivalence), on ``model`` (gpt_20m);
-  * ``as_shipped``: the same with the peers' default optimizers (on CPU torch's AdamW takes its
-    single-tensor path), a second table;
-  * ``size``: the size series, stage 2 and 3 frameworks on larger models (gpt_124m, the GPT-2
-    small shape), fused kernel, few steps, no reference (equivalence is checked at gpt_20m).
-A point runs one ``launch.spawn`` per process set (``runners.process_sets``: DeepSpeed ZeRO-3
-patches ``torch.nn.functional.linear`` for the whole process, so it runs in a set of its own;
-the lower bound runs in every set and puts the sets on one scale). Inside a set, frameworks
-are interleaved step by step (``runners.run_peers``), so load from other programs on the
-machine hits every framework alike; the timed steps are split into ``repeats`` blocks and the
-spread of the block medians is reported.
+Points (one record each): ``same_kernel`` (the headline: every peer's AdamW is
+``torch.optim.AdamW(fused=True)``, the kernel ``ShardAdamW`` runs; all frameworks, the lower
+bound and the single-process reference on ``model``, gpt_20m), ``as_shipped`` (the peers'
+default optimizers) and ``size`` (stage 2 and 3 frameworks on larger models, fused kernel, no
+reference). A point runs one ``launch.spawn`` per process set (``runners.process_sets``);
+inside a set frameworks are interleaved step by step (``runners.run_peers``) and the timed steps
+split into ``repeats`` blocks.
 
-``summarize`` emits rows with figure ``peers``, series ``<table>/<framework>/stage<k>``,
-x_name ``framework`` and y_name step_time_s | ratio_to_bound | ratio_to_best_peer |
-ratio_to_ddp | max_abs_dparam | tolerance_ratio | max_abs_dloss | comm_volume_elements (all
-``kind=measured``; extra columns table, model, params, stage, best_peer, repeats, detail);
-``plot`` draws the ratios on linear axes and writes ``report.md``.
+``summarize``: figure ``peers``, series ``<table>/<framework>/stage<k>``, x_name ``framework``,
+y_name step_time_s | ratio_to_bound | ratio_to_best_peer | ratio_to_ddp | max_abs_dparam |
+tolerance_ratio | max_abs_dloss | comm_volume_elements (``kind=measured``; extra columns table,
+model, params, stage, best_peer, repeats, detail); ``plot`` draws the ratios and writes
+``report.md``. Notes on the CPU fast path: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -226,7 +218,7 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["kind"] != "paper"].copy()
     # records of a point that differ in a config knob (e.g. a default that changed) come as
-    # separate variants (harness.regenerate): the figure and report show the newest race
+    # separate variants (lab.figures.regenerate): the figure and report show the newest race
     if "measured_at" in t:
         t = (t.sort_values("measured_at", kind="stable")
              .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))

@@ -1,13 +1,13 @@
-"""Table 1: per-device model-state memory of P_os, P_os+g and P_os+g+p (paper §5, K = 12,
-fp16 + Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
+"""Table 1: per-device model-state memory of P_os, P_os+g and P_os+g+p (paper §5, K = 12, fp16 +
+Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 
-* analytic: all 54 cells from the closed form (``measure.analytic.table1``), displayed with
-  the paper's precision; ``truncated_by_paper`` flags the 8 cells the paper truncates instead of
-  rounding (e.g. 257.75 -> 257), so their relative error vs the paper is non-zero by design;
-* measured: the memory ledger of real training runs on local gloo ranks (the ``small`` model,
-  fp16, world = N_d in ``experiment.params.measured_nd``, TP 1, every stage 0-3, two steps) next
-  to the same formula evaluated at that run's Ψ (its flat-buffer elements, padding included):
-  ``matches_formula`` says whether the ledger equals it to the byte.
+* analytic: all 54 cells from the closed form (``zero_repro.scale.analytic.table1``) at the
+  paper's precision; ``truncated_by_paper`` flags the 8 cells the paper truncates instead of
+  rounding (e.g. 257.75 -> 257), whose relative error is non-zero by design;
+* measured: the memory ledger of real runs on local gloo ranks (the ``small`` model, fp16, world
+  = N_d in ``experiment.params.measured_nd``, TP 1, stages 0-3, two steps) beside the formula at
+  that run's Ψ (flat-buffer elements, padding included): ``matches_formula`` says whether the
+  ledger equals it to the byte.
 """
 from __future__ import annotations
 

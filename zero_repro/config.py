@@ -67,9 +67,9 @@ class ZeroConfig:
     # C_B: constant-size fused buffers, in elements (independent of the model size)
     reduce_bucket_size: int = 2_000_000
     allgather_bucket_size: int = 2_000_000
-    # read only by the DeepSpeed peer (peers/frameworks.py); this runtime reduces each bucket as
+    # read only by the DeepSpeed peer (lab/peers/frameworks.py); this runtime reduces each bucket as
     # it fills, on the compute stream. Kept in the schema because every point key hashes the
-    # zero section (measure.records.point_key): removing it would orphan the committed records
+    # zero section (lab.records.point_key): removing it would orphan the committed records
     overlap_comm: bool = True
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
     # stages 1-2: a bucket's parameter all-gather starts as soon as Adam updated its chunk and
@@ -207,10 +207,10 @@ class ExperimentConfig:
 @dataclass
 class SimulateConfig:
     """Paper-scale dry run (``zero_repro.scale``); not part of a record's config key
-    (``harness.records.KEY_SECTIONS``): experiments put the stack into their point params."""
+    (``lab.records.KEY_SECTIONS``): experiments put the stack into their point params."""
 
     # software stack the dry run executes: modern (this runtime) | paper2020 (DeepSpeed 0.2 +
-    # 2019 Megatron-LM + PyTorch 1.x allocator, ``simulate.stack.switches``)
+    # 2019 Megatron-LM + PyTorch 1.x allocator, ``scale.dryrun.stack.switches``)
     stack: str = "modern"
     # non-empty: modern with only these paper2020 switches on (one switch's cost), e.g.
     # [materialized_scores]; the stack name is then ignored

@@ -1,48 +1,24 @@
 """Command line: ``python run.py +exp=NAME [overrides]`` (Hydra) -> validate -> plan -> run.
 
-The user-facing shell of the reproduction suite (every paper figure/table, §10, is one
-``conf/exp/NAME.yaml`` + ``experiments/NAME.py``). Flow: Hydra composes ``conf/config.yaml``
-(schema in ``zero_repro.config``) -> ``config.to_config`` -> ``config.validate`` -> the
-experiment's points are planned and each point's config validated -> only then does anything
-run. ``experiment.action`` selects what happens:
+Every paper figure or table (§10) is ``conf/exp/NAME.yaml`` + ``experiments/NAME.py``. Hydra
+composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``config.to_config`` ->
+``config.validate`` -> the points are planned and each point's config validated -> only then does
+anything run. ``experiment.action``: ``run`` (default; the points not yet recorded, through
+``zero_repro.lab.sweep.run_sweep``, ``experiment.force=true`` re-runs; W&B mirror; table and
+figure regenerated; exit 1 if a point that ran ended other than ``ok``), ``plot`` (from
+``results/`` alone), ``list`` (also ``--help``), ``plan`` (print the points and write a point file
+per measured point to do, for ``sbatch slurm/<template> FILE``).
 
-* ``run`` (default): run the points not yet in ``results/NAME/points.jsonl``
-  (``zero_repro.lab.sweep.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
-  to W&B when ``logging.wandb=true``, regenerate ``table.csv`` and ``NAME.png/.pdf``, print a
-  summary. Exit status 1 if a point that ran ended other than ``ok`` (``oom`` included: it is
-  recorded as a result -- the point does not fit, and it is not run again -- but the command
-  did not produce every number it was asked for; diverged, cancelled, timeout and failed are
-  run again next time).
-* ``plot``: regenerate table and figures from ``results/`` alone (no run).
-* ``list`` (also ``python run.py --help``): the experiments, one line each, and the config
-  groups with their options.
-* ``plan``: print the points (key, nodes, overrides, done or not) and write one point file per
-  measured point still to do into the Hydra run directory, for ``sbatch slurm/<template> FILE``
-  (the printed hint names the template and, on CPU clusters, the overrides).
-
-User errors print one line ``error: <message>`` naming the setting and exit with status 2,
-before any worker process starts: ``check_args`` composes every job of the command line (each
-job of a ``-m`` multirun, before the first one runs) with Hydra's compose API, validates it
-(``config.validate``), plans the experiment (every point's config validated) and, for
-``action=run``, checks every point that would start ranks here against this machine
-(``harness.preflight``: files, devices, cores, memory) and that ``experiment.results_dir`` and
-the Hydra output directory are writable. Composition errors (unknown group option, a value of
-the wrong type, a malformed override) are reported the same way.
-
-Where results go: ``experiment.results_dir`` (default ``results/local/``, git-ignored: this
-machine's own records, tables and figures, drawn beside the committed reference set's measured
-points). A recorded point is skipped only if it was made at this code and, for measured points,
-on this machine (``harness.provenance``). ``experiment.publish=true`` writes into the committed
-reference set ``results/`` instead: publishing is an explicit act.
-
-Under a launcher: the CLI starts its own ranks (``launcher=local|torchrun|slurm``), so started
-as one of several ranks itself (``torchrun --nproc_per_node N run.py``, ``srun -n N python
-run.py``) it refuses with one line and exit status 2 instead of nesting N launches.
-
-Signals: SIGTERM (``kill``, ``timeout``, ``docker stop``) unwinds like Ctrl-C: the ranks of the
-running point are stopped, the point is recorded ``cancelled``, one line is printed (no
-traceback) and the exit status is 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
-Ranks also die on their own if this process is killed outright (``distributed.launch``).
+Contract: a user error prints one ``error: <message>`` line naming the setting and exits 2 before
+any rank starts (``check_args``: every job of the command line composed, validated and planned;
+for ``action=run`` every point that starts ranks here pre-flighted, ``zero_repro.lab.preflight``,
+and the output directories checked writable). Results go to ``experiment.results_dir`` (default
+``results/local/``); a recorded point is reused only at this code and, if measured, on this
+machine (``zero_repro.lab.provenance``); ``experiment.publish=true`` writes the reference set
+``results/``. Started as one of several ranks (torchrun, srun) it refuses (exit 2) instead of
+nesting launches. SIGTERM unwinds like Ctrl-C: the running point is recorded ``cancelled``, one
+line is printed, exit 128 + the signal number; ranks die with this process
+(``zero_repro.runtime.comm.launch``).
 """
 from __future__ import annotations
 

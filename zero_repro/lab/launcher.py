@@ -212,7 +212,7 @@ def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     # failed launch's real cause ("execve(): torchrun: No such file", "NCCL not built in", a
     # rank's traceback) is there, not in the exit status
     tail: collections.deque = collections.deque(maxlen=200)
-    # CPU ranks start on a caching malloc (distributed.host_heap); srun passes it on
+    # CPU ranks start on a caching malloc (runtime.comm.cpu.host_heap); srun passes it on
     env = host_heap.rank_env() if cfg.cluster.backend == "gloo" else None
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     reader = threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, tail), daemon=True)

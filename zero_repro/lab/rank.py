@@ -1,22 +1,16 @@
-"""The rank program of one training run: what runs in every rank (its log lines, resume).
+"""The rank program of one training run: what runs in every rank (``rank_main``, its log lines,
+resume).
 
-The CLI resolves the Hydra config once and writes it to the run directory; ranks read that file
-(ranks never run ``@hydra.main`` themselves: run directories and sweeps would differ per rank).
-``rank_main`` is called by the local launcher (``zero_repro.lab.launcher``) in each spawned
-process, or by ``main`` (``python -m zero_repro.lab.rank --config resolved.yaml``) when torchrun
-or srun started the processes.
-
-Parallelism is applied to the model from outside in a fixed order by ``runtime.train.build``:
-TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO wrap -> optimizer.
-
-Checkpoints (``zero_repro.runtime.train.checkpoint``): saved every ``checkpoint.save_every``
-steps into ``<run dir>/checkpoints`` (or ``checkpoint.dir``); with ``checkpoint.resume`` set the
-rank loads the strategy state (any stage / DP size) and continues from the saved data position.
-A checkpoint carries the loss history up to its step (``extra.history``) and the model shape it
-belongs to (``extra.model``): a resumed run's record keeps ``losses`` from ``start_step`` on and
-the earlier ones in ``losses_before_start``, so a table drawn from it equals the uninterrupted
-run's. ``fault.*`` injects a rank failure mid-step (tests). Ranks drop the strategy's gradient
-hooks (a reference cycle hooks -> strategy -> module) before their process groups are destroyed.
+Ranks read the config the CLI resolved and wrote into the run directory (they never run
+``@hydra.main``). ``rank_main`` is called in each spawned process by the local launcher
+(``zero_repro.lab.launcher``), or by ``main`` (``python -m zero_repro.lab.rank --config
+resolved.yaml``) under torchrun or srun. Parallelism is applied in the fixed order of
+``runtime.train.build``: TP -> activation checkpointing -> ZeRO wrap -> optimizer.
+Checkpoints (``zero_repro.runtime.train.checkpoint``) are saved every ``checkpoint.save_every``
+steps; ``checkpoint.resume`` loads the strategy state (any stage or DP size) and continues from
+the saved data position. Invariant: a resumed run's record (``losses`` from ``start_step``,
+``losses_before_start`` from the checkpoint's ``extra.history``) draws the same table as the
+uninterrupted run's. ``fault.*`` injects a rank failure mid-step (tests).
 """
 from __future__ import annotations
 

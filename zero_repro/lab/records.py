@@ -1,26 +1,22 @@
-"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``.
+"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``; every number
+the suite reports (paper §10) is derived from them.
 
-Every number the suite reports (paper §10 figures, Tables 1-3) is derived from these records,
-so a record carries everything needed to trust and regenerate it: the resolved config, the git
-SHA, the host and hardware, the topology, how the number was obtained (``mode``: measured |
-simulated | analytic), the metrics, the memory/communication ledgers and a status
-(``STATUSES``: ok | oom | diverged | cancelled | timeout | node_fail | failed, + reason).
+A record carries what is needed to trust and regenerate its number: the resolved config, git SHA,
+host and hardware, topology, ``mode`` (measured | simulated | analytic), metrics, the memory and
+communication ledgers and a status (``STATUSES``: ok | oom | diverged | cancelled | timeout |
+node_fail | failed, + reason).
 
-Durability rule (what a killed sweep may do to the file): ``RecordStore.put`` takes an
-inter-process file lock, reads the file, drops any earlier record with the same key, writes the
-whole file to a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
-``points.jsonl``. The rename is atomic, so a kill at any moment leaves either the old or the
-new file: no record is lost or half-written, and the file holds at most one record per key
-(a retried failed point, or a forced re-run, replaces its old record; but a record that is not
-``ok`` never replaces an ``ok`` one unless ``put(..., replace_ok=True)``). The lock serialises
-concurrent writers (Slurm jobs of one sweep finishing together on a shared file system); a
-writer holds it while its temporary file exists, so any ``points.jsonl.<pid>.tmp`` found under
-the lock was left by a killed writer and is removed.
+Durability (``RecordStore.put``): under an inter-process file lock, read the file, drop any
+earlier record with the same key, write the whole file to a temporary file in the same
+directory, fsync, ``os.replace`` it over ``points.jsonl``. A kill at any moment leaves the old or
+the new file; at most one record per key; a record that is not ``ok`` never replaces an ``ok``
+one unless ``put(..., replace_ok=True)``; a temporary file found under the lock was left by a
+killed writer and is removed.
 
-Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
-its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
-after the point's overrides. The same command re-run gives the same keys (so done points are
-skipped); changing a knob that changes the numbers gives new keys.
+Point key (``point_key``): the first 16 hex digits of SHA-256 over the canonical JSON of the
+point's params, its mode and the run-relevant config sections (``KEY_SECTIONS``) after the
+point's overrides: the same command gives the same keys, a knob that changes the numbers a new
+key.
 """
 from __future__ import annotations
 
@@ -241,7 +237,7 @@ class RecordStore:
         return out
 
     def done_keys(self) -> set[str]:
-        """Keys with an ok/oom record, whoever made it (``harness.sweep.reusable_keys`` adds
+        """Keys with an ok/oom record, whoever made it (``lab.sweep.reusable_keys`` adds
         the machine/code rule that decides what a sweep skips)."""
         return {r.key for r in self.load() if r.done}
 
@@ -371,7 +367,7 @@ def variants(records: Iterable[Record]) -> list[list[Record]]:
     layer 1 the next newest of those that have more, and so on. Records of one point that
     differ in a config knob (dtype, steps, model, ...) have different keys and all stay
     visible: each layer is summarized on its own and its series named by the knobs that tell
-    it apart (``harness.regenerate.summary_frame``)."""
+    it apart (``lab.figures.regenerate.summary_frame``)."""
     by: dict[str, list[Record]] = {}
     for r in records:
         by.setdefault(_ident(r), []).append(r)

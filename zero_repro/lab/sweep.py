@@ -1,42 +1,24 @@
-"""Sweep runner: plan points -> skip those already done -> run each -> record it.
+"""Sweep runner: plan points -> skip those already done -> run each -> record it (the loop behind
+every figure, paper §10). Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
+``python -m zero_repro.lab.sweep --point-file FILE`` (files from ``write_point_files``).
 
-Implements the experiment loop behind every figure reproduction (paper §10): an experiment
-module (``experiments/<name>.py``, protocol in ``zero_repro/lab/points.py``) plans its points; each
-point's config is the experiment config plus the point's overrides, validated *before any point
-runs* (a bad point is a user error, not a record). A point whose key is already recorded with
-status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
-Record in ``results/<exp>/points.jsonl`` (``RecordStore.put``, atomic), also when it runs out of
-memory (status ``oom``: a result, the point does not fit), diverges (``diverged``) or fails
-(``failed`` + reason) or runs past ``launcher.timeout_min`` on the local launcher (``timeout``:
-its ranks are stopped, ``wall_clock_limit``): the sweep goes on. An interrupt (Ctrl-C, SIGTERM) records the running
-point as ``cancelled`` and stops the sweep; re-running the same command picks up where it
-stopped. A record that is not ``ok`` never replaces an ``ok`` one (``RecordStore.put``).
+Contract: an experiment module (protocol: ``zero_repro.lab.points``) plans the points; each
+point's config (experiment config + the point's overrides) is validated, and every point that
+starts ranks here pre-flighted (``zero_repro.lab.preflight``), before any point runs. A point
+recorded ``ok`` or ``oom`` at this code is skipped unless ``experiment.force=true``
+(``reusable_keys``). Every point that runs leaves a Record (``RecordStore.put``, atomic), whatever
+its end (``oom``, ``diverged``, ``failed`` + reason, ``timeout`` past ``launcher.timeout_min``);
+the sweep goes on. An interrupt records the running point ``cancelled`` and stops; re-running
+picks up where it stopped. One writer per point: a point runs only under its lock
+(``runs/.locks/<key>.lock``), so concurrent sweeps skip each other's points. Checkpoints live in
+``runs/ckpt-<id>/``, ``<id>`` the key without ``train.steps``/``train.warmup_steps``, so a longer
+run resumes a shorter one.
 
-One writer per point: a point runs only under its lock (``runs/.locks/<key>.lock``, an
-inter-process file lock released by the kernel when its holder dies), so two sweeps started
-together skip each other's points ("running elsewhere") instead of running them twice or
-sharing ``runs/<key>/``; after taking the lock the store is read again, so a point another
-sweep finished meanwhile is not re-run. Before any point runs, every point that starts ranks
-on this machine passes ``harness.preflight`` (files, devices, cores, memory).
-
-Checkpoints of a point live in ``runs/ckpt-<id>/``, where ``<id>`` is the point key computed
-*without* ``train.steps`` and ``train.warmup_steps``: the same run with more steps finds the
-checkpoints of the shorter one (``checkpoint.resume=auto`` then continues it).
-
-Where points run: ``launcher=local`` / ``torchrun`` run points one after another in this process
-(``run_point`` itself starts the ranks). ``launcher=slurm`` submits each *measured* point as its
-own Slurm job through ``submitit`` with that point's node count
-(``ceil(world_size / cluster.gpus_per_node)``); the job runs ``run_and_record`` on the first node
-(``srun`` inside ``run_training`` starts one rank per GPU) and writes the record itself, so a
-record survives even if this process dies. Simulated/analytic points are cheap single-process
-runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: salloc, an sbatch
-script, a hydra-submitit job) every point runs here, in that allocation. A job that Slurm
-stopped (scancel, time limit, lost node) or that died without a record is recorded with
-Slurm's own state as its status (``cancelled``, ``timeout``, ``node_fail``, ...) and the job
-log's last error lines (``zero_repro.lab.slurm``).
-
-Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
-``python -m zero_repro.lab.sweep --point-file FILE`` (files written by ``write_point_files``).
+Where points run: ``launcher=local`` / ``torchrun`` one after another here; ``launcher=slurm``
+submits each *measured* point as its own job through ``submitit`` (``nodes_for``), which runs
+``run_and_record`` and writes its record itself; simulated and analytic points, and every point
+inside an allocation (``SLURM_JOB_ID``), run here. A job that Slurm stopped or that died without
+a record is recorded with Slurm's state and its log's last error lines (``zero_repro.lab.slurm``).
 """
 from __future__ import annotations
 
@@ -159,7 +141,7 @@ def checkpoint_id(point: Any, summary: dict) -> str:
 def reusable_keys(store: R.RecordStore, planned: list[PlannedPoint]) -> set[str]:
     """Keys of ``planned`` whose recorded result may stand for running them now: done (ok /
     oom) and made at this code, and for measured points on this machine
-    (``harness.provenance.reusable``). The rest run (again)."""
+    (``lab.provenance.reusable``). The rest run (again)."""
     recs = store.done_records()
     return {pp.key for pp in planned if pp.key in recs and P.reusable(recs[pp.key], pp.cfg)}
 
@@ -369,7 +351,7 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
                  on_record: Callable[[R.Record], None]) -> None:
     """Submit every point as its own job, then wait for them. Records are written by the jobs; a
     job that ends without one (cancelled, out of time, killed) is recorded here with Slurm's
-    state as its status (``harness.slurm``), and so is a job whose own record only saw its
+    state as its status (``lab.slurm``), and so is a job whose own record only saw its
     ranks die because Slurm cancelled it."""
     modname = module_path(experiment)
     jobs = []
@@ -435,7 +417,7 @@ def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
 def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
                       out_dir: str, done: set | frozenset = frozenset()) -> list[str]:
     """One YAML per point that needs a cluster (measured, not in ``done``) for
-    ``sbatch slurm/<template> FILE`` (``harness.slurm.sbatch_command``; slurm/README.md).
+    ``sbatch slurm/<template> FILE`` (``lab.slurm.sbatch_command``; slurm/README.md).
     Simulated/analytic points run where they are planned."""
     todo = [pp for pp in planned if pp.point.mode == "measured" and pp.key not in done]
     if todo:

@@ -57,7 +57,7 @@ FRAMEWORKS: dict[str, tuple[int, str]] = {
     "zero_repro_s2": (2, "zero_repro"),
     "zero_repro_s3": (3, "zero_repro"),
     # the same stages with their DP buckets on gloo's sockets (point-to-point), as the peers'
-    # are, instead of shared memory (distributed.shm): what the transport alone gives
+    # are, instead of shared memory (runtime.comm.cpu.shm): what the transport alone gives
     "zero_repro_s0_p2p": (0, "zero_repro"),
     "zero_repro_s1_p2p": (1, "zero_repro"),
     "zero_repro_s2_p2p": (2, "zero_repro"),
@@ -276,8 +276,8 @@ class TorchDDP(Runner):
 class TorchDDPShm(TorchDDP):
     """torch DDP whose bucket all-reduce is a comm hook (``DDP.register_comm_hook``, torch's
     API for replacing DDP's communication) on the DP group's bucket transport: on one host the
-    shared-memory one (``distributed.shm``) zero_repro's stages use. Each bucket is averaged and
-    waited in the hook (DDP takes the hook's completed future)."""
+    shared-memory one (``runtime.comm.cpu.shm``) zero_repro's stages use. Each bucket is
+    averaged and waited in the hook (DDP takes the hook's completed future)."""
 
     name = "torch_ddp_shm"
 

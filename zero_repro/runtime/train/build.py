@@ -48,9 +48,10 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     handle or None, strategy).
 
     The three steps can be replaced, the order cannot: the paper-scale dry run's ``paper2020``
-    stack (``simulate.stack``) passes the 2019 layer (``make_model(cfg, topo, device, dtype)``),
-    the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed 0.2's ZeRO-DP
-    allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the runtime's."""
+    stack (``zero_repro.scale.dryrun.stack``) passes the 2019 layer (``make_model(cfg, topo,
+    device, dtype)``), the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed
+    0.2's ZeRO-DP allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the
+    runtime's."""
     warning = dp1_warning(cfg, topo.dp)
     if warning and topo.rank == 0:
         log.warning(warning)

@@ -208,7 +208,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
-    runtime, paper2020 = the 2020 stack, ``simulate.stack``).
+    runtime, paper2020 = the 2020 stack, ``scale.dryrun.stack``).
     ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
     ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
     an allocation the replay cannot place even after releasing cached segments is reported as
