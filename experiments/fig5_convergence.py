@@ -29,6 +29,7 @@ from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.lab.records import loss_curve, skipped_steps_of
 from zero_repro.lab.launcher import run_training
+from zero_repro.scale.paper.table1 import STAGE_NOTATION
 from zero_repro.scale.paper.table3 import TABLE3, describe, zero_r_config
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ FIGURE = "fig5_convergence"
 PAPER_FIG = "fig5"  # reference-CSV id, for the context panel only (no join: other quantity)
 LOSS, DLOSS, MAXD = "loss", "abs_dloss_vs_stage0_fp32", "max_abs_dloss_vs_stage0_fp32"
 UNIT = "nats"
-STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DEFAULTS = {
     "world_size": 4, "tp": 2,  # TP 2 x DP 2: DP sharding and P_a both do something
     "configs": ["stage0", "stage1", "stage2", "stage3", "C1", "C2", "C3", "C4", "C5"],
@@ -77,7 +77,7 @@ def label_of(name: str) -> str:
     """'stage 2 (P_os+g)' / 'C4 (P_os+g | C_B+M_D+P_a)'."""
     ov = config_overrides(name)
     if name.lower().startswith("stage"):
-        return f"stage {ov['zero.stage']} ({STAGE_NAMES[ov['zero.stage']]})"
+        return f"stage {ov['zero.stage']} ({STAGE_NOTATION[ov['zero.stage']]})"
     zr = ZeroRConfig(**{k[len("zero_r."):]: v for k, v in ov.items() if k.startswith("zero_r.")})
     return f"{name.upper()} ({describe(ov['zero.stage'], zr)})"
 

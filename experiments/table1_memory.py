@@ -16,12 +16,13 @@ from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.dryrun.dryrun import real_ledgers
 from zero_repro.scale.analytic import model_state_bytes
+from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale import analytic
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"
 Y = "model_state_memory_per_gpu"
-SCHEME = {1: "Pos", 2: "Pos+g", 3: "Pos+g+p", 0: "baseline"}
+SCHEME = STAGE_NAMES  # Table 1's column labels (reference.csv)
 
 
 def plan(cfg) -> list[Point]:

@@ -31,10 +31,11 @@ from zero_repro.scale.paper.buckets import PAPER_BUCKETS
 from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides
 from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.setups import reference_rows
+from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale.dryrun import maxsize
 
 FIGURE = "table2"
-SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+SCHEMES = {**STAGE_NAMES, 0: "Baseline"}  # Table 2's series labels (reference.csv)
 MEASURED = {0: "measured Baseline", 1: "measured ZeRO-DP(Pos)"}
 STACKS = ("paper2020", "modern")
 

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from zero_repro.config import ZeroRConfig
+from zero_repro.scale.paper.table1 import STAGE_NOTATION
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,6 @@ def zero_overrides(name: str) -> dict:
     return {"zero.stage": row(name).stage, **{f"zero_r.{k}": v for k, v in zr.items()}}
 
 
-_DP_NAMES = {0: "baseline DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-
-
 def describe(stage: int, zero_r: ZeroRConfig) -> str:
     """Label in the paper's notation, e.g. ``P_os+g | C_B+M_D+P_a+cpu``."""
     parts = []
@@ -92,4 +90,4 @@ def describe(stage: int, zero_r: ZeroRConfig) -> str:
         parts.append("P_a+cpu" if zero_r.cpu_checkpointing else "P_a")
     if zero_r.activation_checkpointing and not zero_r.partition_activations:
         parts.append("ckpt")
-    return f"{_DP_NAMES.get(stage, f'stage {stage}')} | {'+'.join(parts) or 'no ZeRO-R'}"
+    return f"{STAGE_NOTATION.get(stage, f'stage {stage}')} | {'+'.join(parts) or 'no ZeRO-R'}"
