@@ -17,8 +17,8 @@ and the output directories checked writable). Results go to ``experiment.results
 machine (``zero_repro.lab.provenance``); ``experiment.publish=true`` writes the reference set
 ``results/``. Started as one of several ranks (torchrun, srun) it refuses (exit 2) instead of
 nesting launches. SIGTERM unwinds like Ctrl-C: the running point is recorded ``cancelled``, one
-line is printed, exit 128 + the signal number; ranks die with this process
-(``zero_repro.runtime.comm.launch``).
+line is printed, exit 128 + the signal number (130 SIGINT, 143 SIGTERM); ranks die with this
+process (``zero_repro.runtime.comm.launch``).
 """
 from __future__ import annotations
 

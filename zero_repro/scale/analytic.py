@@ -3,13 +3,14 @@
 Model states per DP rank: Table 1's formula (``zero_repro.scale.paper.table1``; Ψ = parameters
 of one TP shard, K = 12): baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
 Residual states (§3.2, §6): activations without checkpointing (the paper's footnote ≈12·h·b·s·l
-elements, ``activation_elements_footnote``; ``activation_bytes_per_layer`` counts one Megatron
-block per op on one TP rank); checkpoints b·s·h elements per layer (P_a: 1/tp of them; P_a+cpu:
-none on the device); working memory of one block's recompute and backward plus the LM-head
-logits; fused buffers (Ψ fp32 elements without C_B, the constant bucket sizes with it). Bytes
-everywhere, ``GB`` = 1e9 bytes as in the paper's tables. The paper's §6.1 example (100B,
-"≈33 GB -> ≈2 GB") matches the *element* count b·s·h·l = 33.5e9 of Table 5's 100B shape; in
-fp16 bytes that is 67 GB (§3.2's "≈60 GB"): we compute bytes, the tests document the gap.
+elements, fp16: GPT-2 1.5B, s = 1K, b = 32 -> 60 GB, ``activation_elements_footnote``;
+``activation_bytes_per_layer`` counts one Megatron block per op on one TP rank); checkpoints
+b·s·h elements per layer (P_a: 1/tp of them; P_a+cpu: none on the device); working memory of one
+block's recompute and backward plus the LM-head logits; fused buffers (Ψ fp32 elements without
+C_B, 1.5B -> 6 GB; the constant bucket sizes with it). Bytes everywhere, ``GB`` = 1e9 bytes as in
+the paper's tables. The paper's §6.1 example (100B, b = 32, s = 1024, MP 16, "≈33 GB -> ≈2 GB")
+matches the *element* count b·s·h·l = 33.5e9 of Table 5's 100B shape (125 x 8192); in fp16 bytes
+that is 67 GB (§3.2's "≈60 GB"): we compute bytes, the tests document the gap.
 Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``.
 """
 from __future__ import annotations

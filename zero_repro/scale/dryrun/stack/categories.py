@@ -10,7 +10,8 @@ attributed by phase (build -> build_transient, step -> step_transient, else othe
 ``breakdown(events, category_of, host_sids)`` replays the device trace through the caching-
 allocator model and reports, at the event where the reserved bytes peak (among those, the most
 handed out), the live requested bytes per category plus two allocator terms:
-    allocator_slack   = handed-out (rounded) bytes - requested bytes
+    allocator_slack   = handed-out (rounded) bytes - requested bytes   (512 B rounding, unsplit
+                        block remainders <= 1 MiB)
     cached_free       = reserved - handed-out bytes
 Invariant: sum(categories) + allocator_slack + cached_free == peak_reserved exactly.
 """
