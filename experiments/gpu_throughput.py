@@ -1,16 +1,13 @@
-"""GPU throughput check: one GPU (world 1), bf16, a GPT of about 1.5B parameters, ZeRO stage 0
-and stage 3 through the real trainer (``zero_repro.lab.launcher.run_training``); writes TFLOPs/GPU
-and MFU to ``results/gpu/``.
+"""GPU throughput check: one GPU, bf16, a ~1.5B GPT, ZeRO stages 0 and 3 through the real trainer
+(``zero_repro.lab.launcher.run_training``); writes TFLOPs/GPU and MFU to ``results/gpu/``.
 
-Model FLOPs per iteration without recompute (activation checkpointing off):
-72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); MFU = achieved TFLOPs / the device's dense bf16 peak
-(from ``conf/cluster/<name>.yaml``, picked from the CUDA device name or ``--cluster``).
-Targets (exit status 1 when missed): MFU >= 0.50 on H100/H200-class devices, and stage 3's
-overhead at world 1 (gather/release of every block with nothing to shard) <= 5% of step time.
+Model FLOPs per iteration without recompute: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); MFU =
+achieved TFLOPs / the device's dense bf16 peak (``conf/cluster/<name>.yaml``, from the CUDA device
+name or ``--cluster``). Targets (exit 1 when missed): MFU >= 0.50 on H100/H200-class devices;
+stage 3's overhead at world 1 (gather/release of every block, nothing to shard) <= 5% of a step.
+Without CUDA: exit 2, never a CPU fallback.
 
     python -m experiments.gpu_throughput [--model gpt_1p5b_48x1600] [--batch 8] [--steps 12]
-
-Without CUDA it exits with status 2 and says so (it never falls back to the CPU).
 """
 from __future__ import annotations
 

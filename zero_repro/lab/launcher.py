@@ -1,15 +1,12 @@
 """The launcher front-end of one training run (one sweep point): what runs in the CLI process.
 
-``check_runnable`` is everything about files and devices that can be known before a rank starts
-(data file long enough and in the vocabulary, CUDA/NCCL present, checkpoint directory writable,
-the checkpoint to resume from committed, of this model and TP degree, not past ``train.steps``).
+``check_runnable``: everything about files and devices knowable before a rank starts (the data
+file long enough and in the vocabulary, CUDA/NCCL present, the checkpoint directory writable, the
+checkpoint to resume committed, of this model and TP degree, not past ``train.steps``).
 ``run_training`` validates, writes the resolved config into the run directory and starts the
-ranks with the configured launcher:
-
-* ``launcher=local``: ``world_size`` local processes on gloo (CPU) via ``runtime.comm.launch.spawn``;
-* ``launcher=torchrun`` / ``slurm``: ``launch_command`` starts
-  ``python -m zero_repro.lab.rank --config resolved.yaml`` on every rank under torchrun or srun
-  (the rank program: ``zero_repro.lab.rank``).
+ranks: ``launcher=local`` as ``world_size`` gloo processes (``runtime.comm.launch.spawn``);
+``launcher=torchrun`` / ``slurm`` through ``launch_command`` (``python -m zero_repro.lab.rank
+--config resolved.yaml`` on every rank under torchrun or srun).
 """
 from __future__ import annotations
 

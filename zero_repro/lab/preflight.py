@@ -1,15 +1,13 @@
 """Pre-flight checks of a sweep's points against this machine, before the first point runs.
 
-``config.validate`` checks a configuration by itself; ``check_points`` checks what a point needs
-from the machine that starts its ranks, so a point that cannot run is a user error (one line,
-exit 2), not a ``failed`` record minutes later or an OOM-killed machine: files and devices
-(``launcher.check_runnable``); cores (more local ranks than ``RANKS_PER_CORE`` x the usable cores
-is refused: gloo ranks spin in their collectives); memory (``estimate_rank_bytes``: the
-closed-form per-rank estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``, plus a Python +
-torch process per rank, summed over this machine's ranks, against the memory available now or
-each device's). ``launcher.oversubscribe=true`` skips the two resource checks. Applies to points
-that start ranks here (``runs_here``: ``mode=measured`` with ``launcher=local`` or ``torchrun``,
-or ``slurm`` inside an allocation).
+``check_points``: what a point needs from the machine that starts its ranks, so a point that
+cannot run is a user error (one line, exit 2), not a ``failed`` record or an OOM-killed machine:
+files and devices (``launcher.check_runnable``); cores (more local ranks than ``RANKS_PER_CORE``
+x the usable cores is refused: gloo ranks spin in their collectives); memory
+(``estimate_rank_bytes``: the closed-form estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``,
+plus a process per rank, summed over this machine's ranks, against the memory available now or
+each device's). ``launcher.oversubscribe=true`` skips the resource checks. Applies to points that
+start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm in an allocation).
 """
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
-"""Whose numbers a record holds: the machine and the code that made it, and when a record may stand
-for a run the user asked for (paper §10's figures are reproduced only from numbers computed here,
-at this code).
+"""Whose numbers a record holds, and when a record may stand for a run the user asked for (paper
+§10's figures are reproduced only from numbers computed here, at this code).
 
-Two signatures per record (``Record.provenance``, ``signature_of``): ``machine`` (device kind and
-model, core or GPU count, OS/architecture, torch version; on CPU also the ranks' malloc,
-``zero_repro.runtime.comm.cpu.host_heap``, and bucket transport, ``ZR_CPU_TRANSPORT``; no
-hostname; for points Slurm runs, the cluster config and torch version) and ``code`` (the git
-trees of ``zero_repro/`` and ``experiments/`` plus a digest of uncommitted changes to them;
-outside git, the package version: README, tests, results and configs do not enter it).
-Rule (``reusable``): a recorded ``ok``/``oom`` point counts as done only if its code signature is
-this code's and, for a ``measured`` point, its machine signature is the one this point would be
-measured on (``simulated``/``analytic`` points depend on the code only). Records without
-signatures are never reused.
+``signature_of`` (``Record.provenance``): ``machine`` (device kind and model, core or GPU count,
+OS/architecture, torch version; on CPU the ranks' malloc and bucket transport, ``ZR_HOST_HEAP``
+and ``ZR_CPU_TRANSPORT``; no hostname; for Slurm points the cluster config and torch version) and
+``code`` (git trees of ``zero_repro/`` and ``experiments/`` plus a digest of uncommitted changes
+to them; outside git, the package version). Rule (``reusable``): an ``ok``/``oom`` record counts
+as done only at this code signature and, if ``measured``, at the machine signature this point
+would be measured on (``simulated``/``analytic``: code only); records without signatures are
+never reused.
 """
 from __future__ import annotations
 

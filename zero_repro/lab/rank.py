@@ -1,14 +1,12 @@
-"""The rank program of one training run: what runs in every rank (``rank_main``, its log lines,
-resume).
+"""The rank program of one training run: what runs in every rank (``rank_main``, log lines, resume).
 
-Ranks read the config the CLI resolved and wrote into the run directory (they never run
-``@hydra.main``). ``rank_main`` is called in each spawned process by the local launcher
-(``zero_repro.lab.launcher``), or by ``main`` (``python -m zero_repro.lab.rank --config
-resolved.yaml``) under torchrun or srun. Parallelism is applied in the fixed order of
-``runtime.train.build``: TP -> activation checkpointing -> ZeRO wrap -> optimizer.
-Checkpoints (``zero_repro.runtime.train.checkpoint``) are saved every ``checkpoint.save_every``
-steps; ``checkpoint.resume`` loads the strategy state (any stage or DP size) and continues from
-the saved data position. Invariant: a resumed run's record (``losses`` from ``start_step``,
+Ranks read the config the CLI resolved into the run directory (never ``@hydra.main``);
+``rank_main`` runs in each process the local launcher spawns (``zero_repro.lab.launcher``), or
+under torchrun / srun through ``main`` (``python -m zero_repro.lab.rank --config resolved.yaml``).
+Parallelism is applied by ``runtime.train.build`` (TP -> activation checkpointing -> ZeRO ->
+optimizer). Checkpoints (``zero_repro.runtime.train.checkpoint``) are saved every
+``checkpoint.save_every`` steps; ``checkpoint.resume`` continues from the saved data position at
+any stage or DP size. Invariant: a resumed run's record (``losses`` from ``start_step``,
 ``losses_before_start`` from the checkpoint's ``extra.history``) draws the same table as the
 uninterrupted run's. ``fault.*`` injects a rank failure mid-step (tests).
 """

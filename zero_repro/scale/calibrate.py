@@ -1,16 +1,14 @@
-"""Calibration of the performance model's three free parameters (``e_max``, ``x_half``,
-``comm_eff``) on the paper's Figure 2 ZeRO series, and predictions of Figures 2 (baseline), 3, 4
-and 8 without refitting (paper §10.2-10.5).
+"""Calibration of the performance model's three parameters (``e_max``, ``x_half``, ``comm_eff``) on
+the paper's Figure 2 ZeRO series; predictions of Figures 2 (baseline), 3, 4 and 8 without
+refitting (paper §10.2-10.5). Entry points: ``calibration``, ``fit``, ``predict_fig2/3/4/8``.
 
-Inputs taken from the paper: hardware specs only (§10.1 -> ``conf/cluster/dgx2_v100.yaml``),
-the setups (Tables 5, 6, 9, 10 via ``zero_repro.scale.paper.setups``) and the fit targets
-(Figure 2 "ZeRO-100B" TFLOPs/GPU; with ``use_fig3`` also Figure 3's bars). Objective: the sum of
-squared log(simulated / paper), minimised by a deterministic Nelder-Mead on the log of the
-parameters, bounds by clipping. ZeRO-R configuration of a Figure 2/3 point (not stated by the
-paper, ``zero_config_for``): the cheapest the analytic memory model fits on a 32 GB V100: C4
-when MP > 1, C3 when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu). Entry points:
-``calibration``, ``fit``, ``predict_fig2/3/4/8``, ``write_calibration``. Fit limits:
-``results/fig2_throughput/notes.md``.
+Taken from the paper: hardware specs (§10.1 -> ``conf/cluster/dgx2_v100.yaml``), setups (Tables
+5, 6, 9, 10, ``zero_repro.scale.paper.setups``), fit targets (Figure 2 "ZeRO-100B" TFLOPs/GPU;
+with ``use_fig3`` Figure 3's bars). Objective: Σ log(simulated / paper)², a deterministic
+Nelder-Mead on the log of the parameters, bounds by clipping. A Figure 2/3 point's ZeRO-R
+configuration (unstated, ``zero_config_for``): the cheapest the analytic model fits on a 32 GB
+V100: C4 when MP > 1, C3 when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu).
+Fit limits: ``results/fig2_throughput/notes.md``.
 """
 from __future__ import annotations
 

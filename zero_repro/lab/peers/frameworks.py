@@ -1,16 +1,13 @@
 """The peer frameworks as runners of one training step each (``peers.runners`` drives them).
 
-One ``Runner`` per framework, all training the same GPT (``model.gpt``) from the same seed on
-the same global batches: torch DDP, DDP + ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``
-(resharding after forward or not), DeepSpeed ZeRO 1-3, this project's stages 0-3
-(``ZeroRepro``), the single-process reference (``Reference``: ``torch.optim.AdamW`` on the full
-global batch, what every framework is compared with) and ``LowerBound`` (the same micro-batch's
-forward + backward with no communication plus the fused AdamW on Ψ/N_d: the floor).
-
-``CommCounter`` (a ``TorchDispatchMode`` that sees every c10d collective, DDP's C++ reducer
-calls included) counts one untimed step's communication; ``storage_bytes`` /
-``optimizer_state_tensors`` measure the distinct storages of parameters, gradients and optimizer
-state a rank holds. ``RUNNERS``: framework name -> runner class.
+One ``Runner`` per framework (``RUNNERS``: name -> class), all training the same GPT from the same
+seed on the same global batches: torch DDP, DDP + ``ZeroRedundancyOptimizer``, FSDP2
+``fully_shard`` (resharding after forward or not), DeepSpeed ZeRO 1-3, this project's stages 0-3
+(``ZeroRepro``), the single-process reference every framework is compared with (``Reference``:
+``torch.optim.AdamW`` on the full global batch) and the floor (``LowerBound``: the micro-batch's
+forward + backward without communication plus the fused AdamW on Ψ/N_d). ``CommCounter`` (a
+``TorchDispatchMode`` seeing every c10d collective, DDP's C++ reducer included) counts a step's
+communication; ``storage_bytes`` / ``optimizer_state_tensors`` measure a rank's distinct storages.
 """
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""Process launch: local spawn of gloo CPU ranks, torchrun / Slurm environments (NCCL), and the
-``fake`` process group of paper-scale dry runs.
+"""Process launch: local spawn of gloo CPU ranks (``spawn``), torchrun / Slurm environments (NCCL,
+``init_from_env``) and the ``fake`` group of paper-scale dry runs (``init_fake``).
 
-``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn`` start method,
-so no CUDA or gloo state is inherited); each initialises the default process group, runs
-``fn(rank, world_size, *args)`` and returns its result through a per-rank pickle file.
-Invariants: a rank that raises, dies or hangs is named in ``WorkerFailed`` and the others are
-terminated (no rank is left waiting in a collective); ranks die with their parent
-(``PR_SET_PDEATHSIG`` on Linux, else a watchdog thread); an interrupted parent terminates its
-ranks; a rank that returned destroys its process groups and leaves with ``os._exit(0)`` (no
-gloo object outlives ``destroy_process_group`` into interpreter teardown, where gloo aborts);
-temporary directories of dead parents are removed by the next spawn. ``init_from_env`` and
-``init_fake`` set up the other two cases.
+``spawn(fn, world_size, *args)`` starts fresh processes (``spawn`` start method: no CUDA or gloo
+state inherited); each initialises the default group, runs ``fn(rank, world_size, *args)`` and
+returns its result through a per-rank pickle file. Invariants: a rank that raises, dies or hangs
+is named in ``WorkerFailed`` and the others are terminated (none is left in a collective); ranks
+die with their parent (``PR_SET_PDEATHSIG``, else a watchdog thread), and an interrupted parent
+terminates them; a rank that returned destroys its groups and leaves with ``os._exit(0)`` (no
+gloo object outlives ``destroy_process_group`` into teardown, where gloo aborts); the next spawn
+removes the temporary directories of dead parents.
 """
 from __future__ import annotations
 

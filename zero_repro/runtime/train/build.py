@@ -1,15 +1,13 @@
-"""One training run's build: the model and every parallelism applied from outside, in a fixed order
-(as torchtitan's ``parallelize_llama``: TP, activation checkpointing, then FSDP):
+"""One training run's build (``build``): the model and every parallelism applied from outside, in a
+fixed order (as torchtitan's ``parallelize_llama``): 1. TP (Megatron: the GPT is built with the TP
+group); 2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
+3. the ZeRO-DP wrap (§5, stages 0-3): parameters re-pointed into flat buffers in the training
+dtype, this rank's shard of fp32 master + Adam state created by the strategy.
 
-    1. TP (Megatron): the GPT is constructed with the TP group;
-    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
-    3. ZeRO-DP wrap (§5, stages 0-3): parameters re-pointed into flat buffers in the training
-       dtype; the strategy creates this rank's shard of fp32 master + Adam state.
-
-``build`` is used by the rank program, the dry run (``zero_repro.scale.dryrun.dryrun``: meta
-tensors + the fake process group), the benchmark and the tests. The model is built directly in
-the training dtype (an fp32 build of one rank of a 100B model, 6.25B parameters at TP 16, would
-need 25 GB before the cast); the fp32 master exists for this rank's shard only.
+Used by the rank program, the dry run (``zero_repro.scale.dryrun.dryrun``: meta tensors, fake
+group), the benchmark and the tests. The model is built in the training dtype (an fp32 build of
+one rank of a 100B model, 6.25B parameters at TP 16, would need 25 GB before the cast); the fp32
+master exists for this rank's shard only.
 """
 from __future__ import annotations
 

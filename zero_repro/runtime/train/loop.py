@@ -1,16 +1,14 @@
 """The training loop (``train``): warm-up steps, timed steps, per-step loss and throughput.
 
-One optimizer step is ``train.step.train_step``. The first ``warmup_steps`` run untimed
-(allocator warm-up, lazy optimizer state, connection set-up); step wall time is
-``time.perf_counter`` after a device synchronize (the paper reports wall-clock step time, not
-GPU kernel time). Measurement has no side effects: losses are gathered once at the
-end by an object all-gather the ledger does not count. ``start_step`` resumes at a checkpoint's
-data position (batches are a function of (seed, step), so a resumed run sees the data the
-uninterrupted one would). fp16 overflow skips are counted and logged.
-
-``Diverged`` (status ``diverged``): a non-finite loss, ``FLOOR_SKIPS`` consecutive skipped steps
-at the lowest loss scale (any non-finite gradient for fp32/bf16), or a run whose every step was
-skipped stops at once.
+One optimizer step is ``train.step.train_step``; the first ``warmup_steps`` run untimed
+(allocator warm-up, lazy optimizer state, connection set-up); step time is wall clock
+(``time.perf_counter`` after a device synchronize), as the paper reports. Measurement has no
+side effects: losses are gathered once, at the end, by an object all-gather the ledger does not
+count. ``start_step`` resumes at a checkpoint's data position (batches are a function of (seed,
+step), so a resumed run sees the uninterrupted run's data). fp16 overflow skips are counted and
+logged. ``Diverged`` (status ``diverged``) stops the run at a non-finite loss, ``FLOOR_SKIPS``
+consecutive skips at the lowest loss scale (any non-finite gradient for fp32/bf16), or a run whose
+every step was skipped.
 """
 from __future__ import annotations
 

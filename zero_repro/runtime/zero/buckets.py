@@ -1,15 +1,13 @@
 """Bucket bookkeeping shared by the ZeRO-DP stages (paper §5; buckets of C_B elements, §6.3).
 
-A bucket is a consecutive range of a group's flat layout (``partition.Bucket``), so its
-parameters' gradients become ready together in backward. ``bucket_pieces`` / ``slot_pieces``
-say where each parameter lies in which bucket; ``Arrivals`` counts a bucket's real gradient
-elements so it is launched the moment it is complete; ``FullGrads`` is the full training-dtype
-gradient of stages 0-1, reduced in place bucket by bucket on the last micro-batch (all-reduce
-at stage 0, reduce-scatter at stage 1); ``reduce_to_shard`` reduce-scatters a bucket into a
-gradient shard (stages 2-3); ``ParamGather`` all-gathers every bucket's updated chunks into the
-flat parameters after the step (stages 1-2, Ψ elements per step), completed in ``step()`` or
-waited module by module by the next forward (``zero.overlap_param_gather``). Communication goes
-through the group's transport (``zero_repro.runtime.comm.transport``).
+A bucket is a consecutive range of a group's flat layout (``partition.Bucket``): its parameters'
+gradients become ready together. ``bucket_pieces`` / ``slot_pieces`` place parameters in buckets;
+``Arrivals`` launches a bucket the moment its last real gradient element arrives; ``FullGrads``
+is stages 0-1's full gradient, reduced in place per bucket on the last micro-batch (all-reduce /
+reduce-scatter); ``reduce_to_shard`` reduce-scatters a bucket into a gradient shard (stages 2-3);
+``ParamGather`` all-gathers the updated chunks into the flat parameters after the step (stages
+1-2, Ψ elements), completed in ``step()`` or waited module by module by the next forward
+(``zero.overlap_param_gather``). Communication: the group's transport (``runtime.comm.transport``).
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
-"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership (no
-tensors, no communication: integers only, tested exhaustively).
+"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership
+(integers only: no tensors, no communication; tested exhaustively).
 
-One group's parameters (the whole model for stages 0-2, one unit for stage 3) are laid end to
-end in ``named_parameters`` order (``layout``) and cut into *buckets* of at most C_B elements
-(§6.3), each a multiple of N_d and split into N_d equal *chunks*; DP rank r owns chunk r of
-every bucket (``Partition``). Interleaved ownership lets a bucket filled in backward be
-reduce-scattered as it is, and the same chunks be all-gathered after the step.
-
-Invariants: full buckets hold N_d·c elements, c = min(C_B // N_d, ceil(Ψ/N_d)); the last holds
-the remainder rounded up to a multiple of N_d, so padding is < N_d elements per group and stays
-zero. Each rank's shard is padded_numel / N_d elements: optimizer state 12·Ψ/N_d bytes per rank
+One group's parameters (the whole model for stages 0-2, one unit for stage 3) are laid end to end
+in ``named_parameters`` order (``layout``) and cut into *buckets* of at most C_B elements (§6.3),
+each split into N_d equal *chunks*; DP rank r owns chunk r of every bucket (``Partition``), so a
+bucket filled in backward is reduce-scattered as it is and all-gathered the same way after the
+step. Invariants: full buckets hold N_d·c elements, c = min(C_B // N_d, ceil(Ψ/N_d)); the last
+holds the remainder rounded up to a multiple of N_d (padding < N_d elements per group, always
+zero); a rank's shard is padded_numel / N_d elements, so its optimizer state is 12·Ψ/N_d bytes
 (+ < 12·N_d bytes of padding per group).
 """
 from __future__ import annotations

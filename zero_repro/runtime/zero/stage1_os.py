@@ -5,11 +5,10 @@ shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gra
 all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1).
 
 Full gradients accumulate as in stage 0 (``buckets.FullGrads``); on the last micro-batch each
-complete bucket is reduce-scattered and this rank's chunk lands in its own range of the gradient
-buffer. After AdamW on the fp32 shard the updated chunks are all-gathered bucket by bucket into
-the flat parameters (``buckets.ParamGather``; with ``zero.overlap_param_gather`` bucket k is on
-the wire while Adam updates chunk k+1 and the next forward waits per module). Collectives go
-through the DP group's transport.
+complete bucket is reduce-scattered through the DP group's transport into this rank's range.
+After AdamW on the fp32 shard the updated chunks are all-gathered bucket by bucket into the flat
+parameters (``buckets.ParamGather``; with ``zero.overlap_param_gather`` bucket k is on the wire
+while Adam updates chunk k+1, and the next forward waits per module).
 """
 from __future__ import annotations
 

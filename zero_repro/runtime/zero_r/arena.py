@@ -1,15 +1,14 @@
 """M_D for activation checkpoints: one pre-allocated contiguous arena (paper §6.3).
 
-Checkpoints are long-lived (from a block's forward to its recompute) and the other activations
-short-lived; from one pool they interleave and the freed holes fragment memory ("OOM with free
-memory"). ``CheckpointArena`` pre-allocates one buffer for all checkpoints and hands out views in
-order. Memory it must satisfy (per rank, elements):
+Long-lived checkpoints interleaved with short-lived activations in one pool leave holes a later
+large request cannot use ("OOM with free memory"); ``CheckpointArena`` pre-allocates one buffer
+for all checkpoints and hands out views in order. Memory it must satisfy (per rank, elements):
 
     capacity = n_slots * slot_numel,     slot_numel = B*S*H            (no P_a)
                                          slot_numel = ceil(B*S*H / m)  (P_a, m = TP degree)
 
-with ``n_slots`` checkpointed blocks. Allocated once at the first forward, reused every step
-(``reset``), never grown: a changed shape or an overflow raises ``ValueError`` with the fix.
+for ``n_slots`` checkpointed blocks: allocated at the first forward, reused every step (``reset``),
+never grown (a changed shape or an overflow raises ``ValueError`` with the fix).
 ``fragmentation_stats()`` reads the CUDA caching allocator (``{}`` without CUDA).
 """
 from __future__ import annotations

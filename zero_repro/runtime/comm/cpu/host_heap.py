@@ -1,15 +1,14 @@
 """tcmalloc for CPU ranks: a caching malloc, as PyTorch's caching allocator is on GPU.
 
-On CPU, PyTorch hands every freed tensor back to the C library, and glibc serves each request
-over 32 MiB (its largest ``mmap`` threshold) with a fresh ``mmap``: every large tensor of every
-step is new memory the kernel faults in. tcmalloc (gperftools' ``libtcmalloc_minimal``) keeps
-freed spans and bounds the heap. ``rank_env()`` is the environment a CPU (gloo) rank starts
-with: ``LD_PRELOAD`` names tcmalloc where this machine has it (``apt install
-libtcmalloc-minimal4``). Every launcher uses it (``launch.spawn``; torchrun / srun through
-``zero_repro.lab.launcher``), so all frameworks in one rank process share the allocator.
-``ZR_HOST_HEAP=os`` keeps the C library's malloc (an A/B), ``ZR_HOST_HEAP=tcmalloc`` requires
-tcmalloc; ``mode()`` enters a measured CPU record's machine signature (``lab.provenance``). GPU
-ranks are left alone. Timings and the allocators tried: ``results/peers/notes.md``.
+glibc serves every request over 32 MiB (its largest ``mmap`` threshold) with a fresh ``mmap``, so
+each large tensor of each CPU step is new memory the kernel faults in; tcmalloc (gperftools'
+``libtcmalloc_minimal``) keeps freed spans and bounds the heap. ``rank_env()`` is a CPU (gloo)
+rank's environment: ``LD_PRELOAD`` names tcmalloc where installed (``apt install
+libtcmalloc-minimal4``); every launcher uses it (``launch.spawn``, ``zero_repro.lab.launcher``),
+so all frameworks of a rank process share one allocator. ``ZR_HOST_HEAP`` (``mode()``): ``os``
+keeps the C library's malloc (an A/B), ``tcmalloc`` requires it; it enters a measured CPU
+record's machine signature. GPU ranks are left alone. Timings and what was tried:
+``results/peers/notes.md``.
 """
 from __future__ import annotations
 
