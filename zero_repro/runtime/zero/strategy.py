@@ -12,7 +12,8 @@ A ``Strategy`` wraps an ``nn.Module`` the way DDP does: ``strategy.module(...)``
                   into the training dtype and publishes the parameters (stage-specific).
 Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``step()``; stages
 0-1 reduce on the last micro-batch only (DDP's no_sync), stages 2-3 reduce-scatter every
-micro-batch into the shard; k micro-batches equal one batch k times larger.
+micro-batch into the shard; k micro-batches equal one batch k times larger
+(``backward(loss, is_last_micro_batch=...)`` overrides the micro-batch count).
 
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
