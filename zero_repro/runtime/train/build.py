@@ -40,7 +40,7 @@ def dp1_warning(cfg: C.Config, dp: int) -> str | None:
 
 def build(cfg: C.Config, topo: Topology, device: torch.device, *,
           make_model: Callable | None = None, make_ckpt: Callable | None = None,
-          make_strategy: Callable | None = None
+          make_strategy: Callable | None = None, warn_dp1: bool = True
           ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
     handle or None, strategy).
@@ -49,8 +49,9 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     stack (``zero_repro.scale.dryrun.stack``) passes the 2019 layer (``make_model(cfg, topo,
     device, dtype)``), the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed
     0.2's ZeRO-DP allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the
-    runtime's."""
-    warning = dp1_warning(cfg, topo.dp)
+    runtime's. ``warn_dp1=False``: a caller that builds stages 1-3 at DP 1 on purpose (Table 1's
+    N_d = 1 row) is not warned that they equal stage 0."""
+    warning = dp1_warning(cfg, topo.dp) if warn_dp1 else None
     if warning and topo.rank == 0:
         log.warning(warning)
     torch.manual_seed(cfg.train.seed)
