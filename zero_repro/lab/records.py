@@ -18,12 +18,17 @@ writer holds it while its temporary file exists, so any ``points.jsonl.<pid>.tmp
 the lock was left by a killed writer and is removed.
 
 Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
-its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
-after the point's overrides. The same command re-run gives the same keys (so done points are
-skipped); changing a knob that changes the numbers gives new keys.
+its mode and the identifying fields of its config after the point's overrides
+(``config.identity``: declared on the schema's fields). The same command re-run gives the same
+keys (so done points are skipped); changing a knob that changes the numbers gives new keys. A
+schema change that alters identities (a knob removed, one added whose default is not what
+older records ran with) is followed by ``migrate`` over the committed records
+(``python -m zero_repro.lab.records migrate results/*/points.jsonl``): it rewrites each
+record's ``key`` from its own params, mode and config and nothing else.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import functools
@@ -42,6 +47,7 @@ from typing import Any, Iterable
 
 from filelock import FileLock
 
+from zero_repro import config as C
 from zero_repro.paths import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -52,15 +58,6 @@ log = logging.getLogger(__name__)
 # runs again next time
 STATUSES = ("ok", "oom", "diverged", "cancelled", "timeout", "node_fail", "preempted", "failed")
 DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
-KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
-# knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
-KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
-# knobs added after records were committed, left out of the key at these values (their
-# default) so the committed keys stay valid; any other value enters the key as usual
-# (overlap_param_gather's default became None = automatic later: None enters the key, so a
-# CPU point of the new default -- overlap off -- never reuses a record made with it on)
-KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
-                               "keep_gathered_turn": True, "split_tied_grad": False}}
 SCHEMA_VERSION = 1
 
 
@@ -119,25 +116,50 @@ def _jsonable(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------- keys
-def config_fingerprint(config: dict) -> dict:
-    """The run-relevant part of a resolved config (what the point key depends on)."""
-    out = {}
-    for sec in KEY_SECTIONS:
-        d = dict(config.get(sec) or {})
-        for k in KEY_IGNORED.get(sec, ()):
-            d.pop(k, None)
-        for k, default in KEY_ADDED_DEFAULTS.get(sec, {}).items():
-            if d.get(k, default) == default:
-                d.pop(k, None)
-        out[sec] = d
-    return out
-
-
 def point_key(params: dict, mode: str, config: dict | None = None) -> str:
+    """The key of a point: its params, mode and ``config.identity`` of its resolved config."""
     payload = {"params": _jsonable(params), "mode": mode,
-               "config": _jsonable(config_fingerprint(config or {}))}
+               "config": _jsonable(C.identity(config or {}))}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def migrate(path: str) -> tuple[int, int]:
+    """Rewrite the ``key`` of every record in the JSONL file ``path`` to today's key scheme
+    (``point_key`` of its own params, mode and config); every other byte of a record is kept,
+    lines that are not records are kept as they are, the order too. Idempotent. Returns
+    (records, keys changed)."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    out, changed, n = [], 0, 0
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            out.append(line)
+            continue
+        if not isinstance(doc, dict) or "key" not in doc:
+            out.append(line)
+            continue
+        n += 1
+        key = point_key(doc.get("params") or {}, doc.get("mode", ""), doc.get("config") or {})
+        if key != doc["key"]:
+            changed += 1
+            # the key's own text only: the rest of the line stays byte for byte
+            old = json.dumps(doc["key"])
+            head, sep, tail = line.partition(f'"key": {old}')
+            if not sep:
+                raise ValueError(f"{path}: a record whose key is not written as '\"key\": "
+                                 f"{old}'")
+            new = head + f'"key": {json.dumps(key)}' + tail
+            if json.loads(new) != {**doc, "key": key}:
+                raise ValueError(f"{path}: the key of record {doc.get('point')!r} is not "
+                                 f"where it can be rewritten alone")
+            line = new
+        out.append(line)
+    if changed:
+        _atomic_write_lines(path, out)
+    return n, changed
 
 
 # ------------------------------------------------------------------------------ provenance
@@ -355,14 +377,16 @@ def knob_label(config: dict) -> str:
 
 
 def knob_diff(record: Record, others: Iterable[Record]) -> dict:
-    """The run-relevant config knobs (``config_fingerprint``, dotted) whose value in ``record``
-    differs from at least one of ``others``: what tells two records of one point apart."""
-    mine = _flat(config_fingerprint(record.config))
+    """The identifying config knobs (``config.identity``, dotted) whose value in ``record``
+    differs from at least one of ``others``: what tells two records of one point apart.
+    The values shown are the record's own (None where its config predates the knob)."""
+    mine = _flat(C.identity(record.config))
     keys: set = set()
     for o in others:
-        theirs = _flat(config_fingerprint(o.config))
+        theirs = _flat(C.identity(o.config))
         keys |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
-    return {k: json.loads(mine[k]) if k in mine else None for k in sorted(keys)}
+    said = _flat(record.config or {})
+    return {k: json.loads(said[k]) if k in said else None for k in sorted(keys)}
 
 
 def variants(records: Iterable[Record]) -> list[list[Record]]:
@@ -403,3 +427,22 @@ def newest_ok(records: Iterable[Record]) -> list[Record]:
             out[r.point] = r
     return list(out.values())
 
+
+
+def main(argv=None) -> int:
+    """``python -m zero_repro.lab.records migrate FILE...``: ``migrate`` each points.jsonl."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["migrate"])
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args(argv)
+    total = 0
+    for path in args.files:
+        n, changed = migrate(path)
+        total += changed
+        print(f"{path}: {n} records, {changed} keys rewritten")
+    print(f"{total} keys rewritten in {len(args.files)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

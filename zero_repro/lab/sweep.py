@@ -152,7 +152,7 @@ def checkpoint_id(point: Any, summary: dict) -> str:
     checkpoints, so a longer run can continue a shorter one."""
     summary = copy.deepcopy(summary)
     for k in ("steps", "warmup_steps"):
-        summary["train"].pop(k, None)
+        summary["train"][k] = None
     return R.point_key(point.params, point.mode, summary)
 
 
