@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,6 +35,12 @@ REFERENCE_RESULTS = "results"
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
 MAX_SCALE_POWER = 32
+# the longest wait the clocks under a run accept: Python keeps timeouts as int64 nanoseconds
+# (threading.TIMEOUT_MAX, also signal.setitimer's limit), ~292 years; c10d takes more
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
+# c10d counts whole milliseconds and the rendezvous of the ranks (init_process_group, same
+# timeout) takes longer than a second on a loaded machine: below this nothing can run
+MIN_COLLECTIVE_TIMEOUT_S = 1.0
 # software stacks of the paper-scale dry run (zero_repro.scale.dryrun.stack.switches.STACKS)
 SIM_STACKS = ("modern", "paper2020")
 # Record identity, declared on the fields (``identity``). Every field identifies a run point
@@ -414,6 +421,10 @@ def _validate_train(cfg: Config) -> None:
     _choice(t.data, DATASETS, "train.data")
     if t.data == "tokens" and not t.data_path:
         raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")
+    if t.data_path and t.data != "tokens":
+        raise ValueError(f"train.data_path={t.data_path!r} is read only with train.data=tokens "
+                         f"(train.data={t.data}): add train.data=tokens, or drop "
+                         f"train.data_path")
     if t.data == "pystdlib" and cfg.model.vocab_size < 256:
         raise ValueError(f"train.data=pystdlib (byte tokens) needs model.vocab_size >= 256, got "
                          f"model.vocab_size={cfg.model.vocab_size}")
@@ -436,8 +447,9 @@ def _validate_cluster_launcher(cfg: Config) -> None:
                          "nothing, so losses would be wrong); use cluster.backend=gloo "
                          "(or nccl), dry runs select fake themselves")
     _number(la.signal_delay_s, "launcher.signal_delay_s", 0, integer=True)
-    _number(la.timeout_min, "launcher.timeout_min", 0, lo_open=True)
-    _number(la.collective_timeout_s, "launcher.collective_timeout_s", 0, lo_open=True)
+    _number(la.timeout_min, "launcher.timeout_min", 0, MAX_TIMEOUT_S / 60, lo_open=True)
+    _number(la.collective_timeout_s, "launcher.collective_timeout_s",
+            MIN_COLLECTIVE_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def _validate_logging_experiment(cfg: Config) -> None:
