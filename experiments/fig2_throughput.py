@@ -18,6 +18,8 @@ from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
 
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+
 FIGURE = "fig2"
 PAPER_FIGURE = "fig2"
 ZERO = "ZeRO-100B (ZeRO-DP Pos+g + ZeRO-R, with Megatron MP)"

@@ -19,6 +19,8 @@ from zero_repro.lab.figures.figures import plt
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
 
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"
 BARS = "ZeRO-100B 60B model, Performance/GPU (bars)"

@@ -17,6 +17,8 @@ from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
 
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+
 FIGURE = "fig4"
 PAPER_FIGURE = "fig4"
 ZERO = "ZeRO-DP (P_os+g)"

@@ -52,8 +52,9 @@ def plan(cfg) -> list[Point]:
         for s in todo:
             for md in ([True, False] if p.get("md_off") else [True]):
                 ov = {**setup_overrides(s, cluster), "simulate.stack": stack}
-                if not md:
+                if not md:  # no longer Table 3's configuration: a custom one
                     ov["zero_r.contiguous_memory"] = False
+                    ov["zero_r.name"] = "custom"
                 name = (f"{s.size_label} {s.zero_config}" + ("" if md else " M_D off")
                         + ("" if stack == "modern" else f" {stack}"))
                 pts.append(Point(name=name, params={"model": s.size_label,

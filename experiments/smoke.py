@@ -12,6 +12,7 @@ step); curves that coincide are drawn apart (line style, marker) and said to coi
 """
 from __future__ import annotations
 
+from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro import config as C
 from zero_repro.lab.records import knob_label, loss_curve
@@ -79,7 +80,6 @@ def plot(table, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from zero_repro.lab.figures.figures import save_figure
 
     ours = table[table["kind"] != "paper"].assign(
         x=lambda d: pd.to_numeric(d["x_value"]), y=lambda d: pd.to_numeric(d["y_value"]))

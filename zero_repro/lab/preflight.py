@@ -33,15 +33,17 @@ def runs_here(cfg: C.Config, mode: str) -> bool:
 
 def check_points(planned) -> None:
     """ValueError naming the first point (a PlannedPoint of ``lab.sweep``) that cannot run
-    here, and the setting to change."""
+    here, and the setting to change. Each point that passes is noted
+    (``launcher.note_checked``): its ``run_training`` does not check it again."""
     for pp in planned:
         if not runs_here(pp.cfg, pp.point.mode):
             continue
         try:
-            launcher.check_runnable(pp.cfg, pp.point.run_dir)
+            resume = launcher.check_runnable(pp.cfg, pp.point.run_dir)
             check_resources(pp.cfg)
         except ValueError as e:
             raise ValueError(f"point {pp.point.name!r}: {e}") from None
+        launcher.note_checked(pp.cfg, pp.point.run_dir, resume)
 
 
 def usable_cores() -> int:

@@ -21,6 +21,8 @@ import os
 import platform
 import resource
 import signal
+import sys
+import threading
 import time
 
 import torch
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 # get the signal. The ranks note it and go on: the point ends at its time limit at the latest.
 TIME_LIMIT_SIGNAL = signal.SIGUSR2
 _signals_seen: list[dict] = []
+DIVERGED_FILE = "diverged.json"  # in the run directory: a diverged run's losses and reason
+WAIT_REPORT_S = 30.0  # rank 0 reports a wait on its peers this long, and again every 30 s
+BEAT_S = 5.0  # how often each rank notes its progress for rank 0's report
 
 
 def _note_time_limit_signal(signum, frame) -> None:
@@ -75,12 +80,15 @@ def memory_series(device: torch.device) -> dict:
 
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
               tflops: float, peak_tflops: float, ledger_bytes: int,
-              device: torch.device) -> str:
-    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its DP
-    shard of the batch), loss scale, gradient norm, tokens/s, TFLOPs/GPU (+ MFU when
-    ``cluster.peak_tflops`` is known), the memory ledger's total and, on CUDA, the caching
-    allocator's allocated/reserved bytes."""
-    line = (f"step {step + 1:>4}/{steps}  loss {loss:.4f}  scale {float(info.loss_scale):g}  "
+              device: torch.device, dp: int = 1, dtype: str = "fp32") -> str:
+    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
+    micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
+    none), gradient norm, tokens/s, TFLOPs/GPU (+ MFU when ``cluster.peak_tflops`` is known),
+    the memory ledger's total and, on CUDA, the caching allocator's allocated/reserved
+    bytes."""
+    which = "rank-0 loss" if dp > 1 else "loss"
+    scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
+    line = (f"step {step + 1:>4}/{steps}  {which} {loss:.4f}  {scale}"
             f"grad_norm {float(info.grad_norm):.3g}  {tokens_per_step / dt:,.0f} tok/s  "
             f"{tflops:.4g} TFLOPs/GPU")
     if peak_tflops > 0:
@@ -95,7 +103,9 @@ def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_st
 def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
     """The end-of-point line (rank 0)."""
     t = cfg.train
-    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), loss "
+    dp = cfg.parallel.world_size // cfg.parallel.tp
+    which = f"loss (mean of {dp} DP ranks)" if dp > 1 else "loss"
+    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), {which} "
             f"{metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, median step "
             f"{metrics['step_time_s']:.3f} s, {metrics['tokens_per_s']:,.0f} tok/s, "
             f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
@@ -151,16 +161,90 @@ def model_identity(model: C.ModelConfig) -> dict:
                               "vocab_pad_multiple", "bias")}
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zero_repro/
+_COMM = os.path.join("runtime", "comm")  # a rank whose innermost project frame is here waits
 
 
+def where_is(thread_id: int | None) -> tuple[str, bool]:
+    """(``path:line function`` of the innermost frame of thread ``thread_id`` in this
+    package, whether that is inside the communication layer: a collective or its wait)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return "?", False
+    rel = os.path.relpath(frame.f_code.co_filename, _PACKAGE)
+    return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}", rel.startswith(_COMM)
 
 
+class Watchdog(threading.Thread):
+    """Every rank notes where its main thread is (steps done, the innermost frame of this
+    package, whether that is a collective) in ``<run dir>/progress/rank<r>`` every ``BEAT_S``
+    s. Rank 0, once it has waited in one collective for ``WAIT_REPORT_S`` s, logs one
+    warning line naming the peers that are not in a collective (where they are) or noted
+    nothing for as long, and again every ``WAIT_REPORT_S`` s, until the wait ends or the
+    collective timeout ends the run."""
 
+    def __init__(self, run_dir: str, rank: int, world: int, timeout_s: float):
+        super().__init__(name="zr-watchdog", daemon=True)
+        self.folder = os.path.join(run_dir, "progress")
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.main = threading.main_thread().ident
+        self.step = 0  # steps done
+        self.stopped = threading.Event()
+        os.makedirs(self.folder, exist_ok=True)
 
+    def stop(self) -> None:
+        self.stopped.set()
 
+    def _note(self, where: str, waiting: bool) -> None:
+        path = os.path.join(self.folder, f"rank{self.rank}")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"step": self.step, "where": where, "waiting": waiting,
+                       "time": time.time()}, f)
+        os.replace(path + ".tmp", path)
 
+    def _peers(self) -> dict[int, dict]:
+        out = {}
+        for r in range(1, self.world):
+            try:
+                with open(os.path.join(self.folder, f"rank{r}")) as f:
+                    out[r] = json.load(f)
+            except (OSError, ValueError):
+                continue
+        return out
 
+    def run(self) -> None:
+        since, at, reported = None, None, 0
+        while not self.stopped.wait(BEAT_S):
+            where, waiting = where_is(self.main)
+            try:
+                self._note(where, waiting)
+            except OSError:
+                return
+            if self.rank != 0:
+                continue
+            now = time.monotonic()
+            if not waiting or where != at:  # computing, or a new wait
+                since, at, reported = (now if waiting else None), where, 0
+                continue
+            if now - since < WAIT_REPORT_S * (reported + 1):
+                continue
+            reported += 1
+            log.warning("rank 0 has waited %.0f s in a collective (%s, step %d): %s; the run "
+                        "fails if this goes on for launcher.collective_timeout_s=%g s",
+                        now - since, where, self.step + 1, self._who(), self.timeout_s)
 
+    def _who(self) -> str:
+        peers, out = self._peers(), []
+        for r in range(1, self.world):
+            p = peers.get(r)
+            if p is None or time.time() - p["time"] > WAIT_REPORT_S:
+                out.append(f"rank {r} has noted nothing for over {WAIT_REPORT_S:.0f} s")
+            elif not p["waiting"]:
+                out.append(f"rank {r} is not in a collective (at {p['where']}, "
+                           f"{p['step']} steps done)")
+        return "; ".join(out) or "every peer waits in a collective too"
 
 
 def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
@@ -181,11 +265,21 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     cfg = C.load(config_path)
     _rank_logging(cfg, rank)
     device = device_for(cfg, rank if local_rank is None else local_rank)
+    run_dir = os.path.dirname(os.path.abspath(config_path))
+    watchdog = Watchdog(run_dir, rank, world_size, cfg.launcher.collective_timeout_s)
+    watchdog.start()
+    try:
+        return _rank_run(cfg, rank, world_size, device, run_dir, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, run_dir: str,
+              watchdog: Watchdog) -> dict:
     topo = Topology.build(cfg.parallel.tp)
     model, ckpt, strategy = build(cfg, topo, device)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
-    run_dir = os.path.dirname(os.path.abspath(config_path))
     root = checkpoint_root(cfg, run_dir)
     start, resumed, history = 0, resume_path(cfg, run_dir), []
     if resumed is not None:
@@ -213,11 +307,12 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
     def on_step(step, loss, dt, info):
         local_losses.append(loss)
+        watchdog.step = step + 1
         if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
             log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
                                flops.tflops_per_gpu(fl, dt, world_size),
                                cfg.cluster.peak_tflops, strategy.memory_ledger().total(),
-                               device))
+                               device, topo.dp, cfg.zero.dtype))
         if info.skipped:
             skipped.append(step)
         every = cfg.checkpoint.save_every
@@ -241,6 +336,8 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
                          start_step=start,
                          before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
     except BaseException as e:
+        if isinstance(e, loop.Diverged):
+            _note_divergence(run_dir, topo.rank, str(e), history, local_losses, start)
         live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
         raise
     finally:
@@ -284,16 +381,24 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     return out
 
 
-
-
-
-
-
-
-
-
-
-
+def _note_divergence(run_dir: str, rank: int, reason: str, history: list, losses: list,
+                     start: int) -> None:
+    """This rank's losses so far and the reason, for the ``diverged`` record (the first rank
+    to write it wins: ranks diverge together, their peers' losses are not at hand)."""
+    path = os.path.join(run_dir, DIVERGED_FILE)
+    doc = {"reason": f"rank {rank}: {reason}",
+           "metrics": {"losses": list(losses), "losses_of": f"rank {rank}'s micro-batches",
+                       "start_step": start, "losses_before_start": list(history)}}
+    tmp = f"{path}.{rank}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+        else:
+            os.unlink(tmp)
+    except OSError as e:
+        log.warning("could not note the divergence in %s: %s", path, e)
 
 
 def main(argv=None) -> None:

@@ -350,6 +350,9 @@ class DeepSpeedZero(Runner):
     """DeepSpeed engine, ZeRO stage k, fp32, a plain torch AdamW as the client optimizer."""
 
     ds_stage = 1
+    # DeepSpeed's overlap_comm (its reductions on a side stream while backward runs); the
+    # committed peers race ran with it on
+    overlap_comm = True
 
     def __init__(self, spec, rank, world):  # noqa: D107
         ok, why = deepspeed_available()
@@ -368,7 +371,7 @@ class DeepSpeedZero(Runner):
         cfg = {"train_micro_batch_size_per_gpu": spec.train.micro_batch_size,
                "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-               "zero_optimization": {"stage": self.ds_stage, "overlap_comm": z.overlap_comm,
+               "zero_optimization": {"stage": self.ds_stage, "overlap_comm": self.overlap_comm,
                                      "contiguous_gradients": True,
                                      "reduce_bucket_size": z.reduce_bucket_size,
                                      "allgather_bucket_size": z.allgather_bucket_size}}

@@ -106,11 +106,12 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
         if info.skipped:
             res.skipped_steps += 1
             res.skipped_at.append(step)
-            if topo.rank == 0:
-                what = ("fp16 gradient overflow" if cfg.zero.dtype == "fp16"
-                        else f"non-finite gradient ({cfg.zero.dtype})")
-                log.warning("step %d: %s, optimizer step skipped (%d so far); loss scale was %g",
-                            step, what, res.skipped_steps, info.loss_scale)
+            if topo.rank == 0 and cfg.zero.dtype == "fp16":
+                log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so "
+                            "far); loss scale was %g", step, res.skipped_steps, info.loss_scale)
+            elif topo.rank == 0:  # fp32/bf16: no loss scale
+                log.warning("step %d: non-finite gradient (%s), optimizer step skipped (%d so "
+                            "far)", step, cfg.zero.dtype, res.skipped_steps)
         floor_run = _check_divergence(step, step_loss, info, cfg, floor_run)
         res.grad_norms.append(float(info.grad_norm))
         res.loss_scales.append(float(info.loss_scale))

@@ -207,9 +207,11 @@ class Strategy:
         else:
             norm, overflow = float("nan"), False
         self.scaler.update(overflow)
-        if overflow:
+        if overflow and isinstance(self.scaler, precision.DynamicLossScaler):
             log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
                      self.stage, scale, self.scaler.scale)
+        elif overflow:  # fp32/bf16: no loss scale to speak of
+            log.info("stage %d: non-finite gradient, step skipped", self.stage)
         else:
             coef = clip.clip_coef(norm, self.zero.grad_clip)
             t = self.train

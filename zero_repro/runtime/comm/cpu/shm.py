@@ -260,9 +260,21 @@ def _create(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _room() -> int:
+ROOM_MARGIN = 1.25  # free room a group asks for beyond its segments
+
+
+def room() -> int:
+    """Free bytes in ``SHM_DIR``."""
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def room_needed(group_size: int, groups: int = 1, nbytes: int | None = None) -> int:
+    """Free bytes ``groups`` groups of ``group_size`` ranks on one host need to map their
+    segments of ``nbytes`` (default: the slots, ``segment_bytes``) one group after another:
+    each asks for its own segments x ``ROOM_MARGIN`` while the earlier ones hold theirs."""
+    seg = group_size * (segment_bytes() if nbytes is None else nbytes)
+    return int((groups - 1) * seg + seg * ROOM_MARGIN)
 
 
 def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tensor] | None, str]:
@@ -274,7 +286,7 @@ def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tens
     token = comm.all_gather_object(secrets.token_hex(7), group)[0]
     # every rank of the host maps every segment: room for all of them, with a margin
     fits = _architecture_ok() and os.path.isdir(SHM_DIR) and \
-        _room() > group.size * nbytes * 1.25
+        room() > room_needed(group.size, nbytes=nbytes)
     paths = [os.path.join(SHM_DIR, f"zr-{token}-{group.name}-{what}-{q}")
              for q in range(group.size)]
     mine, why = None, ""
@@ -285,7 +297,8 @@ def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tens
         except OSError as e:
             why = f"{SHM_DIR}: {e}"
     else:
-        why = f"{SHM_DIR} lacks {group.size * nbytes / 2**20:.0f} MiB or not x86-64"
+        why = (f"{SHM_DIR} has less than {room_needed(group.size, nbytes=nbytes) / 2**20:.0f} "
+               f"MiB free, or not x86-64")
     created = comm.all_gather_object(mine is not None, group)
     segments: list[torch.Tensor | None] = [None] * group.size
     if all(created):
