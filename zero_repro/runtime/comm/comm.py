@@ -117,9 +117,14 @@ def is_initialized() -> bool:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 300.0,
-                       init_method: str | None = None, store=None) -> None:
+                       init_method: str | None = None, store=None,
+                       device_id: torch.device | None = None) -> None:
+    """The default group. ``device_id`` (NCCL: this rank's current GPU) binds it to one device:
+    its communicators are created eagerly here, sub-groups split from them (``ncclCommSplit``)."""
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     if store is not None:
         kwargs["store"] = store
     elif init_method is not None:
