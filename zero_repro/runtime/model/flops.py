@@ -22,7 +22,15 @@ FLOPs per iteration (global batch B sequences of length s), Megatron-LM conventi
     (the logit term 6·B·s·h·V is the same in both; writing the second as 72·(…+V/(16lh)) would
     undercount it.)
 
-Attention scores count the full s×s product (no causal halving), as Megatron does.
+Attention scores count the full s×s product (no causal halving), as Megatron does: the
+paper's TFLOPs/GPU convention (``flops_per_iteration``). Utilisation is reported in two honest
+forms beside it (PaLM, Chowdhery et al. 2022, App. B):
+
+    MFU's FLOPs (model): no recompute, causal attention (the s² terms halved: the causal mask
+        makes half the scores unneeded, and flash/memory-efficient kernels skip them)
+        F_model = 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h))
+    HFU's FLOPs (hardware): what runs, recompute included when checkpointing is on
+        F_hw = 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h))     (= F_model without checkpointing)
 """
 from __future__ import annotations
 
@@ -77,6 +85,23 @@ def flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: 
     if recompute:
         return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def model_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int,
+                              vocab: int) -> float:
+    """MFU's numerator: 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h)) (no recompute, causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    return 72.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
+
+
+def hardware_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: int,
+                                 recompute: bool) -> float:
+    """HFU's numerator: the model FLOPs plus, with activation checkpointing, the blocks'
+    forward once more: 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h)) (causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    if not recompute:
+        return model_flops_per_iteration(b, s, l, h, v)
+    return 96.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (16 * l * h))
 
 
 def flops_per_iteration_cfg(cfg: ModelConfig, batch: int, recompute: bool = True,
