@@ -61,7 +61,10 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     torch.manual_seed(cfg.train.seed)
     dtype = lp_dtype(cfg.zero.dtype)
     if make_model is None:
-        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+        # a GPU draws its weights itself (a rank draws every full TP=1 tensor: 60B samples
+        # for Fig 3's model, ~18 min single-threaded on a CPU, seconds on the device)
+        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype,
+                    init_on="device" if device.type == "cuda" else "cpu")
     else:
         model = make_model(cfg, topo, device, dtype)
     ckpt = None
