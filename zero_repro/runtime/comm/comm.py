@@ -4,7 +4,7 @@ Every collective goes through here so that the *communication ledger* can count 
 step moves, per collective and per process group, and so that API renames between torch
 versions live in one place (torch 2.13 deprecates ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``;
-older cluster installs only have the former).
+older cluster installs only have the former; the c10d ops' meta kernels, below).
 
 Counting convention (what the paper's §7 calls "communication volume", in elements):
 
@@ -29,6 +29,14 @@ from typing import Sequence
 
 import torch
 import torch.distributed as tdist
+
+try:
+    # older torch (2.7.1 among them) registers the c10d collectives' meta kernels only when this
+    # module is imported (newer ones at ``import torch``); the paper-scale dry run runs
+    # collectives on meta tensors (``scale.dryrun``)
+    import torch.distributed._tools.fake_collectives  # noqa: F401
+except ImportError:  # torch 2.6 and older: no meta kernels, the dry run's meta backend fails
+    pass
 
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 if hasattr(tdist.ReduceOp, "AVG"):
