@@ -342,7 +342,8 @@ def probe_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
             else platform.machine(), "backend": comm.backend(), "world": world}
     if device.type == "cuda":
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()  # a tuple; an int on older torch
+        info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     checks = {}
     p = torch.randn(1000, device=device)
     g, m, v = torch.randn_like(p), torch.zeros_like(p), torch.zeros_like(p)
