@@ -46,8 +46,12 @@ def test_cuda_device_is_local_rank_modulo_visible_gpus(fake_cuda, monkeypatch):
 
 
 def test_nccl_group_made_after_set_device_with_device_id(fake_cuda, monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
+    # init_from_env only fills MASTER_* in when unset: set here, so that teardown removes them
+    # (left in os.environ they would steer every later Slurm job of this pytest to one port)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
