@@ -30,13 +30,14 @@ from typing import Sequence
 import torch
 import torch.distributed as tdist
 
-try:
+if not torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Meta"):
     # older torch (2.7.1 among them) registers the c10d collectives' meta kernels only when this
-    # module is imported (newer ones at ``import torch``); the paper-scale dry run runs
-    # collectives on meta tensors (``scale.dryrun``)
-    import torch.distributed._tools.fake_collectives  # noqa: F401
-except ImportError:  # torch 2.6 and older: no meta kernels, the dry run's meta backend fails
-    pass
+    # module is imported (newer ones at ``import torch``, and then it is not imported: it pulls in
+    # seconds of torch.distributed); the paper-scale dry run runs collectives on meta tensors
+    try:
+        import torch.distributed._tools.fake_collectives  # noqa: F401
+    except ImportError:  # torch 2.6 and older: no meta kernels, the dry run's meta backend fails
+        pass
 
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 if hasattr(tdist.ReduceOp, "AVG"):
