@@ -583,6 +583,9 @@ def print_plan(cfg, experiment, plan) -> None:
         print(f"  {pp.key}  {state}  {pp.point.mode:<9} nodes={pp.nodes:<3} "
               f"world={pp.cfg.parallel.world_size:<4} tp={pp.cfg.parallel.tp:<3} "
               f"{pp.point.name}  {ov}")
+    note = getattr(experiment, "plan_note", None)  # optional: e.g. a time estimate
+    for line in note(cfg, [pp.point for pp in planned]) if callable(note) else []:
+        print(line)
     try:
         out_dir = os.path.join(HydraConfig.get().runtime.output_dir, "points")
     except ValueError:  # not under Hydra (called from Python)

@@ -62,9 +62,21 @@ def hardware_info(device: torch.device) -> dict:
             "threads_per_rank": torch.get_num_threads()}
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
+        info["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
     else:
         info["device_name"] = platform.processor() or platform.machine()
     return info
+
+
+def placement(topo: Topology) -> dict:
+    """Where the ranks ran (collective over the world): every rank's host in rank order, the
+    number of hosts, whether each TP group stayed on one host (Megatron's TP needs the node's
+    links) and how the default group met (spawn | torchrun | slurm)."""
+    hosts = comm.all_gather_object(platform.node(), topo.world)
+    tp_groups = [hosts[d * topo.tp:(d + 1) * topo.tp] for d in range(topo.dp)]
+    return {"hosts": hosts, "nodes": len(set(hosts)),
+            "tp_within_node": all(len(set(g)) == 1 for g in tp_groups),
+            "rendezvous": launch.rendezvous() or "none"}
 
 
 def memory_series(device: torch.device) -> dict:
@@ -80,19 +92,21 @@ def memory_series(device: torch.device) -> dict:
 
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
               tflops: float, peak_tflops: float, ledger_bytes: int,
-              device: torch.device, dp: int = 1, dtype: str = "fp32") -> str:
+              device: torch.device, dp: int = 1, dtype: str = "fp32",
+              model_tflops: float = 0.0) -> str:
     """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
     micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
-    none), gradient norm, tokens/s, TFLOPs/GPU (+ MFU when ``cluster.peak_tflops`` is known),
-    the memory ledger's total and, on CUDA, the caching allocator's allocated/reserved
-    bytes."""
+    none), gradient norm, tokens/s, TFLOPs/GPU (the paper's convention,
+    ``flops.flops_per_iteration``; + MFU from the model's FLOPs ``model_tflops`` when
+    ``cluster.peak_tflops`` is known), the memory ledger's total and, on CUDA, the caching
+    allocator's allocated/reserved bytes."""
     which = "rank-0 loss" if dp > 1 else "loss"
     scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
     line = (f"step {step + 1:>4}/{steps}  {which} {loss:.4f}  {scale}"
             f"grad_norm {float(info.grad_norm):.3g}  {tokens_per_step / dt:,.0f} tok/s  "
             f"{tflops:.4g} TFLOPs/GPU")
-    if peak_tflops > 0:
-        line += f" (MFU {100 * tflops / peak_tflops:.1f}%)"
+    if peak_tflops > 0 and model_tflops > 0:
+        line += f" (MFU {100 * model_tflops / peak_tflops:.1f}%)"
     line += f"  ledger {ledger_bytes / 2**20:.1f} MiB"
     if device.type == "cuda":
         line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
@@ -110,12 +124,23 @@ def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
             f"{metrics['step_time_s']:.3f} s, {metrics['tokens_per_s']:,.0f} tok/s, "
             f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
     if "mfu" in metrics:
-        line += f" (MFU {100 * metrics['mfu']:.1f}%)"
+        line += f" (MFU {100 * metrics['mfu']:.1f}%, HFU {100 * metrics['hfu']:.1f}%)"
     line += (f", ledger {ledger_bytes / 2**20:.1f} MiB/rank, {metrics['skipped_steps']} "
              f"skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
              f"{cfg.parallel.world_size // cfg.parallel.tp}, stage {cfg.zero.stage}, "
              f"{cfg.zero.dtype}")
     return line
+
+
+def reset_peaks(device: torch.device) -> int:
+    """CUDA: the build's peak allocated bytes, then the peak statistics reset, so that the
+    record's ``cuda_max_*`` describe the training steps (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def _rank_logging(cfg: C.Config, rank: int) -> None:
@@ -278,6 +303,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
               watchdog: Watchdog) -> dict:
     topo = Topology.build(cfg.parallel.tp)
     model, ckpt, strategy = build(cfg, topo, device)
+    build_peak = reset_peaks(device)
+    where = placement(topo)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
     root = checkpoint_root(cfg, run_dir)
@@ -297,9 +324,14 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
-    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
-                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-                                   recompute=cfg.zero_r.activation_checkpointing)
+    batch = t.micro_batch_size * t.grad_accum * topo.dp
+    recompute = cfg.zero_r.activation_checkpointing
+    fl = flops.flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd, C.padded_vocab(m, 1),
+                                   recompute=recompute)
+    fl_model = flops.model_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
+                                               C.padded_vocab(m, 1))
+    fl_hw = flops.hardware_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
+                                               C.padded_vocab(m, 1), recompute)
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
@@ -312,7 +344,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
             log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
                                flops.tflops_per_gpu(fl, dt, world_size),
                                cfg.cluster.peak_tflops, strategy.memory_ledger().total(),
-                               device, topo.dp, cfg.zero.dtype))
+                               device, topo.dp, cfg.zero.dtype,
+                               flops.tflops_per_gpu(fl_model, dt, world_size)))
         if info.skipped:
             skipped.append(step)
         every = cfg.checkpoint.save_every
@@ -361,20 +394,27 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
     }
+    # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
+    # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's convention
+    metrics["model_tflops_per_gpu"] = flops.tflops_per_gpu(fl_model, step_s, world_size)
+    metrics["hardware_tflops_per_gpu"] = flops.tflops_per_gpu(fl_hw, step_s, world_size)
     if cfg.cluster.peak_tflops > 0:
-        metrics["mfu"] = metrics["tflops_per_gpu"] / cfg.cluster.peak_tflops
+        metrics["mfu"] = metrics["model_tflops_per_gpu"] / cfg.cluster.peak_tflops
+        metrics["hfu"] = metrics["hardware_tflops_per_gpu"] / cfg.cluster.peak_tflops
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
     if topo.rank == 0:
         log.info(summary_line(cfg, metrics, mem.total()))
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
-           "hardware": {**hardware_info(device),
+           "hardware": {**hardware_info(device), **where,
                         # how the DP buckets travelled (gloo on one host: shared memory)
                         "dp_transport": strategy.transport.models_as}}
     if device.type == "cuda":
+        # the training steps' peaks (reset after the build); the build's own beside them
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+        out["memory"]["cuda_max_allocated_build"] = build_peak
     if live.active:
         metrics["wandb_run"] = live.finish(wandb_runs.summary_of(out), 0)
     model = ckpt = strategy = None  # noqa: F841 - drop the references (teardown: no gloo user alive)

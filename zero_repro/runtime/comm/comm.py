@@ -1,8 +1,10 @@
 """The only caller of torch.distributed collectives; it counts what each one moves (paper §7).
 
-Every collective goes through here, so the communication ledger (``CommLedger``) sees each
-step's volume per collective and process group, and torch API renames live in one place
-(torch 2.13's ``all_gather_single`` / ``reduce_scatter_single`` vs the older ``*_tensor``).
+Every collective goes through here so that the *communication ledger* can count what each
+step moves, per collective and per process group, and so that API renames between torch
+versions live in one place (torch 2.13 deprecates ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``;
+older cluster installs only have the former; the c10d ops' meta kernels, below).
 
 Counting convention (§7 "communication volume", in elements): ``all_reduce`` of n counts 2n
 (a reduce-scatter plus an all-gather, §7.1); ``reduce_scatter`` counts its full input n,
@@ -20,6 +22,15 @@ from typing import Sequence
 
 import torch
 import torch.distributed as tdist
+
+if not torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Meta"):
+    # older torch (2.7.1 among them) registers the c10d collectives' meta kernels only when this
+    # module is imported (newer ones at ``import torch``, and then it is not imported: it pulls in
+    # seconds of torch.distributed); the paper-scale dry run runs collectives on meta tensors
+    try:
+        import torch.distributed._tools.fake_collectives  # noqa: F401
+    except ImportError:  # torch 2.6 and older: no meta kernels, the dry run's meta backend fails
+        pass
 
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 if hasattr(tdist.ReduceOp, "AVG"):
@@ -108,9 +119,14 @@ def is_initialized() -> bool:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 300.0,
-                       init_method: str | None = None, store=None) -> None:
+                       init_method: str | None = None, store=None,
+                       device_id: torch.device | None = None) -> None:
+    """The default group. ``device_id`` (NCCL: this rank's current GPU) binds it to one device:
+    its communicators are created eagerly here, sub-groups split from them (``ncclCommSplit``)."""
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     if store is not None:
         kwargs["store"] = store
     elif init_method is not None:

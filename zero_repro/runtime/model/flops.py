@@ -17,8 +17,18 @@ with activation recompute the blocks' forward once more (the LM head not):
     with recompute     F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
     without recompute  F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
 
-(the logit term 6·B·s·h·V is the same in both). Attention scores count the full s×s product,
-as Megatron does. Entry points: ``param_count``, ``flops_per_iteration``, ``tflops_per_gpu``.
+(the logit term 6·B·s·h·V is the same in both). Attention scores count the full s×s product (no causal halving), as Megatron does: the
+paper's TFLOPs/GPU convention (``flops_per_iteration``). Utilisation is reported in two honest
+forms beside it (PaLM, Chowdhery et al. 2022, App. B):
+
+    MFU's FLOPs (model): no recompute, causal attention (the s² terms halved: the causal mask
+        makes half the scores unneeded, and flash/memory-efficient kernels skip them)
+        F_model = 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h))
+    HFU's FLOPs (hardware): what runs, recompute included when checkpointing is on
+        F_hw = 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h))     (= F_model without checkpointing)
+
+Entry points: ``param_count``, ``flops_per_iteration``, ``model_flops_per_iteration``,
+``tflops_per_gpu``.
 """
 from __future__ import annotations
 
@@ -73,6 +83,23 @@ def flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: 
     if recompute:
         return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def model_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int,
+                              vocab: int) -> float:
+    """MFU's numerator: 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h)) (no recompute, causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    return 72.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
+
+
+def hardware_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: int,
+                                 recompute: bool) -> float:
+    """HFU's numerator: the model FLOPs plus, with activation checkpointing, the blocks'
+    forward once more: 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h)) (causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    if not recompute:
+        return model_flops_per_iteration(b, s, l, h, v)
+    return 96.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (16 * l * h))
 
 
 def flops_per_iteration_cfg(cfg: ModelConfig, batch: int, recompute: bool = True,

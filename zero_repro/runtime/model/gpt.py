@@ -13,6 +13,8 @@ the loss, so their gradient is exactly zero and they stay zero (compare or sampl
 ``vocab_size`` columns only); initialisation is TP-consistent (each full tensor drawn from a
 generator seeded by (seed, parameter name), each rank keeps its slice: any TP degree trains the
 same model); QKV is head-major ([head, (q, k, v), head_dim]) so a TP slice is whole heads.
+``init_on="device"`` draws each full tensor with a generator on the parameters' device instead
+(the same model for every TP degree of that device type, not the CPU draw's values).
 """
 from __future__ import annotations
 
@@ -141,7 +143,7 @@ class _HeadIntoSink(torch.autograd.Function):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: comm.Group | None = None, device=None,
-                 dtype=None, seed: int = 0):
+                 dtype=None, seed: int = 0, init_on: str = "cpu"):
         super().__init__()
         self.cfg = cfg
         self.tp_group = group = _resolve_group(tp_group)
@@ -159,7 +161,7 @@ class GPT(nn.Module):
         log.debug("GPT %s: %d layers x %d, tp %d, padded vocab %d", cfg.name, cfg.n_layer,
                   cfg.n_embd, group.size, self.vocab_padded)
         if torch.device(device or "cpu").type != "meta":
-            self.init_weights(seed)
+            self.init_weights(seed, on=init_on)
         # a runtime that takes the tied embedding's gradient in its two parts (``TiedGradSink``)
         self.tied_grad_sink: TiedGradSink | None = None
 
@@ -224,8 +226,11 @@ class GPT(nn.Module):
         return "normal", self.cfg.init_std
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``."""
+    def init_weights(self, seed: int = 0, on: str = "cpu") -> None:
+        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``,
+        drawn on the CPU (``on="cpu"``) or on the parameter's device (``on="device"``)."""
+        if on not in ("cpu", "device"):
+            raise ValueError(f"init on {on!r}: use 'cpu' or 'device'")
         from torch._subclasses.fake_tensor import is_fake
 
         dims, full_shapes = self.tp_partition_dims(), self.full_shapes()
@@ -234,7 +239,8 @@ class GPT(nn.Module):
             if p.is_meta or is_fake(p):
                 continue  # nothing to fill (dry runs); materialize with to_empty + init_weights
             full = _full_init(name, full_shapes[name], *self._init_spec(name), seed,
-                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None)
+                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None,
+                              device=p.device if on == "device" else "cpu")
             shard = _slice(full, dims[name], r, t, p.shape)
             p.copy_(shard.to(device=p.device, dtype=p.dtype))
 
@@ -244,14 +250,14 @@ def _name_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _full_init(name, shape, kind, std, seed, n_real_rows=None) -> torch.Tensor:
+def _full_init(name, shape, kind, std, seed, n_real_rows=None, device="cpu") -> torch.Tensor:
     if kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
     if kind == "ones":
-        return torch.ones(shape)
-    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
     rows = shape[0] if n_real_rows is None else n_real_rows
-    full = torch.zeros(shape)
+    full = torch.zeros(shape, device=device)
     # draw only the real rows, so the values do not depend on the padding of any TP degree
     full[:rows].normal_(0.0, std, generator=gen)
     return full

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from zero_repro import config as C
+from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import GPT
 from zero_repro.runtime.zero import build_strategy
@@ -57,7 +58,10 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     torch.manual_seed(cfg.train.seed)
     dtype = lp_dtype(cfg.zero.dtype)
     if make_model is None:
-        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+        # a GPU draws its weights itself (a rank draws every full TP=1 tensor: 60B samples
+        # for Fig 3's model, ~18 min single-threaded on a CPU, seconds on the device)
+        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype,
+                    init_on="device" if device.type == "cuda" else "cpu")
     else:
         model = make_model(cfg, topo, device, dtype)
     ckpt = None
@@ -74,11 +78,11 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
 
 
 def device_for(cfg: C.Config, local_rank: int) -> torch.device:
-    """The device of this rank (``cluster.device``); CUDA selects ``local_rank``'s GPU."""
+    """The device of this rank (``cluster.device``); CUDA: ``launch.cuda_device(local_rank)``
+    (``local_rank`` modulo the visible GPUs)."""
     if cfg.cluster.device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
                                "use cluster=local")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        return launch.cuda_device(local_rank)
     return torch.device("cpu")
