@@ -219,8 +219,8 @@ def test_extended_run_continues_its_checkpoint_and_gives_the_uninterrupted_table
     assert rec.status == "ok", rec.reason
     assert rec.metrics["start_step"] == 4 and len(rec.metrics["losses"]) == 2
     want, got = _table(str(full), 6), _table(str(part), 6)
-    assert [x for x, _ in want] == [0, 1, 2, 3, 4, 5]
-    assert [x for x, _ in got] == [0, 1, 2, 3, 4, 5]
+    assert [x for x, _ in want] == [1, 2, 3, 4, 5, 6]  # 1-based optimizer steps
+    assert [x for x, _ in got] == [1, 2, 3, 4, 5, 6]
     assert got[:4] == want[:4]  # carried over from the checkpoint: the same numbers
     assert [y for _, y in got] == pytest.approx([y for _, y in want], abs=1e-6)
 
