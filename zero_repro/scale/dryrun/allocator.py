@@ -26,7 +26,8 @@ allocations thousands of times, and under a capacity the allocator's layout can 
 several of them (segments released on a failed allocation come back in another order and
 size; C1 at 60 layers under paper2020 needs 25.5 GiB through 2 iterations, 31.1 GiB from the
 5th on). The replay therefore repeats ``events[i:]`` -- one closed iteration: every storage it
-allocates it also frees -- until the allocator's state at the end of a repetition (the ordered
+allocates it also frees, or leaves alive for the next one exactly what it found (``closed_from``)
+-- until the allocator's state at the end of a repetition (the ordered
 segments and the size / in-use flag of every block in them) equals the state at the end of
 the previous one: from then on every repetition makes the same decisions, so the result
 (peaks, OOM) is the one of an arbitrarily long run. ``ReplayResult.repeats`` says how many
@@ -262,17 +263,22 @@ MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a 
 
 
 def closed_from(events, start: int) -> bool:
-    """Whether ``events[start:]`` is closed: it frees only storages it allocated and frees all
-    of them (so it can be replayed again and again with the same storage ids)."""
-    born: set = set()
+    """Whether ``events[start:]`` can be replayed again and again with the same storage ids:
+    what it frees of older storages it allocates again, same id and bytes, and leaves alive at
+    its end (a cycle: e.g. stage 3's units gathered at the end of a step for the next forward,
+    released by it), and everything else it allocates it frees."""
+    born: dict = {}
+    carried_in: dict = {}
     for ev in events[start:]:
         if ev[0] == "alloc":
-            born.add(ev[1])
+            born[ev[1]] = ev[2]
         elif ev[1] in born:
-            born.discard(ev[1])
-        else:
+            del born[ev[1]]
+        elif ev[1] in carried_in:
             return False
-    return not born
+        else:
+            carried_in[ev[1]] = ev[2]
+    return born == carried_in
 
 
 def replay(events, capacity: float | None = None, repeat_from: int | None = None,

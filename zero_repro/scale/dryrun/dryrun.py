@@ -301,6 +301,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                 model, ckpt, strategy = build(cfg, topo, torch.device(
                     "meta" if on_meta else "cpu"), **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
+            _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
@@ -375,6 +376,17 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
         if sid is not None:
             host.add(sid)
     strategy.release_host()
+
+
+def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
+    """The strategy's flat parameter buffers are the storages it may resize in place (stage 3
+    releases a gathered unit with ``untyped_storage().resize_(0)``, ``zero.flat_buffer``),
+    which no dispatch mode sees: the tracer polls them (``AllocationTracer.watch``); the
+    build's own releases are recorded here, at the end of the build."""
+    for g in getattr(strategy, "groups", ()):
+        flat = getattr(g, "flat", None)
+        if isinstance(flat, torch.Tensor):
+            tracer.watch(flat)
 
 
 def _geometry(strategy) -> tuple[int, int]:

@@ -4,8 +4,11 @@ or frees, in program order (moved out of ``simulate.dryrun`` so that the softwar
 
 Mechanism (see ``simulate.dryrun``): a ``TorchDispatchMode`` sees every aten op; each output
 storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
-records its free; storages resized in place are detected when an op touches them and polled
-afterwards.
+records its free. A storage resized in place (``untyped_storage().resize_``: ZeRO-3 and FSDP
+release a gathered unit that way) is no aten op, so no dispatch mode sees it: storages the
+caller names (``watch``: the strategy's flat parameter buffers) and storages an op was seen
+resizing are polled before every allocating op, so a release in a hook between two ops is
+recorded before the next op's allocation (a free + an alloc of the same ``sid`` per resize).
 
 Two ways to run without data (``AllocationTracer(on_meta=...)``):
   * ``on_meta=True`` (the dry run's default): the runtime's tensors live on PyTorch's ``meta``
@@ -66,6 +69,15 @@ class AllocationTracer(TorchDispatchMode):
     def sid_of(self, t: torch.Tensor) -> int | None:
         return self._sid_of.get(id(t.untyped_storage()))
 
+    def watch(self, t: torch.Tensor) -> None:
+        """Poll ``t``'s storage for in-place resizes from now on (its size is checked at once:
+        a release made before the call is recorded now)."""
+        st = t.untyped_storage()
+        self._see(st)
+        sid = self._sid_of[id(st)]
+        self._resizable[sid] = weakref.ref(st)
+        self._check_size(sid, st)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
         # metadata queries (prim.device), which only pass through
@@ -77,6 +89,8 @@ class AllocationTracer(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if how == "scalar":
             return _neutral_scalar(args[0].dtype)  # no data under fake tensors
+        if self._resizable:  # a resize between ops (a hook) before this op's allocations
+            self._poll()
         kwargs = kwargs or {}
         if self.on_meta and kwargs.get("device") is not None:
             if torch.device(kwargs["device"]).type != "meta":
@@ -96,12 +110,13 @@ class AllocationTracer(TorchDispatchMode):
         for t in flat:
             if isinstance(t, torch.Tensor):
                 self._see(t.untyped_storage())
-        if self._resizable:
-            for sid, ref in list(self._resizable.items()):
-                st = ref()
-                if st is not None:
-                    self._check_size(sid, st)
         return out
+
+    def _poll(self) -> None:
+        for sid, ref in list(self._resizable.items()):
+            st = ref()
+            if st is not None:
+                self._check_size(sid, st)
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, kind: str, sid: int, nbytes: int) -> None:
