@@ -26,9 +26,12 @@ from zero_repro.scale.dryrun import allocator as A
 from zero_repro.scale.dryrun import maxsize
 from zero_repro.scale.dryrun.dryrun import (
     apply_overrides,
+    device_events,
     dry_run,
+    last_step_peak_categories,
     live_peaks,
     real_ledgers,
+    real_live_peaks,
     repeat_start,
     steady_peak,
 )
@@ -93,6 +96,34 @@ def test_dry_run_matches_real_gloo_run():
         assert fake.psi_padded == r["psi_padded"]
         n_d = cfg.parallel.world_size // cfg.parallel.tp
         assert r["model_state_bytes"] == model_state_bytes(r["psi_padded"], cfg.zero.stage, n_d)
+
+
+def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch):
+    """The dry run's live bytes (meta tensors, fake group, the strategy's flat buffers watched
+    for in-place resizes) against a real gloo run of the same config at world 4 measured with
+    no shortcut (real tensors and collectives, every storage polled before every allocating
+    op): the live peak of each step and the live bytes per category at the last step's peak,
+    stages 0-3 and stage 3 with TP 2 + P_a. Stage 3 releases its gathered units by resizing
+    their storage to 0 bytes, which no dispatch mode sees: a dry run blind to it keeps every
+    unit alive (fp16_params = the whole model). Tolerance: 64 B (a 0-dim tensor's storage)."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")  # gloo: peers' segments are not ours
+    cfgs = [dataclasses.replace(tiny_cfg(4, 1, st), zero=dataclasses.replace(
+        tiny_cfg(4, 1, st).zero, dtype="fp32")) for st in (0, 1, 2, 3)]
+    c4 = tiny_cfg(4, 2, 3, "c4")
+    cfgs.append(dataclasses.replace(c4, zero=dataclasses.replace(c4.zero, dtype="fp32")))
+    real = spawn(real_live_peaks, 4, [OmegaConf.to_container(OmegaConf.structured(c))
+                                      for c in cfgs])[0]
+    for cfg, r in zip(cfgs, real):
+        what = (cfg.zero.stage, cfg.parallel.tp, cfg.zero_r.name)
+        dry = dry_run(cfg, transport_of=r["transport"])
+        dev = device_events(dry.trace, set(dry.host_sids))
+        cats = last_step_peak_categories(dev, dry.category_of)
+        assert set(dry.live_peak_by_iteration) == set(r["by_iteration"]) == {0, 1}, what
+        for it, peak in r["by_iteration"].items():
+            assert abs(dry.live_peak_by_iteration[it] - peak) <= 64, (what, it)
+        assert set(cats) == set(r["categories"]), what
+        for cat, nbytes in r["categories"].items():
+            assert abs(cats[cat] - nbytes) <= 64, (what, cat, cats[cat], nbytes)
 
 
 def test_trace_phases_and_item_values():

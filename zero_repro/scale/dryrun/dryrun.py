@@ -444,6 +444,51 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     return out
 
 
+def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
+                    ) -> list[dict]:
+    """The real counterpart of ``dry_run``'s live-byte accounting on an initialised (gloo)
+    process group: for each config, ``train.build.build`` + ``iterations`` steps on real CPU
+    tensors under a ``CategoryTracer`` that polls every storage before every allocating op
+    (``poll_all``: it misses no in-place resize, whoever makes it; no watch list, no meta
+    kernels, no output cache, real collectives). Module level, for ``launch.spawn``. Returns
+    [{"by_iteration": {it: live peak bytes}, "categories": {cat: bytes at the last step's
+    live peak}, "transport"}, ...]."""
+    out = []
+    for d in cfg_dicts:
+        cfg = C.to_config(d)
+        tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
+        with tracer:
+            topo = Topology.build(cfg.parallel.tp)
+            with tracer.category(S.FP16_PARAMS):
+                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            hooks = K.tag_model(tracer, model)
+            for it in range(iterations):
+                _one_step(strategy, tracer, ckpt, set(), cfg, it)
+                K.tag_strategy(tracer, strategy)
+            for h in hooks:
+                h.remove()
+            transport = strategy.transport.models_as
+            strategy.remove_hooks()
+            del model, ckpt, strategy
+        events = without_teardown(tracer.events)
+        _peak, _by_phase, by_iter = live_peaks(events)
+        out.append({"by_iteration": by_iter, "transport": transport,
+                    "categories": last_step_peak_categories(events, tracer.category_of)})
+    return out
+
+
+def last_step_peak_categories(events, category_of: dict) -> dict:
+    """Live bytes per category at the last training iteration's live peak."""
+    last = max(e[4] for e in events if e[3] != "build")
+    live = best = 0
+    at = 0
+    for i, (kind, _sid, nbytes, phase, it) in enumerate(events):
+        live += nbytes if kind == ALLOC else -nbytes
+        if phase != "build" and it == last and live > best:
+            best, at = live, i + 1
+    return K.live_by_category(events, category_of, at)
+
+
 # ------------------------------------------------------------------------------ subprocess
 def _child(cfg_dict: dict, rank: int, iterations: int, keep_trace: bool, capacity, conn) -> None:
     try:

@@ -44,9 +44,15 @@ class AllocationTracer(TorchDispatchMode):
     ``events``: list of (kind, sid, nbytes, phase, iteration) in program order; ``sid`` is a
     sequence number per storage (Python ids are reused, sids are not)."""
 
-    def __init__(self, on_meta: bool = False, cache: bool = True) -> None:
+    def __init__(self, on_meta: bool = False, cache: bool = True, poll_all: bool = False,
+                 real_data: bool = False) -> None:
         super().__init__()
         self.on_meta = on_meta
+        # tensors with data (a real run measured): ``.item()`` reads them instead of answering 0
+        self.real_data = real_data
+        # every storage polled before every allocating op: blind to no resize, whoever makes it
+        # (the reference a real run is measured with; ~N_storages checks per op)
+        self.poll_all = poll_all
         self._cache = _OutputCache() if (on_meta and cache) else None
         self.events: list[tuple[str, int, int, str, int]] = []
         self.phase, self.iteration = "build", 0
@@ -88,6 +94,8 @@ class AllocationTracer(TorchDispatchMode):
         if how == "view":  # views and metadata queries share or touch no storage
             return func(*args, **(kwargs or {}))
         if how == "scalar":
+            if self.real_data:
+                return func(*args, **(kwargs or {}))
             return _neutral_scalar(args[0].dtype)  # no data under fake tensors
         if self._resizable:  # a resize between ops (a hook) before this op's allocations
             self._poll()
@@ -135,6 +143,8 @@ class AllocationTracer(TorchDispatchMode):
         if nbytes:
             self._record(ALLOC, sid, nbytes)
         weakref.finalize(st, self._on_free, id(st), sid)
+        if self.poll_all:
+            self._resizable[sid] = weakref.ref(st)
 
     def _check_size(self, sid: int, st) -> None:
         nbytes = st.nbytes()
