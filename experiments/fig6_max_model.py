@@ -25,12 +25,18 @@ in its 4th).
 """
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import maxsize
 from zero_repro.scale.dryrun.dryrun import setup_overrides
+from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.hardware import device_bytes
+from zero_repro.runtime.model import flops
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"
@@ -73,13 +79,48 @@ def plan(cfg) -> list[Point]:
     return pts
 
 
+def _params(cfg, n: int) -> int:
+    return flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
+
+
+def flip_band(judgements: list[dict], answer: int) -> tuple[int, int]:
+    """(lowest depth judged NOT to fit, highest judged to fit) among one search's judgements,
+    when a depth at or below the answer was judged not to fit (the verdict flips with depth:
+    fragmentation near the top); else (answer, answer)."""
+    fails = [j["n_layer"] for j in judgements if not j["fits"] and j["n_layer"] <= answer]
+    return (min(fails), answer) if fails else (answer, answer)
+
+
 def run_point(cfg, point: Point) -> dict:
-    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 2)))
-    return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
-            "capacity_bytes": r.capacity, "seed": r.seed, "seed_from": r.seed_from,
-            "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
-            "search_s": r.seconds, "dry_run_backend": r.backend,
-            "judgements": [vars(j) for j in r.judgements]}
+    its = int(point.params.get("iterations", 2))
+    t0 = time.perf_counter()
+    r = maxsize.max_layers(cfg, iterations=its)
+    out = {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
+           "capacity_bytes": r.capacity, "outside_point": cfg.simulate.outside_point,
+           "device_bytes": device_bytes(cfg.cluster),
+           "seed": r.seed, "seed_from": r.seed_from,
+           "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
+           "search_s": r.seconds, "dry_run_backend": r.backend,
+           "judgements": [vars(j) for j in r.judgements]}
+    out["flip_band"] = flip_band(out["judgements"], r.n_layer)
+    # the same search at both ends of the outside-allocator bracket (dry runs shared in this
+    # process): the depths the unsourced part of the capacity leaves open
+    lo, hi = S.get(point.params.get("stack", "modern")).outside_bracket()
+    ends = {}
+    for end in ("low", "high") if hi > lo else ():
+        if end == cfg.simulate.outside_point:
+            ends[end] = (r.n_layer, out["flip_band"], r.capacity)
+            continue
+        e = maxsize.max_layers(cfg, capacity=maxsize.capacity_of(cfg, end), iterations=its)
+        ends[end] = (e.n_layer, flip_band([vars(j) for j in e.judgements], e.n_layer),
+                     e.capacity)
+    for end, (n, band, cap) in ends.items():
+        out[f"n_layer_outside_{end}"] = n
+        out[f"params_B_outside_{end}"] = _params(cfg, n) / 1e9
+        out[f"flip_band_outside_{end}"] = band
+        out[f"capacity_outside_{end}"] = cap
+    out["total_s"] = time.perf_counter() - t0
+    return out
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
@@ -95,7 +136,8 @@ def summarize(records) -> list[dict]:
                      "y_value": round(r.metrics["max_params_B"], 2), "unit": "B params",
                      "kind": "simulated", "stack": stack,
                      "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"],
-                     "search_s": round(r.metrics.get("search_s", 0.0), 1)})
+                     "search_s": round(r.metrics.get("search_s", 0.0), 1),
+                     **_band_columns(r)})
     for stack in [s for s in STACKS if s in sizes]:
         if len(sizes[stack]) == len(PAPER_ORDER):
             ours = tuple(sorted(sizes[stack], key=lambda k: sizes[stack][k]))
@@ -105,6 +147,32 @@ def summarize(records) -> list[dict]:
                          "y_name": "order_matches_paper", "y_value": float(ours == PAPER_ORDER),
                          "unit": "bool", "kind": "simulated", "stack": stack})
     return rows
+
+
+def _band_columns(r) -> dict:
+    """The bracket's ends (B params, layers) and the flip band of the judged point."""
+    m, out = r.metrics, {}
+    for end in ("low", "high"):
+        if f"params_B_outside_{end}" in m:
+            out[f"B_outside_{end}"] = round(m[f"params_B_outside_{end}"], 2)
+            out[f"n_layer_outside_{end}"] = m[f"n_layer_outside_{end}"]
+            out[f"flip_layers_outside_{end}"] = "-".join(map(str, m[f"flip_band_outside_{end}"]))
+    if "flip_band" in m:
+        lo, hi = m["flip_band"]
+        out["flip_layers"] = f"{lo}-{hi}"
+        out["flip_B_low"] = round(_b(r, lo), 2)
+    if "outside_point" in m:
+        out["outside_point"] = m["outside_point"]
+        out["capacity_GiB"] = round(m["capacity_bytes"] / 2**30, 3)
+    return out
+
+
+def _b(r, n: int) -> float:
+    """B params of depth ``n`` at the record's hidden size (scaled from the answer's count)."""
+    m = r.metrics
+    h = r.params["hidden"]
+    per_layer = 12 * h * h + 13 * h  # one GPT-2 block (flops.param_count)
+    return (m["max_params"] - per_layer * (m["max_n_layer"] - n)) / 1e9
 
 
 def plot(table, out_dir: str) -> list[str]:
@@ -125,10 +193,18 @@ def plot(table, out_dir: str) -> list[str]:
     cats = sorted(set(t["x_value"]))
     x = range(len(cats))
     w = 0.27
+    cap = {}
+    if "capacity_GiB" in sim:
+        for stack in ("paper2020", "modern"):
+            c = sim[sim["stack"] == stack]["capacity_GiB"].dropna()
+            cap[stack] = f"{float(c.iloc[0]):.2f} GiB" if len(c) else "?"
     style = {"paper2020": dict(color="C3", label="simulated: paper2020 stack (DeepSpeed 0.2 + "
-                                                "2019 Megatron-LM), dry run judged at 32 GB"),
-             "modern": dict(color="C0", label="simulated: modern stack (this runtime), dry run "
-                                             "judged at 32 GB")}
+                                                "2019 Megatron-LM), allocator judged at "
+                                                f"{cap.get('paper2020', '?')} (V100 31.75 GiB "
+                                                "less the bracket's mid point outside it)"),
+             "modern": dict(color="C0", label="simulated: modern stack (this runtime), "
+                                             f"allocator judged at {cap.get('modern', '?')} "
+                                             "(outside bytes not modelled)")}
     fig, ax = plt.subplots(figsize=(8.0, 5.6))
     pv = [float(paper["y_value"].get(c, float("nan"))) for c in cats]
     ax.bar([i - w for i in x], pv, w, color="white", edgecolor="0.3", hatch="///",
@@ -142,6 +218,18 @@ def plot(table, out_dir: str) -> list[str]:
         tops += ov
         bars = ax.bar([i + k * w for i in x], ov, w, **style[stack])
         for c, b in zip(cats, bars):
+            xc = b.get_x() + b.get_width() / 2
+            lo_b = ours["B_outside_high"].get(c) if "B_outside_high" in ours else None
+            hi_b = ours["B_outside_low"].get(c) if "B_outside_low" in ours else None
+            if lo_b is not None and pd.notna(lo_b) and pd.notna(hi_b):
+                ax.plot([xc, xc], [float(lo_b), float(hi_b)], color="black", lw=1.1)
+                ax.plot([xc - w / 5, xc + w / 5], [float(lo_b)] * 2, color="black", lw=1.1)
+                ax.plot([xc - w / 5, xc + w / 5], [float(hi_b)] * 2, color="black", lw=1.1)
+                tops.append(float(hi_b))
+            fb = ours["flip_B_low"].get(c) if "flip_B_low" in ours else None
+            if fb is not None and pd.notna(fb) and float(fb) < b.get_height():
+                ax.bar(xc, b.get_height() - float(fb), w, bottom=float(fb), color="none",
+                       edgecolor="white", hatch="xxx", lw=0)
             err = ours["rel_error_vs_paper"].get(c) if "rel_error_vs_paper" in ours else None
             if err is not None and pd.notna(err):
                 ax.annotate(f"{100 * float(err):+.0f}%", (b.get_x() + b.get_width() / 2,
@@ -171,8 +259,11 @@ def plot(table, out_dir: str) -> list[str]:
     ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
               frameon=False)
     caption = ("Bars: percentage = error vs the paper; \"N L\" = number of layers of the "
-               "largest model that fits (hidden size and heads of the Table 7 row).\n"
-               "Simulated order: " + "; ".join(notes))
+               "largest model that fits (hidden size and heads of the Table 7 row). Whiskers: the "
+               "answer when the CUDA context + NCCL outside the allocator\nare at the high end "
+               "(bottom) or the low end (top) of their sourced bracket (0.37..2.23 GiB). Cross-"
+               "hatched top of a bar: depths judged not to fit below the answer (fragmentation: "
+               "the verdict flips with depth).\nSimulated order: " + "; ".join(notes))
     fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=7, wrap=True)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out_dir, 'fig6_max_model', dpi=150)

@@ -126,6 +126,36 @@ def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch):
             assert abs(cats[cat] - nbytes) <= 64, (what, cat, cats[cat], nbytes)
 
 
+def test_stage3_live_peak_grows_by_the_shards_only():
+    """Stage 3 at 400 GPUs, MP 16, h 8192: from 8 to 16 layers the training live peak grows by
+    exactly the added model states (16Ψ/(N_d·MP) of the 8 layers) and checkpoints; gathered
+    units are released (before: it grew like stage 2's full fp16 parameters, 0.91 -> 1.75 GB)."""
+    r8, r16 = (dry_run(paper_cfg(n, "c4", stage=3, batch=1), keep_trace=False) for n in (8, 16))
+    grown = r16.live_peak_by_iteration[1] - r8.live_peak_by_iteration[1]
+    assert grown == (r16.model_state_bytes - r8.model_state_bytes
+                     + r16.ledger["ckpt_device"] - r8.ledger["ckpt_device"])
+    assert r16.ledger["params_gathered"] == r8.ledger["params_gathered"]
+
+
+@pytest.mark.slow
+def test_1t_stage3_on_1024_gpus_peak_is_its_itemised_parts():
+    """1T parameters (128 x 25600, 160 heads), 1024 GPUs (MP 16 x N_d 64), stage 3 + C4, batch 1:
+    the training live peak is 16Ψ/(N_d·MP) (15.76 GB) plus what the ledger itemises -- the
+    gathered units (root + the block computed + one prefetched), the checkpoints -- plus at
+    most the unit-sized gradient buffers of the reductions in flight (ledger comm_buffers) and
+    one block's fp16 parameters' worth of working memory. Measured: 22.36 GB (~80 s)."""
+    ov = paper_overrides(128, 25600, 160, 1024, 16, 1, "c4")
+    ov["zero.stage"] = 3
+    r = dry_run(apply_overrides(C.Config(), {**ov, **PAPER_BUCKETS}), keep_trace=False)
+    psi_total = r.psi * 16  # this TP rank's parameters x MP
+    assert r.model_state_bytes == model_state_bytes(r.psi_padded, 3, 64)
+    assert abs(r.model_state_bytes - 16 * psi_total / 1024) < 1e-3 * r.model_state_bytes
+    floor = r.model_state_bytes + r.ledger["params_gathered"] + r.ledger["ckpt_device"]
+    block = 12 * 25600 * 25600 // 16 * 2
+    peak = r.live_peak_by_iteration[1]
+    assert floor <= peak <= floor + r.ledger["comm_buffers"] + block
+
+
 def test_trace_phases_and_item_values():
     res = dry_run(tiny_cfg(4, 2, 2, "c4"), iterations=2)
     phases = {e[3] for e in res.trace}

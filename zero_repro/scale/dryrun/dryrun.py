@@ -95,6 +95,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zero_repro import config as C
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, PAPER_CLUSTER, cluster_overrides
 from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.overrides import setup_overrides as paper_setup_overrides
@@ -241,10 +242,11 @@ def judges_with_build(stack: S.Stack, cfg: C.Config) -> bool:
 
 
 def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
-    """Bytes the caching allocator may use: the cluster's device memory (GB = 1e9 B) less
-    what ``stack`` puts outside the allocator (CUDA context, NCCL); None when unbounded."""
-    dev = cfg.cluster.device_memory_gb * 1e9
-    return stack.capacity_bytes(dev) if dev > 0 else None
+    """Bytes the caching allocator may use: the cluster's device memory as the device reports
+    it (``scale.hardware.device_bytes``) less what ``stack`` puts outside the allocator (CUDA
+    context, NCCL) at ``simulate.outside_point`` of its bracket; None when unbounded."""
+    dev = device_bytes(cfg.cluster)
+    return stack.capacity_bytes(dev, cfg.simulate.outside_point) if dev > 0 else None
 
 
 BACKENDS = ("meta", "meta_uncached", "fake")
@@ -258,8 +260,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
     runtime, paper2020 = the 2020 stack, ``simulate.stack``).
-    ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
-    ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
+    ``allocator_capacity``: device bytes for the allocator replay (default: ``capacity_for``,
+    the device as it reports itself less the stack's bytes outside the allocator; unbounded
+    when the cluster has no device size);
     an allocation the replay cannot place even after releasing cached segments is reported as
     ``allocator["oom"]``.
     ``backend``: ``meta`` (tensors on the meta device, the tracer's output cache),
