@@ -164,7 +164,7 @@ def plot(table, out_dir: str) -> list[str]:
                                "M_D off" in s))
     cats = sorted(set(cached["x_value"]))
     w = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(8.4, 5.8))
+    fig, ax = plt.subplots(figsize=(9.6, 6.6))
     colour = {"40B": "C0", "100B": "C1"}
     for k, s in enumerate(series):
         size, stack = s.split(",")[0].split()[0], s.split(", ")[-1]
@@ -209,8 +209,8 @@ def plot(table, out_dir: str) -> list[str]:
                Patch(color="C3", alpha=0.12,
                      label=f"paper2020 allocator's share: device less {lo_o:.2f}..{hi_o:.2f} "
                            "GiB (CUDA context + NCCL, sourced bracket)")]
-    ax.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13),
-              ncol=2, frameon=False)
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.11),
+              ncol=1, frameon=False)
     ax.set_xticks(range(len(cats)), cats)
     ax.set_xlabel("ZeRO configuration (paper Table 3)")
     ax.set_ylabel("Max cached memory per GPU (GiB = 2^30 bytes)")
@@ -224,6 +224,6 @@ def plot(table, out_dir: str) -> list[str]:
              "the paper ran 100B only under C4 and C5 (Table 8).", ha="center", va="bottom",
              fontsize=6.8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     paths = save_figure(fig, out_dir, 'fig7_cached_memory', dpi=150)
     return paths

@@ -170,7 +170,7 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["figure"] == FIGURE]
     series = list(dict.fromkeys(t["series"]))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.5, 6.2), gridspec_kw={"width_ratios": [1, 1.3]})
     cats = [c for c in ROWS if (t[t["x_value"] == c]["y_value"] > 0).any()]
     cmap = plt.get_cmap("tab20")
     for i, s in enumerate(series):
@@ -203,7 +203,7 @@ def plot(table, out_dir: str) -> list[str]:
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+              bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax.set_ylim(0, 36)
     sw = table[table["figure"] == f"{FIGURE}_switches"]
     names = list(dict.fromkeys(sw["x_value"]))
@@ -235,7 +235,7 @@ def plot(table, out_dir: str) -> list[str]:
     bx.invert_yaxis()
     bx.axvline(0, color="0.3", lw=0.8)
     bx.set_xlabel("Change of max cached memory at 40B C4 (GiB)")
-    bx.set_title("Cost of each paper2020 switch at 40B C4 (CUDA context: capacity, not cache)",
+    bx.set_title("Cost of each paper2020 switch at 40B C4\n(outside_allocator: capacity, not cache)",
                  fontsize=9)
     bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1,
               frameon=False)

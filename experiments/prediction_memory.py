@@ -143,6 +143,12 @@ def summarize(records) -> list[dict]:
     return rows
 
 
+def _dedup(label: str) -> str:
+    """'1.5B ZeRO ZeRO' (setup + series) -> '1.5B ZeRO'."""
+    words = str(label).split()
+    return " ".join(words[:-1]) if len(words) > 1 and words[-1] == words[-2] else str(label)
+
+
 def plot(table, out_dir: str) -> list[str]:
     """Per paper run: the allocator capacity it needs (GiB, bars; paper2020 and modern), its max
     cached at the judged capacity (tick), the device as it reports itself (dashed) and the
@@ -156,7 +162,7 @@ def plot(table, out_dir: str) -> list[str]:
     if "needs_GiB" not in t:
         return []
     t = t[t["needs_GiB"].notna()]
-    t["label"] = [f"{r['paper_figure']} {r['x_value']} b{int(r['batch_per_gpu'])}"
+    t["label"] = [f"{r['paper_figure']} {_dedup(r['x_value'])} b{int(r['batch_per_gpu'])}"
                   for _, r in t.iterrows()]
     labels = list(dict.fromkeys(t["label"]))
     fig, ax = plt.subplots(figsize=(9.0, 0.26 * len(labels) + 2.6))
@@ -187,7 +193,7 @@ def plot(table, out_dir: str) -> list[str]:
     ax.set_xlabel("Allocator capacity a paper run needs at its paper batch (GiB = 2^30 B; dry "
                   "run, steady state)")
     ax.set_title("Every run the paper reports: does it fit a V100-32GB? (simulated)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(len(labels), 1) * 10),
-              ncol=1, frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.035), ncol=1,
+              frameon=False)
     fig.tight_layout()
     return save_figure(fig, out_dir, "prediction_memory", dpi=150)

@@ -31,6 +31,7 @@ and the first that does not, run in parallel on 2 cores): 2-50 s each, ~3 min fo
 from __future__ import annotations
 
 import itertools
+import textwrap
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
@@ -115,13 +116,13 @@ def _paper() -> dict:
 
 NOTE = ("Theoretical: model states only, Psi = 32e9 B (GB = 1e9, as the paper computes) / bytes "
         "per parameter x MP. Dry run ('measured' here = the largest depth whose dry run fits, not "
-        "a GPU measurement): hidden 4096/32 heads at MP <= 2, 8192/64 at MP >= 4 (the paper\n"
+        "a GPU measurement): hidden 4096/32 heads at MP <= 2, 8192/64 at MP >= 4 (the paper "
         "states no shapes), batch 1 per GPU, sequence 1024, vocabulary 50257, judged at the "
         "V100's 31.75 GiB less the bytes outside the allocator (bars: the sourced bracket's "
-        "low .. high end). paper2020 P_os sits ~25-30% under the paper: its stage 1 "
-        "(DeepSpeed\nzero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's "
+        "low .. high end). paper2020 P_os sits 20-23% under the paper: its stage 1 "
+        "(DeepSpeed zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's "
         "gradient sub-partitions (2 Psi) before its reduce-scatter; the 'initial implementation "
-        "that used a global collective (all-reduce)' (DeepSpeed post of 2020-03-17;\nv0.1 "
+        "that used a global collective (all-reduce)' (DeepSpeed post of 2020-03-17; v0.1 "
         "ec79b239: 5e8-element all-reduce buckets) holds no such copy. Which one measured Table 2 "
         "is not public: the gap is left visible (results/table2_max_model/notes.md).")
 
@@ -210,7 +211,8 @@ def plot(table, out_dir: str) -> list[str]:
     ax.set_xlabel("MP (GPUs), N_d = 64")
     ax.set_ylabel("Max model size (B parameters)")
     ax.set_title("Table 2: max model size on 32 GB V100s (N_d = 64)", fontsize=10)
-    fig.text(0.5, 0.005, NOTE, ha="center", va="bottom", fontsize=6.3, wrap=True)
+    fig.text(0.5, 0.005, "\n".join(textwrap.wrap(NOTE, 160)), ha="center", va="bottom",
+             fontsize=6.3)
     ax.grid(True, which="both", alpha=0.25)
     # below the axes: inside, it covered the Pos+g+p points at MP 1-4
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,

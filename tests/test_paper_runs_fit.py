@@ -97,3 +97,28 @@ def test_committed_needs_are_what_the_dry_run_says(fig, label):
     r = dry_run(apply_overrides(C.Config(), ov))
     row = _table()[(fig, label, s.batch_per_gpu)]
     assert abs(r.min_capacity() / GIB - float(row["needs_GiB"])) < 0.01
+
+
+def test_outside_bracket_is_its_sourced_parts():
+    from zero_repro.scale.dryrun.stack import outside as O
+
+    assert O.NCCL_CONNECTION_BYTES == 4 * 2**20 + 256 * 2**10 + 4096  # NCCL 2.4.8 ncclRecvMem
+    parts = {p.name: p for p in O.PAPER2020}
+    assert set(parts) == {"cuda_context", "nccl_buffers"}
+    assert (parts["cuda_context"].low, parts["cuda_context"].high) == (300 * 2**20, 1005 * 2**20)
+    assert (O.NCCL_LOW, O.NCCL_HIGH) == (18, 300)
+    lo, hi = O.bracket("paper2020")
+    assert (lo, hi) == (sum(p.low for p in O.PAPER2020), sum(p.high for p in O.PAPER2020))
+    assert O.at("paper2020", "mid") == (lo + hi) // 2 and O.bracket("none") == (0, 0)
+    for bad in (lambda: O.at("paper2020", "middle"), lambda: O.bracket("paper2019")):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_fig6_flip_band_reads_the_judged_depths():
+    from experiments.fig6_max_model import flip_band
+
+    j = [{"n_layer": n, "fits": f} for n, f in ((50, True), (54, False), (55, True),
+                                                 (59, True), (60, False), (61, False))]
+    assert flip_band(j, 59) == (54, 59)  # 54 does not fit below the answer
+    assert flip_band(j[:1] + j[-2:], 50) == (50, 50)  # monotone: no band
