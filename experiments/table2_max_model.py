@@ -118,8 +118,9 @@ NOTE = ("Theoretical: model states only, Psi = 32e9 B (GB = 1e9, as the paper co
         "per parameter x MP. Dry run ('measured' here = the largest depth whose dry run fits, not "
         "a GPU measurement): hidden 4096/32 heads at MP <= 2, 8192/64 at MP >= 4 (the paper "
         "states no shapes), batch 1 per GPU, sequence 1024, vocabulary 50257, judged at the "
-        "V100's 31.75 GiB less the bytes outside the allocator (bars: the sourced bracket's "
-        "low .. high end). paper2020 P_os sits 20-23% under the paper: its stage 1 "
+        "V100's 31.75 GiB less the bytes outside the allocator (GiB = 2^30 B; bars and the "
+        "small numbers beside the paper2020 points: the answers, B params, at the sourced bracket's "
+        "high .. low end, 0.37..2.23 GiB). paper2020 P_os sits 20-23% under the paper: its stage 1 "
         "(DeepSpeed zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's "
         "gradient sub-partitions (2 Psi) before its reduce-scatter; the 'initial implementation "
         "that used a global collective (all-reduce)' (DeepSpeed post of 2020-03-17; v0.1 "
@@ -195,9 +196,19 @@ def plot(table, out_dir: str) -> list[str]:
                             label=f"{name}: dry run, {stack} stack [simulated]")
                     if "B_outside_high" in ms and ms["B_outside_high"].notna().any():
                         for _, q in ms.iterrows():  # the outside-allocator bracket's two ends
-                            ax.plot([int(q["x_value"])] * 2, [float(q["B_outside_high"]),
-                                    float(q["B_outside_low"])], color=c, lw=2.2, alpha=0.6,
-                                    zorder=5)
+                            lo_b, hi_b = sorted((float(q["B_outside_high"]),
+                                                 float(q["B_outside_low"])))
+                            ax.plot([int(q["x_value"])] * 2, [lo_b, hi_b], color=c, lw=2.2,
+                                    alpha=0.6, zorder=5)
+                            # a few percent: narrower than the marker on a log axis, so written
+                            below = stage != 0  # the baseline's own lines run just below it
+                            ax.annotate(f"{lo_b:.3g}..{hi_b:.3g}",
+                                        (int(q["x_value"]), lo_b if below else hi_b),
+                                        xytext=(0, -9) if below else (-7, 5),
+                                        textcoords="offset points",
+                                        ha="center" if below else "right",
+                                        va="top" if below else "bottom", fontsize=5.8,
+                                        color=c)
             pm = sorted((mp, v / 1e9) for (s, mp), (_, v) in paper.items()
                         if s == MEASURED[stage])
             if pm:
