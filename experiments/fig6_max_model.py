@@ -19,12 +19,18 @@ findings: ``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import maxsize
 from zero_repro.scale.dryrun.dryrun import setup_overrides
+from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.hardware import device_bytes
+from zero_repro.runtime.model import flops
 
 FIGURE = "fig6"
 PAPER_FIGURE = "fig6"
@@ -67,13 +73,48 @@ def plan(cfg) -> list[Point]:
     return pts
 
 
+def _params(cfg, n: int) -> int:
+    return flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
+
+
+def flip_band(judgements: list[dict], answer: int) -> tuple[int, int]:
+    """(lowest depth judged NOT to fit, highest judged to fit) among one search's judgements,
+    when a depth at or below the answer was judged not to fit (the verdict flips with depth:
+    fragmentation near the top); else (answer, answer)."""
+    fails = [j["n_layer"] for j in judgements if not j["fits"] and j["n_layer"] <= answer]
+    return (min(fails), answer) if fails else (answer, answer)
+
+
 def run_point(cfg, point: Point) -> dict:
-    r = maxsize.max_layers(cfg, iterations=int(point.params.get("iterations", 2)))
-    return {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
-            "capacity_bytes": r.capacity, "seed": r.seed, "seed_from": r.seed_from,
-            "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
-            "search_s": r.seconds, "dry_run_backend": r.backend,
-            "judgements": [vars(j) for j in r.judgements]}
+    its = int(point.params.get("iterations", 2))
+    t0 = time.perf_counter()
+    r = maxsize.max_layers(cfg, iterations=its)
+    out = {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
+           "capacity_bytes": r.capacity, "outside_point": cfg.simulate.outside_point,
+           "device_bytes": device_bytes(cfg.cluster),
+           "seed": r.seed, "seed_from": r.seed_from,
+           "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
+           "search_s": r.seconds, "dry_run_backend": r.backend,
+           "judgements": [vars(j) for j in r.judgements]}
+    out["flip_band"] = flip_band(out["judgements"], r.n_layer)
+    # the same search at both ends of the outside-allocator bracket (dry runs shared in this
+    # process): the depths the unsourced part of the capacity leaves open
+    lo, hi = S.get(point.params.get("stack", "modern")).outside_bracket()
+    ends = {}
+    for end in ("low", "high") if hi > lo else ():
+        if end == cfg.simulate.outside_point:
+            ends[end] = (r.n_layer, out["flip_band"], r.capacity)
+            continue
+        e = maxsize.max_layers(cfg, capacity=maxsize.capacity_of(cfg, end), iterations=its)
+        ends[end] = (e.n_layer, flip_band([vars(j) for j in e.judgements], e.n_layer),
+                     e.capacity)
+    for end, (n, band, cap) in ends.items():
+        out[f"n_layer_outside_{end}"] = n
+        out[f"params_B_outside_{end}"] = _params(cfg, n) / 1e9
+        out[f"flip_band_outside_{end}"] = band
+        out[f"capacity_outside_{end}"] = cap
+    out["total_s"] = time.perf_counter() - t0
+    return out
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
@@ -89,7 +130,8 @@ def summarize(records) -> list[dict]:
                      "y_value": round(r.metrics["max_params_B"], 2), "unit": "B params",
                      "kind": "simulated", "stack": stack,
                      "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"],
-                     "search_s": round(r.metrics.get("search_s", 0.0), 1)})
+                     "search_s": round(r.metrics.get("search_s", 0.0), 1),
+                     **_band_columns(r)})
     for stack in [s for s in STACKS if s in sizes]:
         if len(sizes[stack]) == len(PAPER_ORDER):
             ours = tuple(sorted(sizes[stack], key=lambda k: sizes[stack][k]))
@@ -101,17 +143,49 @@ def summarize(records) -> list[dict]:
     return rows
 
 
+def _band_columns(r) -> dict:
+    """The bracket's ends (B params, layers) and the flip band of the judged point."""
+    m, out = r.metrics, {}
+    for end in ("low", "high"):
+        if f"params_B_outside_{end}" in m:
+            out[f"B_outside_{end}"] = round(m[f"params_B_outside_{end}"], 2)
+            out[f"n_layer_outside_{end}"] = m[f"n_layer_outside_{end}"]
+            out[f"flip_layers_outside_{end}"] = "-".join(map(str, m[f"flip_band_outside_{end}"]))
+    if "flip_band" in m:
+        lo, hi = m["flip_band"]
+        out["flip_layers"] = f"{lo}-{hi}"
+        out["flip_B_low"] = round(_b(r, lo), 2)
+    if "outside_point" in m:
+        out["outside_point"] = m["outside_point"]
+        out["capacity_GiB"] = round(m["capacity_bytes"] / 2**30, 3)
+    return out
+
+
+def _b(r, n: int) -> float:
+    """B params of depth ``n`` at the record's hidden size (scaled from the answer's count)."""
+    m = r.metrics
+    h = r.params["hidden"]
+    per_layer = 12 * h * h + 13 * h  # one GPT-2 block (flops.param_count)
+    return (m["max_params"] - per_layer * (m["max_n_layer"] - n)) / 1e9
+
+
 def plot(table, out_dir: str) -> list[str]:
     """The paper's Figure 6 layout: per configuration C1..C5 the paper's max model size
     (hatched), the paper2020-stack dry run and the modern-stack dry run (B parameters); the
     relative error vs the paper above each simulated bar, the searched depth ("60 L" = 60
-    layers at the Table 7 hidden size) inside it; legend and caption below the axes."""
+    layers at the Table 7 hidden size) inside it; the answers at the two ends of the
+    outside-allocator bracket as markers joined by a line; the band of depths where the verdict
+    flips as a cross-hatched cap; legend and caption below the axes."""
+
+    import textwrap
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_model_size")]
     paper = t[t["kind"] == "paper"].set_index("x_value")
@@ -119,15 +193,28 @@ def plot(table, out_dir: str) -> list[str]:
     cats = sorted(set(t["x_value"]))
     x = range(len(cats))
     w = 0.27
-    style = {"paper2020": dict(color="C3", label="simulated: paper2020 stack (DeepSpeed 0.2 + "
-                                                "2019 Megatron-LM), dry run judged at 32 GB"),
-             "modern": dict(color="C0", label="simulated: modern stack (this runtime), dry run "
-                                             "judged at 32 GB")}
-    fig, ax = plt.subplots(figsize=(8.0, 5.6))
+    cap = {}
+    if "capacity_GiB" in sim:
+        for stack in ("paper2020", "modern"):
+            c = sim[sim["stack"] == stack]["capacity_GiB"].dropna()
+            cap[stack] = f"{float(c.iloc[0]):.2f} GiB" if len(c) else "?"
+    style = {"paper2020": dict(color="C3", label="simulated, paper2020 stack (DeepSpeed 0.2 + "
+                                                "2019 Megatron-LM): allocator judged at "
+                                                f"{cap.get('paper2020', '?')}"),
+             "modern": dict(color="C0", label="simulated, modern stack (this runtime): "
+                                             f"allocator judged at {cap.get('modern', '?')}")}
+    fig = plt.figure(figsize=(9.0, 7.2))
+    ax = fig.add_axes((0.08, 0.40, 0.90, 0.54))
     pv = [float(paper["y_value"].get(c, float("nan"))) for c in cats]
     ax.bar([i - w for i in x], pv, w, color="white", edgecolor="0.3", hatch="///",
            label="paper, Figure 6 (measured on 400 V100-32GB)")
     tops = list(pv)
+    has_band = has_flip = False
+
+    def col(df, name, c):
+        v = df[name].get(c) if name in df else None
+        return float(v) if v is not None and pd.notna(v) else None
+
     for k, stack in enumerate(("paper2020", "modern")):
         ours = sim[sim["stack"] == stack].set_index("x_value") if "stack" in sim else sim[:0]
         if not len(ours):
@@ -136,21 +223,38 @@ def plot(table, out_dir: str) -> list[str]:
         tops += ov
         bars = ax.bar([i + k * w for i in x], ov, w, **style[stack])
         for c, b in zip(cats, bars):
-            err = ours["rel_error_vs_paper"].get(c) if "rel_error_vs_paper" in ours else None
-            if err is not None and pd.notna(err):
-                ax.annotate(f"{100 * float(err):+.0f}%", (b.get_x() + b.get_width() / 2,
-                                                         b.get_height()),
-                            ha="center", va="bottom", fontsize=7.5, xytext=(0, 2),
-                            textcoords="offset points")
-            n = ours["n_layer"].get(c) if "n_layer" in ours else None
-            if n is not None and pd.notna(n):
-                ax.annotate(f"{int(n)} L", (b.get_x() + b.get_width() / 2, 0), ha="center",
-                            va="bottom", fontsize=6.5, color="white", xytext=(0, 3),
-                            textcoords="offset points", rotation=90)
+            xc = b.get_x() + b.get_width() / 2
+            top = b.get_height()
+            at_high, at_low = col(ours, "B_outside_high", c), col(ours, "B_outside_low", c)
+            if at_high is not None and at_low is not None:
+                has_band = True
+                ax.plot([xc, xc], [min(at_high, at_low, top), max(at_high, at_low, top)],
+                        color="black", lw=1.0, zorder=3)
+                ax.plot([xc], [at_high], marker="v", color="black", ms=5, zorder=4)
+                ax.plot([xc], [at_low], marker="^", color="black", ms=5, zorder=4)
+                top = max(top, at_high, at_low)
+            tops.append(top)
+            fb = col(ours, "flip_B_low", c)
+            if fb is not None and fb < b.get_height():
+                has_flip = True
+                ax.bar(xc, b.get_height() - fb, w, bottom=fb, color="none", edgecolor="black",
+                       hatch="xxxx", lw=0.6, zorder=2)
+            err = col(ours, "rel_error_vs_paper", c)
+            if err is not None:
+                ax.annotate(f"{100 * err:+.0f}%", (xc, top), ha="center", va="bottom",
+                            fontsize=7.5, xytext=(0, 4), textcoords="offset points")
+            n = col(ours, "n_layer", c)
+            flips = ours["flip_layers"].get(c) if "flip_layers" in ours else None
+            if n is not None:
+                band = (f" (flips {flips})" if isinstance(flips, str)
+                        and flips != f"{int(n)}-{int(n)}" else "")
+                ax.annotate(f"{int(n)} L{band}", (xc, 0), ha="center", va="bottom", fontsize=6.5,
+                            color="white", xytext=(0, 3), textcoords="offset points",
+                            rotation=90)
     ax.set_xticks(list(x), cats)
     ax.set_xlabel("ZeRO configuration (paper Table 3: C1-C2 P_os, C3-C5 P_os+g; "
                   "C2, C4 + P_a; C5 + P_a+cpu)", fontsize=8.5)
-    ax.set_ylabel("Largest trainable model (billions of parameters)")
+    ax.set_ylabel("Largest trainable model (B parameters, B = 1e9)")
     top = max(v for v in tops if v == v)
     ax.set_ylim(0, top * 1.15)
     order = table[table["figure"] == f"{FIGURE}_order"]
@@ -158,16 +262,32 @@ def plot(table, out_dir: str) -> list[str]:
     for r in order.itertuples():
         same = float(r.y_value) == 1.0
         notes.append(f"{getattr(r, 'stack', '')}: {r.x_value} "
-                     f"({'same as' if same else 'differs from'} the paper's C1 < C3 < C2 < C4 < C5)")
+                     f"({'same as' if same else 'differs from'} the paper's)")
     ax.set_title("Figure 6: largest model per ZeRO configuration, 400 V100-32GB, MP 16, "
                  "batch 16 per GPU", fontsize=9.5)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
-              frameon=False)
-    caption = ("Bars: percentage = error vs the paper; \"N L\" = number of layers of the "
-               "largest model that fits (hidden size and heads of the Table 7 row).\n"
-               "Simulated order: " + "; ".join(notes))
-    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    handles, _ = ax.get_legend_handles_labels()
+    if has_band:
+        handles += [Line2D([], [], marker="v", color="black", lw=0, ms=5,
+                           label="answer with the outside-allocator bytes at the bracket's high "
+                                 "end (least capacity)"),
+                    Line2D([], [], marker="^", color="black", lw=0, ms=5,
+                           label="answer at the bracket's low end (most capacity)")]
+    if has_flip:
+        handles.append(Patch(facecolor="none", edgecolor="black", hatch="xxxx", lw=0.6,
+                             label="verdict flips with depth: from the lowest depth judged not "
+                                   "to fit to the answer (\"flips 62-64\": layers)"))
+    fig.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, 0.31),
+               ncol=1, frameon=False)
+    caption = (
+        "Units: model size in B parameters (1e9); memory in GiB (2^30 B). \"N L\" = layers of "
+        "the largest model that fits, at the hidden size and heads of its Table 7 row; percent = "
+        "error vs the paper. Allocator capacity = the V100-SXM3-32GB as it reports itself "
+        "(32510 MiB = 31.75 GiB) less the bytes outside the caching allocator: paper2020 at the "
+        "middle of their sourced bracket (CUDA context + NCCL 2.4.8 buffers, 0.37..2.23 GiB), "
+        "modern none. The verdict is not monotone in depth or in capacity (the replayed "
+        "allocator is path-dependent): an end of the bracket can sit below the bar. Simulated "
+        "order: " + "; ".join(notes) + ".")
+    fig.text(0.5, 0.01, textwrap.fill(caption, 150), ha="center", va="bottom", fontsize=7)
     paths = save_figure(fig, out_dir, 'fig6_max_model', dpi=150)
     return paths

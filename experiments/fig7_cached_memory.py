@@ -2,10 +2,13 @@
 40B = 50 x 8192, 32 heads, batch 16/GPU under C1-C5; 100B = 125 x 8192, 64 heads, batch 32/GPU
 under C4 and C5).
 
-simulated (prediction; the paper's values are withheld, nothing is fitted): one dry run of the
-real runtime per setup (rank 0 of a fake 400-rank group), its trace replayed through the
-caching-allocator model (``zero_repro.scale.dryrun.allocator``) with the device's 32 GB:
-``max_cached_memory`` = the peak reserved bytes (PyTorch's ``max_memory_cached`` /
+simulated (a blind prediction: the paper's values are withheld on purpose, REFERENCE.md; nothing is
+fitted): one dry run of the real runtime per setup (rank 0 of a fake 400-rank group), its trace
+replayed through the caching-allocator model (``zero_repro.scale.dryrun.allocator``) with the
+allocator's share of the device: the V100-32GB as it reports itself (31.75 GiB,
+``scale.hardware``) less the stack's bytes outside the allocator at ``simulate.outside_point`` of
+their sourced bracket (``scale.dryrun.stack.outside``), repeated at both ends of the bracket (the
+whiskers). ``max_cached_memory`` = the peak reserved bytes (PyTorch's ``max_memory_cached`` /
 ``max_memory_reserved``, what the paper plots); also peak allocated, the exact live peak,
 fragmentation and the ledger. ``c4_to_c5`` rows check the paper's §10.5 statement (no decrease
 from C4 to C5 at 40B, a decrease at 100B).
@@ -26,10 +29,13 @@ import dataclasses
 
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
+from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.hardware import device_bytes, load_cluster
 
 FIGURE = "fig7"
 GB = 1e9
 GIB = 2**30
+DEVICE_GIB = device_bytes(load_cluster("dgx2_v100")) / GIB
 STACKS = ("paper2020", "modern")
 
 
@@ -66,9 +72,17 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=False)
+    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=True)
     a = r.allocator
+    stack = S.get(point.params.get("stack", "modern"))
+    ends = {}
+    for end in ("low", "high"):
+        cap = stack.capacity_bytes(device_bytes(cfg.cluster), end)
+        e = a if cap == r.capacity else r.replay(cap)
+        ends[f"outside_{end}"] = {"capacity_bytes": cap, "max_cached_memory_GB":
+                                  e["peak_reserved"] / GB, "oom": bool(e["oom"])}
     return {"metrics": {"max_cached_memory_GB": a["peak_reserved"] / GB,
+                        "outside_point": cfg.simulate.outside_point, "bracket_ends": ends,
                         "peak_allocated_GB": a["peak_allocated"] / GB,
                         "live_peak_GB": max(r.live_peak_by_iteration.values()) / GB,
                         "live_peak_steady_GB": r.live_peak_steady / GB,
@@ -94,14 +108,22 @@ def summarize(records) -> list[dict]:
         series = (f"{r.params['model']}" + ("" if r.params.get("m_d", True) else " M_D off")
                   + f", {stack}")
         cached[(series, r.params["zero_config"])] = m["max_cached_memory_GB"] * GB / GIB
+        ends = m.get("bracket_ends", {})
+        band = {f"{y}_outside_{e}": ends[f"outside_{e}"][k]
+                for e in ("low", "high") if f"outside_{e}" in ends
+                for y, k in (("cached_GiB", "max_cached_memory_GB"), ("oom", "oom"))}
+        for k in [k for k in band if k.startswith("cached_GiB")]:
+            band[k] = round(band[k] * GB / GIB, 3)
         for y, key in (("max_cached_memory", "max_cached_memory_GB"),
                        ("peak_allocated", "peak_allocated_GB")):
             rows.append({"figure": FIGURE, "series": series, "x_name": "zero_config",
                          "x_value": r.params["zero_config"], "y_name": y,
                          "y_value": round(m[key] * GB / GIB, 3), "unit": "GiB",
                          "kind": "simulated", "stack": stack, "model": r.params["model"],
-                         "oom_at_32GB": m["oom"], "fragmentation": round(m["fragmentation"], 4),
-                         "value_GB_1e9": round(m[key], 3)})
+                         "oom_judged": m["oom"], "fragmentation": round(m["fragmentation"], 4),
+                         "outside_point": m.get("outside_point", ""),
+                         "capacity_GiB": round(m["capacity_bytes"] / GIB, 3),
+                         "value_GB_1e9": round(m[key], 3), **band})
     for series in dict.fromkeys(s for s, _ in cached):
         c4, c5 = cached.get((series, "C4")), cached.get((series, "C5"))
         if c4 is not None and c5 is not None:
@@ -134,7 +156,7 @@ def plot(table, out_dir: str) -> list[str]:
                                "M_D off" in s))
     cats = sorted(set(cached["x_value"]))
     w = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(8.4, 5.8))
+    fig, ax = plt.subplots(figsize=(9.6, 6.6))
     colour = {"40B": "C0", "100B": "C1"}
     for k, s in enumerate(series):
         size, stack = s.split(",")[0].split()[0], s.split(", ")[-1]
@@ -147,43 +169,53 @@ def plot(table, out_dir: str) -> list[str]:
                             fontsize=6, color="0.45")
                 continue
             y = float(row["y_value"].iloc[0])
-            oom = bool(row["oom_at_32GB"].iloc[0]) if "oom_at_32GB" in row else False
+            oom = bool(row["oom_judged"].iloc[0]) if "oom_judged" in row else False
             ax.bar(x, y, w, color=colour.get(size, "C2"), alpha=1.0 if stack != "modern"
                    else 0.45, hatch="//" if stack == "modern" else None,
                    edgecolor="black" if oom else "white", lw=0.6)
             ax.annotate(f"{y:.1f}" + (" OOM" if oom else ""), (x, y), ha="center",
                         va="bottom", fontsize=6.5, xytext=(0, 2), textcoords="offset points",
                         rotation=90)
+            if "cached_GiB_outside_high" in row and row["cached_GiB_outside_high"].notna().all():
+                lo_c = float(row["cached_GiB_outside_high"].iloc[0])
+                hi_c = float(row["cached_GiB_outside_low"].iloc[0])
+                if abs(hi_c - lo_c) > 1e-3:
+                    ax.plot([x, x], [lo_c, hi_c], color="0.2", lw=0.9)
             a = alloc[(alloc["series"] == s) & (alloc["x_value"] == c)]
             if len(a):
                 ax.plot([x - w / 2.5, x + w / 2.5], [float(a["y_value"].iloc[0])] * 2,
                         color="black", lw=1.2)
-    dev = 32e9 / 2**30
+    dev = DEVICE_GIB
+    lo_o, hi_o = (x / GIB for x in S.paper2020().outside_bracket())
     ax.axhline(dev, color="0.4", ls="--", lw=1)
-    ax.axhline(dev - 2.0, color="C3", ls=":", lw=1)
+    ax.axhspan(dev - hi_o, dev - lo_o, color="C3", alpha=0.12)
     handles = [Patch(color="C0", label="40B (50 x 8192, batch 16/GPU), paper2020 stack"),
                Patch(color="C0", alpha=0.45, hatch="//", label="40B, modern stack"),
                Patch(color="C1", label="100B (125 x 8192, batch 32/GPU), paper2020 stack"),
                Patch(color="C1", alpha=0.45, hatch="//", label="100B, modern stack"),
                Line2D([], [], color="black", lw=1.2, label="peak allocated (same run)"),
+               Line2D([], [], color="0.2", lw=0.9, label="max cached with the outside-"
+                      "allocator bracket's low .. high end (where they differ)"),
                Line2D([], [], color="0.4", ls="--", lw=1,
-                      label="V100 device memory, 32 GB = 29.8 GiB"),
-               Line2D([], [], color="C3", ls=":", lw=1,
-                      label="usable by the paper2020 allocator (less 2 GiB CUDA context + NCCL)")]
-    ax.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13),
-              ncol=2, frameon=False)
+                      label=f"V100-32GB as it reports itself: {dev:.2f} GiB"),
+               Patch(color="C3", alpha=0.12,
+                     label=f"paper2020 allocator's share: device less {lo_o:.2f}..{hi_o:.2f} "
+                           "GiB (CUDA context + NCCL, sourced bracket)")]
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.11),
+              ncol=1, frameon=False)
     ax.set_xticks(range(len(cats)), cats)
     ax.set_xlabel("ZeRO configuration (paper Table 3)")
     ax.set_ylabel("Max cached memory per GPU (GiB = 2^30 bytes)")
     ax.set_ylim(0, 36)
     claims = table[table["figure"] == f"{FIGURE}_claims"]
     note = "; ".join(f"{r.series}: {float(r.y_value):+.1f}" for r in claims.itertuples())
-    ax.set_title("Figure 7: max cached memory, 400 V100-32GB, MP 16 (simulated predictions; "
-                 "paper values withheld)", fontsize=9)
+    ax.set_title("Figure 7: max cached memory, 400 V100-32GB, MP 16 (simulated, blind: the "
+                 "paper's values are\nwithheld on purpose by this project until the prediction "
+                 "is judged against them)", fontsize=9)
     fig.text(0.5, 0.01, "C4 -> C5 change (GiB): " + note + "\nEmpty 100B slots at C1-C3: "
              "the paper ran 100B only under C4 and C5 (Table 8).", ha="center", va="bottom",
              fontsize=6.8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     paths = save_figure(fig, out_dir, 'fig7_cached_memory', dpi=150)
     return paths

@@ -7,7 +7,10 @@ breakdown points (``simulated``): one dry run per setup x stack; ``DryRunResult.
 (``zero_repro.scale.dryrun.stack.categories.breakdown``): at the judged replay's reserved peak,
 the live requested bytes per category plus allocator slack and cached-but-free bytes, summing to
 the peak reserved bytes exactly. The CUDA context + NCCL (outside the allocator) is a row of its
-own. switch points: at 40B C4, for every switch of ``zero_repro.scale.dryrun.stack.switches.Stack``,
+own: the low end of its sourced bracket and the rest up to the high end
+(``scale.dryrun.stack.outside``); the device line is the V100-32GB as it reports itself (32510 MiB
+= 31.75 GiB, ``scale.hardware``). switch points: at 40B C4, for every switch of
+``zero_repro.scale.dryrun.stack.switches.Stack``,
 ``modern`` with only that switch (``simulate.only_switches=[s]``) and, with
 ``experiment.params.in_context=true``, ``paper2020`` without it: the peak-reserved change "alone"
 and "in context", in GiB (switches acting only inside another one's path show 0 alone).
@@ -23,16 +26,18 @@ from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
 from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.hardware import device_bytes, load_cluster
 
 FIGURE = "memory_breakdown"
 GIB = 2**30
+DEVICE_GIB = device_bytes(load_cluster("dgx2_v100")) / GIB
 STACKS = ("paper2020", "modern")
 SETUPS = ("40B C4", "100B C5")
 SWITCH_AT = "40B C4"
 ROWS = S.CATEGORIES + ("allocator_slack", "cached_free")
 # switch points of an earlier revision counted DeepSpeed 0.2's host copies of the fp16
 # parameters on the device; they stay in points.jsonl as history, the table uses this one
-REV = 2
+REV = 3  # 3: the outside-allocator bytes became a sourced bracket (switch outside_allocator)
 
 
 def _setup(label: str):
@@ -78,8 +83,8 @@ def run_point(cfg, point: Point) -> dict:
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
             "judged_with_build": r.judged_with_build, "stack": r.stack,
             "dry_run_backend": r.backend,
-            "outside_allocator": S.paper2020().cuda_context_nccl_bytes
-            if point.params.get("stack") == "paper2020" else 0,
+            "outside_bracket": list(S.get(point.params["stack"]).outside_bracket())
+            if point.params.get("stack") else [0, 0],
             "categories": b["categories"], "allocator_slack": b["allocator_slack"],
             "cached_free": b["cached_free"], "breakdown_peak_reserved": b["peak_reserved"],
             "live_peak": b["live_peak"], "live_peak_categories": b["live_peak_categories"],
@@ -117,11 +122,12 @@ def summarize(records) -> list[dict]:
                      "y_value": round(m["peak_reserved"] / GIB, 4), "unit": "GiB",
                      "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
                      "bytes": int(m["peak_reserved"])})
-        rows.append({"figure": FIGURE, "series": series, "x_name": "category",
-                     "x_value": S.OUTSIDE, "y_name": "bytes_at_peak",
-                     "y_value": round(m["outside_allocator"] / GIB, 4), "unit": "GiB",
-                     "kind": "simulated", "setup": p["setup"], "stack": p["stack"],
-                     "bytes": int(m["outside_allocator"])})
+        lo, hi = m.get("outside_bracket") or (m.get("outside_allocator", 0),) * 2
+        for name, v in ((S.OUTSIDE, lo), (f"{S.OUTSIDE} (to high end)", hi - lo)):
+            rows.append({"figure": FIGURE, "series": series, "x_name": "category",
+                         "x_value": name, "y_name": "bytes_at_peak",
+                         "y_value": round(v / GIB, 4), "unit": "GiB", "kind": "simulated",
+                         "setup": p["setup"], "stack": p["stack"], "bytes": int(v)})
     for r in newest:
         m, p = r.metrics, r.params
         if p["part"] != "switch" or p.get("rev") != REV:
@@ -132,8 +138,8 @@ def summarize(records) -> list[dict]:
         delta = (m["peak_reserved"] - ref) if p["how"] == "alone" else (ref - m["peak_reserved"])
         meta = S.describe(p["switch"])
         extra = 0
-        if p["switch"] == "cuda_context_nccl_bytes":
-            extra = S.paper2020().cuda_context_nccl_bytes  # capacity, not max cached
+        if p["switch"] == "outside_allocator":  # capacity, not max cached (low end)
+            extra = S.paper2020().outside_bytes("low")
         rows.append({"figure": f"{FIGURE}_switches", "series": f"{p['setup']}, {p['how']}",
                      "x_name": "switch", "x_value": p["switch"],
                      "y_name": "peak_reserved_change", "y_value": round(delta / GIB, 4),
@@ -156,7 +162,7 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["figure"] == FIGURE]
     series = list(dict.fromkeys(t["series"]))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.5, 6.2), gridspec_kw={"width_ratios": [1, 1.3]})
     cats = [c for c in ROWS if (t[t["x_value"] == c]["y_value"] > 0).any()]
     cmap = plt.get_cmap("tab20")
     for i, s in enumerate(series):
@@ -168,23 +174,28 @@ def plot(table, out_dir: str) -> list[str]:
                    edgecolor="white", lw=0.4)
             bottom += v
         out = float(d.get(S.OUTSIDE, 0.0))
+        more = float(d.get(f"{S.OUTSIDE} (to high end)", 0.0))
         if out:
             ax.bar(i, out, 0.6, bottom=bottom, color="white", edgecolor="0.3", hatch="xx",
-                   label="outside allocator (CUDA context + NCCL)" if "outside" not in
-                   [h.get_label() for h in ax.patches[:0]] else None)
+                   label="outside allocator, bracket low end (CUDA context + NCCL)")
+        if more:
+            ax.bar(i, more, 0.6, bottom=bottom + out, color="white", edgecolor="0.65",
+                   hatch="..", label="outside allocator, up to the bracket's high end")
+        out += more
         # the cached total (GiB) above the bar and its hatched box, on a white box so that
         # the capacity line behind it does not run through the digits
         ax.annotate(f"{bottom:.1f}", (i, bottom + out), ha="center", va="bottom", fontsize=8,
                     xytext=(0, 3), textcoords="offset points",
                     bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none"})
-    ax.axhline(32e9 / GIB, color="0.4", ls="--", lw=1, label="V100 32 GB = 29.8 GiB")
+    ax.axhline(DEVICE_GIB, color="0.4", ls="--", lw=1,
+               label=f"V100-32GB as it reports itself: {DEVICE_GIB:.2f} GiB")
     ax.set_xticks(range(len(series)), [s.replace(", ", "\n") for s in series], fontsize=8)
     ax.set_ylabel("Bytes per GPU at the peak of cached memory (GiB = 2^30 B)")
     ax.set_title("Where did the memory go (400 V100, MP 16; simulated)", fontsize=9.5)
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+              bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax.set_ylim(0, 36)
     sw = table[table["figure"] == f"{FIGURE}_switches"]
     names = list(dict.fromkeys(sw["x_value"]))
@@ -207,7 +218,7 @@ def plot(table, out_dir: str) -> list[str]:
         for j, n in enumerate(names):
             cap = sw[(sw["x_value"] == n)]["capacity_change_GiB"].min()
             if cap == cap and cap:
-                bx.annotate(f"usable capacity {cap:+.1f} GiB (outside the allocator)", (0, j),
+                bx.annotate(f"usable capacity {cap:+.2f} GiB at the bracket's low end", (0, j),
                             fontsize=6.5, va="center", xytext=(4, 0),
                             textcoords="offset points", color="C3")
     lo, hi = bx.get_xlim()
@@ -216,7 +227,7 @@ def plot(table, out_dir: str) -> list[str]:
     bx.invert_yaxis()
     bx.axvline(0, color="0.3", lw=0.8)
     bx.set_xlabel("Change of max cached memory at 40B C4 (GiB)")
-    bx.set_title("Cost of each paper2020 switch at 40B C4 (CUDA context: capacity, not cache)",
+    bx.set_title("Cost of each paper2020 switch at 40B C4\n(outside_allocator: capacity, not cache)",
                  fontsize=9)
     bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1,
               frameon=False)

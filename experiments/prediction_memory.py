@@ -1,17 +1,25 @@
-"""The memory model behind the Figure 4 and 8 predictions (paper §10.4-10.5, Tables 9-10): does each
-predicted setup fit a 32 GB V100 at the paper's batch, under paper2020 and modern, and how much
-cached memory does it need?
+"""The memory of every run the paper reports (Figures 2, 3, 4, 6 at Table 7's depths, and 8): does
+each setup fit a V100-32GB at the paper's batch under the paper2020 stack (and the modern one), and
+how much cached memory does it need (paper §10, Tables 5-10)?
 
 One dry run per setup x stack (``zero_repro.scale.dryrun.dryrun``, rank 0, the paper harness's
-buckets): its judged replay's peak reserved bytes (GiB) and whether it ran out of memory; Figure
-8's rows under both Table 9 row orders (``zero_repro.scale.paper.table9``: the order decides C3-C5's
-batch). A setup that does not fit under ``paper2020`` could not have run as the mapping reads it:
-its prediction is flagged. Every value's inputs are columns of the table; nothing is compared
-with the withheld values.
+buckets): ``needs`` = the smallest allocator capacity at which the judged replay does not run out
+of memory (``DryRunResult.min_capacity``), and the max cached at the judged capacity. The capacity
+is the device as it reports itself (31.75 GiB, ``scale.hardware``) less the stack's bytes outside
+the allocator, a sourced bracket (``scale.dryrun.stack.outside``): the verdict is given at its low,
+mid and high end. A setup that does not fit under paper2020 is one the paper could not have run as
+modelled (``tests/test_paper_runs_fit.py`` requires every one to fit). Figure 8's rows follow
+``scale.paper.table9``'s default order (``experiment.params.table9_orders`` adds the other
+reading); "ZeRO" rows of Figures 2-3 take the configuration the paper states for the same workload
+elsewhere (170B: Figure 8's C5 run, §10.5), else ``calibrate.zero_config_for``'s. Unit: GiB = 2^30
+B. Nothing here is compared with withheld values.
 """
 from __future__ import annotations
 
 from zero_repro.lab import records as R
+from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.hardware import device_bytes
+from zero_repro.scale.paper.setups import setups
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
@@ -23,22 +31,36 @@ from zero_repro.scale.hardware import Hardware
 FIGURE = "prediction_memory"
 GIB = 2**30
 STACKS = ("paper2020", "modern")
-FIGURES = ("fig4", "fig8")
+FIGURES = ("fig2", "fig3", "fig4", "fig6", "fig8")
 
 
 def _setups(figure: str, p: dict):
-    """(order label, setup) pairs: Figure 8 under every Table 9 order (rows that do not depend
-    on the order -- C1, C2, 170B -- once)."""
+    """(order label, setup) pairs: Figure 6 at Table 7's depths, Figure 8 under each Table 9
+    order asked for (rows that do not depend on the order -- C1, C2, 170B -- once)."""
+    if figure == "fig6":
+        return [("", s) for s in setups("fig6")]
     if figure != "fig8":
         return [("", s) for s in T.figure_setups(figure, p)]
     out, seen = [], set()
-    for order in table9.ORDERS:
+    for order in p.get("table9_orders") or [table9.DEFAULT_ORDER]:
         for s in T.figure_setups(figure, {**p, "table9_order": order}):
             key = (s.point, s.batch_per_gpu)
             if key not in seen:
                 seen.add(key)
                 out.append((order, s))
     return out
+
+
+def stated_config(s, hw) -> str:
+    """The configuration of a setup: its own, else the one the paper states for the same
+    workload (shape, GPUs, MP, batch) in Figure 8's Table 9, else ``zero_config_of``'s."""
+    if s.zero_config.startswith("C") or s.zero_config == "baseline":
+        return s.zero_config
+    for f8 in table9.remap(setups("fig8"), table9.DEFAULT_ORDER):
+        if (f8.n_layer, f8.hidden, f8.gpus, f8.tp, f8.batch_per_gpu) == (
+                s.n_layer, s.hidden, s.gpus, s.tp, s.batch_per_gpu):
+            return f8.zero_config
+    return T.zero_config_of(s, hw)
 
 
 def plan(cfg) -> list[Point]:
@@ -48,7 +70,7 @@ def plan(cfg) -> list[Point]:
     pts = []
     for figure in p.get("figures") or FIGURES:
         for order, s in _setups(figure, p):
-            zc = T.zero_config_of(s, hw)
+            zc = stated_config(s, hw)
             for stack in p.get("stacks") or STACKS:
                 ov = {**T.paper_point_overrides(s, zc, s.batch_per_gpu, p, "fp16"),
                       **cluster_overrides(cluster, DRYRUN_FIELDS), "simulate.stack": stack}
@@ -64,12 +86,24 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=2, keep_trace=False)
+    r = dry_run(cfg, iterations=2, keep_trace=True)
+    dev = device_bytes(cfg.cluster)
+    stack = S.get(point.params["stack"])
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": bool(r.allocator["oom"]),
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
+            "outside_point": cfg.simulate.outside_point, "device_bytes": dev,
+            "outside_bracket": list(stack.outside_bracket()),
+            "needs_bytes": r.min_capacity(),
             "live_peak": max(r.live_peak_by_iteration.values(), default=0),
             "judged_with_build": r.judged_with_build, "total_s": r.timings["total_s"],
             "dry_run_backend": r.backend}
+
+
+def verdicts(m: dict) -> dict:
+    """{point: fits} at the low / mid / high end of the outside-allocator bracket."""
+    lo, hi = m["outside_bracket"]
+    out = {"low": lo, "mid": (lo + hi) // 2, "high": hi}
+    return {k: m["needs_bytes"] <= m["device_bytes"] - v for k, v in out.items()}
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
@@ -79,7 +113,10 @@ def summarize(records) -> list[dict]:
     rows = []
     for r in R.newest_ok(records):  # older records (another method) stay as history
         q, m = r.params, r.metrics
+        if "needs_bytes" not in m:  # before the real capacity and the bracket: history
+            continue
         orders = q["table9_order"] or "-"
+        fit = verdicts(m)
         rows.append({"figure": FIGURE, "series": f"{q['figure']}, {q['stack']}",
                      "x_name": "setup", "x_value": f"{q['setup']} {q['series']}",
                      "y_name": "max_cached_memory", "y_value": round(m["peak_reserved"] / GIB, 3),
@@ -87,60 +124,68 @@ def summarize(records) -> list[dict]:
                      "stack": q["stack"], "zero_config": q["zero_config"],
                      "batch_per_gpu": q["batch"], "n_layer": q["n_layer"], "hidden": q["hidden"],
                      "heads": q["heads"], "gpus": q["gpus"], "mp": q["mp"],
-                     "table9_order": orders, "fits_32GB": not m["oom"],
+                     "table9_order": orders, "needs_GiB": round(m["needs_bytes"] / GIB, 3),
+                     "fits_low": fit["low"], "fits_mid": fit["mid"], "fits_high": fit["high"],
+                     "fits_judged": not m["oom"], "outside_point": m["outside_point"],
+                     "device_GiB": round(m["device_bytes"] / GIB, 3),
+                     "outside_low_GiB": round(m["outside_bracket"][0] / GIB, 3),
+                     "outside_high_GiB": round(m["outside_bracket"][1] / GIB, 3),
                      "capacity_GiB": round(m["capacity_bytes"] / GIB, 3),
                      "live_peak_GiB": round(m["live_peak"] / GIB, 3)})
     return rows
 
 
+def _dedup(label: str) -> str:
+    """'1.5B ZeRO ZeRO' (setup + series) -> '1.5B ZeRO'."""
+    words = str(label).split()
+    return " ".join(words[:-1]) if len(words) > 1 and words[-1] == words[-2] else str(label)
+
+
 def plot(table, out_dir: str) -> list[str]:
-    """Max cached memory (GiB) of every predicted setup, paper2020 vs modern, OOM marked."""
+    """Per paper run: the allocator capacity it needs (GiB, bars; paper2020 and modern), its max
+    cached at the judged capacity (tick), the device as it reports itself (dashed) and the
+    paper2020 allocator's share over the outside-allocator bracket (shaded band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = table[table["figure"] == FIGURE].copy()
-    # Figure 8's rows under the Table 9 row order(s) that give them (C1, C2 and 170B: both)
-    orders = {}
-    for _, r in t.iterrows():
-        if r["paper_figure"] == "fig8":
-            key = (r["x_value"], r["batch_per_gpu"])
-            orders.setdefault(key, set()).add(str(r["table9_order"]))
-    by_setup: dict = {}
-    for (setup, _b), _o in orders.items():
-        by_setup.setdefault(setup, 0)
-        by_setup[setup] += 1
-
-    def _label(r) -> str:
-        lab = f"{r['paper_figure']} {r['x_value']} b{r['batch_per_gpu']}"
-        if r["paper_figure"] == "fig8" and by_setup.get(r["x_value"], 0) > 1:
-            lab += f" (Table 9 order {r['table9_order']})"
-        return lab
-
-    t["label"] = [_label(r) for _, r in t.iterrows()]
+    if "needs_GiB" not in t:
+        return []
+    t = t[t["needs_GiB"].notna()]
+    t["label"] = [f"{r['paper_figure']} {_dedup(r['x_value'])} b{int(r['batch_per_gpu'])}"
+                  for _, r in t.iterrows()]
     labels = list(dict.fromkeys(t["label"]))
-    fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(labels) + 2.2))
+    fig, ax = plt.subplots(figsize=(9.0, 0.26 * len(labels) + 2.6))
+    p20 = t[t["stack"] == "paper2020"]
+    if len(p20):
+        dev = float(p20["device_GiB"].iloc[0])
+        lo, hi = float(p20["outside_low_GiB"].iloc[0]), float(p20["outside_high_GiB"].iloc[0])
+        ax.axvspan(dev - hi, dev - lo, color="C3", alpha=0.12,
+                   label=f"paper2020 allocator's share: device less {lo:.2f}..{hi:.2f} GiB "
+                         "outside it (CUDA context + NCCL, sourced bracket)")
+        ax.axvline(dev, color="0.4", ls="--", lw=1,
+                   label=f"V100-32GB as it reports itself: {dev:.2f} GiB")
     for k, (stack, col) in enumerate((("paper2020", "C3"), ("modern", "C0"))):
         d = t[t["stack"] == stack].set_index("label")
         ys = [j + (k - 0.5) * 0.38 for j in range(len(labels))]
-        vals = [float(d["y_value"].get(lab, 0.0)) for lab in labels]
-        ax.barh(ys, vals, 0.38, color=col, label=f"{stack} stack")
+        vals = [float(d["needs_GiB"].get(lab, 0.0)) for lab in labels]
+        ax.barh(ys, vals, 0.38, color=col, label=f"{stack} stack: capacity needed")
+        cached = [float(d["y_value"].get(lab, float("nan"))) for lab in labels]
+        ax.plot(cached, ys, ls="none", marker="|", ms=7, color="black",
+                label="max cached at the judged capacity" if k == 0 else None)
         for y, lab, v in zip(ys, labels, vals):
-            if lab in d.index and not bool(d["fits_32GB"].get(lab)):
-                ax.annotate("OOM", (v, y), fontsize=6, va="center", xytext=(2, 0),
+            if lab in d.index and not bool(d["fits_high"].get(lab, True)):
+                word = "OOM" if not bool(d["fits_low"].get(lab)) else "OOM at high end"
+                ax.annotate(word, (v, y), fontsize=6, va="center", xytext=(2, 0),
                             textcoords="offset points")
-    ax.axvline(32e9 / GIB, color="0.4", ls="--", lw=1, label="V100 32 GB = 29.8 GiB")
-    caps = t.loc[t["stack"] == "paper2020", "capacity_GiB"].dropna()
-    if len(caps):  # paper2020 judges against the device less the CUDA context + NCCL
-        ax.axvline(float(caps.iloc[0]), color="C3", ls=":", lw=1.2,
-                   label=f"paper2020 allocator's share ({float(caps.iloc[0]):.1f} GiB: less "
-                         "CUDA context + NCCL)")
     ax.set_yticks(range(len(labels)), labels, fontsize=6.5)
     ax.invert_yaxis()
-    ax.set_xlabel("Max cached memory per GPU at the paper's batch (GiB = 2^30 B; dry run)")
-    ax.set_title("Memory behind the Figure 4 / 8 predictions (simulated)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 1.0 / len(labels)),
-              ncol=2, frameon=False)
+    ax.set_xlabel("Allocator capacity a paper run needs at its paper batch (GiB = 2^30 B; dry "
+                  "run, steady state)")
+    ax.set_title("Every run the paper reports: does it fit a V100-32GB? (simulated)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.035), ncol=1,
+              frameon=False)
     fig.tight_layout()
     return save_figure(fig, out_dir, "prediction_memory", dpi=150)

@@ -26,9 +26,12 @@ from zero_repro.scale.dryrun import allocator as A
 from zero_repro.scale.dryrun import maxsize
 from zero_repro.scale.dryrun.dryrun import (
     apply_overrides,
+    device_events,
     dry_run,
+    last_step_peak_categories,
     live_peaks,
     real_ledgers,
+    real_live_peaks,
     repeat_start,
     steady_peak,
 )
@@ -93,6 +96,64 @@ def test_dry_run_matches_real_gloo_run():
         assert fake.psi_padded == r["psi_padded"]
         n_d = cfg.parallel.world_size // cfg.parallel.tp
         assert r["model_state_bytes"] == model_state_bytes(r["psi_padded"], cfg.zero.stage, n_d)
+
+
+def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch):
+    """The dry run's live bytes (meta tensors, fake group, the strategy's flat buffers watched
+    for in-place resizes) against a real gloo run of the same config at world 4 measured with
+    no shortcut (real tensors and collectives, every storage polled before every allocating
+    op): the live peak of each step and the live bytes per category at the last step's peak,
+    stages 0-3 and stage 3 with TP 2 + P_a. Stage 3 releases its gathered units by resizing
+    their storage to 0 bytes, which no dispatch mode sees: a dry run blind to it keeps every
+    unit alive (fp16_params = the whole model). Tolerance: 64 B (a 0-dim tensor's storage)."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")  # gloo: peers' segments are not ours
+    cfgs = [dataclasses.replace(tiny_cfg(4, 1, st), zero=dataclasses.replace(
+        tiny_cfg(4, 1, st).zero, dtype="fp32")) for st in (0, 1, 2, 3)]
+    c4 = tiny_cfg(4, 2, 3, "c4")
+    cfgs.append(dataclasses.replace(c4, zero=dataclasses.replace(c4.zero, dtype="fp32")))
+    real = spawn(real_live_peaks, 4, [OmegaConf.to_container(OmegaConf.structured(c))
+                                      for c in cfgs])[0]
+    for cfg, r in zip(cfgs, real):
+        what = (cfg.zero.stage, cfg.parallel.tp, cfg.zero_r.name)
+        dry = dry_run(cfg, transport_of=r["transport"])
+        dev = device_events(dry.trace, set(dry.host_sids))
+        cats = last_step_peak_categories(dev, dry.category_of)
+        assert set(dry.live_peak_by_iteration) == set(r["by_iteration"]) == {0, 1}, what
+        for it, peak in r["by_iteration"].items():
+            assert abs(dry.live_peak_by_iteration[it] - peak) <= 64, (what, it)
+        assert set(cats) == set(r["categories"]), what
+        for cat, nbytes in r["categories"].items():
+            assert abs(cats[cat] - nbytes) <= 64, (what, cat, cats[cat], nbytes)
+
+
+def test_stage3_live_peak_grows_by_the_shards_only():
+    """Stage 3 at 400 GPUs, MP 16, h 8192: from 8 to 16 layers the training live peak grows by
+    exactly the added model states (16Ψ/(N_d·MP) of the 8 layers) and checkpoints; gathered
+    units are released (before: it grew like stage 2's full fp16 parameters, 0.91 -> 1.75 GB)."""
+    r8, r16 = (dry_run(paper_cfg(n, "c4", stage=3, batch=1), keep_trace=False) for n in (8, 16))
+    grown = r16.live_peak_by_iteration[1] - r8.live_peak_by_iteration[1]
+    assert grown == (r16.model_state_bytes - r8.model_state_bytes
+                     + r16.ledger["ckpt_device"] - r8.ledger["ckpt_device"])
+    assert r16.ledger["params_gathered"] == r8.ledger["params_gathered"]
+
+
+@pytest.mark.slow
+def test_1t_stage3_on_1024_gpus_peak_is_its_itemised_parts():
+    """1T parameters (128 x 25600, 160 heads), 1024 GPUs (MP 16 x N_d 64), stage 3 + C4, batch 1:
+    the training live peak is 16Ψ/(N_d·MP) (15.76 GB) plus what the ledger itemises -- the
+    gathered units (root + the block computed + one prefetched), the checkpoints -- plus at
+    most the unit-sized gradient buffers of the reductions in flight (ledger comm_buffers) and
+    one block's fp16 parameters' worth of working memory. Measured: 22.36 GB (~80 s)."""
+    ov = paper_overrides(128, 25600, 160, 1024, 16, 1, "c4")
+    ov["zero.stage"] = 3
+    r = dry_run(apply_overrides(C.Config(), {**ov, **PAPER_BUCKETS}), keep_trace=False)
+    psi_total = r.psi * 16  # this TP rank's parameters x MP
+    assert r.model_state_bytes == model_state_bytes(r.psi_padded, 3, 64)
+    assert abs(r.model_state_bytes - 16 * psi_total / 1024) < 1e-3 * r.model_state_bytes
+    floor = r.model_state_bytes + r.ledger["params_gathered"] + r.ledger["ckpt_device"]
+    block = 12 * 25600 * 25600 // 16 * 2
+    peak = r.live_peak_by_iteration[1]
+    assert floor <= peak <= floor + r.ledger["comm_buffers"] + block
 
 
 def test_trace_phases_and_item_values():
@@ -276,11 +337,22 @@ def _canon(events):
     """A trace up to renaming of storage ids: (kind, allocation index, bytes, phase, it)."""
     idx: dict = {}
     out = []
+    n = 0
     for kind, sid, nbytes, phase, it in events:
-        if kind == "alloc":
-            idx[sid] = len(idx)
+        if kind == "alloc":  # every allocation a new index (a resized storage keeps its sid)
+            idx[sid], n = n, n + 1
         out.append((kind, idx.get(sid), nbytes, phase, it))
     return out
+
+
+def _renamed(step, off: int):
+    """One step's events with the storages it creates renamed (sid + off); the storages it
+    finds alive and frees first (stage 3's units gathered at the previous step's end) keep
+    their ids: the next step frees what this one leaves alive."""
+    first: dict = {}
+    for kind, sid, *_ in step:
+        first.setdefault(sid, kind)
+    return [(k, s + off if first[s] == "alloc" else s, n, p, it) for k, s, n, p, it in step]
 
 
 @pytest.mark.parametrize("zc,stack,stage", [("c1", "paper2020", None), ("c4", "modern", None),
@@ -297,7 +369,8 @@ def test_the_repeated_second_step_is_what_later_steps_trace(zc, stack, stage):
     rep = repeat_start(ev2)
     assert rep is not None and ev2[rep][4] == 1  # the 2nd step, closed
     off = 1 + max(e[1] for e in ev2)
-    later = [[(k, s + r * off, n, p, it + r) for k, s, n, p, it in ev2[rep:]] for r in (1, 2)]
+    later = [[(k, s, n, p, it + r) for k, s, n, p, it in _renamed(ev2[rep:], r * off)]
+             for r in (1, 2)]
     assert _canon(ev2 + later[0] + later[1]) == _canon(ev4)
     cap = 0.5 * (two.allocator["peak_allocated"] + two.allocator["peak_reserved"])
     a2, a4 = two.replay(cap), four.replay(cap)

@@ -53,12 +53,16 @@ def test_switches_cite_sources_and_categories():
     for name in p.switches():
         meta = S.describe(name)
         assert meta["source"] and meta["doc"]
-        assert "@" in meta["source"] or name == "cuda_context_nccl_bytes"  # hardware fact
+        assert "@" in meta["source"]
         assert meta["category"] in S.CATEGORIES + (S.OUTSIDE,)
     flags = {n: v for n, v in p.switches().items() if isinstance(v, bool)}
     assert [n for n, v in flags.items() if not v] == ["fp32_model_on_gpu_before_half"]
     assert not any(v for v in S.modern().switches().values() if isinstance(v, bool))
-    assert p.capacity_bytes(32e9) == 32e9 - 2 * 2**30
+    lo, hi = p.outside_bracket()
+    assert 0 < lo < hi and S.modern().outside_bracket() == (0, 0)
+    assert p.capacity_bytes(32e9, "low") == 32e9 - lo == 32e9 - p.outside_bytes("low")
+    assert p.capacity_bytes(32e9) == 32e9 - p.outside_bytes(S.DEFAULT_POINT)
+    assert p.capacity_bytes(32e9, "high") == 32e9 - hi
     with pytest.raises(ValueError):
         S.get("paper2019")
 
@@ -310,10 +314,11 @@ def test_scores_switch_costs_b_heads_s2_per_score_tensor_in_the_dry_run():
 
 
 def test_capacity_switch_changes_capacity_only():
-    cfg = _tiny_cfg(only=["cuda_context_nccl_bytes"])
+    cfg = _tiny_cfg(only=["outside_allocator"])
     r = DR.dry_run(cfg)
     base = DR.dry_run(_tiny_cfg())
-    assert r.capacity == 1e9 - 2 * 2**30 or r.capacity == 1e9 - S.paper2020().cuda_context_nccl_bytes
+    assert base.capacity == 1e9
+    assert r.capacity == 1e9 - S.paper2020().outside_bytes(cfg.simulate.outside_point)
     assert r.allocator["peak_reserved"] == base.allocator["peak_reserved"]
 
 
@@ -348,7 +353,7 @@ def test_paper2020_stage2_uses_deepspeed02_and_judges_with_build():
     assert set(DR.builders(st, cfg)) == {"make_model", "make_ckpt", "make_strategy"}
     r = DR.dry_run(cfg)
     assert r.judged_with_build and r.stack == "paper2020"
-    assert r.capacity == 1e9 - st.cuda_context_nccl_bytes
+    assert r.capacity == 1e9 - st.outside_bytes(cfg.simulate.outside_point)
     assert r.allocator == r.allocator_with_build
     cats = _alloc_totals(r)
     assert cats[S.BUCKETS] >= st.stage2_reduce_bucket_size * 2  # the 5e8-element ipg bucket

@@ -50,6 +50,7 @@ SIM_STACKS = ("modern", "paper2020")
 IDENTITY = "identity"
 NOT_IDENTITY = {IDENTITY: False}
 ABSENT = "absent"
+OUTSIDE_POINTS = ("low", "mid", "high")  # scale.dryrun.stack.outside.POINTS
 
 
 @dataclass
@@ -151,7 +152,10 @@ class ClusterConfig:
     device: str = "cpu"
     backend: str = "gloo"
     gpus_per_node: int = 2  # ranks per node
-    device_memory_gb: float = 0.0  # 0 = unknown/unbounded (CPU)
+    device_memory_gb: float = 0.0  # datasheet size, GB = 1e9 B: closed-form Tables 1/2 only
+    # total device memory as the device reports it (nvidia-smi / NVML total, MiB = 2^20 B):
+    # what an allocator can ever hold (scale.hardware.device_bytes); 0 = device_memory_gb
+    device_memory_mib: float = 0.0
     peak_tflops: float = 0.0  # dense half-precision peak of one device (0 = unknown)
     intra_node_gbps: float = 0.0  # GB/s per device inside a node (NVSwitch/NVLink)
     inter_node_gbps: float = 0.0  # Gb/s per node between nodes (InfiniBand)
@@ -229,6 +233,9 @@ class SimulateConfig:
     # non-empty: modern with only these paper2020 switches on (one switch's cost), e.g.
     # [materialized_scores]; the stack name is then ignored
     only_switches: list = field(default_factory=list)
+    # where in the stack's bracket of bytes outside the caching allocator (CUDA context, NCCL;
+    # ``scale.dryrun.stack.outside``) the judged capacity sits: low | mid | high
+    outside_point: str = "mid"
 
 
 @dataclass
@@ -392,6 +399,7 @@ def _validate_zero(cfg: Config) -> None:
                          f"scale 2**zero.initial_scale_power={2.0 ** z.initial_scale_power:g}: "
                          f"lower zero.min_loss_scale or raise zero.initial_scale_power")
     _choice(cfg.simulate.stack, SIM_STACKS, "simulate.stack")
+    _choice(cfg.simulate.outside_point, OUTSIDE_POINTS, "simulate.outside_point")
     if (zr.partition_activations or zr.cpu_checkpointing) and not zr.activation_checkpointing:
         raise ValueError("zero_r.partition_activations / cpu_checkpointing need "
                          "zero_r.activation_checkpointing=true (P_a partitions checkpoints)")
@@ -436,8 +444,8 @@ def _validate_cluster_launcher(cfg: Config) -> None:
     _choice(c.backend, BACKENDS, "cluster.backend")
     _choice(la.name, LAUNCHERS, "launcher.name")
     _positive(c.gpus_per_node, "cluster.gpus_per_node")
-    for key in ("device_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
-                "pcie_gbps"):
+    for key in ("device_memory_gb", "device_memory_mib", "peak_tflops", "intra_node_gbps",
+                "inter_node_gbps", "pcie_gbps"):
         _number(getattr(c, key), f"cluster.{key}", 0)
     if c.device == "cpu" and c.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")

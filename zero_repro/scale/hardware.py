@@ -8,7 +8,12 @@ Conventions of the YAML fields (vendor figures, as printed on data sheets and in
     so the usable per-direction bandwidth is half of it.
   * ``inter_node_gbps`` Gb/s per node, per direction (sum of the node's compute NICs).
   * ``pcie_gbps`` GB/s host<->device per direction.
-  * ``device_memory_gb`` in GB = 1e9 bytes, as the paper computes (32 GB V100: Table 2 uses 32e9).
+  * ``device_memory_gb`` the datasheet size in GB = 1e9 bytes, as the paper's closed-form
+    Tables 1/2 compute (32 GB V100: 32e9); ``nominal_bytes``. Nothing physical uses it.
+  * ``device_memory_mib`` the total the device reports (nvidia-smi / NVML, MiB = 2^20 B; each
+    yaml cites its source): ``device_bytes``, what an allocator on it can ever hold (V100-32GB:
+    32510 MiB = 31.75 GiB = 34.09e9 B). What the CUDA context and NCCL take out of it is the
+    software stack's (``dryrun.stack.outside``).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from zero_repro.config import ClusterConfig
 from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
-__all__ = ["Hardware", "cpu_model", "hardware", "list_clusters", "load_cluster"]
+__all__ = ["Hardware", "cpu_model", "device_bytes", "hardware", "list_clusters", "load_cluster"]
 
 
 @dataclass(frozen=True)
@@ -26,25 +31,38 @@ class Hardware:
     """SI-unit view of a ClusterConfig used by the performance model."""
     name: str
     gpus_per_node: int
-    device_bytes: float  # bytes of device memory (GB = 1e9)
+    device_bytes: float  # bytes of device memory as the device reports it (device_bytes())
     peak_flops: float  # FLOP/s dense half precision per GPU
     intra_bw: float  # bytes/s per GPU per direction inside a node
     inter_bw_node: float  # bytes/s per node per direction between nodes
     pcie_bw: float  # bytes/s per GPU per direction host<->device
+    nominal_bytes: float = 0.0  # datasheet size, GB = 1e9 (closed-form Tables 1/2 only)
 
     @classmethod
     def from_config(cls, c: ClusterConfig) -> "Hardware":
         return cls(name=c.name, gpus_per_node=c.gpus_per_node,
-                   device_bytes=c.device_memory_gb * 1e9, peak_flops=c.peak_tflops * 1e12,
+                   device_bytes=device_bytes(c), peak_flops=c.peak_tflops * 1e12,
                    intra_bw=c.intra_node_gbps * 1e9 / 2, inter_bw_node=c.inter_node_gbps * 1e9 / 8,
-                   pcie_bw=c.pcie_gbps * 1e9)
+                   pcie_bw=c.pcie_gbps * 1e9, nominal_bytes=c.device_memory_gb * 1e9)
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0, pcie: float = 1.0,
                flops: float = 1.0) -> "Hardware":
         """A what-if copy with bandwidths/peak multiplied (used by monotonicity checks)."""
         return Hardware(self.name, self.gpus_per_node, self.device_bytes,
                         self.peak_flops * flops, self.intra_bw * intra,
-                        self.inter_bw_node * inter, self.pcie_bw * pcie)
+                        self.inter_bw_node * inter, self.pcie_bw * pcie, self.nominal_bytes)
+
+
+MIB = 2**20
+
+
+def device_bytes(c: ClusterConfig) -> float:
+    """Bytes of device memory as the device reports them: ``device_memory_mib``·2^20; a
+    cluster without it (a what-if size given in GB) falls back to ``device_memory_gb``·1e9.
+    0: unknown / unbounded (CPU)."""
+    if c.device_memory_mib > 0:
+        return c.device_memory_mib * MIB
+    return c.device_memory_gb * 1e9
 
 
 def hardware(name: str) -> Hardware:

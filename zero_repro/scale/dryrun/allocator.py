@@ -22,7 +22,8 @@ expandable segments, one stream):
     how much it overflowed).
 
 Steady state (``replay(..., repeat_from=i)``): ``events[i:]`` must be one closed iteration
-(``closed_from``); it is repeated until the allocator's state at the end of a repetition (the
+(``closed_from``: every storage it allocates it frees, or it leaves alive for the next one
+exactly what it found); it is repeated until the allocator's state at the end of a repetition (the
 ordered segments, the size and in-use flag of every block) equals that of the previous one, so
 the result is that of an arbitrarily long run (``ReplayResult.repeats``, ``steady``). Outputs:
 ``peak_reserved`` (segment bytes, what Figure 7 plots), ``peak_allocated`` (handed-out rounded
@@ -255,17 +256,22 @@ MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a 
 
 
 def closed_from(events, start: int) -> bool:
-    """Whether ``events[start:]`` is closed: it frees only storages it allocated and frees all
-    of them (so it can be replayed again and again with the same storage ids)."""
-    born: set = set()
+    """Whether ``events[start:]`` can be replayed again and again with the same storage ids:
+    what it frees of older storages it allocates again, same id and bytes, and leaves alive at
+    its end (a cycle: e.g. stage 3's units gathered at the end of a step for the next forward,
+    released by it), and everything else it allocates it frees."""
+    born: dict = {}
+    carried_in: dict = {}
     for ev in events[start:]:
         if ev[0] == "alloc":
-            born.add(ev[1])
+            born[ev[1]] = ev[2]
         elif ev[1] in born:
-            born.discard(ev[1])
-        else:
+            del born[ev[1]]
+        elif ev[1] in carried_in:
             return False
-    return not born
+        else:
+            carried_in[ev[1]] = ev[2]
+    return born == carried_in
 
 
 def replay(events, capacity: float | None = None, repeat_from: int | None = None,

@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zero_repro import config as C
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, PAPER_CLUSTER, cluster_overrides
 from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.overrides import setup_overrides as paper_setup_overrides
@@ -192,10 +193,11 @@ def judges_with_build(stack: S.Stack, cfg: C.Config) -> bool:
 
 
 def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
-    """Bytes the caching allocator may use: the cluster's device memory (GB = 1e9 B) less
-    what ``stack`` puts outside the allocator (CUDA context, NCCL); None when unbounded."""
-    dev = cfg.cluster.device_memory_gb * 1e9
-    return stack.capacity_bytes(dev) if dev > 0 else None
+    """Bytes the caching allocator may use: the cluster's device memory as the device reports
+    it (``scale.hardware.device_bytes``) less what ``stack`` puts outside the allocator (CUDA
+    context, NCCL) at ``simulate.outside_point`` of its bracket; None when unbounded."""
+    dev = device_bytes(cfg.cluster)
+    return stack.capacity_bytes(dev, cfg.simulate.outside_point) if dev > 0 else None
 
 
 BACKENDS = ("meta", "meta_uncached", "fake")
@@ -209,8 +211,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
     runtime, paper2020 = the 2020 stack, ``scale.dryrun.stack``).
-    ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
-    ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
+    ``allocator_capacity``: device bytes for the allocator replay (default: ``capacity_for``,
+    the device as it reports itself less the stack's bytes outside the allocator; unbounded
+    when the cluster has no device size);
     an allocation the replay cannot place even after releasing cached segments is reported as
     ``allocator["oom"]``.
     ``backend``: ``meta`` (tensors on the meta device, the tracer's output cache),
@@ -252,6 +255,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                 model, ckpt, strategy = build(cfg, topo, torch.device(
                     "meta" if on_meta else "cpu"), **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
+            _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
@@ -328,6 +332,17 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
     strategy.release_host()
 
 
+def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
+    """The strategy's flat parameter buffers are the storages it may resize in place (stage 3
+    releases a gathered unit with ``untyped_storage().resize_(0)``, ``zero.flat_buffer``),
+    which no dispatch mode sees: the tracer polls them (``AllocationTracer.watch``); the
+    build's own releases are recorded here, at the end of the build."""
+    for g in getattr(strategy, "groups", ()):
+        flat = getattr(g, "flat", None)
+        if isinstance(flat, torch.Tensor):
+            tracer.watch(flat)
+
+
 def _geometry(strategy) -> tuple[int, int]:
     """(flat-buffer elements of this rank, number of buckets) of the runtime's strategy or of
     the DeepSpeed 0.2 path."""
@@ -382,6 +397,51 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
                     "transport": strategy.transport.models_as})
         strategy.remove_hooks()
     return out
+
+
+def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
+                    ) -> list[dict]:
+    """The real counterpart of ``dry_run``'s live-byte accounting on an initialised (gloo)
+    process group: for each config, ``train.build.build`` + ``iterations`` steps on real CPU
+    tensors under a ``CategoryTracer`` that polls every storage before every allocating op
+    (``poll_all``: it misses no in-place resize, whoever makes it; no watch list, no meta
+    kernels, no output cache, real collectives). Module level, for ``launch.spawn``. Returns
+    [{"by_iteration": {it: live peak bytes}, "categories": {cat: bytes at the last step's
+    live peak}, "transport"}, ...]."""
+    out = []
+    for d in cfg_dicts:
+        cfg = C.to_config(d)
+        tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
+        with tracer:
+            topo = Topology.build(cfg.parallel.tp)
+            with tracer.category(S.FP16_PARAMS):
+                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            hooks = K.tag_model(tracer, model)
+            for it in range(iterations):
+                _one_step(strategy, tracer, ckpt, set(), cfg, it)
+                K.tag_strategy(tracer, strategy)
+            for h in hooks:
+                h.remove()
+            transport = strategy.transport.models_as
+            strategy.remove_hooks()
+            del model, ckpt, strategy
+        events = without_teardown(tracer.events)
+        _peak, _by_phase, by_iter = live_peaks(events)
+        out.append({"by_iteration": by_iter, "transport": transport,
+                    "categories": last_step_peak_categories(events, tracer.category_of)})
+    return out
+
+
+def last_step_peak_categories(events, category_of: dict) -> dict:
+    """Live bytes per category at the last training iteration's live peak."""
+    last = max(e[4] for e in events if e[3] != "build")
+    live = best = 0
+    at = 0
+    for i, (kind, _sid, nbytes, phase, it) in enumerate(events):
+        live += nbytes if kind == ALLOC else -nbytes
+        if phase != "build" and it == last and live > best:
+            best, at = live, i + 1
+    return K.live_by_category(events, category_of, at)
 
 
 # ------------------------------------------------------------------------------ subprocess

@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 from zero_repro import config as C
 from zero_repro.scale import analytic
 from zero_repro.runtime.model import flops
+from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import (apply_overrides, dry_run, judges_with_build,
                                         setup_overrides, stack_of)
@@ -46,15 +47,16 @@ from zero_repro.scale.dryrun.stack import switches as S
 
 log = logging.getLogger(__name__)
 
-def capacity_of(cfg: C.Config) -> float:
-    """Bytes the judge's allocator may use: the device (GB = 1e9 B) less what the software
-    stack (``cfg.simulate``) keeps outside the caching allocator (paper2020: CUDA context and
-    NCCL buffers)."""
-    cap = cfg.cluster.device_memory_gb * 1e9
+def capacity_of(cfg: C.Config, point: str | None = None) -> float:
+    """Bytes the judge's allocator may use: the device as it reports itself
+    (``scale.hardware.device_bytes``) less what the software stack (``cfg.simulate``) keeps
+    outside the caching allocator (paper2020: CUDA context and NCCL buffers) at ``point`` of
+    its bracket (default ``simulate.outside_point``)."""
+    cap = device_bytes(cfg.cluster)
     if cap <= 0:
-        raise ValueError(f"cluster {cfg.cluster.name!r} has no device_memory_gb: choose a "
-                         f"cluster with a device size (e.g. cluster=dgx2_v100)")
-    return stack_of(cfg).capacity_bytes(cap)
+        raise ValueError(f"cluster {cfg.cluster.name!r} has no device memory size: choose a "
+                         f"cluster with one (e.g. cluster=dgx2_v100)")
+    return stack_of(cfg).capacity_bytes(cap, point or cfg.simulate.outside_point)
 
 
 @dataclass

@@ -47,8 +47,9 @@ def device_events(events, host_sids: set[int]):
 def steady_peak(events) -> int:
     """Live peak of a further iteration, predicted from the last one's trace: at every point
     of the last iteration, its live bytes plus the bytes it allocated later that are still
-    alive at its end (lazily created state -- Adam moments, C_B buffers, the M_D arena --
-    which a further iteration finds already allocated). Exact when the next iteration repeats
+    alive at its end and never freed in it (lazily created state -- Adam moments, C_B buffers,
+    the M_D arena -- which a further iteration finds already allocated; a stage-3 unit gathered
+    again at the step's end for the next forward was released in the iteration: not lazy). Exact when the next iteration repeats
     the last one's allocations minus the lazy ones (fake tensors: no data-dependent paths)."""
     train = [e for e in events if e[3] != "build"]
     if not train:
@@ -56,11 +57,13 @@ def steady_peak(events) -> int:
     last = train[-1][4]
     start = next(i for i, e in enumerate(events) if e[3] != "build" and e[4] == last)
     alive: dict[int, int] = {}
+    cycled: set[int] = set()  # freed in the iteration: gathered and released (stage 3), not lazy
     for kind, sid, nbytes, _ph, _it in events[start:]:
         if kind == ALLOC:
             alive[sid] = nbytes
         else:
             alive.pop(sid, None)
+            cycled.add(sid)
     live = sum(e[2] if e[0] == ALLOC else -e[2] for e in events[:start])
     curve = []
     for kind, _sid, nbytes, _ph, _it in events[start:]:
@@ -70,7 +73,7 @@ def steady_peak(events) -> int:
     for i in range(len(curve) - 1, -1, -1):  # backwards: lazy bytes allocated after i
         best = max(best, curve[i] + later)
         kind, sid, nbytes = events[start + i][:3]
-        if kind == ALLOC and alive.get(sid) == nbytes:
+        if kind == ALLOC and alive.get(sid) == nbytes and sid not in cycled:
             later += nbytes
     return best
 

@@ -3,8 +3,11 @@ frees, in program order (used by ``zero_repro.scale.dryrun.dryrun``; extended by
 ``stack.categories``).
 
 ``AllocationTracer`` is a ``TorchDispatchMode`` that sees every aten op: each output storage not
-seen before is an allocation, a ``weakref.finalize`` on the storage object records its free, and
-storages resized in place are detected when an op touches them and polled afterwards.
+seen before is an allocation, a ``weakref.finalize`` on the storage object records its free. A storage
+resized in place (``untyped_storage().resize_``, how ZeRO-3 releases a gathered unit) is no aten
+op: the storages
+the caller names (``watch``: the strategy's flat buffers) and those an op was seen resizing are
+polled before every allocating op (a free + an alloc of the same ``sid`` per resize).
 ``on_meta=True`` (the dry run's default): tensors live on the ``meta`` device; placements on other
 devices (``device="cpu"``: P_a+cpu host buffers; factories on the default device) are redirected
 to ``meta`` and the dry run identifies host storages from the handles that own them; an op whose
@@ -33,9 +36,15 @@ class AllocationTracer(TorchDispatchMode):
     ``events``: list of (kind, sid, nbytes, phase, iteration) in program order; ``sid`` is a
     sequence number per storage (Python ids are reused, sids are not)."""
 
-    def __init__(self, on_meta: bool = False, cache: bool = True) -> None:
+    def __init__(self, on_meta: bool = False, cache: bool = True, poll_all: bool = False,
+                 real_data: bool = False) -> None:
         super().__init__()
         self.on_meta = on_meta
+        # tensors with data (a real run measured): ``.item()`` reads them instead of answering 0
+        self.real_data = real_data
+        # every storage polled before every allocating op: blind to no resize, whoever makes it
+        # (the reference a real run is measured with; ~N_storages checks per op)
+        self.poll_all = poll_all
         self._cache = _OutputCache() if (on_meta and cache) else None
         self.events: list[tuple[str, int, int, str, int]] = []
         self.phase, self.iteration = "build", 0
@@ -58,6 +67,15 @@ class AllocationTracer(TorchDispatchMode):
     def sid_of(self, t: torch.Tensor) -> int | None:
         return self._sid_of.get(id(t.untyped_storage()))
 
+    def watch(self, t: torch.Tensor) -> None:
+        """Poll ``t``'s storage for in-place resizes from now on (its size is checked at once:
+        a release made before the call is recorded now)."""
+        st = t.untyped_storage()
+        self._see(st)
+        sid = self._sid_of[id(st)]
+        self._resizable[sid] = weakref.ref(st)
+        self._check_size(sid, st)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
         # metadata queries (prim.device), which only pass through
@@ -68,7 +86,11 @@ class AllocationTracer(TorchDispatchMode):
         if how == "view":  # views and metadata queries share or touch no storage
             return func(*args, **(kwargs or {}))
         if how == "scalar":
+            if self.real_data:
+                return func(*args, **(kwargs or {}))
             return _neutral_scalar(args[0].dtype)  # no data under fake tensors
+        if self._resizable:  # a resize between ops (a hook) before this op's allocations
+            self._poll()
         kwargs = kwargs or {}
         if self.on_meta and kwargs.get("device") is not None:
             if torch.device(kwargs["device"]).type != "meta":
@@ -88,12 +110,13 @@ class AllocationTracer(TorchDispatchMode):
         for t in flat:
             if isinstance(t, torch.Tensor):
                 self._see(t.untyped_storage())
-        if self._resizable:
-            for sid, ref in list(self._resizable.items()):
-                st = ref()
-                if st is not None:
-                    self._check_size(sid, st)
         return out
+
+    def _poll(self) -> None:
+        for sid, ref in list(self._resizable.items()):
+            st = ref()
+            if st is not None:
+                self._check_size(sid, st)
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, kind: str, sid: int, nbytes: int) -> None:
@@ -112,6 +135,8 @@ class AllocationTracer(TorchDispatchMode):
         if nbytes:
             self._record(ALLOC, sid, nbytes)
         weakref.finalize(st, self._on_free, id(st), sid)
+        if self.poll_all:
+            self._resizable[sid] = weakref.ref(st)
 
     def _check_size(self, sid: int, st) -> None:
         nbytes = st.nbytes()

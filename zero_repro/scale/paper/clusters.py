@@ -42,4 +42,4 @@ def cluster_overrides(name: str, fields: tuple[str, ...] | None = None) -> dict:
 
 
 # what a memory dry run needs of a cluster (it runs here, on the fake backend)
-DRYRUN_FIELDS = ("name", "gpus_per_node", "device_memory_gb")
+DRYRUN_FIELDS = ("name", "gpus_per_node", "device_memory_gb", "device_memory_mib")
