@@ -143,6 +143,8 @@ class ClusterConfig:
     intra_node_gbps: float = 0.0  # GB/s per device inside a node (NVSwitch/NVLink)
     inter_node_gbps: float = 0.0  # Gb/s per node between nodes (InfiniBand)
     pcie_gbps: float = 0.0  # GB/s host<->device
+    hbm_gbps: float = 0.0  # GB/s device memory bandwidth (vendor datasheet; 0 = unknown)
+    sm_count: int = 0  # streaming multiprocessors per device (vendor; 0 = unknown)
     description: str = "local CPU ranks on gloo"
 
 
@@ -413,7 +415,7 @@ def _validate_cluster_launcher(cfg: Config) -> None:
     _choice(la.name, LAUNCHERS, "launcher.name")
     _positive(c.gpus_per_node, "cluster.gpus_per_node")
     for key in ("device_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
-                "pcie_gbps"):
+                "pcie_gbps", "hbm_gbps", "sm_count"):
         _number(getattr(c, key), f"cluster.{key}", 0)
     if c.device == "cpu" and c.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")

@@ -54,9 +54,15 @@ def mean_err(df) -> str:
     return f"  mean |err| vs paper {100 * e.mean():.1f}%" if e.notna().any() else ""
 
 
+def _column(g, name: str) -> list:
+    return list(g[name]) if name in g else [None] * len(g)
+
+
 def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) -> None:
     """Grouped bars: one group per x in ``xs`` (categorical), one bar per (series, kind);
-    colour = series, paper bars unfilled and hatched in that colour."""
+    colour = series, paper bars unfilled and hatched in that colour. Optional columns:
+    ``y_min``/``y_max`` (repeats: drawn as a range), ``bar_label`` (text above the bar),
+    ``in_sample`` (a calibration point: edged in red and starred)."""
     groups = list(dict.fromkeys(zip(df["series"], df["kind"])))
     palette = palette or [f"C{i}" for i in range(10)]
     colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(df["series"]))}
@@ -66,10 +72,25 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
         g = df[(df["series"] == series) & (df["kind"] == kind)]
         pos = [xs.index(x) + (i - (len(groups) - 1) / 2) * width for x in g["x_value"]]
         paper = kind == "paper"
-        ax.bar(pos, g["y_value"].astype(float), width, label=label(series, kind),
-               hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
-               edgecolor=colors[series] if paper else "black",
-               color="white" if paper else colors[series])
+        ys = g["y_value"].astype(float)
+        inside = [isinstance(v, str) and v != "" for v in _column(g, "in_sample")]
+        bars = ax.bar(pos, ys, width, label=label(series, kind),
+                      hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
+                      edgecolor=colors[series] if paper else "black",
+                      color="white" if paper else colors[series])
+        for bar, hit in zip(bars, inside):
+            if hit:
+                bar.set_edgecolor("red")
+                bar.set_linewidth(1.6)
+        lo, hi = _column(g, "y_min"), _column(g, "y_max")
+        if any(v is not None and v == v for v in lo):
+            ax.errorbar(pos, ys, yerr=[[y - (a if a == a else y) for y, a in zip(ys, lo)],
+                                       [(b if b == b else y) - y for y, b in zip(ys, hi)]],
+                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+        texts = [("* " if hit else "") + (t if isinstance(t, str) else "")
+                 for t, hit in zip(_column(g, "bar_label"), inside)]
+        if any(texts):
+            ax.bar_label(bars, texts, fontsize=6, padding=2, rotation=90)
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
