@@ -9,10 +9,15 @@ C1, C2, C4, C5, C3, i.e. C3 at batch 8; ``experiment.params.table9_order=c1_to_c
 CSV labels), P_a costs one all-gather of b·s·h per block over the MP group, P_a+cpu 2x the partitioned
 checkpoints over PCIe -> the C4 -> C5 drop the paper states.
 
-* simulated (paper scale): Table 9 through the performance model calibrated on Figure 2; the
-  inputs behind each value go to ``results/fig8_configs/predictions.csv``;
+* simulated (paper scale): Table 9 through the performance model calibrated on Figure 2, at
+  the batch the paper2020 memory dry run says fits (largest on the batch grid) and at Table
+  9's batch ("paper batch"); each bar says its batch and, at the paper's batch, its Table 9
+  row. The 170B C5 point at batch 12 is Figure 2's 170B point, one of the calibration points:
+  in-sample (marked). The inputs behind each value go to
+  ``results/fig8_configs/predictions.csv``;
 * measured (cluster): the same setups as real points;
-* measured (local): C1-C5 on ``local_model`` at world 2 with TP 2 (so P_a partitions).
+* measured (local): C1-C5 on ``local_model`` at world 2 with TP 2 (so P_a partitions); median
+  of ``local_repeats`` measurements (range drawn).
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ def _current_mapping(records) -> list:
     for r in records:
         q = r.params
         if (q.get("role") in ("simulated", "measured_paper") and q.get("figure") == FIGURE
+                and q.get("batch_rule", "paper") == "paper"
                 and str(q.get("setup", "")).startswith("60B")
                 and q.get("batch") != want.get(q.get("zero_config"))):
             continue
@@ -65,17 +71,39 @@ def _current_mapping(records) -> list:
     return out
 
 
+def bar_label(row: dict) -> str:
+    """``b<batch>``, at the paper's batch also the Table 9 row it is (under the row order in
+    use, ``paper.table9``)."""
+    b = row.get("batch_per_gpu")
+    text = f"b{b}" if b else "OOM at b1"
+    if row.get("batch_rule") == "paper" and str(row["series"]).startswith("60B"):
+        k = table9.ORDERS[table9.DEFAULT_ORDER].index(row["x_value"]) + 1
+        text += f", T9 row {k}"
+    elif row.get("batch_rule") == "paper":
+        text += ", T9 170B row"
+    return text
+
+
 def summarize(records) -> list[dict]:
     records = _current_mapping(records)
     rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.zero_config)
+    for r in rows:
+        r["bar_label"] = bar_label(r)
+    local = []
     for r in sorted(TS.ok_records(records, "measured_local"),
                     key=lambda r: r.params["zero_config"]):
         q = r.params
         name = f"local {q['model']}: world {q['world_size']}, TP {q['tp']}"
-        rows.append(TS.base_row(r, FIGURE, name, q["zero_config"], r.metrics["tflops_per_gpu"]))
-    return rows
+        local.append(TS.base_row(r, FIGURE, name, q["zero_config"], r.metrics["tflops_per_gpu"]))
+    return rows + TS.repeated(local)
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    return TP.plot_standard(table, out_dir, "fig8_configs",
-                           "Fig 8: C1-C5 (PREDICTION; paper withheld)", categorical=True)
+    order = ", ".join(f"row {i + 1} = {c}" for i, c in
+                      enumerate(table9.ORDERS[table9.DEFAULT_ORDER]))
+    return TP.plot_standard(
+        table, out_dir, "fig8_configs",
+        "Fig 8: C1-C5 (PREDICTION; paper values withheld for blind judging)\nbars: b = batch "
+        "per GPU (largest that fits, paper2020 memory dry run; or the paper's)\nTable 9's 60B "
+        f"rows read in Table 7's order: {order}\n* red edge = in-sample: 170B C5 at batch 12 "
+        "is Fig 2's fitted 170B point", categorical=True)

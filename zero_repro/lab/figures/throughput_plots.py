@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.lab.figures.figures import LINESTYLES, MARKERS, save_figure
-from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, UNIT, Y_NAME
+from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, PAPER_BATCH, UNIT, Y_NAME
 from zero_repro.lab.figures.throughput_summary import write_predictions
 
 def _pyplot():
@@ -62,7 +62,7 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
     """Grouped bars: one group per x in ``xs`` (categorical), one bar per (series, kind);
     colour = series, paper bars unfilled and hatched in that colour. Optional columns:
     ``y_min``/``y_max`` (repeats: drawn as a range), ``bar_label`` (text above the bar),
-    ``in_sample`` (a calibration point: edged in red and starred)."""
+    ``in_sample`` (a calibration point: cross-hatched and starred)."""
     groups = list(dict.fromkeys(zip(df["series"], df["kind"])))
     palette = palette or [f"C{i}" for i in range(10)]
     colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(df["series"]))}
@@ -79,9 +79,9 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
                       edgecolor=colors[series] if paper else "black",
                       color="white" if paper else colors[series])
         for bar, hit in zip(bars, inside):
-            if hit:
-                bar.set_edgecolor("red")
-                bar.set_linewidth(1.6)
+            if hit:  # a calibration point: cross-hatched
+                bar.set_hatch("xxx")
+                bar.set_edgecolor("black")
         lo, hi = _column(g, "y_min"), _column(g, "y_max")
         if any(v is not None and v == v for v in lo):
             ax.errorbar(pos, ys, yerr=[[y - (a if a == a else y) for y, a in zip(ys, lo)],
@@ -91,6 +91,7 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
                  for t, hit in zip(_column(g, "bar_label"), inside)]
         if any(texts):
             ax.bar_label(bars, texts, fontsize=6, padding=2, rotation=90)
+            ax.set_ylim(top=max(ax.get_ylim()[1], 1.3 * float(ys.max())))
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
@@ -106,12 +107,19 @@ def draw_lines(ax, df, logx: bool = False) -> None:
         ax.annotate(str(r["series"]), (0.99, float(r["y_value"])), fontsize=7, ha="right",
                     xycoords=("axes fraction", "data"), va="bottom", color="gray")
     df = df[xnum.notna()].assign(_x=xnum[xnum.notna()])
-    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(df["series"]))}
+    # colour = series family (the paper-batch twin of a series shares its colour, dotted)
+    family = df["series"].astype(str).str.replace(PAPER_BATCH, "", regex=False)
+    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(family))}
     for (series, kind), g in df.groupby(["series", "kind"], sort=False):
         g = g.sort_values("_x")
+        twin = str(series).endswith(PAPER_BATCH) and kind != "paper"
+        fitted = "in_sample" in g and all(isinstance(v, str) and v for v in g["in_sample"])
         ax.plot(g["_x"], g["y_value"].astype(float), marker=MARKERS.get(kind, "o"),
-                linestyle=LINESTYLES.get(kind, "-"), color=colors[series],
-                markersize=9 if kind == "paper" else 5, label=label(series, kind))
+                linestyle=":" if twin else LINESTYLES.get(kind, "-"),
+                color=colors[str(series).replace(PAPER_BATCH, "")],
+                markerfacecolor="white" if twin else None,
+                markersize=9 if kind == "paper" else 5,
+                label=label(series, kind) + (" = the calibration points (fit)" if fitted else ""))
     if logx:
         ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
@@ -160,7 +168,8 @@ def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool)
         local = local.assign(x_value=[f"{float(x) * 1e3:.3g}M" if size else
                                       f"{x:.4g}" if isinstance(x, float) else str(x)
                                       for x in local["x_value"]])
-        draw_bars(ax, local, list(dict.fromkeys(local["x_value"])))
+        xs = list(dict.fromkeys(local["x_value"]))
+        draw_bars(ax, local, xs if size else sorted(xs, key=str))
         ax.set_xlabel("model size [million parameters]" if size
                       else axis_label(local["x_name"].iloc[0]))
         ax.set_title(local_title(local), fontsize=9)
