@@ -64,7 +64,7 @@ def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[di
         z = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] == zero}
         b = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] in bases}
         for x in z:
-            if x in b and b[x]["y_value"] > 0:
+            if x in b and b[x]["y_value"] > 0 and z[x]["y_value"] == z[x]["y_value"]:
                 out.append({**z[x], "series": series, "y_name": "speedup", "unit": "x",
                             "y_value": z[x]["y_value"] / b[x]["y_value"], "in_sample": ""})
     return out
@@ -118,6 +118,10 @@ def _speedup_panel(ax, table) -> None:
                  palette=["tab:blue", "tab:cyan", "tab:red"])
     ax.set_xticks(range(len(xs)), [f"{x:g}B" for x in xs])
     ax.set_xlabel(TP.axis_label("model_size_B"))
+    zero = table[(table["series"] == ZERO) & (table["y_name"] == T.Y_NAME)]
+    for x in zero.loc[zero.get("fits", pd.Series(True, index=zero.index)).eq(False), "x_value"]:
+        ax.annotate("predicted batch:\nZeRO does not fit", (xs.index(float(x)), 0.3),
+                    fontsize=6.5, ha="center", va="bottom", rotation=90)
     ax.set_title("Fig 2 speed-up bars (ZeRO / baseline per model size), all unfitted", fontsize=9)
     TP.legend_below(ax)
 

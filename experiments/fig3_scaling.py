@@ -21,7 +21,7 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from zero_repro.lab.figures.figures import plt
 from zero_repro.lab.figures import throughput_plots as TP
@@ -182,9 +182,13 @@ def _panel(ax, df, title: str, xlabel: str, y_per: str, y_agg: str, per_label: s
                        f"{_source(series)}) [{r['kind']}]")
     if len(agg):
         ax2.set_yscale("log", base=2)
+        ax2.yaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
+        ax2.yaxis.set_minor_locator(NullLocator())
         ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax2.set_ylabel(agg_label + " (lines, log2 scale)")
-    top = pd.to_numeric(per["y_value"], errors="coerce").max()
+    top = pd.to_numeric(per["y_max"] if "y_max" in per and per["y_max"].notna().any()
+                        else per["y_value"], errors="coerce").max()
+    top = max(top, pd.to_numeric(per["y_value"], errors="coerce").max())
     if top == top:
         ax.set_ylim(0, 1.45 * top)  # room above the bars for the notes
     ax.set_title(title, fontsize=9)

@@ -105,5 +105,5 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
         table, out_dir, "fig8_configs",
         "Fig 8: C1-C5 (PREDICTION; paper values withheld for blind judging)\nbars: b = batch "
         "per GPU (largest that fits, paper2020 memory dry run; or the paper's)\nTable 9's 60B "
-        f"rows read in Table 7's order: {order}\n* red edge = in-sample: 170B C5 at batch 12 "
+        f"rows read in Table 7's order: {order}\n* cross-hatched = in-sample: 170B C5 at batch 12 "
         "is Fig 2's fitted 170B point", categorical=True)

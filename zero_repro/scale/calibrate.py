@@ -65,6 +65,8 @@ def zero_config_for(s: PaperSetup, hw: Hardware) -> str:
     """The ZeRO-R configuration assumed for a setup (see module doc)."""
     if s.zero_config.startswith("C") or s.zero_config == "baseline":
         return s.zero_config
+    if s.size_label == "170B":  # §10.5: 170B needs P_a+cpu to run (stated; no capacity test)
+        return "C5"
     first = "C4" if s.tp > 1 else "C3"
     ok = fits(hw.device_bytes, s.n_layer, s.hidden, s.heads, s.tp, s.dp, s.batch_per_gpu,
               first, reduce_bucket=REDUCE_BUCKET, allgather_bucket=ALLGATHER_BUCKET)

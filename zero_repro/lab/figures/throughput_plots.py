@@ -64,7 +64,7 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
     ``y_min``/``y_max`` (repeats: drawn as a range), ``bar_label`` (text above the bar),
     ``in_sample`` (a calibration point: cross-hatched and starred)."""
     groups = list(dict.fromkeys(zip(df["series"], df["kind"])))
-    palette = palette or [f"C{i}" for i in range(10)]
+    palette = palette or [f"C{i}" for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)]  # red: kept apart
     colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(df["series"]))}
     width = 0.8 / max(1, len(groups))
     hatch = {"paper": "///", "simulated": "", "measured": "..", "analytic": "xx"}
@@ -72,7 +72,7 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
         g = df[(df["series"] == series) & (df["kind"] == kind)]
         pos = [xs.index(x) + (i - (len(groups) - 1) / 2) * width for x in g["x_value"]]
         paper = kind == "paper"
-        ys = g["y_value"].astype(float)
+        ys = g["y_value"].astype(float).fillna(0.0)  # NaN: predicted not to fit (labelled)
         inside = [isinstance(v, str) and v != "" for v in _column(g, "in_sample")]
         bars = ax.bar(pos, ys, width, label=label(series, kind),
                       hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
@@ -120,6 +120,14 @@ def draw_lines(ax, df, logx: bool = False) -> None:
                 markerfacecolor="white" if twin else None,
                 markersize=9 if kind == "paper" else 5,
                 label=label(series, kind) + (" = the calibration points (fit)" if fitted else ""))
+        if "fits" in g:  # predicted not to fit: a cross on the axis, said in words
+            for x in g.loc[g["fits"].eq(False), "_x"]:
+                ax.plot([x], [0], marker="x", color=colors[str(series).replace(PAPER_BATCH, "")],
+                        markersize=9, clip_on=False)
+                ax.annotate(f"{series.split(' (')[0]}: does not fit\n(OOM at batch 1)", (x, 0),
+                            fontsize=6.5, ha="right", va="bottom", xytext=(-6, 60),
+                            textcoords="offset points",
+                            arrowprops=dict(arrowstyle="->", lw=0.6, color="0.3"))
     if logx:
         ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
@@ -139,7 +147,10 @@ def split(table):
 
 def local_title(local) -> str:
     hw = next((h for h in local.get("hardware", []) if isinstance(h, str) and h), "")
-    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90]
+    reps = pd.to_numeric(local["repeats"], errors="coerce").max() if "repeats" in local else 1
+    rep = (f"\nbars: median of {int(reps)} runs, whiskers: their range" if reps == reps
+           and reps > 1 else "")
+    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90] + rep
 
 
 def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool) -> list[str]:

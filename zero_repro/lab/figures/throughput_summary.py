@@ -83,7 +83,11 @@ def paper_scale_rows(records, figure: str, series_of, x_of) -> list[dict]:
         s = find_setup(figure, r.params["setup"], r.params["series"], r.params)
         paper_batch = r.params.get("batch_rule", "paper") == "paper" and r.mode == "simulated"
         name = series_of(s) + (PAPER_BATCH if paper_batch else "")
-        row = base_row(r, figure, name, x_of(s), r.metrics["tflops_per_gpu"])
+        fits = r.metrics.get("fits", True)
+        # a predicted batch of 0 (not even batch 1 fits): no throughput, the row says so
+        y = r.metrics["tflops_per_gpu"] if fits else float("nan")
+        row = base_row(r, figure, name, x_of(s), y)
+        row["fits"] = bool(fits)
         if r.mode == "simulated":
             row.update(sim_inputs(r))
         rows.append(row)
