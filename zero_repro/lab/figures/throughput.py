@@ -5,7 +5,7 @@ Three kinds of points, always labelled (``kind`` column):
 
 * ``simulated`` at paper scale: the paper's setups (Tables 5, 6, 9, 10 via
   ``zero_repro.scale.paper.setups``) through the calibrated performance model
-  (``zero_repro.scale.calibrate``: 3 parameters fitted ONLY on Figure 2's ZeRO series, on the
+  (``zero_repro.scale.calibrate``: 2 parameters fitted ONLY on Figure 2's ZeRO series, on the
   paper's DGX-2 V100 cluster). Throughput per GPU = F/tp / T with F the Megatron FLOPs of one
   iteration (96·B·s·l·h²·(1 + s/6h + V/16lh), recompute counted) and T = compute + exposed
   TP/DP/P_a/offload communication (``perf_model.step_time``).
