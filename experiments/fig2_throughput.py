@@ -20,6 +20,7 @@ import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
 FIGURE = "fig2"
@@ -30,6 +31,9 @@ BASE_OUT = "Baseline w. internode MP (Megatron-LM)"
 SPEEDUP = "ZeRO speed-up bar (ZeRO/baseline)"
 # our paper-scale series carry the paper's names; the paper-batch ones map onto them too
 SERIES_FAMILY: dict = {n + T.PAPER_BATCH: n for n in (ZERO, BASE_IN, BASE_OUT, SPEEDUP)}
+# summarize() shows the newest record of every point (harness.regenerate): a re-run at another
+# device capacity (new point keys) replaces the figure's values; older records stay as history
+NEWEST_ONLY = True
 GPUS_PER_NODE = 16  # DGX-2: the paper's split of the baseline into two series
 
 
@@ -71,6 +75,7 @@ def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[di
 
 
 def summarize(records) -> list[dict]:
+    records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
     for sfx in ("", T.PAPER_BATCH):
         rows += _speedups([r for r in rows if str(r["series"]).endswith(sfx) or not sfx],

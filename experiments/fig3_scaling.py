@@ -23,8 +23,9 @@ import pandas as pd
 from zero_repro.lab.figures import throughput as T
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-from zero_repro.lab.figures.figures import plt
+from zero_repro.lab.figures.figures import plt, save_figure
 from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
 FIGURE = "fig3"
@@ -37,6 +38,9 @@ PAPER_NAMES = {BARS: "ZeRO-100B 60B model, Performance/GPU (bars)",
                AGG: "ZeRO-100B 60B model, Observed Performance (green line)",
                LINEAR: "Perfect Linear Scalability (blue line)"}
 SERIES_FAMILY: dict = {**PAPER_NAMES, **{k + T.PAPER_BATCH: v for k, v in PAPER_NAMES.items()}}
+# summarize() shows the newest record of every point (harness.regenerate): a re-run at another
+# device capacity (new point keys) replaces the figure's values; older records stay as history
+NEWEST_ONLY = True
 DISPLAY = {v: k for k, v in PAPER_NAMES.items()}  # the paper's rows drawn under plain names
 PAIRS = [(64, 128), (128, 256), (256, 400), (64, 400)]
 TOKENS = "tokens_per_s_per_rank"
@@ -81,6 +85,7 @@ def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pair
 
 
 def summarize(records) -> list[dict]:
+    records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
     for sfx in ("", T.PAPER_BATCH):
         rows += _aggregate_and_speedups([r for r in rows if r["series"] == BARS + sfx],
@@ -142,7 +147,7 @@ LINESTYLES = ["-", "--", "-.", ":"]
 
 
 def _panel(ax, df, title: str, xlabel: str, y_per: str, y_agg: str, per_label: str,
-           agg_label: str) -> None:
+           agg_label: str, unit: str = "GPU") -> None:
     """Bars: per-GPU (per-rank) throughput on the left axis; lines on a log2 right axis: the
     aggregate, and perfect linear scaling from the smallest count (straight on log-log)."""
     per = df[df["y_name"] == y_per]
@@ -178,8 +183,8 @@ def _panel(ax, df, title: str, xlabel: str, y_per: str, y_agg: str, per_label: s
         k = lines.get(series, 0)
         ax2.plot(xs, [float(r["y_value"]) * x / x0 for x in xs], LINESTYLES[k % 4],
                  color=blues[k % len(blues)], lw=1.0,
-                 label=f"perfect linear scaling from {x0:g} ({series.split(' · ')[0]}"
-                       f"{_source(series)}) [{r['kind']}]")
+                 label=f"perfect linear scaling from the {x0:g}-{unit} value of: "
+                       + TP.label(series.split(' · ')[0] + _source(series), r["kind"]))
     if len(agg):
         ax2.set_yscale("log", base=2)
         ax2.yaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
@@ -219,7 +224,7 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])].copy()
     big["series"] = big["series"].map(lambda s: DISPLAY.get(s, s))
     n = 1 + bool(len(local))
-    fig, axes = plt.subplots(1, n, figsize=(7.8 * n, 7.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(7.8 * n, 8.6), squeeze=False)
     ax = axes[0][0]
     per = big[(big["y_name"] == T.Y_NAME) & (big["kind"] != "paper")]
     err = pd.to_numeric(per.get("rel_error_vs_paper"), errors="coerce").abs()
@@ -233,17 +238,18 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
            TP.axis_label(T.Y_NAME), TP.axis_label(T.AGG_NAME))
     bs = per[per["series"] == BARS][["x_value", "batch_per_gpu", "zero_config"]]
     note = ", ".join(f"{int(x)}: b{int(b)} {c}" for x, b, c in bs.itertuples(index=False))
-    ax.text(0.01, 0.99, _speedup_text(pd.concat([sp, table[(table["kind"] == "paper") & (
+    fig.text(0.01, 0.01, _speedup_text(pd.concat([sp, table[(table["kind"] == "paper") & (
         table["y_name"] == "speedup")]])) + ("\npredicted batch/GPU (memory dry run, "
                                               "paper2020): " + note if note else ""),
-            transform=ax.transAxes, va="top", ha="left", fontsize=6.5, family="monospace",
-            bbox=dict(facecolor="white", alpha=0.85, edgecolor="0.7"))
+            va="bottom", ha="left", fontsize=7.5, family="monospace",
+            bbox=dict(facecolor="white", edgecolor="0.7"))  # under the legend, off the data
     if len(local):
         lt = local[local["y_name"] == TOKENS]
         bl = ", ".join(f"{int(x)} rank(s): batch {int(b)}" for x, b in
                        lt[["x_value", "batch_per_gpu"]].drop_duplicates().itertuples(index=False))
-        _panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl}\n(largest "
-               "that fits one per-rank budget; bars: median, range of repeats)",
+        _panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl} (largest "
+               "that fits one per-rank budget, memory dry run)",
                "number of CPU ranks (DP degree)", TOKENS, TOKENS_AGG,
-               "tokens/s per rank", "aggregate tokens/s")
-    return TP.save(fig, out_dir, "fig3_scaling")
+               "tokens/s per rank", "aggregate tokens/s", unit="rank")
+    fig.tight_layout(rect=(0, 0.13, 1, 1))  # the bottom strip: the speed-up table
+    return save_figure(fig, out_dir, "fig3_scaling", dpi=130)

@@ -16,8 +16,12 @@ checkpoints over PCIe -> the C4 -> C5 drop the paper states.
   in-sample (marked). The inputs behind each value go to
   ``results/fig8_configs/predictions.csv``;
 * measured (cluster): the same setups as real points;
-* measured (local): C1-C5 on ``local_model`` at world 2 with TP 2 (so P_a partitions); median
-  of ``local_repeats`` measurements (range drawn).
+* measured (local): none by default. C1-C5 differ only with both a DP degree (P_os, P_os+g
+  partition over it) and an MP degree (P_a partitions over it) of at least 2: world >= 4.
+  On a machine with 4+ cores: ``experiment.params.local_configs=[C1,C2,C3,C4,C5]
+  experiment.params.local_world=4`` (``local_model`` at TP ``local_tp``, batch ``local_batch``;
+  median of ``local_repeats`` measurements, range drawn). A world whose DP or MP degree is 1 is
+  refused: those configurations would coincide in all but name.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.setups import setups
@@ -32,6 +37,9 @@ from zero_repro.scale.paper.setups import setups
 FIGURE = "fig8"
 PAPER_FIGURE = "fig8"
 SERIES_FAMILY: dict = {}
+# summarize() shows the newest record of every point (harness.regenerate): a re-run at another
+# device capacity (new point keys) replaces the figure's values; older records stay as history
+NEWEST_ONLY = True
 CONFIGS = ("C1", "C2", "C3", "C4", "C5")
 
 
@@ -41,9 +49,13 @@ def series_of(s) -> str:
 
 def _local(cfg, p: dict) -> list:
     model, tp = p.get("local_model", "small"), int(p.get("local_tp", 2))
-    world = int(p.get("local_world", 2))
+    world = int(p.get("local_world", 4))
+    if p.get("local_configs") and (tp < 2 or world // tp < 2):
+        raise ValueError(f"experiment.params.local_world={world} with local_tp={tp}: C1-C5 "
+                         f"differ only with DP >= 2 and TP >= 2 (world >= 4); with DP or TP 1 "
+                         f"they coincide in all but name")
     return [T.local_point(FIGURE, f"local {model} {c} w{world} tp{tp}", model, world, tp, c, p)
-            for c in p.get("local_configs", CONFIGS)]
+            for c in p.get("local_configs") or ()]
 
 
 def plan(cfg) -> list:
@@ -75,7 +87,7 @@ def bar_label(row: dict) -> str:
     """``b<batch>``, at the paper's batch also the Table 9 row it is (under the row order in
     use, ``paper.table9``)."""
     b = row.get("batch_per_gpu")
-    text = f"b{b}" if b else "OOM at b1"
+    text = f"b{b}" if b else f"{str(row['series']).split(' (')[0]}: does not fit (OOM at b1)"
     if row.get("batch_rule") == "paper" and str(row["series"]).startswith("60B"):
         k = table9.ORDERS[table9.DEFAULT_ORDER].index(row["x_value"]) + 1
         text += f", T9 row {k}"
@@ -85,6 +97,7 @@ def bar_label(row: dict) -> str:
 
 
 def summarize(records) -> list[dict]:
+    records = R.newest_ok(records)
     records = _current_mapping(records)
     rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.zero_config)
     for r in rows:

@@ -78,8 +78,11 @@ def test_plans_local_and_paper_cluster(name, results_dir):
     assert len(sims) == 2 * n and not by_role(local, "measured_paper")
     assert sorted(pp.point.params["batch_rule"] for pp in sims) == ["max_fit"] * n + ["paper"] * n
     loc = by_role(local, "measured_local")
-    assert loc and all(pp.cfg.cluster.name == "local" and pp.cfg.parallel.world_size <= 2
-                       for pp in loc)
+    if fig == "fig8":  # C1-C5 coincide at DP 1 or TP 1: no local panel on 2 ranks
+        assert not loc
+    else:
+        assert loc and all(pp.cfg.cluster.name == "local" and pp.cfg.parallel.world_size <= 2
+                           for pp in loc)
     for pp in by_role(local, "simulated"):  # paper scale on the paper's cluster
         assert pp.cfg.cluster.name == "dgx2_v100" and pp.cfg.model.seq_len == 1024
     cluster = planned(name, "cluster=dgx2_v100", "launcher=slurm")
@@ -181,8 +184,31 @@ def test_fig8_in_sample_point_and_bar_labels(results_dir):
         ("C5", 12, "paper")] and "fig2 170B" in inside[0]["in_sample"]
     c4 = next(r for r in rows if r["x_value"] == "C4" and r["batch_rule"] == "paper")
     assert c4["bar_label"] == "b32, T9 row 3"
-    assert all(r["bar_label"].startswith("b") or r["bar_label"].startswith("OOM")
+    assert all(r["bar_label"].startswith("b") if r["batch_per_gpu"] else
+               r["bar_label"] == f"{r['series'].split(' (')[0]}: does not fit (OOM at b1)"
                for r in rows)
+
+
+def test_fig8_local_panel_needs_dp_and_tp_of_two():
+    """C1-C5 differ only with a DP degree (P_os, P_os+g) and an MP degree (P_a) of 2 or more:
+    a local world where either is 1 is refused at planning; world 4 = TP 2 x DP 2 plans."""
+    exp = base.get("fig8_configs")
+    p = dict(T.DEFAULTS, local_configs=["C1", "C4"], local_model="tiny", local_batch=4)
+    with pytest.raises(ValueError, match="DP >= 2 and TP >= 2"):
+        exp._local(None, {**p, "local_world": 2, "local_tp": 2})
+    pts = exp._local(None, {**p, "local_world": 4, "local_tp": 2})
+    assert [(q.overrides["parallel.world_size"], q.overrides["parallel.tp"]) for q in pts] == [
+        (4, 2), (4, 2)]
+
+
+def test_fig4_local_zero_dp_fits_a_deeper_model_in_the_baselines_budget():
+    """Figure 4's mechanism at CPU scale: in the per-rank memory the baseline (stage 0) needs
+    at its own depth, P_os+g at DP 2 fits a deeper model of the same shape (memory dry run)."""
+    budget = T.local_budget("gpt_20m", 2, 1, "baseline", 4)
+    n_base = T.local_max_layers("gpt_20m", 2, 1, "baseline", budget, 4)
+    n_zero = T.local_max_layers("gpt_20m", 2, 1, "C3", budget, 4)
+    assert n_base >= C.model_conf("gpt_20m")["n_layer"]
+    assert n_zero > n_base
 
 
 def test_max_batch_search_by_dry_run():

@@ -221,6 +221,16 @@ def _local_max_batch(model: str, world: int, tp: int, zc: str, budget: int) -> i
     return maxsize.max_batch(cfg, capacity=float(budget), seed=1).batch
 
 
+@lru_cache(maxsize=None)
+def local_max_layers(model: str, world: int, tp: int, zc: str, budget: int, batch: int) -> int:
+    """Largest depth of ``model``'s shape (hidden, heads, vocabulary fixed) whose memory dry run
+    (this runtime, the allocator replay) at ``batch`` per rank fits ``budget`` bytes per rank:
+    the local form of "the largest model that trains" (``maxsize.max_layers``)."""
+    cfg = _local_dryrun_config(model, world, tp, zc)
+    cfg.train.micro_batch_size = batch
+    return maxsize.max_layers(cfg, capacity=float(budget), parallel=False).n_layer
+
+
 def local_batch(model: str, world: int, tp: int, zc: str, p: dict) -> tuple[int, str]:
     """Per-rank batch of a local point: ``local_batch`` as given; ``max_fit``: the largest that
     fits a pretend device of ``local_device_mb`` by the analytic model (capped by
@@ -342,11 +352,16 @@ def cluster_points(cfg, figure: str) -> list[Point]:
 
 
 def local_point(figure: str, name: str, model: str, world: int, tp: int, zc: str, p: dict,
-                **extra) -> Point:
+                n_layer: int | None = None, **extra) -> Point:
+    """A measured point on local CPU ranks: ``model`` (at depth ``n_layer`` if given) under
+    ``zc`` at the batch ``local_batch`` gives; ``extra``: more point params."""
     b, src = local_batch(model, world, tp, zc, p)
     ov = {**{f"model.{k}": v for k, v in C.model_conf(model).items()},
           "parallel.world_size": world, "parallel.tp": tp, "train.micro_batch_size": b,
           **zero_overrides(zc)}
+    if n_layer is not None:
+        ov["model.n_layer"] = int(n_layer)
+        extra["n_layer"] = int(n_layer)
     return Point(name=name, mode="measured",
                  params={"role": "measured_local", "figure": figure, "model": model,
                          "world_size": world, "tp": tp, "zero_config": zc, "batch": b,

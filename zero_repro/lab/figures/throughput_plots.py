@@ -7,6 +7,8 @@ simulated or measured bar.
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from zero_repro.lab.figures.figures import LINESTYLES, MARKERS, save_figure
@@ -26,7 +28,8 @@ def _pyplot():
 AXIS_WORDS = {Y_NAME: f"throughput per GPU [{UNIT}]", AGG_NAME: f"aggregate throughput "
               f"[{AGG_UNIT}]", "num_gpus": "number of GPUs",
               "model_size_B": "model size [billion parameters]",
-              "zero_config": "ZeRO configuration (Table 3)"}
+              "zero_config": "ZeRO configuration (Table 3)",
+              "local_config": "data parallelism (2 CPU ranks, TP 1)"}
 
 
 def axis_label(name: str) -> str:
@@ -34,16 +37,25 @@ def axis_label(name: str) -> str:
     return AXIS_WORDS.get(name, str(name).replace("_", " "))
 
 
+PREDICTED_BATCH = " (predicted batch)"
+
+
 def label(series: str, kind: str) -> str:
+    """A legend entry: the series, which batch a simulated series ran at (the paper's, or the
+    one the memory dry run predicts), and its kind."""
+    if kind == "simulated" and not str(series).endswith(PAPER_BATCH):
+        series = f"{series}{PREDICTED_BATCH}"
     return f"{series} [{kind}]"
 
 
-def legend_below(ax, handles=None, labels=None, ncol: int = 1, fontsize: float = 7.5) -> None:
-    """The legend under the axes (outside the data), full labels."""
+def legend_below(ax, handles=None, labels=None, ncol: int = 1, fontsize: float = 7.5,
+                 y: float = -0.13) -> None:
+    """The legend under the axes (outside the data; ``y``: its top, in axes fractions), full
+    labels."""
     if handles is None:
         handles, labels = ax.get_legend_handles_labels()
     if handles:
-        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, y),
                   ncol=ncol, fontsize=fontsize, frameon=False)
 
 
@@ -104,8 +116,11 @@ def draw_lines(ax, df, logx: bool = False) -> None:
         name = str(r["series"])  # drawn as the caption says: "(dotted)", "(dashed)"
         style = ":" if "dotted" in name else "--" if "dashed" in name else "-."
         ax.axhline(float(r["y_value"]), color="gray", linewidth=1.0, linestyle=style)
-        ax.annotate(str(r["series"]), (0.99, float(r["y_value"])), fontsize=7, ha="right",
-                    xycoords=("axes fraction", "data"), va="bottom", color="gray")
+        quoted = re.search(r"'([^']+)'", name)  # plain words, not the digitisation note
+        text = f"paper's {quoted.group(1)} line" if quoted else name
+        ax.annotate(text, (0.99, float(r["y_value"])), fontsize=7, ha="right",
+                    xycoords=("axes fraction", "data"), va="bottom", color="gray",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
     df = df[xnum.notna()].assign(_x=xnum[xnum.notna()])
     # colour = series family (the paper-batch twin of a series shares its colour, dotted)
     family = df["series"].astype(str).str.replace(PAPER_BATCH, "", regex=False)
@@ -153,8 +168,10 @@ def local_title(local) -> str:
     return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90] + rep
 
 
-def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool) -> list[str]:
-    """Paper-scale panel (simulated + paper overlay + cluster-measured) and local panel."""
+def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool,
+                  local_note: str = "") -> list[str]:
+    """Paper-scale panel (simulated + paper overlay + cluster-measured) and local panel
+    (``local_note``: more lines of its title)."""
     plt = _pyplot()
     write_predictions(table, out_dir)
     big, local = split(table)
@@ -179,10 +196,18 @@ def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool)
         local = local.assign(x_value=[f"{float(x) * 1e3:.3g}M" if size else
                                       f"{x:.4g}" if isinstance(x, float) else str(x)
                                       for x in local["x_value"]])
+        ordered = size or local["x_name"].iloc[0] == "local_config"  # as planned
+        if local["x_name"].iloc[0] == "local_config" and "bar_label" in local:
+            local = local.assign(  # each bar's own model under its name, not over the bar
+                x_value=[f"{x}\n{t}" if isinstance(t, str) and t else x
+                         for x, t in zip(local["x_value"], local["bar_label"])],
+                bar_label=None)
         xs = list(dict.fromkeys(local["x_value"]))
-        draw_bars(ax, local, xs if size else sorted(xs, key=str))
+        draw_bars(ax, local, xs if ordered else sorted(xs, key=str))
         ax.set_xlabel("model size [million parameters]" if size
                       else axis_label(local["x_name"].iloc[0]))
-        ax.set_title(local_title(local), fontsize=9)
-        legend_below(ax)
+        ax.set_title(local_title(local) + (f"\n{local_note}" if local_note else ""),
+                     fontsize=9)
+        two_line = any("\n" in str(x) for x in xs)  # tick labels of two lines
+        legend_below(ax, y=-0.18 if two_line else -0.13)
     return save(fig, out_dir, name)
