@@ -3,9 +3,15 @@
 (MP <= 16); beyond ~40B the baseline's MP crosses nodes and its TP all-reduces (12·s·h·b bytes
 per block) ride InfiniBand (~5 TFLOPs/GPU, the paper's collapse).
 
-* simulated (paper scale): Table 5 through the performance model, whose 3 parameters are fitted
-  on THIS figure's ZeRO series (the ZeRO rows are a fit, the baseline a prediction); speed-up =
-  ZeRO / baseline per model size, as the paper's bars;
+ZeRO-100B = P_os+g + ZeRO-R with Megatron MP inside a node (MP <= 16); the baseline needs MP
+across nodes beyond ~40B, where its TP all-reduces (12·s·h·b bytes per block) cross InfiniBand
+and collapse to ~5 TFLOPs/GPU.
+
+* simulated (paper scale): Table 5 setups through the performance model; its parameters are
+  fitted on THIS figure's ZeRO series at the paper's batches (so the "paper batch" ZeRO rows
+  are the fit, in-sample), everything else is a prediction: the baseline, the speed-up bars
+  (ZeRO / baseline per model size, as the paper's), and the series at the batch the paper2020
+  memory dry run says fits;
 * measured (cluster): the same setups as real points (``cluster=dgx2_v100 launcher=slurm``);
 * measured (local): ``local_models`` at world 2: C3 (P_os+g, DP 2) vs stage 0 with Megatron TP
   ``local_baseline_tp``, x = parameters in B.
@@ -16,6 +22,7 @@ import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
 PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
@@ -26,7 +33,11 @@ ZERO = "ZeRO-100B (ZeRO-DP Pos+g + ZeRO-R, with Megatron MP)"
 BASE_IN = "Baseline-MP (Megatron-LM, MP within node)"
 BASE_OUT = "Baseline w. internode MP (Megatron-LM)"
 SPEEDUP = "ZeRO speed-up bar (ZeRO/baseline)"
-SERIES_FAMILY: dict = {}  # our paper-scale series carry the paper's names
+# our paper-scale series carry the paper's names; the paper-batch ones map onto them too
+SERIES_FAMILY: dict = {n + T.PAPER_BATCH: n for n in (ZERO, BASE_IN, BASE_OUT, SPEEDUP)}
+# summarize() shows the newest record of every point (lab.figures.regenerate): a re-run at another
+# device capacity (new point keys) replaces the figure's values; older records stay as history
+NEWEST_ONLY = True
 GPUS_PER_NODE = 16  # DGX-2: the paper's split of the baseline into two series
 
 
@@ -61,15 +72,18 @@ def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[di
         z = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] == zero}
         b = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] in bases}
         for x in z:
-            if x in b and b[x]["y_value"] > 0:
+            if x in b and b[x]["y_value"] > 0 and z[x]["y_value"] == z[x]["y_value"]:
                 out.append({**z[x], "series": series, "y_name": "speedup", "unit": "x",
-                            "y_value": z[x]["y_value"] / b[x]["y_value"]})
+                            "y_value": z[x]["y_value"] / b[x]["y_value"], "in_sample": ""})
     return out
 
 
 def summarize(records) -> list[dict]:
+    records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
-    rows += _speedups(rows, ZERO, (BASE_IN, BASE_OUT), SPEEDUP)
+    for sfx in ("", T.PAPER_BATCH):
+        rows += _speedups([r for r in rows if str(r["series"]).endswith(sfx) or not sfx],
+                          ZERO + sfx, (BASE_IN + sfx, BASE_OUT + sfx), SPEEDUP + sfx)
     local = []
     for r in TS.ok_records(records, "measured_local"):
         q = r.params
@@ -85,7 +99,68 @@ def summarize(records) -> list[dict]:
     return rows + local
 
 
+def _errors(table, series: str, y_name: str = T.Y_NAME) -> str:
+    e = pd.to_numeric(table.loc[(table["series"] == series) & (table["y_name"] == y_name),
+                                "rel_error_vs_paper"], errors="coerce").abs().dropna()
+    return f"mean |err| {100 * e.mean():.0f}%, max {100 * e.max():.0f}%" if len(e) else "-"
+
+
+def error_lines(table) -> list[str]:
+    """The fitted and the unfitted errors vs the paper, apart (figure title and README)."""
+    pb = T.PAPER_BATCH
+    base = table[table["series"].isin([BASE_IN + pb, BASE_OUT + pb])].assign(series="b")
+    base_mf = table[table["series"].isin([BASE_IN, BASE_OUT])].assign(series="b")
+    return [f"paper batch: ZeRO (FITTED, in-sample) {_errors(table, ZERO + pb)}; baseline "
+            f"(predicted) {_errors(base, 'b')}; speed-up (predicted) "
+            f"{_errors(table, SPEEDUP + pb, 'speedup')}",
+            f"predicted batch (memory dry run): ZeRO {_errors(table, ZERO)}; baseline "
+            f"{_errors(base_mf, 'b')}; speed-up {_errors(table, SPEEDUP, 'speedup')}"]
+
+
+def _speedup_panel(ax, table) -> None:
+    sp = table[(table["y_name"] == "speedup") & ~table["hardware"].fillna("").str.contains(
+        "CPU rank")].copy() if "hardware" in table else table[table["y_name"] == "speedup"]
+    sp["series"] = sp["series"].map(lambda s: s.replace(SPEEDUP, "ZeRO / baseline"))
+    xs = sorted({float(x) for x in sp["x_value"]})
+    sp = sp.assign(x_value=sp["x_value"].astype(float))
+    TP.draw_bars(ax, sp, xs, ylabel="speed-up of ZeRO over the baseline [x]",
+                 palette=["tab:blue", "tab:cyan", "tab:red"])
+    ax.set_xticks(range(len(xs)), [f"{x:g}B" for x in xs])
+    ax.set_xlabel(TP.axis_label("model_size_B"))
+    zero = table[(table["series"] == ZERO) & (table["y_name"] == T.Y_NAME)]
+    for x in zero.loc[zero.get("fits", pd.Series(True, index=zero.index)).eq(False), "x_value"]:
+        ax.annotate("predicted batch:\nZeRO does not fit", (xs.index(float(x)), 0.3),
+                    fontsize=6.5, ha="center", va="bottom", rotation=90)
+    ax.set_title("Fig 2 speed-up bars (ZeRO / baseline per model size), all unfitted", fontsize=9)
+    TP.legend_below(ax)
+
+
+
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    return TP.plot_standard(table, out_dir, "fig2_throughput",
-                           "Fig 2: 400 V100 GPUs, ZeRO-100B vs Megatron-LM (paper scale)",
-                           categorical=False)
+    """Per-GPU throughput (paper overlaid), the speed-up bars beside the paper's, and the
+    local panel; the title gives the fitted and the unfitted errors apart."""
+    TS.write_predictions(table, out_dir)
+    big, local = TP.split(table)
+    per = big[big["y_name"] == T.Y_NAME]
+    n = 2 + bool(len(local))
+    fig, axes = TP._pyplot().subplots(1, n, figsize=(7.2 * n, 7.2), squeeze=False)
+    ax = axes[0][0]
+    TP.draw_lines(ax, per)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(TP.axis_label(T.Y_NAME))
+    ax.set_xlabel(TP.axis_label("model_size_B"))
+    ax.set_title("Fig 2: 400 V100 GPUs, ZeRO-100B vs Megatron-LM (paper scale)\n"
+                 + "\n".join(ln.replace("; ", ";\n    ") for ln in error_lines(table)),
+                 fontsize=7.5, loc="left")
+    TP.legend_below(ax, fontsize=7)
+    _speedup_panel(axes[0][1], big)
+    if len(local):
+        lp = local[local["y_name"] == T.Y_NAME]
+        lp = lp.assign(x_value=[f"{float(x) * 1e3:.3g}M" for x in lp["x_value"]])
+        ax = axes[0][2]
+        TP.draw_bars(ax, lp, list(dict.fromkeys(lp["x_value"])))
+        ax.set_xlabel("model size [million parameters]")
+        ax.set_title(TP.local_title(local), fontsize=9)
+        TP.legend_below(ax)
+    return TP.save(fig, out_dir, "fig2_throughput")

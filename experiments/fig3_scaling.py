@@ -3,31 +3,53 @@ P_os+g's model states shrink as 2Ψ + 14Ψ/N_d, so a larger DP degree buys a lar
 (Table 6: 16 -> 48 -> 48 -> 64) and higher arithmetic intensity: per-GPU throughput rises and the
 aggregate more than doubles from 64 to 128 GPUs (paper: 2.93x).
 
-* simulated (paper scale): Table 6 through the performance model calibrated on Figure 2 only:
-  per-GPU TFLOPs, aggregate = per-GPU x GPUs, speed-ups between GPU counts;
+The paper's explanation: P_os+g shrinks model-state memory per GPU as 2Ψ + 14Ψ/N_d, so a
+larger DP degree frees memory for a larger batch per GPU (Table 6: 16 -> 48 -> 48 -> 64), which
+raises arithmetic intensity; per-GPU throughput rises and the aggregate more than doubles from
+64 to 128 GPUs (paper: 2.93x).
+
+* simulated (paper scale): Table 6 setups through the performance model calibrated on Figure 2
+  only, in two series: at the batch per GPU the paper2020 memory dry run says fits (the
+  largest on the batch grid; C4 or C5, whichever is faster at its own largest batch), and at
+  the paper's Table 6 batch ("paper batch"); per-GPU TFLOPs, aggregate = per-GPU x GPUs,
+  speed-ups between GPU counts;
 * measured (cluster): the same four setups as real points (``cluster=dgx2_v100 launcher=slurm``);
-* measured (local): ``local_model`` at C3 (P_os+g, TP 1) on ``local_worlds`` ranks, batch per rank
-  the largest that fits a pretend ``local_device_mb`` device by the analytic model (so it grows
-  with the DP degree, as in the paper).
+* measured (local): ``experiment.params.local_model`` at P_os+g (C3, TP 1) on world sizes
+  ``local_worlds`` (1 and 2 ranks), each at the largest batch per rank whose memory dry run
+  fits the budget world 1 needs at ``local_base_batch`` (``throughput.local_batch``); per-rank
+  tokens/s, median of ``local_repeats`` measurements (range drawn).
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
-from zero_repro.lab.figures.figures import plt
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+from zero_repro.lab.figures.figures import plt, save_figure
 from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
 PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"
-BARS = "ZeRO-100B 60B model, Performance/GPU (bars)"
-AGG = "ZeRO-100B 60B model, Observed Performance (green line)"
-LINEAR = "Perfect Linear Scalability (blue line)"
+BARS = "ZeRO-100B 60B model, per-GPU throughput"
+AGG = "ZeRO-100B 60B model, aggregate throughput"
+LINEAR = "perfect linear scaling"
+# our series -> the paper's (reference.csv keeps the digitisation notes in its names)
+PAPER_NAMES = {BARS: "ZeRO-100B 60B model, Performance/GPU (bars)",
+               AGG: "ZeRO-100B 60B model, Observed Performance (green line)",
+               LINEAR: "Perfect Linear Scalability (blue line)"}
+SERIES_FAMILY: dict = {**PAPER_NAMES, **{k + T.PAPER_BATCH: v for k, v in PAPER_NAMES.items()}}
+# summarize() shows the newest record of every point (lab.figures.regenerate): a re-run at another
+# device capacity (new point keys) replaces the figure's values; older records stay as history
+NEWEST_ONLY = True
+DISPLAY = {v: k for k, v in PAPER_NAMES.items()}  # the paper's rows drawn under plain names
 PAIRS = [(64, 128), (128, 256), (256, 400), (64, 400)]
-SERIES_FAMILY: dict = {}  # our paper-scale series carry the paper's names
+TOKENS = "tokens_per_s_per_rank"
+TOKENS_AGG = "tokens_per_s"
 
 
 def _local(cfg, p: dict) -> list:
@@ -49,92 +71,190 @@ def speedup_series(a: int, b: int) -> str:
 
 
 def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pairs,
-                            prefix: str = "") -> list:
+                            prefix: str = "", suffix: str = "", y_name: str = T.AGG_NAME,
+                            unit: str = T.AGG_UNIT) -> list:
     out = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] == series}
         for x, r in mine.items():
-            out.append({**r, "series": agg_series, "y_name": T.AGG_NAME,
-                        "y_value": r["y_value"] * x, "unit": T.AGG_UNIT})
+            out.append({**r, "series": agg_series, "y_name": y_name,
+                        "y_value": r["y_value"] * x, "unit": unit,
+                        **({"y_min": r["y_min"] * x, "y_max": r["y_max"] * x}
+                           if "y_min" in r else {})})
         for a, b in pairs:
-            if a in mine and b in mine:
-                out.append({**mine[b], "series": prefix + speedup_series(a, b),
-                            "x_value": f"{a}->{b}",
-                            "y_name": "speedup", "unit": "x",
+            if a in mine and b in mine and mine[a]["y_value"] > 0:
+                out.append({**mine[b], "series": prefix + speedup_series(a, b) + suffix,
+                            "x_value": f"{a}->{b}", "y_name": "speedup", "unit": "x",
                             "y_value": mine[b]["y_value"] * b / (mine[a]["y_value"] * a)})
     return out
 
 
 def summarize(records) -> list[dict]:
+    records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
-    rows += _aggregate_and_speedups(rows, BARS, AGG, PAIRS)
+    for sfx in ("", T.PAPER_BATCH):
+        rows += _aggregate_and_speedups([r for r in rows if r["series"] == BARS + sfx],
+                                        BARS + sfx, AGG + sfx, PAIRS, suffix=sfx)
     local = []
     for r in TS.ok_records(records, "measured_local"):
         q = r.params
         series = f"local {q['model']}: P_os+g (C3), TP 1"
-        local.append(TS.base_row(r, FIGURE, series, q["world_size"], r.metrics["tflops_per_gpu"]))
+        per_rank = r.metrics["tokens_per_s"] / q["world_size"]
+        local.append(TS.base_row(r, FIGURE, series, q["world_size"], per_rank, TOKENS,
+                                 "tokens/s per rank"))
+    local = TS.repeated(local)
     worlds = sorted({r["x_value"] for r in local})
     pairs = [(a, b) for a, b in zip(worlds, worlds[1:])]
     for model in dict.fromkeys(r["series"] for r in local):
         mine = [r for r in local if r["series"] == model]
-        local += _aggregate_and_speedups(mine, model, f"{model} aggregate", pairs, "local ")
+        local += _aggregate_and_speedups(mine, model, f"{model} aggregate", pairs, "local ",
+                                         y_name=TOKENS_AGG, unit="tokens/s")
     return rows + local
 
 
 def _source(series: str) -> str:
-    """`` · this machine: <hw>`` of a labelled series (``lab.figures.regenerate``), else ''."""
+    """``, <source>: <hw>`` of a series labelled by ``lab.figures.regenerate`` (`` · this machine: ...``)."""
     return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
 
 
-GREENS = ["tab:green", "darkolivegreen", "yellowgreen", "seagreen"]
+def _log2_gpu_axis(ax, xs: list[int], label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlim(xs[0] / 2 ** 0.5, xs[-1] * 2 ** 0.5)
+    ax.set_xlabel(label + " (log2 scale)")
 
 
-def _panel(ax, df, title: str, xlabel: str = TP.axis_label("num_gpus")) -> None:
-    """Bars: per-GPU throughput (left axis). Lines (right axis, linear from 0): the aggregate
-    in green as the paper's "green line", perfect linear scaling in blue as its "blue line"."""
-    per = df[df["y_name"] == T.Y_NAME]
+def _bars_log(ax, per, xs, palette) -> None:
+    """Grouped bars on a log2 x axis: each group spans a fixed fraction of an octave."""
+    groups = list(dict.fromkeys(zip(per["series"], per["kind"])))
+    colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(per["series"]))}
+    span = 0.6 / max(1, len(groups))  # octaves per bar
+    for i, (series, kind) in enumerate(groups):
+        g = per[(per["series"] == series) & (per["kind"] == kind)]
+        off = (i - (len(groups) - 1) / 2) * span
+        x = g["x_value"].astype(float)
+        left, right = x * 2 ** (off - span / 2), x * 2 ** (off + span / 2)
+        paper = kind == "paper"
+        ys = g["y_value"].astype(float)
+        ax.bar(left, ys, right - left, align="edge", label=TP.label(series, kind),
+               hatch={"paper": "///", "measured": ".."}.get(kind, ""),
+               color="white" if paper else colors[series],
+               edgecolor=colors[series] if paper else "black", linewidth=1.0 if paper else 0.5)
+        if "y_min" in g and g["y_min"].notna().any():
+            mid = (left * right) ** 0.5
+            ax.errorbar(mid, ys, yerr=[ys - g["y_min"].astype(float),
+                                       g["y_max"].astype(float) - ys],
+                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+
+
+LINESTYLES = ["-", "--", "-.", ":"]
+
+
+def _panel(ax, df, title: str, xlabel: str, y_per: str, y_agg: str, per_label: str,
+           agg_label: str, unit: str = "GPU") -> None:
+    """Bars: per-GPU (per-rank) throughput on the left axis; lines on a log2 right axis: the
+    aggregate, and perfect linear scaling from the smallest count (straight on log-log)."""
+    per = df[df["y_name"] == y_per]
     xs = sorted({int(x) for x in per["x_value"]})
-    TP.draw_bars(ax, per.assign(x_value=per["x_value"].astype(int)), xs,
-                 palette=["tab:orange", "tab:purple", "tab:brown", "tab:pink"])
+    _bars_log(ax, per.assign(x_value=per["x_value"].astype(int)), xs,
+              ["tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    _log2_gpu_axis(ax, xs, xlabel)
+    ax.set_ylabel(per_label + " (bars)")
+    ax.grid(True, axis="y", alpha=0.3)
     ax2 = ax.twinx()
-    agg = df[df["y_name"] == T.AGG_NAME].copy()
-    agg["_x"] = agg["x_value"].astype(float).map(lambda v: xs.index(int(v)))
+    agg = df[df["y_name"] == y_agg].copy()
+    agg["_x"] = agg["x_value"].astype(float)
     styles = {"paper": ("X", "none"), "simulated": ("s", "--"), "measured": ("o", "-")}
-    greens = {}
+    greens = ["tab:green", "darkgreen", "yellowgreen", "teal"]
+    blues = ["tab:blue", "navy", "deepskyblue", "slateblue"]
+    lines = {}
     for (series, kind), g in agg.groupby(["series", "kind"], sort=False):
         g = g.sort_values("_x")
         m, ls = styles.get(kind, ("o", "-"))
-        color = greens.setdefault(series, GREENS[len(greens) % len(GREENS)])
         if series == LINEAR:
-            m, ls, color = "", ":", "tab:blue"
-        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls, color=color,
-                 markersize=9 if kind == "paper" else 5, label=TP.label(series, kind))
+            ax2.plot(g["_x"], g["y_value"].astype(float), ":", color="black", lw=1.2,
+                     label=TP.label(series + " (paper's line)", kind))
+            continue
+        k = len(lines)
+        lines[series] = k
+        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls,
+                 color=greens[k % len(greens)], markersize=9 if kind == "paper" else 5,
+                 label=TP.label(series, kind))
     ours = agg[agg["kind"].isin(["simulated", "measured"]) & (agg["series"] != LINEAR)]
     for series, g in ours.groupby("series", sort=False):  # our own perfect-linear reference
         r = g.sort_values("_x").iloc[0]
-        x0 = int(float(r["x_value"]))
-        ax2.plot(range(len(xs)), [float(r["y_value"]) * x / x0 for x in xs], "-.",
-                 color="tab:blue", alpha=0.6,
-                 label=f"perfect linear scaling from x = {x0} (ours{_source(series)}) "
-                       f"[{r['kind']}]")
+        x0 = float(r["_x"])
+        k = lines.get(series, 0)
+        ax2.plot(xs, [float(r["y_value"]) * x / x0 for x in xs], LINESTYLES[k % 4],
+                 color=blues[k % len(blues)], lw=1.0,
+                 label=f"perfect linear scaling from the {x0:g}-{unit} value of: "
+                       + TP.label(series.split(' · ')[0] + _source(series), r["kind"]))
     if len(agg):
-        ax2.set_ylim(bottom=0)
-        ax2.set_ylabel(TP.axis_label(T.AGG_NAME) + " (lines)")
-    ax.set_ylabel(TP.axis_label(T.Y_NAME) + " (bars)")
-    ax.set_xlabel(xlabel)
-    ax.set_title(title + TP.mean_err(per), fontsize=9)
+        ax2.set_yscale("log", base=2)
+        ax2.yaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
+        ax2.yaxis.set_minor_locator(NullLocator())
+        ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax2.set_ylabel(agg_label + " (lines, log2 scale)")
+    top = pd.to_numeric(per["y_max"] if "y_max" in per and per["y_max"].notna().any()
+                        else per["y_value"], errors="coerce").max()
+    top = max(top, pd.to_numeric(per["y_value"], errors="coerce").max())
+    if top == top:
+        ax.set_ylim(0, 1.45 * top)  # room above the bars for the notes
+    ax.set_title(title, fontsize=9)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    TP.legend_below(ax, h1 + h2, l1 + l2)
+    TP.legend_below(ax, h1 + h2, l1 + l2, fontsize=7)
+
+
+def _speedup_text(table) -> str:
+    sp = table[table["y_name"] == "speedup"]
+    lines = ["aggregate speed-up  paper  | predicted batch | paper batch"]
+    for a, b in PAIRS:
+        x = f"{a}->{b}"
+        got = {}
+        for _, r in sp[sp["x_value"].astype(str) == x].iterrows():
+            key = "paper" if r["kind"] == "paper" else (
+                "pb" if str(r["series"]).endswith(T.PAPER_BATCH) else "mf")
+            got[key] = float(r["y_value"])
+        f = lambda k: f"{got[k]:.2f}x" if k in got else "  -  "  # noqa: E731
+        lines.append(f"{x:>8} (ideal {b / a:.2f}x): {f('paper')} | {f('mf')} | {f('pb')}")
+    return "\n".join(lines)
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     TS.write_predictions(table, out_dir)
     big, local = TP.split(table)
-    big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])]
+    sp = big[big["y_name"] == "speedup"]
+    big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])].copy()
+    big["series"] = big["series"].map(lambda s: DISPLAY.get(s, s))
     n = 1 + bool(len(local))
-    fig, axes = plt.subplots(1, n, figsize=(7.5 * n, 6.6), squeeze=False)
-    _panel(axes[0][0], big, "Fig 3: 60B model, 64-400 V100 GPUs (paper scale)")
+    fig, axes = plt.subplots(1, n, figsize=(7.8 * n, 8.6), squeeze=False)
+    ax = axes[0][0]
+    per = big[(big["y_name"] == T.Y_NAME) & (big["kind"] != "paper")]
+    err = pd.to_numeric(per.get("rel_error_vs_paper"), errors="coerce").abs()
+    title = "Fig 3: 60B model, 64-400 V100 GPUs (paper scale; simulated = predicted)"
+    for sfx, name in (("", "predicted batch"), (T.PAPER_BATCH, "paper batch")):
+        e = err[per["series"] == BARS + sfx]
+        if e.notna().any():
+            title += f"\nper-GPU vs paper, {name}: mean |err| {100 * e.mean():.0f}%, max " \
+                     f"{100 * e.max():.0f}%"
+    _panel(ax, big, title, TP.axis_label("num_gpus"), T.Y_NAME, T.AGG_NAME,
+           TP.axis_label(T.Y_NAME), TP.axis_label(T.AGG_NAME))
+    bs = per[per["series"] == BARS][["x_value", "batch_per_gpu", "zero_config"]]
+    note = ", ".join(f"{int(x)}: b{int(b)} {c}" for x, b, c in bs.itertuples(index=False))
+    fig.text(0.01, 0.01, _speedup_text(pd.concat([sp, table[(table["kind"] == "paper") & (
+        table["y_name"] == "speedup")]])) + ("\npredicted batch/GPU (memory dry run, "
+                                              "paper2020): " + note if note else ""),
+            va="bottom", ha="left", fontsize=7.5, family="monospace",
+            bbox=dict(facecolor="white", edgecolor="0.7"))  # under the legend, off the data
     if len(local):
-        _panel(axes[0][1], local, TP.local_title(local), "number of CPU ranks (DP degree)")
-    return TP.save(fig, out_dir, "fig3_scaling")
+        lt = local[local["y_name"] == TOKENS]
+        bl = ", ".join(f"{int(x)} rank(s): batch {int(b)}" for x, b in
+                       lt[["x_value", "batch_per_gpu"]].drop_duplicates().itertuples(index=False))
+        _panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl} (largest "
+               "that fits one per-rank budget, memory dry run)",
+               "number of CPU ranks (DP degree)", TOKENS, TOKENS_AGG,
+               "tokens/s per rank", "aggregate tokens/s", unit="rank")
+    fig.tight_layout(rect=(0, 0.13, 1, 1))  # the bottom strip: the speed-up table
+    return save_figure(fig, out_dir, "fig3_scaling", dpi=130)

@@ -56,7 +56,7 @@ from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.step import train_step
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
-from zero_repro.scale.hardware import load_cluster
+from zero_repro.scale.hardware import device_bytes, load_cluster
 from zero_repro.scale.paper.setups import setups
 
 matplotlib.use("Agg")
@@ -94,7 +94,7 @@ def _cluster_overrides(name: str) -> dict:
     c = load_cluster(name)
     return {f"cluster.{k}": getattr(c, k) for k in ("name", "device", "backend",
                                                      "gpus_per_node", "device_memory_gb",
-                                                     "peak_tflops")}
+                                                     "device_memory_mib", "peak_tflops")}
 
 
 def _model_overrides(spec) -> dict:
@@ -164,7 +164,7 @@ def _one_gpu_points(p, cuda: bool, base: dict, tag: dict) -> list[Point]:
                        "model.seq_len": int(small.get("seq_len", 64)),
                        "train.micro_batch_size": int(small.get("batch", 2)),
                        "zero.reduce_bucket_size": 50_000, "zero.allgather_bucket_size": 50_000,
-                       "cluster.device_memory_gb": 0.0})
+                       "cluster.device_memory_gb": 0.0, "cluster.device_memory_mib": 0})
         ov.update({"model.n_layer": n, "model.name": f"gpt_{n}x{ov['model.n_embd']}",
                    # ONE process plays rank 0 of the paper's world on the fake group: the
                    # local rank / whole-world memory pre-flight checks do not apply
@@ -509,7 +509,7 @@ def _run_paper(cfg, point: Point) -> dict:
     real = _one_rank_real(cfg, q["device"], its)
     # the dry run accounts the same (NCCL's) bucket transport as the real rank ran
     pred = dry_run(cfg, rank=0, iterations=its, keep_trace=False, transport_of="native",
-                   allocator_capacity=cfg.cluster.device_memory_gb * GB or None)
+                   allocator_capacity=device_bytes(cfg.cluster) or None)
     m = {"point": q["point"], "n_layer": cfg.model.n_layer, "paper_n_layer": q["paper_n_layer"],
          "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp, "stage": cfg.zero.stage,
          "zero_r": cfg.zero_r.name, "micro_batch_size": cfg.train.micro_batch_size,

@@ -160,6 +160,8 @@ class ClusterConfig:
     intra_node_gbps: float = 0.0  # GB/s per device inside a node (NVSwitch/NVLink)
     inter_node_gbps: float = 0.0  # Gb/s per node between nodes (InfiniBand)
     pcie_gbps: float = 0.0  # GB/s host<->device
+    hbm_gbps: float = 0.0  # GB/s device memory bandwidth (vendor datasheet; 0 = unknown)
+    sm_count: int = 0  # streaming multiprocessors per device (vendor; 0 = unknown)
     # words for tables (the throughput figures' hardware column): not what a point measures
     description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
 
@@ -445,7 +447,7 @@ def _validate_cluster_launcher(cfg: Config) -> None:
     _choice(la.name, LAUNCHERS, "launcher.name")
     _positive(c.gpus_per_node, "cluster.gpus_per_node")
     for key in ("device_memory_gb", "device_memory_mib", "peak_tflops", "intra_node_gbps",
-                "inter_node_gbps", "pcie_gbps"):
+                "inter_node_gbps", "pcie_gbps", "hbm_gbps", "sm_count"):
         _number(getattr(c, key), f"cluster.{key}", 0)
     if c.device == "cpu" and c.backend == "nccl":
         raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")

@@ -1,14 +1,16 @@
-"""Calibration of the performance model's three parameters (``e_max``, ``x_half``, ``comm_eff``) on
-the paper's Figure 2 ZeRO series; predictions of Figures 2 (baseline), 3, 4 and 8 without
-refitting (paper §10.2-10.5). Entry points: ``calibration``, ``fit``, ``predict_fig2/3/4/8``.
+"""Calibration of the performance model's two free parameters (``PerfParams``: ``e_max``,
+``comm_eff``) on the paper's Figure 2 ZeRO series; predictions of Figures 2 (baseline), 3, 4 and 8
+without refitting (paper §10.2-10.5). Entry points: ``calibration``, ``fit``, ``predict_fig2/3/4/8``.
 
 Taken from the paper: hardware specs (§10.1 -> ``conf/cluster/dgx2_v100.yaml``), setups (Tables
-5, 6, 9, 10, ``zero_repro.scale.paper.setups``), fit targets (Figure 2 "ZeRO-100B" TFLOPs/GPU;
-with ``use_fig3`` Figure 3's bars). Objective: Σ log(simulated / paper)², a deterministic
-Nelder-Mead on the log of the parameters, bounds by clipping. A Figure 2/3 point's ZeRO-R
-configuration (unstated, ``zero_config_for``): the cheapest the analytic model fits on a 32 GB
-V100: C4 when MP > 1, C3 when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu).
-Fit limits: ``results/fig2_throughput/notes.md``.
+5, 6, 9, 10, ``zero_repro.scale.paper.setups``), fit targets (Figure 2 "ZeRO-100B" TFLOPs/GPU at
+the batches Table 5 states; with ``use_fig3`` Figure 3's bars). Objective: Σ log(simulated /
+paper)², a deterministic Nelder-Mead on the log of the parameters, bounds by clipping.
+Predictions take the batch the memory dry run says fits (``lab.figures.throughput``) or the
+paper's (the "paper batch" series). A Figure 2/3 point's ZeRO-R configuration (unstated,
+``zero_config_for``): the cheapest the analytic model fits on a 32 GB V100: C4 when MP > 1, C3
+when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu). Fit limits:
+``results/fig2_throughput/notes.md``.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ log = logging.getLogger(__name__)
 FIG2_ZERO = "ZeRO-100B ("
 FIG2_BASELINE = "Baseline"
 FIG3_BARS = "ZeRO-100B 60B model, Performance/GPU"
-BOUNDS = {"e_max": (0.05, 1.0), "x_half": (1.0, 1e6), "comm_eff": (0.02, 1.0)}
-PARAM_NAMES = ("e_max", "x_half", "comm_eff")
+BOUNDS = {"e_max": (0.05, 1.0), "comm_eff": (0.02, 1.0)}
+PARAM_NAMES = ("e_max", "comm_eff")
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Calibration:
     params: PerfParams
     cluster: str
     targets: list[str]  # which series were fitted
-    n_free: int = 3
+    n_free: int = len(PARAM_NAMES)
     residuals: list[dict] = field(default_factory=list)  # per fitted point: x, paper, sim, rel
     objective: float = 0.0
 
@@ -56,14 +58,19 @@ def zero_config_for(s: PaperSetup, hw: Hardware) -> str:
     """The ZeRO-R configuration assumed for a setup (see module doc)."""
     if s.zero_config.startswith("C") or s.zero_config == "baseline":
         return s.zero_config
+    if s.size_label == "170B":  # §10.5: 170B needs P_a+cpu to run (stated; no capacity test)
+        return "C5"
     first = "C4" if s.tp > 1 else "C3"
     ok = fits(hw.device_bytes, s.n_layer, s.hidden, s.heads, s.tp, s.dp, s.batch_per_gpu,
               first, reduce_bucket=REDUCE_BUCKET, allgather_bucket=ALLGATHER_BUCKET)
     return first if ok or s.tp == 1 else "C5"
 
 
-def workload_for(s: PaperSetup, hw: Hardware, **overrides) -> Workload:
-    cfg = zero_config_for(s, hw)
+def workload_for(s: PaperSetup, hw: Hardware, zero_config: str | None = None,
+                 **overrides) -> Workload:
+    """The performance model's workload of setup ``s`` under ``zero_config`` (default: the
+    configuration ``zero_config_for`` assumes); ``overrides``: Workload fields."""
+    cfg = zero_config or zero_config_for(s, hw)
     mc = ZERO_CONFIGS[cfg]
     kw = dict(n_layer=s.n_layer, hidden=s.hidden, heads=s.heads, gpus=s.gpus, tp=s.tp,
               batch_per_gpu=s.batch_per_gpu, stage=mc.stage, checkpointing=mc.checkpointing,
@@ -147,7 +154,8 @@ def _residuals(p: PerfParams, hw: Hardware, points, figure: str) -> list[dict]:
 
 def fit(cluster: str = "dgx2_v100", use_fig3: bool = False,
         x0: PerfParams = PerfParams()) -> Calibration:
-    """Fit (e_max, x_half, comm_eff) on Figure 2's ZeRO series (+ Figure 3 bars if asked)."""
+    """Fit (e_max, comm_eff) on Figure 2's ZeRO series at the paper's batches (Table 5;
+    + Figure 3 bars if asked)."""
     hw = hardware(cluster)
     sets = [("fig2", fig2_points("ZeRO"))] + ([("fig3", fig3_points())] if use_fig3 else [])
 
@@ -212,10 +220,23 @@ def predict_fig8(cal: Calibration) -> list[dict]:
 
 
 def errors_vs_paper(cal: Calibration) -> dict[str, list[dict]]:
-    """Per-point relative errors of the Fig 2 ZeRO, Fig 2 baseline and Fig 3 predictions."""
+    """Per-point relative errors at the paper's batches: Fig 2 ZeRO (the fit), and the
+    unfitted Fig 2 baseline, Fig 2 speed-up (ZeRO / baseline) and Fig 3."""
     hw = hardware(cal.cluster)
-    return {"fig2_zero": _residuals(cal.params, hw, fig2_points("ZeRO"), "fig2"),
-            "fig2_baseline": _residuals(cal.params, hw, fig2_points("Baseline"), "fig2"),
+    zero = _residuals(cal.params, hw, fig2_points("ZeRO"), "fig2")
+    base = _residuals(cal.params, hw, fig2_points("Baseline"), "fig2")
+    paper_sp = paper_values("fig2", "ZeRO speed-up", "speedup")
+    bmap = {r["x"]: r for r in base}
+    speed = []
+    for z in zero:
+        b = bmap.get(z["x"])
+        if b is None or z["x"] not in paper_sp:
+            continue
+        sim = z["simulated"] / b["simulated"]
+        speed.append({"figure": "fig2", "point": f"{z['x']:g}B speed-up", "x": z["x"],
+                      "paper": paper_sp[z["x"]], "simulated": sim,
+                      "rel_err": sim / paper_sp[z["x"]] - 1.0})
+    return {"fig2_zero": zero, "fig2_baseline": base, "fig2_speedup": speed,
             "fig3": _residuals(cal.params, hw, fig3_points(), "fig3")}
 
 

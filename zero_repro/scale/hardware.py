@@ -8,6 +8,8 @@ Conventions of the YAML fields (vendor figures, as printed on data sheets and in
     so the usable per-direction bandwidth is half of it.
   * ``inter_node_gbps`` Gb/s per node, per direction (sum of the node's compute NICs).
   * ``pcie_gbps`` GB/s host<->device per direction.
+  * ``hbm_gbps`` GB/s device memory bandwidth (datasheet; the memory roof of the perf model).
+  * ``sm_count`` streaming multiprocessors per device (the perf model's GEMM wave tail).
   * ``device_memory_gb`` the datasheet size in GB = 1e9 bytes, as the paper's closed-form
     Tables 1/2 compute (32 GB V100: 32e9); ``nominal_bytes``. Nothing physical uses it.
   * ``device_memory_mib`` the total the device reports (nvidia-smi / NVML, MiB = 2^20 B; each
@@ -37,20 +39,24 @@ class Hardware:
     inter_bw_node: float  # bytes/s per node per direction between nodes
     pcie_bw: float  # bytes/s per GPU per direction host<->device
     nominal_bytes: float = 0.0  # datasheet size, GB = 1e9 (closed-form Tables 1/2 only)
+    hbm_bw: float = 0.0  # bytes/s device memory bandwidth (0 = unknown)
+    sm_count: int = 0  # streaming multiprocessors per device (0 = unknown)
 
     @classmethod
     def from_config(cls, c: ClusterConfig) -> "Hardware":
         return cls(name=c.name, gpus_per_node=c.gpus_per_node,
                    device_bytes=device_bytes(c), peak_flops=c.peak_tflops * 1e12,
                    intra_bw=c.intra_node_gbps * 1e9 / 2, inter_bw_node=c.inter_node_gbps * 1e9 / 8,
-                   pcie_bw=c.pcie_gbps * 1e9, nominal_bytes=c.device_memory_gb * 1e9)
+                   pcie_bw=c.pcie_gbps * 1e9, nominal_bytes=c.device_memory_gb * 1e9,
+                   hbm_bw=c.hbm_gbps * 1e9, sm_count=c.sm_count)
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0, pcie: float = 1.0,
                flops: float = 1.0) -> "Hardware":
         """A what-if copy with bandwidths/peak multiplied (used by monotonicity checks)."""
         return Hardware(self.name, self.gpus_per_node, self.device_bytes,
                         self.peak_flops * flops, self.intra_bw * intra,
-                        self.inter_bw_node * inter, self.pcie_bw * pcie, self.nominal_bytes)
+                        self.inter_bw_node * inter, self.pcie_bw * pcie, self.nominal_bytes,
+                        self.hbm_bw, self.sm_count)
 
 
 MIB = 2**20

@@ -4,9 +4,14 @@ TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication, §10
 
     T = T_compute + T_tp + T_dp,exposed + T_Pa + T_cpu
 
-* Compute: F/MP FLOPs per GPU (F: Megatron's convention with recompute,
-  ``zero_repro.runtime.model.flops``) at peak · eff, eff = e_max · x / (x + x_half) with
-  x = 72·h²·(1 + s/(6h)) / (a·s), the GEMM work per memory-bound attention-score element.
+* Compute: a roofline of the 2019 Megatron layer on one GPU: every GEMM at the tensor-core roof
+  (``peak``: V100 125 TFLOPs, NVIDIA Tesla V100 datasheet) times ``e_max`` with a wave tail, the
+  memory-bound kernels (scores' mask/softmax/dropout, LayerNorm/bias/dropout/residual, GELU, the
+  fp32 loss: ``memory_bound_bytes``) at the HBM roof (``hbm_bw``: V100 900 GB/s, same datasheet):
+      T_compute = Σ_GEMMs 2MNK / (peak · e_max) · (1 + w_half / (M·N))  +  bytes_mem / hbm_bw
+  with w_half = ½ · SMs · 128·128 output elements: half a wave of cuBLAS's large fp16 tile on
+  average (NVIDIA "Matrix Multiplication Background" guide §2.3, §3.2; V100: 80 SMs, 655,360).
+  ΣFLOPs = F/MP, F Megatron's convention with recompute (``zero_repro.runtime.model.flops``).
 * Collectives: ring closed forms (n ranks, S bytes of the full buffer, per-rank bandwidth B,
   per-step latency α): all-reduce 2(n-1)/n·S/B + 2(n-1)α; reduce-scatter and all-gather
   (n-1)/n·S/B + (n-1)α. B is the group's bottleneck link: NVSwitch per GPU per direction inside
@@ -75,10 +80,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class PerfParams:
-    """The (at most three) fitted parameters."""
-    e_max: float = 0.7  # fraction of peak reached by large GEMMs
-    x_half: float = 1.2e4  # GEMM FLOPs per attention-score element at half efficiency
-    comm_eff: float = 0.7  # fraction of link bandwidth the collectives achieve
+    """The fitted parameters (the GEMM tail ``w_half`` comes from the hardware)."""
+    e_max: float = 0.5  # fraction of the tensor-core peak reached by saturated GEMMs
+    comm_eff: float = 0.5  # fraction of link bandwidth the collectives achieve
 
 
 # ------------------------------------------------------------------------------- collectives
@@ -126,18 +130,76 @@ def dp_link(w: Workload, hw: Hardware, comm_eff: float) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------- compute
-def compute_efficiency(w: Workload, p: PerfParams) -> float:
-    """eff = e_max·x/(x + x_half), x = GEMM FLOPs of a block per attention-score element.
+TILE_ELEMS = 128 * 128  # output elements of one cuBLAS fp16 tensor-core tile (see module doc)
 
-    Per GPU a block does 72·b·s·h²·(1 + s/(6h))/MP GEMM FLOPs (fwd+bwd) and touches
-    a·b·s²/MP score elements in memory-bound kernels (mask, softmax, dropout); MP cancels:
-    x = 72·h²·(1 + s/(6h))/(a·s). Wide models run closer to e_max, small ones (1.5B: h=1600,
-    s=1024) lose ~40% to the s² attention traffic.
-    """
-    block_flops = flops_per_iteration(w.batch_per_gpu, w.seq, 1, w.hidden, 0, False) / w.tp
-    scores = float(w.batch_per_gpu) * w.heads * w.seq * w.seq / w.tp
-    x = block_flops / scores
-    return p.e_max * x / (x + p.x_half)
+
+def w_half(hw: Hardware) -> float:
+    """Half a wave of output tiles on ``hw``'s SMs (module doc); 0 when the SM count is unknown."""
+    return 0.5 * hw.sm_count * TILE_ELEMS
+
+
+def gemm_shapes(w: Workload) -> list[tuple[float, float, float, int, float]]:
+    """(M, N, K, calls, batch) of every GEMM of one iteration on one GPU: it runs ``calls``
+    times, each a batched call of ``batch`` M×K·K×N products. Per block: QKV, proj, fc, fc2
+    forward (twice with activation recompute), their input- and weight-gradient GEMMs, the
+    attention products q·kᵀ and p·v over b·a/MP heads (forward, recompute, two gradients
+    each); the LM head once forward, twice backward. Their FLOPs sum to ``flops_per_gpu``."""
+    b, s, h, t, l = w.batch_per_gpu, w.seq, w.hidden, w.tp, w.n_layer
+    tok, d, heads = float(b) * s, h / w.heads, float(b) * w.heads / t
+    fwd = 2 if w.checkpointing else 1
+    out = []
+    for n, k in ((3 * h / t, h), (h, h / t), (4 * h / t, h), (h, 4 * h / t)):
+        out += [(tok, n, k, fwd * l, 1.0), (tok, k, n, l, 1.0), (n, k, tok, l, 1.0)]
+    for m, n, k in ((s, s, d), (s, d, s)):
+        out.append((m, n, k, (fwd + 2) * l, heads))
+    v = w.vocab / t
+    out += [(tok, v, h, 1, 1.0), (tok, h, v, 1, 1.0), (v, h, tok, 1, 1.0)]
+    return out
+
+
+def gemm_time(w: Workload, hw: Hardware, p: PerfParams) -> float:
+    """Σ 2MNK·batch/(peak·e_max)·(1 + w_half/(M·N·batch)) over ``gemm_shapes`` (module doc):
+    the matrices of a batched call share its waves."""
+    rate, tail = hw.peak_flops * p.e_max, w_half(hw)
+    return sum(calls * 2.0 * m * n * k * bt / rate * (1.0 + tail / (m * n * bt))
+               for m, n, k, calls, bt in gemm_shapes(w))
+
+
+def compute_efficiency(w: Workload, hw: Hardware, p: PerfParams) -> float:
+    """The GEMMs' effective fraction of the tensor-core peak: F/MP / (peak · ``gemm_time``)."""
+    return flops_per_gpu(w) / (hw.peak_flops * gemm_time(w, hw, p))
+
+
+# Bytes per element moved by the memory-bound kernels of the 2019 Megatron layer, forward and
+# backward (fp16 = 2 B; an elementwise op reads its inputs and writes its output; a dropout
+# also writes its 1-byte mask). The op sequence is the paper harness's
+# (DeepSpeedExamples@405ce794 Megatron-LM mpu/transformer.py, mirrored op by op in
+# ``scale.dryrun.stack.megatron2019``). Elements per block on one GPU (t = MP):
+#   scores b·(a/t)·s²: fwd QKᵀ out 2, /sqrt(d) 4, ·mask 4, -10000(1-mask) 4, softmax 4,
+#                      dropout 5, read by P·V 2 = 25;  bwd dP out 2, read for dV 2,
+#                      dropout 5, softmax 6, ·mask 4, /sqrt(d) 4, read for dQ and dK 4 = 27
+#   hidden b·s·h (replicated on every TP rank): fwd 2 LayerNorms 4+4, 2 bias adds after the
+#                      row-parallel all-reduce 4+4, 2 dropouts 5+5, 2 residual adds 6+6 = 38;
+#                      bwd 2 LayerNorm 6+6, 2 bias grads 2+2, 2 dropouts 5+5, 2 gradient
+#                      sums at the residual junctions 6+6 = 38
+#   mlp b·s·4h/t:      fwd bias 4 + jit-fused tanh-GELU (read 2, write 2 + 6 saved
+#                      intermediates 12) = 20;  bwd bias grad 2 + fused GELU bwd 16 = 18
+#   qkv b·s·3h/t:      fwd bias add 4; bwd bias grad 2
+#   logits b·s·V/t fp32 (once, not recomputed): fwd fp16->fp32 6, clone 8, max 4, sub 8,
+#                      exp 8, sum 4, div 8 = 46;  bwd mul 8, fp32->fp16 6 = 14
+MEM_BYTES = {"scores": (25, 27), "hidden": (38, 38), "mlp": (20, 18), "qkv": (4, 2),
+             "logits": (46, 14)}
+
+
+def memory_bound_bytes(w: Workload) -> float:
+    """HBM bytes of the memory-bound kernels of one iteration on one GPU (``MEM_BYTES``): the
+    blocks' forward runs twice with activation checkpointing, the loss once."""
+    b, s, h, t = float(w.batch_per_gpu), w.seq, w.hidden, w.tp
+    elems = {"scores": b * (w.heads / t) * s * s, "hidden": b * s * h, "mlp": b * s * 4 * h / t,
+             "qkv": b * s * 3 * h / t}
+    fwd_passes = 2 if w.checkpointing else 1
+    block = sum(n * (MEM_BYTES[k][0] * fwd_passes + MEM_BYTES[k][1]) for k, n in elems.items())
+    return w.n_layer * block + b * s * w.vocab / t * sum(MEM_BYTES["logits"])
 
 
 def flops_per_gpu(w: Workload) -> float:
@@ -150,7 +212,9 @@ def step_time(w: Workload, hw: Hardware, p: PerfParams) -> dict[str, float]:
     """Seconds per iteration by component, plus ``total`` and ``tflops_per_gpu``."""
     eta = p.comm_eff
     f_gpu = flops_per_gpu(w)
-    t_compute = f_gpu / (hw.peak_flops * compute_efficiency(w, p))
+    t_gemm = gemm_time(w, hw, p)
+    t_mem = memory_bound_bytes(w) / hw.hbm_bw if hw.hbm_bw > 0 else 0.0
+    t_compute = t_gemm + t_mem
     # forward : backward : recompute = 1 : 2 : 1 with checkpointing, 1 : 2 without
     parts = 4.0 if w.checkpointing else 3.0
     t_fwd, t_bwd_window = t_compute / parts, t_compute * (parts - 1) / parts
@@ -173,7 +237,7 @@ def step_time(w: Workload, hw: Hardware, p: PerfParams) -> dict[str, float]:
         t_cpu = max(0.0, ckpt / pcie - t_fwd) + ckpt / pcie
 
     total = t_compute + t_tp + t_dp + t_pa + t_cpu
-    return {"compute": t_compute, "tp_comm": t_tp, "dp_comm": t_dp, "pa_comm": t_pa,
+    return {"compute": t_compute, "gemm": t_gemm, "memory_bound": t_mem, "tp_comm": t_tp, "dp_comm": t_dp, "pa_comm": t_pa,
             "cpu_offload": t_cpu, "total": total,
             "tflops_per_gpu": f_gpu / total / 1e12}
 

@@ -7,10 +7,12 @@ simulated or measured bar.
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from zero_repro.lab.figures.figures import LINESTYLES, MARKERS, save_figure
-from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, UNIT, Y_NAME
+from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, PAPER_BATCH, UNIT, Y_NAME
 from zero_repro.lab.figures.throughput_summary import write_predictions
 
 def _pyplot():
@@ -26,7 +28,8 @@ def _pyplot():
 AXIS_WORDS = {Y_NAME: f"throughput per GPU [{UNIT}]", AGG_NAME: f"aggregate throughput "
               f"[{AGG_UNIT}]", "num_gpus": "number of GPUs",
               "model_size_B": "model size [billion parameters]",
-              "zero_config": "ZeRO configuration (Table 3)"}
+              "zero_config": "ZeRO configuration (Table 3)",
+              "local_config": "data parallelism (2 CPU ranks, TP 1)"}
 
 
 def axis_label(name: str) -> str:
@@ -34,16 +37,25 @@ def axis_label(name: str) -> str:
     return AXIS_WORDS.get(name, str(name).replace("_", " "))
 
 
+PREDICTED_BATCH = " (predicted batch)"
+
+
 def label(series: str, kind: str) -> str:
+    """A legend entry: the series, which batch a simulated series ran at (the paper's, or the
+    one the memory dry run predicts), and its kind."""
+    if kind == "simulated" and not str(series).endswith(PAPER_BATCH):
+        series = f"{series}{PREDICTED_BATCH}"
     return f"{series} [{kind}]"
 
 
-def legend_below(ax, handles=None, labels=None, ncol: int = 1, fontsize: float = 7.5) -> None:
-    """The legend under the axes (outside the data), full labels."""
+def legend_below(ax, handles=None, labels=None, ncol: int = 1, fontsize: float = 7.5,
+                 y: float = -0.13) -> None:
+    """The legend under the axes (outside the data; ``y``: its top, in axes fractions), full
+    labels."""
     if handles is None:
         handles, labels = ax.get_legend_handles_labels()
     if handles:
-        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, y),
                   ncol=ncol, fontsize=fontsize, frameon=False)
 
 
@@ -54,11 +66,17 @@ def mean_err(df) -> str:
     return f"  mean |err| vs paper {100 * e.mean():.1f}%" if e.notna().any() else ""
 
 
+def _column(g, name: str) -> list:
+    return list(g[name]) if name in g else [None] * len(g)
+
+
 def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) -> None:
     """Grouped bars: one group per x in ``xs`` (categorical), one bar per (series, kind);
-    colour = series, paper bars unfilled and hatched in that colour."""
+    colour = series, paper bars unfilled and hatched in that colour. Optional columns:
+    ``y_min``/``y_max`` (repeats: drawn as a range), ``bar_label`` (text above the bar),
+    ``in_sample`` (a calibration point: cross-hatched and starred)."""
     groups = list(dict.fromkeys(zip(df["series"], df["kind"])))
-    palette = palette or [f"C{i}" for i in range(10)]
+    palette = palette or [f"C{i}" for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)]  # red: kept apart
     colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(df["series"]))}
     width = 0.8 / max(1, len(groups))
     hatch = {"paper": "///", "simulated": "", "measured": "..", "analytic": "xx"}
@@ -66,10 +84,26 @@ def draw_bars(ax, df, xs: list, ylabel: str = axis_label(Y_NAME), palette=None) 
         g = df[(df["series"] == series) & (df["kind"] == kind)]
         pos = [xs.index(x) + (i - (len(groups) - 1) / 2) * width for x in g["x_value"]]
         paper = kind == "paper"
-        ax.bar(pos, g["y_value"].astype(float), width, label=label(series, kind),
-               hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
-               edgecolor=colors[series] if paper else "black",
-               color="white" if paper else colors[series])
+        ys = g["y_value"].astype(float).fillna(0.0)  # NaN: predicted not to fit (labelled)
+        inside = [isinstance(v, str) and v != "" for v in _column(g, "in_sample")]
+        bars = ax.bar(pos, ys, width, label=label(series, kind),
+                      hatch=hatch.get(kind, ""), linewidth=1.0 if paper else 0.5,
+                      edgecolor=colors[series] if paper else "black",
+                      color="white" if paper else colors[series])
+        for bar, hit in zip(bars, inside):
+            if hit:  # a calibration point: cross-hatched
+                bar.set_hatch("xxx")
+                bar.set_edgecolor("black")
+        lo, hi = _column(g, "y_min"), _column(g, "y_max")
+        if any(v is not None and v == v for v in lo):
+            ax.errorbar(pos, ys, yerr=[[y - (a if a == a else y) for y, a in zip(ys, lo)],
+                                       [(b if b == b else y) - y for y, b in zip(ys, hi)]],
+                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+        texts = [("* " if hit else "") + (t if isinstance(t, str) else "")
+                 for t, hit in zip(_column(g, "bar_label"), inside)]
+        if any(texts):
+            ax.bar_label(bars, texts, fontsize=6, padding=2, rotation=90)
+            ax.set_ylim(top=max(ax.get_ylim()[1], 1.3 * float(ys.max())))
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
@@ -82,15 +116,33 @@ def draw_lines(ax, df, logx: bool = False) -> None:
         name = str(r["series"])  # drawn as the caption says: "(dotted)", "(dashed)"
         style = ":" if "dotted" in name else "--" if "dashed" in name else "-."
         ax.axhline(float(r["y_value"]), color="gray", linewidth=1.0, linestyle=style)
-        ax.annotate(str(r["series"]), (0.99, float(r["y_value"])), fontsize=7, ha="right",
-                    xycoords=("axes fraction", "data"), va="bottom", color="gray")
+        quoted = re.search(r"'([^']+)'", name)  # plain words, not the digitisation note
+        text = f"paper's {quoted.group(1)} line" if quoted else name
+        ax.annotate(text, (0.99, float(r["y_value"])), fontsize=7, ha="right",
+                    xycoords=("axes fraction", "data"), va="bottom", color="gray",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
     df = df[xnum.notna()].assign(_x=xnum[xnum.notna()])
-    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(df["series"]))}
+    # colour = series family (the paper-batch twin of a series shares its colour, dotted)
+    family = df["series"].astype(str).str.replace(PAPER_BATCH, "", regex=False)
+    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(family))}
     for (series, kind), g in df.groupby(["series", "kind"], sort=False):
         g = g.sort_values("_x")
+        twin = str(series).endswith(PAPER_BATCH) and kind != "paper"
+        fitted = "in_sample" in g and all(isinstance(v, str) and v for v in g["in_sample"])
         ax.plot(g["_x"], g["y_value"].astype(float), marker=MARKERS.get(kind, "o"),
-                linestyle=LINESTYLES.get(kind, "-"), color=colors[series],
-                markersize=9 if kind == "paper" else 5, label=label(series, kind))
+                linestyle=":" if twin else LINESTYLES.get(kind, "-"),
+                color=colors[str(series).replace(PAPER_BATCH, "")],
+                markerfacecolor="white" if twin else None,
+                markersize=9 if kind == "paper" else 5,
+                label=label(series, kind) + (" = the calibration points (fit)" if fitted else ""))
+        if "fits" in g:  # predicted not to fit: a cross on the axis, said in words
+            for x in g.loc[g["fits"].eq(False), "_x"]:
+                ax.plot([x], [0], marker="x", color=colors[str(series).replace(PAPER_BATCH, "")],
+                        markersize=9, clip_on=False)
+                ax.annotate(f"{series.split(' (')[0]}: does not fit\n(OOM at batch 1)", (x, 0),
+                            fontsize=6.5, ha="right", va="bottom", xytext=(-6, 60),
+                            textcoords="offset points",
+                            arrowprops=dict(arrowstyle="->", lw=0.6, color="0.3"))
     if logx:
         ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
@@ -110,11 +162,16 @@ def split(table):
 
 def local_title(local) -> str:
     hw = next((h for h in local.get("hardware", []) if isinstance(h, str) and h), "")
-    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90]
+    reps = pd.to_numeric(local["repeats"], errors="coerce").max() if "repeats" in local else 1
+    rep = (f"\nbars: median of {int(reps)} runs, whiskers: their range" if reps == reps
+           and reps > 1 else "")
+    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90] + rep
 
 
-def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool) -> list[str]:
-    """Paper-scale panel (simulated + paper overlay + cluster-measured) and local panel."""
+def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool,
+                  local_note: str = "") -> list[str]:
+    """Paper-scale panel (simulated + paper overlay + cluster-measured) and local panel
+    (``local_note``: more lines of its title)."""
     plt = _pyplot()
     write_predictions(table, out_dir)
     big, local = split(table)
@@ -139,9 +196,18 @@ def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool)
         local = local.assign(x_value=[f"{float(x) * 1e3:.3g}M" if size else
                                       f"{x:.4g}" if isinstance(x, float) else str(x)
                                       for x in local["x_value"]])
-        draw_bars(ax, local, list(dict.fromkeys(local["x_value"])))
+        ordered = size or local["x_name"].iloc[0] == "local_config"  # as planned
+        if local["x_name"].iloc[0] == "local_config" and "bar_label" in local:
+            local = local.assign(  # each bar's own model under its name, not over the bar
+                x_value=[f"{x}\n{t}" if isinstance(t, str) and t else x
+                         for x, t in zip(local["x_value"], local["bar_label"])],
+                bar_label=None)
+        xs = list(dict.fromkeys(local["x_value"]))
+        draw_bars(ax, local, xs if ordered else sorted(xs, key=str))
         ax.set_xlabel("model size [million parameters]" if size
                       else axis_label(local["x_name"].iloc[0]))
-        ax.set_title(local_title(local), fontsize=9)
-        legend_below(ax)
+        ax.set_title(local_title(local) + (f"\n{local_note}" if local_note else ""),
+                     fontsize=9)
+        two_line = any("\n" in str(x) for x in xs)  # tick labels of two lines
+        legend_below(ax, y=-0.18 if two_line else -0.13)
     return save(fig, out_dir, name)

@@ -8,8 +8,9 @@ paper's tables call it MP); new records spell the workload's field ``tp``, old o
 from __future__ import annotations
 
 import os
+import statistics
 
-from zero_repro.lab.figures.throughput import UNIT, X_NAME, Y_NAME, find_setup
+from zero_repro.lab.figures.throughput import PAPER_BATCH, UNIT, X_NAME, Y_NAME, find_setup
 
 _WORKLOAD_COLUMNS = ("n_layer", "hidden", "heads", "gpus", "mp", "batch_per_gpu", "stage",
                      "checkpointing", "p_a", "p_a_cpu", "overlap_comm")
@@ -31,13 +32,15 @@ def hardware_label(rec) -> str:
 
 
 def base_row(rec, figure: str, series: str, x, y, y_name=Y_NAME, unit=UNIT) -> dict:
-    q = rec.params
+    q, m = rec.params, rec.metrics
     return {"figure": figure, "series": series, "x_name": X_NAME[figure], "x_value": x,
             "y_name": y_name, "y_value": y, "unit": unit, "kind": rec.mode,
             "hardware": hardware_label(rec), "point": rec.point,
             "num_gpus": rec.topology.get("world_size"), "mp": rec.topology.get("tp"),
-            "batch_per_gpu": q.get("batch"), "batch_source": q.get("batch_source", ""),
-            "zero_config": q.get("zero_config", "")}
+            "batch_per_gpu": m.get("batch", q.get("batch")),
+            "batch_source": m.get("batch_source", q.get("batch_source", "")),
+            "zero_config": m.get("zero_config", q.get("zero_config", "")),
+            "batch_rule": q.get("batch_rule", ""), "in_sample": m.get("in_sample", "")}
 
 
 def _workload_value(w: dict, column: str):
@@ -50,8 +53,18 @@ def sim_inputs(rec) -> dict:
     """The inputs and the time breakdown behind a simulated value (predictions.csv)."""
     m = rec.metrics
     w, pp, bd = m.get("workload", {}), m.get("perf_params", {}), m.get("breakdown_s", {})
-    return {**{f"w_{k}": _workload_value(w, k) for k in _WORKLOAD_COLUMNS},
-            **{f"t_{k}_s": v for k, v in bd.items()}, **pp}
+    out = {**{f"w_{k}": _workload_value(w, k) for k in _WORKLOAD_COLUMNS},
+           **{f"t_{k}_s": v for k, v in bd.items()}, **pp,
+           "gemm_efficiency": m.get("gemm_efficiency")}
+    srch = m.get("search") or {}
+    if srch:  # the predicted batch: what it was judged against, what the next one needs
+        out["judged_capacity_GB"] = round(srch["capacity"] / 1e9, 3)
+        nxt = srch.get("next_capacity")
+        out["next_batch_needs_GB"] = round(nxt / 1e9, 3) if nxt else None
+        alts = m.get("alternatives") or {}
+        out["alternatives"] = "; ".join(f"{c} b{a['batch']} {a['tflops_per_gpu']:.1f} TF"
+                                        for c, a in alts.items()) if len(alts) > 1 else ""
+    return out
 
 
 def ok_records(records, role: str | None = None) -> list:
@@ -68,7 +81,13 @@ def paper_scale_rows(records, figure: str, series_of, x_of) -> list[dict]:
         if r.params.get("figure") != figure:
             continue
         s = find_setup(figure, r.params["setup"], r.params["series"], r.params)
-        row = base_row(r, figure, series_of(s), x_of(s), r.metrics["tflops_per_gpu"])
+        paper_batch = r.params.get("batch_rule", "paper") == "paper" and r.mode == "simulated"
+        name = series_of(s) + (PAPER_BATCH if paper_batch else "")
+        fits = r.metrics.get("fits", True)
+        # a predicted batch of 0 (not even batch 1 fits): no throughput, the row says so
+        y = r.metrics["tflops_per_gpu"] if fits else float("nan")
+        row = base_row(r, figure, name, x_of(s), y)
+        row["fits"] = bool(fits)
         if r.mode == "simulated":
             row.update(sim_inputs(r))
         rows.append(row)
@@ -83,3 +102,18 @@ def write_predictions(table, out_dir: str) -> str | None:
     path = os.path.join(out_dir, "predictions.csv")
     sim.dropna(axis=1, how="all").to_csv(path, index=False)
     return path
+
+
+def repeated(rows: list[dict]) -> list[dict]:
+    """Rows of repeated measurements of one point (same series, x, y_name, kind) as one row:
+    the median y, with ``y_min``, ``y_max`` and ``repeats``; order of first appearance."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["series"], str(r["x_value"]), r["y_name"], r["kind"]), []).append(r)
+    out = []
+    for g in groups.values():
+        ys = sorted(float(r["y_value"]) for r in g)
+        mid = statistics.median(ys)
+        out.append({**g[0], "y_value": mid, "y_min": ys[0], "y_max": ys[-1],
+                    "repeats": len(ys)})
+    return out

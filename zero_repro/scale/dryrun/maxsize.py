@@ -489,6 +489,80 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
             n = (lo + hi) // 2
 
 
+# ------------------------------------------------------------------------------ max batch
+# The batch sizes a search may answer: powers of two and three times powers of two. The paper
+# harness's sweeps use 2, 4, 8, 16, 32, 48, 64, 96 (DeepSpeedExamples@405ce794
+# Megatron-LM/scripts/hyperscale/config{6,7}_*node.dat) and the paper's tables 6, 12, 24.
+BATCH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass
+class BatchJudgement:
+    batch: int
+    fits: bool
+    min_capacity: int  # smallest allocator capacity this batch's judged replay fits in
+    peak_reserved: int
+    seconds: float
+
+
+@dataclass
+class MaxBatchResult:
+    batch: int  # largest grid batch judged to fit whose next grid batch does not (0: none)
+    capacity: float
+    judgements: list = field(default_factory=list)  # BatchJudgement, in evaluation order
+    seconds: float = 0.0
+
+    def next_capacity(self) -> int | None:
+        """The capacity the next grid batch above the answer needs (None: not judged): the
+        answer moves up once the allocator's share of the device reaches it."""
+        above = [j for j in self.judgements if j.batch > self.batch]
+        return min(above, key=lambda j: j.batch).min_capacity if above else None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def max_batch(cfg: C.Config, capacity: float | None = None, seed: int = 8,
+              grid: tuple[int, ...] = BATCH_GRID, iterations: int = 2) -> MaxBatchResult:
+    """Largest ``train.micro_batch_size`` on ``grid`` whose dry run of ``cfg`` fits
+    ``capacity`` (default: the cluster's device less the stack's bytes outside the allocator,
+    ``capacity_of``), judged as ``max_layers`` judges a depth: the steady-state allocator
+    replay does not run out of memory. Walks the grid from ``seed`` (up while it fits, down
+    while it does not); the answer is a batch judged to fit whose next grid batch was judged
+    not to (or the grid's end). Every judged batch carries the capacity it needs, so the
+    answer at another capacity can be read off the judgements."""
+    t0 = time.perf_counter()
+    cap = capacity_of(cfg) if capacity is None else capacity
+    memo: dict[int, BatchJudgement] = {}
+    order: list[BatchJudgement] = []
+
+    def judge(b: int) -> bool:
+        if b not in memo:
+            tb = time.perf_counter()
+            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                   micro_batch_size=b))
+            res = dry_run(c, iterations=iterations, keep_trace=True, details=False,
+                          allocator_capacity=cap)
+            j = BatchJudgement(b, not res.allocator["oom"], int(res.min_capacity()),
+                               int(res.allocator["peak_reserved"]), time.perf_counter() - tb)
+            memo[b] = j
+            order.append(j)
+            log.info("max-batch judge: batch %d -> %s (needs %.2f of %.2f GB, %.1f s)", b,
+                     "fits" if j.fits else "OOM", j.min_capacity / 1e9, cap / 1e9, j.seconds)
+        return memo[b].fits
+
+    i = max(0, max((k for k, g in enumerate(grid) if g <= max(1, seed)), default=0))
+    if judge(grid[i]):
+        while i + 1 < len(grid) and judge(grid[i + 1]):
+            i += 1
+        answer = grid[i]
+    else:
+        while i > 0 and not judge(grid[i - 1]):
+            i -= 1
+        answer = grid[i - 1] if i > 0 else 0
+    return MaxBatchResult(answer, cap, order, time.perf_counter() - t0)
+
+
 # ------------------------------------------------------------------------------ depth scan
 def scan(cfg: C.Config, depths, capacity: float | None = None, iterations: int = 2,
          parallel: bool | None = None) -> list[Judgement]:
