@@ -211,9 +211,8 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
-    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
-                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-                                   recompute=cfg.zero_r.activation_checkpointing)
+    fl = flops.flops_per_iteration_cfg(m, t.micro_batch_size * t.grad_accum * topo.dp,
+                                       recompute=cfg.zero_r.activation_checkpointing)
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 

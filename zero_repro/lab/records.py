@@ -60,7 +60,9 @@ KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
 # (overlap_param_gather's default became None = automatic later: None enters the key, so a
 # CPU point of the new default -- overlap off -- never reuses a record made with it on)
 KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
-                               "keep_gathered_turn": True, "split_tied_grad": False}}
+                               "keep_gathered_turn": True, "split_tied_grad": False},
+                      "model": {"family": "gpt", "n_kv_head": 0, "ffn_hidden": 0,
+                                "rope_theta": 10000.0, "norm_eps": 1e-5}}
 SCHEMA_VERSION = 1
 
 
@@ -347,7 +349,8 @@ def knob_label(config: dict) -> str:
     m, p = config.get("model") or {}, config.get("parallel") or {}
     z, zr, t = config.get("zero") or {}, config.get("zero_r") or {}, config.get("train") or {}
     world, tp = p.get("world_size", 1), p.get("tp", 1)
-    label = (f"GPT {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
+    family = "Llama" if m.get("family") == "llama" else "GPT"
+    label = (f"{family} {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
              f"s{m.get('seq_len')}) {z.get('dtype')} stage {z.get('stage')}")
     if zr.get("name") not in (None, "", "off"):
         label += f" + ZeRO-R {str(zr['name']).upper()}"

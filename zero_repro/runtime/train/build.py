@@ -2,8 +2,8 @@
 outside, in a fixed order (as torchtitan's ``parallelize_llama`` applies TP, activation
 checkpointing, then FSDP):
 
-    1. TP (Megatron §3): the GPT is constructed with the TP group, its linears column/row
-       parallel and its embedding vocab-parallel;
+    1. TP (Megatron §3): the model (``model.family``: GPT or Llama) is constructed with the
+       TP group, its linears column/row parallel and its embedding vocab-parallel;
     2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, M_D arena) wraps the blocks;
     3. ZeRO-DP wrap (§5: stage 0-3 strategy): parameters re-pointed into flat buffers in the
        training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
@@ -23,7 +23,9 @@ import torch
 
 from zero_repro import config as C
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model import model_class
 from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.model.llama import Llama
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.runtime.zero.precision import lp_dtype
 from zero_repro.runtime.zero.strategy import Strategy
@@ -46,7 +48,7 @@ def dp1_warning(cfg: C.Config, dp: int) -> str | None:
 def build(cfg: C.Config, topo: Topology, device: torch.device, *,
           make_model: Callable | None = None, make_ckpt: Callable | None = None,
           make_strategy: Callable | None = None
-          ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
+          ) -> tuple[GPT | Llama, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
     handle or None, strategy).
 
@@ -60,7 +62,9 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     torch.manual_seed(cfg.train.seed)
     dtype = lp_dtype(cfg.zero.dtype)
     if make_model is None:
-        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+        # the family's class (GPT or Llama), TP layers built in
+        model = model_class(cfg.model)(cfg.model, tp_group=topo.tp_group, device=device,
+                                       dtype=dtype)
     else:
         model = make_model(cfg, topo, device, dtype)
     ckpt = None
