@@ -212,3 +212,28 @@ def test_model_class_and_meta_padding():
     assert dims["blocks.0.mlp.gate_up.weight"] == 0 and dims["blocks.0.mlp.down.weight"] == 1
     assert dims["lm_head.weight"] == 0 and dims["ln_f.weight"] is None
     assert m.full_shapes()["lm_head.weight"] == (104, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch_and_saves_input_and_rstd(dtype):
+    from zero_repro.runtime.model.llama import RMSNorm
+    x = torch.randn(3, 5, 16, dtype=dtype, requires_grad=True)
+    norm = RMSNorm(16, 1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    g = torch.randn(3, 5, 16, dtype=dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    (y * g).sum().backward()
+    xr = x.detach().float().requires_grad_(True)
+    wr = norm.weight.detach().float().requires_grad_(True)
+    yr = F.rms_norm(xr, (16,), wr, 1e-5)
+    (yr * g.float()).sum().backward()
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y.float(), yr, **tol)
+    torch.testing.assert_close(x.grad.float(), xr.grad, **tol)
+    torch.testing.assert_close(norm.weight.grad.float(), wr.grad, **tol)
+    # what CUDA's fused kernel keeps: the input, the weight and an fp32 rstd per row
+    assert [tuple(t.shape) for t in saved] == [(3, 5, 16), (16,), (3, 5, 1)]
+    assert saved[2].dtype == torch.float32

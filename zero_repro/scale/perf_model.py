@@ -5,7 +5,8 @@ throughput figures 2, 3, 4, 8).
     T = T_compute + T_tp + T_dp,exposed + T_Pa + T_cpu
 
 * Compute. FLOPs per GPU = F/MP with F the Megatron convention (``zero_repro.runtime.model.flops``:
-  96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with recompute). They run at peak · eff, with a
+  96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with recompute; a Llama shape, ``Workload.ffn`` /
+  ``kv_heads``: ``flops_per_iteration_shape``). They run at peak · eff, with a
   saturating efficiency in the GEMM work per memory-bound attention-score element,
       eff = e_max · x / (x + x_half),   x = 72·h²·(1 + s/(6h)) / (a·s)
   Equivalently each score element (a·b·s²/MP per block) costs x_half GEMM-FLOP-equivalents.
@@ -39,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from zero_repro.runtime.model.flops import flops_per_iteration
+from zero_repro.runtime.model.flops import flops_per_iteration, flops_per_iteration_shape
 from zero_repro.scale.paper.buckets import REDUCE_BUCKET
 from zero_repro.scale.hardware import Hardware
 
@@ -68,15 +69,36 @@ class Workload:
     lp_bytes: int = 2
     dropout: bool = True
     bucket_elems: float = float(REDUCE_BUCKET)  # DP collective call size (latency only)
+    # model shape beyond GPT-2's (``runtime.model.llama``): SwiGLU width (0: GPT's 4h GELU MLP)
+    # and key/value heads (0: one per query head); a SwiGLU model has an untied head, no
+    # biases and no learned positions
+    ffn: int = 0
+    kv_heads: int = 0
 
     @property
     def dp(self) -> int:
         return self.gpus // self.tp
 
     @property
+    def kv_width(self) -> int:
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
     def params(self) -> float:
         h, l = self.hidden, self.n_layer
+        if self.ffn:  # Llama (flops.param_count)
+            block = 2 * h * h + 2 * h * self.kv_width + 3 * h * self.ffn + 2 * h
+            return float(l * block + 2 * self.vocab * h + h)
         return 12.0 * l * h * h + 13.0 * l * h + (self.vocab + self.seq) * h + 2 * h
+
+    def flops(self, n_layer: int, vocab: int, recompute: bool) -> float:
+        """``flops_per_iteration`` of one micro-batch (GPT), or its shape form (SwiGLU, GQA)."""
+        if self.ffn:
+            return flops_per_iteration_shape(self.batch_per_gpu, self.seq, n_layer, self.hidden,
+                                             vocab, recompute, kv_width=self.kv_width,
+                                             ffn=self.ffn, gated=True)
+        return flops_per_iteration(self.batch_per_gpu, self.seq, n_layer, self.hidden, vocab,
+                                   recompute)
 
 
 @dataclass(frozen=True)
@@ -140,15 +162,14 @@ def compute_efficiency(w: Workload, p: PerfParams) -> float:
     x = 72·h²·(1 + s/(6h))/(a·s). Wide models run closer to e_max, small ones (1.5B: h=1600,
     s=1024) lose ~40% to the s² attention traffic.
     """
-    block_flops = flops_per_iteration(w.batch_per_gpu, w.seq, 1, w.hidden, 0, False) / w.tp
+    block_flops = w.flops(1, 0, False) / w.tp
     scores = float(w.batch_per_gpu) * w.heads * w.seq * w.seq / w.tp
     x = block_flops / scores
     return p.e_max * x / (x + p.x_half)
 
 
 def flops_per_gpu(w: Workload) -> float:
-    return flops_per_iteration(w.batch_per_gpu, w.seq, w.n_layer, w.hidden, w.vocab,
-                               w.checkpointing) / w.tp
+    return w.flops(w.n_layer, w.vocab, w.checkpointing) / w.tp
 
 
 # -------------------------------------------------------------------------------- the model

@@ -70,6 +70,41 @@ class Rotary:
         return self._tables[key]
 
 
+class _RMSNorm(torch.autograd.Function):
+    """y = x · rsqrt(mean(x²) + eps) · w, statistics in fp32; saves what CUDA's fused kernel
+    saves (the input and the fp32 rstd, ``aten._fused_rms_norm``), so memory is the same on
+    every device (torch's composite path, taken on CPU and meta, also keeps an fp32 copy of
+    the input and the normalised output)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = grad.float() * weight.float()
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        dw = (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no bias): ``_RMSNorm``."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, heads, T, d) rotated by the position's angles: pairs (i, i + d/2) as in Hugging
     Face's ``rotate_half`` (Meta's checkpoint interleaves the pairs; the same map up to a fixed
@@ -104,7 +139,7 @@ class Attention(nn.Module):
         q = y[:, :, :, :rep].reshape(b, t, g * rep, d).transpose(1, 2)  # (B, a/tp, T, d)
         k, v = (y[:, :, :, i].transpose(1, 2) for i in (rep, rep + 1))  # (B, g/tp, T, d)
         cos, sin = self.rotary.tables(t, x.device, q.dtype)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, heads, T, d)
         if rep > 1:  # query head i of a group reads the group's kv head
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = causal_attention(q, k, v, 0.0)
@@ -135,9 +170,9 @@ class LlamaBlock(nn.Module):
                  dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
+        self.attn_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg, group, rotary, **kw)
-        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
+        self.mlp_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
         self.mlp = SwiGLU(cfg, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +194,7 @@ class Llama(nn.Module):
         self.tok_emb = VocabParallelEmbedding(self.vocab_padded, cfg.n_embd, group, **kw)
         self.blocks = nn.ModuleList(LlamaBlock(cfg, group, self.rotary, **kw)
                                     for _ in range(cfg.n_layer))
-        self.ln_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
+        self.ln_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
         self.lm_head = ColumnParallelLinear(cfg.n_embd, self.vocab_padded, group, bias=False,
                                             **kw)
         if torch.device(device or "cpu").type != "meta":
