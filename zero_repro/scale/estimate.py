@@ -154,8 +154,9 @@ class BatchTraces:
 def largest_batch(fits, b0: int, fits_b0: bool, seed: int, ceiling: int = MAX_BATCH
                   ) -> tuple[int, int]:
     """(largest b in [1, ceiling] with ``fits(b)`` whose b + 1 does not fit, judgements made):
-    judge the seed and its neighbour, gallop away from the bracket end they give, then
-    bisect; ``fits(b0) = fits_b0`` is known. 0 when b = 1 does not fit."""
+    the seed and its neighbour first (when the seed is right they are the answer), then a
+    gallop away from the bracket end they moved (1, 2, 4, ... from it), then bisection.
+    ``fits(b0) = fits_b0`` is known. 0 when b = 1 does not fit."""
     verdict = {b0: fits_b0}
 
     def judge(b: int) -> bool:
@@ -163,27 +164,30 @@ def largest_batch(fits, b0: int, fits_b0: bool, seed: int, ceiling: int = MAX_BA
             verdict[b] = fits(b)
         return verdict[b]
 
+    def bounds() -> tuple[int, int]:
+        lo = max(b for b, v in verdict.items() if v)
+        return lo, min([b for b, v in verdict.items() if not v and b > lo] + [ceiling + 1])
+
     if not judge(1):
         return 0, len(verdict) - 1
-    lo, hi = 1, ceiling + 1  # fits(lo), not fits(hi)
-    lo = max([b for b, v in verdict.items() if v] + [lo])
-    hi = min([b for b, v in verdict.items() if not v and b > lo] + [hi])
-    n = min(max(seed, lo + 1), hi - 1)
-    step = 1
-    while hi - lo > 1:
-        if judge(n):
-            lo = n
-            if n + 1 < hi and judge(n + 1):  # the answer is a pair: fits, does not fit
-                lo = n + 1
-                n, step = min(lo + 2 * step, hi - 1), step * 2
-                continue
-            hi = min(hi, n + 1)
-        else:
-            hi = n
-            n = max(lo + 1, n - step)
+    lo, hi = bounds()
+    seed = min(max(seed, lo + 1), hi - 1)
+    if lo < seed < hi:
+        up = judge(seed)
+        if lo < seed + (1 if up else -1) < hi:
+            judge(seed + (1 if up else -1))
+        lo, hi = bounds()
+        step = 2
+        while hi - lo > 1:  # gallop from the end the seed moved
+            n = lo + step if up else hi - step
+            if not lo < n < hi or judge(n) != up:
+                lo, hi = bounds()
+                break
+            lo, hi = bounds()
             step *= 2
-            continue
-        n = (lo + hi) // 2
+    while hi - lo > 1:
+        judge((lo + hi) // 2)
+        lo, hi = bounds()
     return lo, len(verdict) - 1
 
 
@@ -278,26 +282,42 @@ class StageEstimate:
         return self.peak_reserved - self.live_peak
 
 
-def _stage_memory(cfg_dict: dict, b0: int, search: bool) -> dict:
-    """One stage's memory (module level: runs in a helper process): the dry run at
-    b = ``PRIME_BATCH``, the judged trace written at b0 (picture, verdict, peak reserved) and the
-    largest micro-batch that fits (judged replays of the trace written at each candidate)."""
+def prime_trace(cfg: C.Config, rank: int = 0, transport_of: str = "fake"
+                ) -> tuple[BatchTraces, object]:
+    """(the judged trace at any micro-batch, the dry run) of ``cfg`` from one dry run of rank
+    ``rank`` at b = ``PRIME_BATCH`` (``dryrun.dry_run``'s ``transport_of``: whose bucket
+    transport the buffers follow; ``fake`` for GPU clusters)."""
+    at_p = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                              micro_batch_size=PRIME_BATCH))
+    r = dry_run(at_p, rank=rank, iterations=2, keep_trace=True, details=False,
+                transport_of=transport_of)
+    return BatchTraces.from_prime(r.judged_events(), r.category_of), r
+
+
+def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
+                  transport_of: str = "fake") -> dict:
+    """One stage's memory at ``cfg``'s micro-batch b0 (module level: runs in a helper
+    process): the judged trace written at b0 (picture, verdict, peak reserved) from one dry
+    run (``prime_trace``) and the largest micro-batch that fits (judged replays of the trace
+    written at each candidate)."""
     cfg = C.to_config(cfg_dict)
+    b0 = cfg.train.micro_batch_size
     t0 = time.perf_counter()
-    r = dry_run(cfg, iterations=2, keep_trace=True, details=False)
+    bt, r = prime_trace(cfg, rank, transport_of)
     t1 = time.perf_counter()
-    bt = BatchTraces.from_prime(r.judged_events(), r.category_of)
     ev = bt.events(b0)
     pic = memory_picture(ev, bt.rep, r.category_of, r.ledger, cfg.zero.stage)
     free = A.replay(ev, capacity=None, repeat_from=bt.rep)
-    fits0 = not A.replay(ev, capacity=r.capacity, repeat_from=bt.rep, stop_at_oom=True).oom
+    cap = r.capacity or None
+    fits0 = cap is None or not A.replay(ev, capacity=cap, repeat_from=bt.rep,
+                                        stop_at_oom=True).oom
     best, n = 0, 0
-    if search:
+    if search and cap is not None:
         # seed: the live peak is affine in b (model states + b x activations)
         slope = max(1, memory_picture(bt.events(b0 + 1), bt.rep, r.category_of, r.ledger,
                                       cfg.zero.stage)["live_peak"] - pic["live_peak"])
-        seed = b0 + int((r.capacity - free.peak_reserved) // slope)
-        best, n = largest_batch(lambda b: bt.fits(b, r.capacity), b0, fits0, seed)
+        seed = b0 + int((cap - free.peak_reserved) // slope)
+        best, n = largest_batch(lambda b: bt.fits(b, cap), b0, fits0, seed)
     return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes,
             "ledger": {k: v for k, v in r.ledger.items()}, "capacity": r.capacity, **pic,
             "peak_reserved": free.peak_reserved, "fits": fits0, "max_batch": best,
@@ -411,8 +431,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     try:
         # one dry run per stage at b = PRIME_BATCH, stage 3 (the slowest) first
         order = sorted(stages, key=lambda s: -s)
-        args = {s: (_cfg_dict(stage_config(base, s, zr, PRIME_BATCH)), b0, search)
-                for s in order}
+        args = {s: (_cfg_dict(cfgs[s]), search) for s in order}
         if pool is None:
             mems = {s: _stage_memory(*args[s]) for s in order}
         else:
@@ -466,4 +485,4 @@ def dp_volume(psi: float, stage: int) -> float:
 
 __all__ = ["BatchTraces", "Estimate", "StageEstimate", "ZERO_R", "bandwidth_sweep",
            "closed_form", "estimate", "largest_batch", "memory_picture", "performance",
-           "recommend", "stage_config", "workload"]
+           "prime_trace", "recommend", "stage_config", "workload"]
