@@ -50,7 +50,11 @@ def plan(cfg) -> list[Point]:
                  mode="simulated")]
     if p.get("trust"):
         for world, tp in p.get("trust_layouts", [[2, 1], [4, 2]]):
-            ov = {"parallel.world_size": int(world), "parallel.tp": int(tp),
+            # the pre-flight check (memory, cores) sees the first trust model, not the estimate's
+            first = dataclasses.asdict(C.ModelConfig(**C.model_conf(
+                list(p.get("trust_models"))[0])))
+            ov = {**{f"model.{k}": v for k, v in first.items()},
+                  "parallel.world_size": int(world), "parallel.tp": int(tp),
                   "cluster.name": "local", "cluster.device": "cpu", "cluster.backend": "gloo",
                   "cluster.device_memory_gb": 0.0, "cluster.gpus_per_node": int(world),
                   "zero.reduce_bucket_size": 2_000_000, "zero.allgather_bucket_size": 2_000_000}

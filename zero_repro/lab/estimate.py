@@ -240,9 +240,12 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                              f"{s.parts['gathered_params'] / GB:.2f} and the allocator's "
                              f"{s.allocator_extra / GB:.2f} GB")
     judged = sum(s.seconds.get("search_judgements", 0) for s in st)
+    cpu = est.cpu or {}
     lines.append(f"  ({len(st)} stages, {judged} batch judgements; largest micro-batch: "
-                 f"{st[0].max_batch_method}; {est.seconds:.1f} s with {est.workers} "
-                 f"worker{'s' if est.workers != 1 else ''})")
+                 f"{st[0].max_batch_method}; {est.seconds:.1f} s wall with {est.workers} "
+                 f"worker{'s' if est.workers != 1 else ''}; CPU {cpu.get('parent_s', 0):.1f} s "
+                 f"here + {sum((cpu.get('helpers_s') or {}).values()):.1f} s in helpers, "
+                 f"busiest path {cpu.get('critical_s', 0):.1f} s)")
     return "\n".join(lines)
 
 
@@ -294,7 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--zero-r", default="auto", help=f"auto | {' | '.join(E.ZERO_R)}")
+    ap.add_argument("--zero-r", default="auto",
+                    help=f"auto | {' | '.join(E.ZERO_R)}, or several, comma-separated")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -306,17 +310,44 @@ def main(argv=None) -> int:
         if not set(stages) <= {0, 1, 2, 3}:
             raise ValueError(f"--stages {args.stages!r}: stages are 0..3")
         cfg = config_from_args(args)
-        E.zero_r_name(args.zero_r, cfg.parallel.tp)
+        settings = [z.strip() for z in args.zero_r.split(",") if z.strip()]
+        for zr in settings or ["?"]:
+            E.zero_r_name(zr, cfg.parallel.tp)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
-    est, ds = run(cfg, stages, args.zero_r, not args.no_search, args.workers)
-    print(report(est, ds))
+    done = []
+    for zr in settings:
+        est, ds = run(cfg, stages, zr, not args.no_search, args.workers)
+        print(report(est, ds) + ("\n" if len(settings) > 1 else ""))
+        done.append((est, ds))
+    if len(done) > 1:
+        print(compare_settings([e for e, _ in done]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(as_json(est, ds), f, indent=1, default=str)
+            json.dump([as_json(e, d) for e, d in done] if len(done) > 1
+                      else as_json(*done[0]), f, indent=1, default=str)
     return 0
+
+
+def compare_settings(ests: list[E.Estimate]) -> str:
+    """One line per ZeRO-R setting: its recommended stage and the tokens/s there at the
+    largest micro-batch; the fastest of them."""
+    lines, best = ["ZeRO-R settings compared (each at its recommended stage's largest "
+                   "micro-batch):"], None
+    for est in ests:
+        stage = est.recommendation[0]
+        s = next((x for x in est.stages if x.stage == stage), None)
+        tps = s.perf_max.get("tokens_per_s") if s is not None else None
+        lines.append(f"  {_ZR_LABEL[est.zero_r]}: " + (
+            f"stage {stage}, micro-batch {s.max_batch}, {tps:,.0f} tokens/s" if tps else
+            "no stage fits" if stage is None else f"stage {stage}"))
+        if tps and (best is None or tps > best[1]):
+            best = (est.zero_r, tps)
+    if best:
+        lines.append(f"  fastest: {_ZR_LABEL[best[0]]}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

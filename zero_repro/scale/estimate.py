@@ -302,7 +302,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
     written at each candidate)."""
     cfg = C.to_config(cfg_dict)
     b0 = cfg.train.micro_batch_size
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     bt, r = prime_trace(cfg, rank, transport_of)
     t1 = time.perf_counter()
     ev = bt.events(b0)
@@ -323,6 +323,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
             "peak_reserved": free.peak_reserved, "fits": fits0, "max_batch": best,
             "judgements": n, "build_live_peak": r.live_peak_by_phase.get("build", 0),
             "seconds": {"dry_run_s": t1 - t0, "search_s": time.perf_counter() - t1,
+                        "cpu_s": time.process_time() - cpu0, "pid": os.getpid(),
                         "n_events": len(ev), "n_ops": r.n_ops}}
 
 
@@ -369,8 +370,9 @@ class Estimate:
     stages: list  # StageEstimate per stage
     recommendation: tuple  # (stage or None, reason)
     perf_params: dict
-    seconds: float
+    seconds: float  # wall
     workers: int
+    cpu: dict = field(default_factory=dict)  # CPU seconds: parent, per helper process
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -416,7 +418,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
              ) -> Estimate:
     """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
     zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring)."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     zr = zero_r_name(zero_r, base.parallel.tp)
     if base.cluster.device_memory_gb <= 0:
         raise ValueError("the estimate needs the device memory: choose a cluster with "
@@ -454,7 +456,19 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         world_size=base.parallel.world_size, tp=base.parallel.tp, batch=b0, seq=m.seq_len,
         dtype=base.zero.dtype, zero_r=zr, stages=out, recommendation=recommend(out),
         perf_params=dataclasses.asdict(params), seconds=time.perf_counter() - t0,
-        workers=workers)
+        workers=workers, cpu=_cpu(mems, cpu0, pool is not None))
+
+
+def _cpu(mems: dict, cpu0: float, pooled: bool) -> dict:
+    """CPU seconds of the estimate: this process's (the stages' too when run here) and each
+    helper's; with 2 idle cores the wall time is about parent + the busiest helper."""
+    per: dict = {}
+    for m in mems.values():
+        if pooled:
+            pid = str(m["seconds"]["pid"])
+            per[pid] = per.get(pid, 0.0) + m["seconds"]["cpu_s"]
+    return {"parent_s": time.process_time() - cpu0, "helpers_s": per,
+            "critical_s": time.process_time() - cpu0 + max(per.values(), default=0.0)}
 
 
 def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
