@@ -61,6 +61,9 @@ def plan(cfg) -> list[Point]:
             pts.append(Point(name=f"trust world {world} tp {tp}",
                              params={"part": "trust", "world": int(world), "tp": int(tp),
                                      "models": list(p.get("trust_models")),
+                                     # the shapes, so that a changed conf/model file re-runs
+                                     "shapes": {n: C.model_conf(n)
+                                                for n in p.get("trust_models")},
                                      "batch": int(p.get("trust_batch", 2))},
                              overrides=ov, mode="measured"))
     return pts

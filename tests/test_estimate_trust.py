@@ -2,9 +2,10 @@
 micro-batch, its trace written at the run's micro-batch) against the live-storage peak of the
 same configuration trained for real on CPU ranks over gloo (``lab/live_peak.py``), every
 rank, within 5%. Default: the tiny GPT and Llama at world 2 (stages 0-3) and world 4 = TP 2 x
-DP 2 (P_a); slow: the small ones (GPT 7.2M, Llama 9.1M parameters) at worlds 2, 3 and 4,
+DP 2 (P_a); slow: the small ones (GPT 7.2M, Llama 6.5M parameters) at worlds 2, 3 and 4,
 the table of results/estimate/notes.md (``python run.py +exp=estimate
-experiment.params.trust=true``)."""
+experiment.params.trust=true``). Stage 3 with many blocks: expected to fail until the dry run
+sees stage 3's releases (``STAGE3_BLIND_SPOT``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,7 +66,32 @@ def test_tracer_sees_releases_between_ops():
     assert live_peaks(tr.events)[0] == 4000 + 40  # a + one dropped 40-byte temporary
 
 
+# The dry run's tracer notices a storage resized in place only when an op touches it, so the
+# stage-3 units the runtime releases after their forward (resized to 0 bytes, gathered again
+# before their backward) stay alive in its trace: the estimate over-counts stage 3 by the
+# released blocks' parameters (llama_small: 1.08 x). The dry-run fidelity work fixes it; these
+# tests then pass (strict: the mark must go).
+STAGE3_BLIND_SPOT = pytest.mark.xfail(
+    strict=True, reason="dry-run tracer keeps released stage-3 units alive (fidelity fix)")
+
+
+@STAGE3_BLIND_SPOT
+def test_stage3_estimate_with_many_blocks():
+    deep = dataclasses.replace(C.ModelConfig(**C.model_conf("llama_tiny")), n_layer=6,
+                               vocab_size=64)
+    cfg = C.Config(model=deep, parallel=C.ParallelConfig(world_size=2, tp=1))
+    cfg.zero = dataclasses.replace(cfg.zero, dtype="bf16")
+    check(LP.compare([E.stage_config(cfg, 3, "ckpt", 2)]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp", [(2, 1), (3, 1), (4, 2)])
 def test_estimate_matches_real_cpu_runs_small(world, tp):
-    check(LP.compare(configs(["small", "llama_small"], world, tp)))
+    check(LP.compare(configs(["small", "llama_small"], world, tp, stages=(0, 1, 2))))
+
+
+@pytest.mark.slow
+@STAGE3_BLIND_SPOT
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
+def test_stage3_estimate_matches_real_cpu_runs_small(world, tp):
+    check(LP.compare(configs(["small", "llama_small"], world, tp, stages=(3,))))
