@@ -193,7 +193,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                         ("other", "other (step transients)")):
         lines.append(_row(label, [s.parts[part] / GB for s in st]))
     if any(s.stage == 3 for s in st):
-        lines.append(_row("  (stage 3: the runtime's own peak of gathered units)",
+        lines.append(_row("  (stage 3, the runtime's own gathered peak)",
                           [s.gathered_ledger / GB if s.stage == 3 else "-" for s in st]))
     lines.append(_row("= live peak", [s.live_peak / GB for s in st]))
     lines.append(_row("+ allocator's extra (rounding, fragments)",

@@ -35,7 +35,9 @@ Mechanism and what is approximated:
     ``tests/test_estimate.py`` holds the written trace to dry runs at other batch sizes;
   * the largest micro-batch: a bracketing search (seeded by the live peak's slope in b) of
     judged replays at the device capacity; the answer fits and the next micro-batch does not;
-  * the stages run side by side in helper processes (``workers``, forked: no second import).
+  * the stages run side by side in helper processes (``workers``, forked: no second import);
+  * buffers follow the transport of the cluster's ranks (``dry_run(transport_of=...)``): NCCL's
+    native one on a CUDA cluster.
 """
 from __future__ import annotations
 
@@ -433,7 +435,10 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     try:
         # one dry run per stage at b = PRIME_BATCH, stage 3 (the slowest) first
         order = sorted(stages, key=lambda s: -s)
-        args = {s: (_cfg_dict(cfgs[s]), search) for s in order}
+        # the buffers of the transport the cluster's ranks use: NCCL's native one on GPUs
+        # (two fused gradient buckets + reduce-scatter scratch), the rooted one otherwise
+        transport = "native" if base.cluster.device == "cuda" else "fake"
+        args = {s: (_cfg_dict(cfgs[s]), search, 0, transport) for s in order}
         if pool is None:
             mems = {s: _stage_memory(*args[s]) for s in order}
         else:
