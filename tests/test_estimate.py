@@ -104,7 +104,8 @@ def test_recommend_rule():
     assert stage == 2 and "stage 2 fits micro-batch 5 instead of 3" in why
     assert "not faster" in why  # stage 3 buys a batch, not speed
     stages[2] = _stage(2, True, 3, 130.0)  # no larger batch: the smallest stage stays
-    assert E.recommend(stages)[0] == 1
+    stage, why = E.recommend(stages)
+    assert stage == 1 and "stage 2 fits no larger micro-batch (3 vs 3)" in why
     assert E.recommend([_stage(s, False, 0, 0) for s in range(4)])[0] is None
 
 

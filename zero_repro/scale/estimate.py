@@ -393,7 +393,11 @@ def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
         if nxt.stage != pick.stage + 1:
             break
         a, b = pick.perf_max.get("tokens_per_s"), nxt.perf_max.get("tokens_per_s")
-        if a is None or b is None or nxt.max_batch <= pick.max_batch or b <= a:
+        if nxt.max_batch <= pick.max_batch:
+            why += (f"; stage {nxt.stage} fits no larger micro-batch ({nxt.max_batch} vs "
+                    f"{pick.max_batch})")
+            break
+        if a is None or b is None or b <= a:
             if a is not None and b is not None:
                 why += (f"; stage {nxt.stage} fits micro-batch {nxt.max_batch} (vs "
                         f"{pick.max_batch}) but is not faster ({b:,.0f} vs {a:,.0f} tokens/s)")
