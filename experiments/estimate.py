@@ -121,6 +121,8 @@ def _estimate_rows(r) -> list[dict]:
                  "capacity": (s["capacity"], "simulated")}
         if str(s["stage"]) in ds:
             extra["deepspeed_estimator"] = (ds[str(s["stage"])], "analytic")
+        if s["stage"] == 3:  # the runtime's own peak of gathered units (its ledger)
+            extra["gathered_runtime_ledger"] = (s.get("gathered_ledger", 0), "simulated")
         for name, (v, kind) in extra.items():
             rows.append({"figure": FIGURE, "series": series, "x_name": "part", "x_value": name,
                          "y_name": "bytes_per_gpu", "y_value": round(v / GB, 4), "unit": "GB",
@@ -233,5 +235,11 @@ def plot(table, out_dir: str) -> list[str]:
     fig.suptitle(((title["title"].iloc[0] if len(title) and "title" in title else "") +
                   (f" -- recommended: stage {rec}" if rec >= 0 else " -- no stage fits")
                   + "  (simulated)"), fontsize=9.5)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    g3 = val("stage 3", "gathered_runtime_ledger")
+    if g3 is not None and (val("stage 3", "gathered_params") or 0) > g3:
+        fig.text(0.01, 0.01, f"Stage 3's gathered parameters as the dry run traces them: its "
+                 f"tracer keeps the units the runtime releases alive (the runtime's own peak "
+                 f"of gathered units: {g3:.2f} GB); see results/estimate/notes.md.",
+                 fontsize=7, color="0.3")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
     return save_figure(fig, out_dir, FIGURE, dpi=150)
