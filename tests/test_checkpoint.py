@@ -24,11 +24,16 @@ from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology, grid_rank
 from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.model.llama import Llama
 from zero_repro.runtime.train.step import train_step
 from zero_repro.runtime.zero import build_strategy
 
 CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
                   vocab_pad_multiple=8)
+# the Llama-shaped model (untied head, grouped-query attention), same vocabulary and sequence
+LLAMA = ModelConfig(family="llama", n_layer=2, n_embd=32, n_head=4, n_kv_head=2,
+                    ffn_hidden=64, seq_len=16, vocab_size=128, vocab_pad_multiple=8, bias=False)
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}
 ROWS, SEED, TOL = 4, 11, 1e-6
 K, STEPS = 1, 3  # save after K steps (Adam m, v and step count are live), continue to STEPS
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (sub-world size, tp)
@@ -53,8 +58,9 @@ def build_layouts(rank: int) -> dict:
     return out
 
 
-def make(topo: Topology, stage: int, bucket: int = 700):
-    model = GPT(CFG, topo.tp_group)
+def make(topo: Topology, stage: int, bucket: int = 700, kind: str = "gpt"):
+    cls, mcfg = MODELS[kind]
+    model = cls(mcfg, topo.tp_group)
     model.init_weights(SEED)
     zero = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     train = TrainConfig(micro_batch_size=ROWS // topo.dp, lr=1e-3, eps=1e-6, weight_decay=0.1)
@@ -75,14 +81,14 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _matrix_worker(rank, world, root, cells, with_tp):
+def _matrix_worker(rank, world, root, cells, with_tp, kind="gpt"):
     topos = build_layouts(rank)
     everyone = comm.new_group("all", range(world), comm.CommLedger(), rank)
     refs, out = {}, {}
     for s, a in sorted({(c[0], c[1]) for c in cells}):  # sources: train, save, train on
         topo = topos.get((a, 1))
         if topo is not None:
-            strat = make(topo, s)
+            strat = make(topo, s, kind=kind)
             train(strat, topo, range(K))
             ck.save(os.path.join(root, f"s{s}a{a}"), strat, topo, step=K)
             train(strat, topo, range(K, STEPS))
@@ -93,7 +99,7 @@ def _matrix_worker(rank, world, root, cells, with_tp):
         topo = topos.get((b, 1))
         if topo is not None:
             # another bucket grid on purpose, except on the diagonal (bit-equality check)
-            strat = make(topo, t, bucket=700 if (s, a) == (t, b) else 300 + 100 * t)
+            strat = make(topo, t, bucket=700 if (s, a) == (t, b) else 300 + 100 * t, kind=kind)
             path = ck.latest(os.path.join(root, f"s{s}a{a}"))
             manifest = ck.load(path, strat, topo)
             train(strat, topo, range(manifest["step"], STEPS))
@@ -103,12 +109,12 @@ def _matrix_worker(rank, world, root, cells, with_tp):
             strat.remove_hooks()
         comm.barrier(everyone)
     if with_tp:
-        out.update(_tp_part(rank, topos, everyone, os.path.join(root, "tp")))
+        out.update(_tp_part(rank, topos, everyone, os.path.join(root, "tp"), kind))
     return out
 
 
-def _run_matrix(tmp_path, cells, with_tp=False):
-    res = spawn(_matrix_worker, 4, str(tmp_path), cells, with_tp, timeout_s=60)
+def _run_matrix(tmp_path, cells, with_tp=False, kind="gpt"):
+    res = spawn(_matrix_worker, 4, str(tmp_path), cells, with_tp, kind, timeout_s=60)
     for s, a, t, b in cells:
         diff = res[0][(s, a, t, b)]
         if (s, a) == (t, b):
@@ -138,18 +144,30 @@ def test_reshard_subset_and_tp(tmp_path):
         assert "resume with parallel.tp=2" in res[r]["tp_change"]
 
 
+# Llama: every stage saved and loaded, DP grown and shrunk, plus the TP part
+LLAMA_SUBSET = [(0, 2, 3, 4), (1, 4, 2, 1), (2, 1, 0, 2), (3, 2, 3, 2), (3, 2, 1, 4)]
+
+
+def test_reshard_llama(tmp_path):
+    res = _run_matrix(tmp_path, LLAMA_SUBSET, with_tp=True, kind="llama")
+    for r in (0, 1):
+        assert res[r]["tp_same"] <= TOL, res[r]
+        assert "saved with parallel.tp=2" in res[r]["tp_change"], res[r]
+
+
 @pytest.mark.slow
-def test_reshard_full_matrix(tmp_path):
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_reshard_full_matrix(tmp_path, kind):
     stages, dps = range(4), (1, 2, 4)
-    _run_matrix(tmp_path, list(itertools.product(stages, dps, stages, dps)))
+    _run_matrix(tmp_path, list(itertools.product(stages, dps, stages, dps)), kind=kind)
 
 
 # ------------------------------------------------------------------ TP: reshard DP, refuse TP
-def _tp_part(rank, topos, everyone, root) -> dict:
+def _tp_part(rank, topos, everyone, root, kind="gpt") -> dict:
     out, ref = {}, None
     topo = topos.get((2, 2))  # tp 2, dp 1 on ranks 0, 1
     if topo is not None:
-        strat = make(topo, 1)
+        strat = make(topo, 1, kind=kind)
         train(strat, topo, range(K))
         ck.save(root, strat, topo, step=K)
         train(strat, topo, range(K, STEPS))
@@ -157,7 +175,7 @@ def _tp_part(rank, topos, everyone, root) -> dict:
         strat.remove_hooks()
     comm.barrier(everyone)
     topo = topos[(4, 2)]  # tp 2, dp 2: same TP degree, ZeRO-3 over a larger DP group
-    strat = make(topo, 3)
+    strat = make(topo, 3, kind=kind)
     m = ck.load(ck.latest(root), strat, topo)
     train(strat, topo, range(m["step"], STEPS))
     got = strat.full_parameters()
@@ -167,7 +185,7 @@ def _tp_part(rank, topos, everyone, root) -> dict:
     topo = topos.get((2, 1))  # tp 1: must be refused with a clear message
     if topo is not None:
         try:
-            ck.load(ck.latest(root), make(topo, 2), topo)
+            ck.load(ck.latest(root), make(topo, 2, kind=kind), topo)
             out["tp_change"] = "loaded"
         except ck.CheckpointError as e:
             out["tp_change"] = str(e)

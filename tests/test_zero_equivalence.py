@@ -2,7 +2,8 @@
 
 One spawn per world size runs many configurations in sequence (new Topology per config):
 stages 0-3 × (dp, tp) layouts, fp32, gradient clipping on, one config with gradient
-accumulation, one with the ZeRO-R knobs off (C_B / M_D). The reference is the TP=1 model with
+accumulation, one with the ZeRO-R knobs off (C_B / M_D); the GPT and the Llama-shaped model
+(``"model": "llama"``: grouped-query attention with 2 kv heads, split one per rank at TP 2). The reference is the TP=1 model with
 the same seed trained on the concatenation of every DP rank's micro-batches (mean loss) with
 ``clip_grad_norm_`` + ``torch.optim.AdamW``; after every step the strategy's parameters
 (gathered over DP, then over TP) must match it within 1e-5.
@@ -24,12 +25,17 @@ from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import GPT, gather_full_state
+from zero_repro.runtime.model.llama import Llama
 from zero_repro.scale.paper.table1 import model_state_bytes
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.runtime.zero.flat_buffer import Pieces
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                   vocab_pad_multiple=8)
+LLAMA = ModelConfig(family="llama", n_layer=2, n_embd=64, n_head=8, n_kv_head=2,
+                    ffn_hidden=160, seq_len=32, vocab_size=512, vocab_pad_multiple=8,
+                    bias=False)
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}  # same vocabulary and sequence
 SEED = 7
 MICRO = 2  # sequences per DP rank per micro-batch
 TOL = 1e-5
@@ -44,7 +50,8 @@ def batch(step: int, rows: int):
 
 def make(c: dict):
     topo = Topology.build(c.get("tp", 1))
-    model = GPT(CFG, topo.tp_group)
+    cls, mcfg = MODELS[c.get("model", "gpt")]
+    model = cls(mcfg, topo.tp_group)
     model.init_weights(SEED)
     zero = ZeroConfig(stage=c["stage"], dtype=c.get("dtype", "fp32"),
                       grad_clip=c.get("clip", 1.0),
@@ -60,10 +67,11 @@ def make(c: dict):
     return topo, model, build_strategy(model, topo, zero, train, zr), train
 
 
-def tp1_params(strategy, topo) -> dict[str, torch.Tensor]:
+def tp1_params(strategy, topo, model: str = "gpt") -> dict[str, torch.Tensor]:
     """Strategy parameters gathered over DP and TP, as the TP=1 model's tensors."""
     full = strategy.full_parameters()
-    shadow = GPT(CFG, topo.tp_group)
+    cls, mcfg = MODELS[model]
+    shadow = cls(mcfg, topo.tp_group)
     with torch.no_grad():
         for n, p in shadow.named_parameters():
             p.copy_(full[n])
@@ -75,8 +83,9 @@ def tp1_params(strategy, topo) -> dict[str, torch.Tensor]:
 
 
 class Reference:
-    def __init__(self, train: TrainConfig, clip: float):
-        self.model = GPT(CFG)
+    def __init__(self, train: TrainConfig, clip: float, model: str = "gpt"):
+        cls, mcfg = MODELS[model]
+        self.model = cls(mcfg)
         self.model.init_weights(SEED)
         self.clip = clip
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=train.lr,
@@ -97,7 +106,9 @@ def run_config(c: dict, rank: int) -> dict:
     """Train ``c["steps"]`` steps; on global rank 0 compare with the reference every step."""
     topo, model, strat, train = make(c)
     dp, k = topo.dp, train.grad_accum
-    ref = Reference(train, c.get("clip", 1.0)) if (rank == 0 and c.get("compare", True)) else None
+    kind = c.get("model", "gpt")
+    ref = Reference(train, c.get("clip", 1.0), kind) if (rank == 0 and c.get("compare", True)) \
+        else None
     out = {"losses": [], "infos": [], "max_diff": [], "first_bad": None, "comm": [],
            "psi": sum(p.numel() for p in model.parameters())}
     inject = c.get("inject_step")
@@ -107,7 +118,7 @@ def run_config(c: dict, rank: int) -> dict:
         if inject == step and topo.rank == topo.world_size - 1:
             p = next(iter(model.blocks[0].parameters()))  # one rank's gradient becomes inf
             handle = p.register_hook(lambda g: torch.full_like(g, float("inf")))
-        before = tp1_params(strat, topo) if inject == step else None
+        before = tp1_params(strat, topo, kind) if inject == step else None
         topo.ledger.reset()
         losses = []
         for j in range(k):
@@ -125,7 +136,7 @@ def run_config(c: dict, rank: int) -> dict:
             handle.remove()
         out["losses"].append(sum(losses) / k)
         out["infos"].append((info.skipped, info.grad_norm, info.loss_scale))
-        full = tp1_params(strat, topo)
+        full = tp1_params(strat, topo, kind)
         if before is not None:
             out["unchanged"] = max((full[n] - before[n]).abs().max().item() for n in full)
             out["finite"] = all(torch.isfinite(t).all().item() for t in full.values())
@@ -165,7 +176,13 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
     # GEMM into the buckets, lookup rows exchanged sparse): bucket 6000 cuts rows of 64
     cs += [{"stage": s, "tp": tp, "steps": steps, "split": True} for tp in tps
            for s in (0, 1, 2)]
+    # the Llama-shaped model (untied head: split_tied_grad has nothing to split) at every stage:
+    # TP 1 at worlds 2-3, TP 2 at world 4 (every layout in the slow suite)
+    llama_tps = tps if full else ([2] if world == 4 else [1])
+    cs += [{"stage": s, "tp": tp, "steps": steps, "model": "llama"} for tp in llama_tps
+           for s in range(4)]
     if full or world == 2:
+        cs.append({"stage": 3, "tp": 1, "steps": steps, "accum": 2, "model": "llama"})
         cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 3, "tp": 1, "steps": steps, "accum": 2, "prefetch": 2})
         cs.append({"stage": 1, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})

@@ -51,6 +51,7 @@ IDENTITY = "identity"
 NOT_IDENTITY = {IDENTITY: False}
 ABSENT = "absent"
 OUTSIDE_POINTS = ("low", "mid", "high")  # scale.dryrun.stack.outside.POINTS
+FAMILIES = ("gpt", "llama")
 
 
 @dataclass
@@ -67,6 +68,14 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     nominal: str = ""  # the paper's name for the size, e.g. "60B"
+    # architecture: gpt (GPT-2: LayerNorm, GELU MLP of 4h, learned positions, tied head) | llama
+    # (RMSNorm, SwiGLU MLP of ffn_hidden, rotary positions, grouped-query attention, untied
+    # head; no biases, no dropout: runtime.model.llama)
+    family: str = "gpt"
+    n_kv_head: int = 0  # llama: key/value heads (grouped-query attention); 0 = n_head
+    ffn_hidden: int = 0  # llama: SwiGLU width; 0 = Meta's rule for multiple_of 256 (ffn_width)
+    rope_theta: float = 10000.0  # llama: rotary base
+    norm_eps: float = 1e-5  # llama: RMSNorm epsilon
 
 
 @dataclass
@@ -280,6 +289,21 @@ def padded_vocab(model: ModelConfig, tp: int) -> int:
     return int(math.ceil(model.vocab_size / m) * m)
 
 
+def kv_heads(model: ModelConfig) -> int:
+    """Key/value heads: ``n_kv_head`` (grouped-query attention), else one per query head."""
+    return model.n_kv_head or model.n_head
+
+
+def ffn_width(model: ModelConfig) -> int:
+    """The MLP's hidden width: 4h for GPT; for Llama ``ffn_hidden`` or, when 0, Meta's rule
+    (llama/model.py FeedForward: int(2·4h/3) rounded up to a multiple of 256)."""
+    if model.family != "llama":
+        return 4 * model.n_embd
+    if model.ffn_hidden:
+        return model.ffn_hidden
+    return 256 * -(-int(2 * 4 * model.n_embd / 3) // 256)
+
+
 def to_config(cfg: DictConfig | Config) -> Config:
     """DictConfig (from Hydra or a resolved YAML file) -> typed ``Config`` object.
     ``experiment.publish=true`` turns the default results directory into the reference set."""
@@ -370,8 +394,9 @@ def _validate_model_parallel(cfg: Config) -> None:
                          f"that divides {m.n_head}")
     if m.n_embd % p.tp:
         raise ValueError(f"parallel.tp={p.tp} does not divide model.n_embd={m.n_embd}")
-    if (4 * m.n_embd) % p.tp:
-        raise ValueError(f"parallel.tp={p.tp} does not divide the MLP width 4*{m.n_embd}")
+    _validate_family(m, p)
+    if ffn_width(m) % p.tp:
+        raise ValueError(f"parallel.tp={p.tp} does not divide the MLP width {ffn_width(m)}")
     if padded_vocab(m, p.tp) % p.tp:
         raise ValueError(f"parallel.tp={p.tp} does not divide the padded vocabulary")
     if p.world_size % p.tp:
@@ -381,6 +406,30 @@ def _validate_model_parallel(cfg: Config) -> None:
         # dropout inside a TP region needs per-rank RNG streams (Megatron's RNG tracker)
         raise ValueError(f"model.dropout={m.dropout} with parallel.tp={p.tp} is not supported: "
                          f"set model.dropout=0 or parallel.tp=1")
+
+
+def _validate_family(m: ModelConfig, p: ParallelConfig) -> None:
+    _choice(m.family, FAMILIES, "model.family")
+    _number(m.n_kv_head, "model.n_kv_head", 0, integer=True)
+    _number(m.ffn_hidden, "model.ffn_hidden", 0, integer=True)
+    _number(m.rope_theta, "model.rope_theta", 0, lo_open=True)
+    _number(m.norm_eps, "model.norm_eps", 0, lo_open=True)
+    if m.family != "llama":
+        return
+    if m.bias or m.dropout:
+        raise ValueError("model.family=llama has no biases and no dropout: set model.bias=false "
+                         "and model.dropout=0")
+    if (m.n_embd // m.n_head) % 2:
+        raise ValueError(f"model.family=llama: the head size {m.n_embd // m.n_head} must be even "
+                         f"(rotary positions rotate pairs)")
+    kv = kv_heads(m)
+    if m.n_head % kv:
+        raise ValueError(f"model.n_kv_head={kv} does not divide model.n_head={m.n_head}")
+    if kv % p.tp:
+        # each TP rank keeps n_head/tp query heads and the n_kv_head/tp key/value heads they
+        # read; replicating key/value heads over TP ranks (tp > n_kv_head) is not implemented
+        raise ValueError(f"parallel.tp={p.tp} does not divide model.n_kv_head={kv}: choose a tp "
+                         f"that divides {kv}")
 
 
 def _validate_zero(cfg: Config) -> None:

@@ -326,12 +326,9 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
     batch = t.micro_batch_size * t.grad_accum * topo.dp
     recompute = cfg.zero_r.activation_checkpointing
-    fl = flops.flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-                                   recompute=recompute)
-    fl_model = flops.model_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
-                                               C.padded_vocab(m, 1))
-    fl_hw = flops.hardware_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
-                                               C.padded_vocab(m, 1), recompute)
+    fl = flops.flops_per_iteration_cfg(m, batch, recompute=recompute)
+    fl_model = flops.flops_per_iteration_cfg(m, batch, recompute=False, causal=True)
+    fl_hw = flops.flops_per_iteration_cfg(m, batch, recompute=recompute, causal=True)
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 

@@ -432,7 +432,8 @@ def knob_label(config: dict) -> str:
     m, p = config.get("model") or {}, config.get("parallel") or {}
     z, zr, t = config.get("zero") or {}, config.get("zero_r") or {}, config.get("train") or {}
     world, tp = p.get("world_size", 1), p.get("tp", 1)
-    label = (f"GPT {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
+    family = "Llama" if m.get("family") == "llama" else "GPT"
+    label = (f"{family} {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
              f"s{m.get('seq_len')}) {z.get('dtype')} stage {z.get('stage')}")
     name = zero_r_ran(zr)
     if name:

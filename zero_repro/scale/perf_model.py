@@ -11,7 +11,9 @@ TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication, §10
       T_compute = Σ_GEMMs 2MNK / (peak · e_max) · (1 + w_half / (M·N))  +  bytes_mem / hbm_bw
   with w_half = ½ · SMs · 128·128 output elements: half a wave of cuBLAS's large fp16 tile on
   average (NVIDIA "Matrix Multiplication Background" guide §2.3, §3.2; V100: 80 SMs, 655,360).
-  ΣFLOPs = F/MP, F Megatron's convention with recompute (``zero_repro.runtime.model.flops``).
+  ΣFLOPs = F/MP, F Megatron's convention with recompute (``zero_repro.runtime.model.flops``; a
+  Llama shape, ``Workload.ffn`` / ``kv_heads``: ``flops_per_iteration_shape``, its GEMMs from
+  the same shapes; its memory-bound kernels counted with the GPT layer's bytes per element).
 * Collectives: ring closed forms (n ranks, S bytes of the full buffer, per-rank bandwidth B,
   per-step latency α): all-reduce 2(n-1)/n·S/B + 2(n-1)α; reduce-scatter and all-gather
   (n-1)/n·S/B + (n-1)α. B is the group's bottleneck link: NVSwitch per GPU per direction inside
@@ -38,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from zero_repro.runtime.model.flops import flops_per_iteration
+from zero_repro.runtime.model.flops import flops_per_iteration, flops_per_iteration_shape
 from zero_repro.scale.paper.buckets import REDUCE_BUCKET
 from zero_repro.scale.hardware import Hardware
 
@@ -67,15 +69,36 @@ class Workload:
     lp_bytes: int = 2
     dropout: bool = True
     bucket_elems: float = float(REDUCE_BUCKET)  # DP collective call size (latency only)
+    # model shape beyond GPT-2's (``runtime.model.llama``): SwiGLU width (0: GPT's 4h GELU MLP)
+    # and key/value heads (0: one per query head); a SwiGLU model has an untied head, no
+    # biases and no learned positions
+    ffn: int = 0
+    kv_heads: int = 0
 
     @property
     def dp(self) -> int:
         return self.gpus // self.tp
 
     @property
+    def kv_width(self) -> int:
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
     def params(self) -> float:
         h, l = self.hidden, self.n_layer
+        if self.ffn:  # Llama (flops.param_count)
+            block = 2 * h * h + 2 * h * self.kv_width + 3 * h * self.ffn + 2 * h
+            return float(l * block + 2 * self.vocab * h + h)
         return 12.0 * l * h * h + 13.0 * l * h + (self.vocab + self.seq) * h + 2 * h
+
+    def flops(self, n_layer: int, vocab: int, recompute: bool) -> float:
+        """``flops_per_iteration`` of one micro-batch (GPT), or its shape form (SwiGLU, GQA)."""
+        if self.ffn:
+            return flops_per_iteration_shape(self.batch_per_gpu, self.seq, n_layer, self.hidden,
+                                             vocab, recompute, kv_width=self.kv_width,
+                                             ffn=self.ffn, gated=True)
+        return flops_per_iteration(self.batch_per_gpu, self.seq, n_layer, self.hidden, vocab,
+                                   recompute)
 
 
 @dataclass(frozen=True)
@@ -147,8 +170,13 @@ def gemm_shapes(w: Workload) -> list[tuple[float, float, float, int, float]]:
     b, s, h, t, l = w.batch_per_gpu, w.seq, w.hidden, w.tp, w.n_layer
     tok, d, heads = float(b) * s, h / w.heads, float(b) * w.heads / t
     fwd = 2 if w.checkpointing else 1
+    qkv = (h + 2 * w.kv_width) / t  # fused q, k, v (GQA: k, v of the key/value heads' width)
+    if w.ffn:  # SwiGLU: gate and up fused, then down
+        mlp = ((2 * w.ffn / t, h), (h, w.ffn / t))
+    else:  # GPT's 4h GELU MLP
+        mlp = ((4 * h / t, h), (h, 4 * h / t))
     out = []
-    for n, k in ((3 * h / t, h), (h, h / t), (4 * h / t, h), (h, 4 * h / t)):
+    for n, k in ((qkv, h), (h, h / t), *mlp):
         out += [(tok, n, k, fwd * l, 1.0), (tok, k, n, l, 1.0), (n, k, tok, l, 1.0)]
     for m, n, k in ((s, s, d), (s, d, s)):
         out.append((m, n, k, (fwd + 2) * l, heads))
@@ -195,16 +223,16 @@ def memory_bound_bytes(w: Workload) -> float:
     """HBM bytes of the memory-bound kernels of one iteration on one GPU (``MEM_BYTES``): the
     blocks' forward runs twice with activation checkpointing, the loss once."""
     b, s, h, t = float(w.batch_per_gpu), w.seq, w.hidden, w.tp
-    elems = {"scores": b * (w.heads / t) * s * s, "hidden": b * s * h, "mlp": b * s * 4 * h / t,
-             "qkv": b * s * 3 * h / t}
+    f = w.ffn or 4 * h  # a Llama shape: its MLP width, the GPT layer's bytes per element
+    elems = {"scores": b * (w.heads / t) * s * s, "hidden": b * s * h, "mlp": b * s * f / t,
+             "qkv": b * s * (h + 2 * w.kv_width) / t}
     fwd_passes = 2 if w.checkpointing else 1
     block = sum(n * (MEM_BYTES[k][0] * fwd_passes + MEM_BYTES[k][1]) for k, n in elems.items())
     return w.n_layer * block + b * s * w.vocab / t * sum(MEM_BYTES["logits"])
 
 
 def flops_per_gpu(w: Workload) -> float:
-    return flops_per_iteration(w.batch_per_gpu, w.seq, w.n_layer, w.hidden, w.vocab,
-                               w.checkpointing) / w.tp
+    return w.flops(w.n_layer, w.vocab, w.checkpointing) / w.tp
 
 
 # -------------------------------------------------------------------------------- the model

@@ -27,12 +27,19 @@ forms beside it (PaLM, Chowdhery et al. 2022, App. B):
     HFU's FLOPs (hardware): what runs, recompute included when checkpointing is on
         F_hw = 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h))     (= F_model without checkpointing)
 
+Llama (``model.family=llama``, ``runtime.model.llama``): the same count from its shapes
+(``flops_per_iteration_shape``): per token and block the forward GEMMs are
+2·(2h² + 2h·k + 3h·f) (q, o; k, v of width k = n_kv_head·h/n_head; gate, up, down of width f),
+attention 4·s·h (2·s·h causal), the untied LM head 2·h·V; training = 3x forward, + the blocks'
+forward once more with recompute. GPT's shapes (k = h, f = 4h, two MLP matrices) give the
+formulas above.
+
 Entry points: ``param_count``, ``flops_per_iteration``, ``model_flops_per_iteration``,
-``tflops_per_gpu``.
+``flops_per_iteration_cfg`` (either family; ``causal`` for MFU/HFU), ``tflops_per_gpu``.
 """
 from __future__ import annotations
 
-from zero_repro.config import ModelConfig, padded_vocab
+from zero_repro.config import ModelConfig, ffn_width, kv_heads, padded_vocab
 
 
 def param_count_formula(n_layer: int, hidden: int, vocab: int, seq: int) -> int:
@@ -51,21 +58,36 @@ def _block_params(h: int, bias: bool, tp: int) -> int:
     return matrices + split_bias + replicated
 
 
+def _llama_block_matrices(cfg: ModelConfig) -> int:
+    """Elements of one Llama block's weight matrices: q, o (h²), k, v (h·k), gate, up, down
+    (h·f)."""
+    h = cfg.n_embd
+    kv = kv_heads(cfg) * (h // cfg.n_head)
+    return 2 * h * h + 2 * h * kv + 3 * h * ffn_width(cfg)
+
+
 def param_count(cfg: ModelConfig, tp: int = 1, padded: bool = True) -> int:
-    """Exact parameter count of ``GPT(cfg)`` summed over all TP ranks.
+    """Exact parameter count of the model of ``cfg`` (``GPT`` or ``Llama``) summed over all TP
+    ranks.
 
     ``padded`` uses the embedding as built at TP degree ``tp`` (vocab padded to a multiple of
     vocab_pad_multiple·tp); ``padded=False`` counts the real vocabulary only.
     """
     h = cfg.n_embd
     vocab = padded_vocab(cfg, tp) if padded else cfg.vocab_size
+    if cfg.family == "llama":  # blocks (2 RMSNorms each), untied embedding and head, final norm
+        return cfg.n_layer * (_llama_block_matrices(cfg) + 2 * h) + 2 * vocab * h + h
     final_ln = 2 * h if cfg.bias else h
     return cfg.n_layer * _block_params(h, cfg.bias, 1) + (vocab + cfg.seq_len) * h + final_ln
 
 
 def param_count_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
-    """Parameters held by one TP rank of ``GPT(cfg)`` at TP degree ``tp`` (vocab padded)."""
+    """Parameters held by one TP rank of the model of ``cfg`` at TP degree ``tp`` (vocab
+    padded)."""
     h = cfg.n_embd
+    if cfg.family == "llama":
+        return (cfg.n_layer * (_llama_block_matrices(cfg) // tp + 2 * h)
+                + 2 * padded_vocab(cfg, tp) // tp * h + h)
     final_ln = 2 * h if cfg.bias else h
     return (cfg.n_layer * _block_params(h, cfg.bias, tp) + padded_vocab(cfg, tp) // tp * h
             + cfg.seq_len * h + final_ln)
@@ -102,11 +124,39 @@ def hardware_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int
     return 96.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (16 * l * h))
 
 
+def flops_per_iteration_shape(batch: int, seq: int, n_layer: int, hidden: int, vocab: int,
+                              recompute: bool = True, kv_width: int | None = None,
+                              ffn: int | None = None, gated: bool = False,
+                              causal: bool = False) -> float:
+    """Training FLOPs of one iteration from the shapes (module docstring): per token and block
+    2·(2h² + 2h·k + m·h·f) GEMM FLOPs forward (m = 3 gated, 2 not) + 4·s·h attention, the LM
+    head 2·h·V; x3 for forward + backward, blocks x4 with recompute. ``kv_width`` k (default h)
+    and ``ffn`` f (default 4h) at GPT's defaults give ``flops_per_iteration``; ``causal`` halves
+    the attention term (MFU/HFU's convention)."""
+    h = hidden
+    k = h if kv_width is None else kv_width
+    f = 4 * h if ffn is None else ffn
+    block = 2.0 * (2 * h * h + 2 * h * k + (3 if gated else 2) * h * f) + (2.0 if causal else 4.0) * seq * h
+    passes = 4 if recompute else 3
+    return float(batch) * seq * (passes * n_layer * block + 6.0 * h * vocab)
+
+
 def flops_per_iteration_cfg(cfg: ModelConfig, batch: int, recompute: bool = True,
-                            tp: int = 1) -> float:
-    """``flops_per_iteration`` for a model config, with the vocabulary as built at ``tp``."""
-    return flops_per_iteration(batch, cfg.seq_len, cfg.n_layer, cfg.n_embd,
-                               padded_vocab(cfg, tp), recompute)
+                            tp: int = 1, causal: bool = False) -> float:
+    """Training FLOPs of one iteration over ``batch`` sequences of the model of ``cfg`` (GPT:
+    ``flops_per_iteration``, or with ``causal`` ``hardware_flops_per_iteration`` /
+    ``model_flops_per_iteration``; Llama: ``flops_per_iteration_shape``), with the vocabulary as
+    built at ``tp``. MFU's numerator: ``recompute=False, causal=True``; HFU's: ``causal=True``."""
+    v = padded_vocab(cfg, tp)
+    if cfg.family == "llama":
+        return flops_per_iteration_shape(
+            batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, v, recompute,
+            kv_width=kv_heads(cfg) * (cfg.n_embd // cfg.n_head), ffn=ffn_width(cfg), gated=True,
+            causal=causal)
+    if causal:
+        return hardware_flops_per_iteration(batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, v,
+                                            recompute)
+    return flops_per_iteration(batch, cfg.seq_len, cfg.n_layer, cfg.n_embd, v, recompute)
 
 
 def tflops_per_gpu(flops_per_iter: float, step_time_s: float, n_gpus: int) -> float:

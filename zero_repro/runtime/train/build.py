@@ -1,6 +1,6 @@
 """One training run's build (``build``): the model and every parallelism applied from outside, in a
-fixed order (as torchtitan's ``parallelize_llama``): 1. TP (Megatron: the GPT is built with the TP
-group); 2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
+fixed order (as torchtitan's ``parallelize_llama``): 1. TP (Megatron: the model, GPT or Llama by
+``model.family``, is built with the TP group); 2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
 3. the ZeRO-DP wrap (§5, stages 0-3): parameters re-pointed into flat buffers in the training
 dtype, this rank's shard of fp32 master + Adam state created by the strategy.
 
@@ -19,7 +19,9 @@ import torch
 from zero_repro import config as C
 from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.model import model_class
 from zero_repro.runtime.model.gpt import GPT
+from zero_repro.runtime.model.llama import Llama
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.runtime.zero.precision import lp_dtype
 from zero_repro.runtime.zero.strategy import Strategy
@@ -42,7 +44,7 @@ def dp1_warning(cfg: C.Config, dp: int) -> str | None:
 def build(cfg: C.Config, topo: Topology, device: torch.device, *,
           make_model: Callable | None = None, make_ckpt: Callable | None = None,
           make_strategy: Callable | None = None, warn_dp1: bool = True
-          ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
+          ) -> tuple[GPT | Llama, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
     handle or None, strategy).
 
@@ -58,10 +60,12 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
     torch.manual_seed(cfg.train.seed)
     dtype = lp_dtype(cfg.zero.dtype)
     if make_model is None:
-        # a GPU draws its weights itself (a rank draws every full TP=1 tensor: 60B samples
-        # for Fig 3's model, ~18 min single-threaded on a CPU, seconds on the device)
-        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype,
-                    init_on="device" if device.type == "cuda" else "cpu")
+        # the family's class (GPT or Llama), TP layers built in; a GPU draws its weights itself
+        # (a rank draws every full TP=1 tensor: 60B samples for Fig 3's model, ~18 min
+        # single-threaded on a CPU, seconds on the device)
+        model = model_class(cfg.model)(cfg.model, tp_group=topo.tp_group, device=device,
+                                       dtype=dtype,
+                                       init_on="device" if device.type == "cuda" else "cpu")
     else:
         model = make_model(cfg, topo, device, dtype)
     ckpt = None

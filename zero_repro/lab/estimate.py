@@ -1,0 +1,354 @@
+"""``python -m zero_repro.lab.estimate``: will it fit, which stage, how fast -- the command a
+practitioner runs before training (the numbers: ``zero_repro.scale.estimate``; this module
+reads the command line, builds the config, prints the report and puts DeepSpeed's own
+model-state estimator beside it where DeepSpeed is installed).
+
+    python -m zero_repro.lab.estimate --model llama2_7b --gpus 8 --gpus-per-node 4 \\
+        --device-memory 48GB --peak-tflops 362 --intra-gbps 64 --inter-gbps 100 --batch 1
+    python -m zero_repro.lab.estimate --model llama2_70b --cluster h100 --gpus 64 --tp 8
+    python -m zero_repro.lab.estimate --shape layers=32,hidden=4096,heads=32,kv_heads=8,\\
+        ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8
+
+Bad input: one ``error:`` line, exit status 2, before anything runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import re
+import sys
+
+from zero_repro import config as C
+from zero_repro.runtime.comm import comm
+from zero_repro.runtime.model import model_class
+from zero_repro.scale import estimate as E
+from zero_repro.scale.paper.clusters import list_clusters, load_cluster
+
+GB = 1e9
+STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+SHAPE_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head",
+              "kv_heads": "n_kv_head", "ffn": "ffn_hidden", "vocab": "vocab_size",
+              "seq": "seq_len", "family": "family", "theta": "rope_theta"}
+
+
+# ------------------------------------------------------------------------------ inputs
+def parse_bytes(text: str) -> float:
+    """'48GB' (1e9), '48GiB' (2^30), '48' (GB) -> GB (1e9 bytes), the cluster schema's unit."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(gib|gb|g)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"--device-memory {text!r}: give a size like 48GB or 80GiB")
+    value = float(m.group(1))
+    return value * 2**30 / GB if m.group(2) == "gib" else value
+
+
+def model_from_args(args) -> C.ModelConfig:
+    """The model by name (conf/model) or by shape (``--shape k=v,...``: a Llama unless
+    family=gpt), with ``--seq`` on top."""
+    if args.model and args.shape:
+        raise ValueError("give --model NAME or --shape k=v,..., not both")
+    if args.model:
+        m = C.ModelConfig(**C.model_conf(args.model))
+    elif args.shape:
+        fields: dict = {"family": "llama", "bias": False, "name": "shape"}
+        for item in args.shape.split(","):
+            k, _, v = item.partition("=")
+            if k.strip() not in SHAPE_KEYS or not v:
+                raise ValueError(f"--shape {item!r}: use key=value with keys "
+                                 f"{sorted(SHAPE_KEYS)}")
+            key = SHAPE_KEYS[k.strip()]
+            fields[key] = v.strip() if key == "family" else float(v) if key == "rope_theta" \
+                else int(v)
+        if fields["family"] == "gpt":
+            fields["bias"] = True
+        m = C.ModelConfig(**fields)
+    else:
+        raise ValueError("give the model: --model NAME (conf/model) or --shape k=v,...")
+    if args.seq:
+        m = dataclasses.replace(m, seq_len=args.seq)
+    return m
+
+
+def cluster_from_args(args) -> C.ClusterConfig:
+    """A cluster by name (conf/cluster) or by device memory + links, either with flags on top."""
+    if args.cluster:
+        if args.cluster not in list_clusters():
+            raise ValueError(f"--cluster {args.cluster!r}: choose one of {list_clusters()}")
+        c = load_cluster(args.cluster)
+    elif args.device_memory:
+        c = C.ClusterConfig(name="custom", device="cuda", backend="nccl",
+                            gpus_per_node=args.gpus_per_node or args.gpus,
+                            description="given on the command line")
+    else:
+        raise ValueError("give the cluster: --cluster NAME (conf/cluster) or --device-memory "
+                         "48GB [--gpus-per-node N --peak-tflops T --intra-gbps GB/s "
+                         "--inter-gbps Gbit/s]")
+    over = {"device_memory_gb": parse_bytes(args.device_memory) if args.device_memory else None,
+            "gpus_per_node": args.gpus_per_node, "peak_tflops": args.peak_tflops,
+            "intra_node_gbps": args.intra_gbps, "inter_node_gbps": args.inter_gbps,
+            "pcie_gbps": args.pcie_gbps}
+    c = dataclasses.replace(c, device="cuda", backend="nccl",
+                            **{k: v for k, v in over.items() if v is not None})
+    if c.device_memory_gb <= 0:
+        raise ValueError(f"cluster {c.name!r} has no device memory: add --device-memory")
+    return c
+
+
+def config_from_args(args) -> C.Config:
+    m = model_from_args(args)
+    cfg = C.Config(model=m, parallel=C.ParallelConfig(world_size=args.gpus, tp=args.tp),
+                   cluster=cluster_from_args(args))
+    bucket = args.bucket or E.BUCKET
+    cfg.zero = dataclasses.replace(cfg.zero, dtype=args.dtype, reduce_bucket_size=bucket,
+                                   allgather_bucket_size=bucket)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=args.batch)
+    return C.validate(cfg)
+
+
+# ------------------------------------------------------------------------------ DeepSpeed
+def largest_layer(model: C.ModelConfig, tp: int) -> int:
+    """Parameters of the largest module of one TP rank (what DeepSpeed's ZeRO-3 estimator asks
+    for: ``model_to_params`` in deepspeed/runtime/zero/stage3.py), from a one-block model on
+    meta (every block is the same)."""
+    group = comm.Group("tp", tuple(range(tp)), 0, None, comm.CommLedger())
+    one = model_class(model)(dataclasses.replace(model, n_layer=1), group, device="meta")
+    return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in one.modules())
+
+
+def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int) -> dict:
+    """DeepSpeed's own model-state estimates per GPU (bytes), no offload: ZeRO-2
+    (``estimate_zero2_model_states_mem_needs``, the numbers
+    ``estimate_zero2_model_states_mem_needs_all_cold`` prints) and ZeRO-3 (likewise); {} when
+    DeepSpeed is not installed. ``psi`` = the parameters the DP group shards (one TP rank's),
+    ``n_d`` DP ranks, ``per_node`` of them on a node."""
+    try:
+        # optional dependency (pip install -e ".[deepspeed]"); its import logs its accelerator
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+            import deepspeed
+            from deepspeed.runtime.zero import stage3, stage_1_and_2
+    except Exception:  # noqa: BLE001 - not installed or not importable here: no figure
+        return {}
+    per_node = max(1, min(per_node, n_d))
+    nodes = max(1, n_d // per_node)
+    _, z2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(
+        int(psi), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False)
+    _, z3, _ = stage3.estimate_zero3_model_states_mem_needs(
+        int(psi), largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False,
+        cpu_offload_params=False)
+    return {"version": deepspeed.__version__, 2: z2, 3: z3, "largest_layer": largest}
+
+
+# ------------------------------------------------------------------------------ report
+def _row(label: str, values, fmt="{:>10.2f}", width=42) -> str:
+    cells = [("{:>10}".format(v) if isinstance(v, str) else fmt.format(v)) for v in values]
+    return f"  {label:<{width}}" + "".join(cells)
+
+
+def report(est: E.Estimate, ds: dict | None = None) -> str:
+    """The estimate as text: model states against Table 1 (and DeepSpeed's estimator), the
+    per-rank picture per stage, the verdicts, the largest micro-batch, time, traffic and the
+    recommendation. GB = 1e9 bytes throughout."""
+    m, c = est.model, est.cluster
+    st = sorted(est.stages, key=lambda s: s.stage)
+    stages = [s.stage for s in st]
+    n_d = est.world_size // est.tp
+    shape = (f"{m['n_layer']} x {m['hidden']}, {m['heads']} heads / {m['kv_heads']} kv, "
+             f"ffn {m['ffn']}, vocab {m['vocab']}" if m["family"] == "llama"
+             else f"{m['n_layer']} x {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}")
+    nodes = max(1, est.world_size // max(1, c["gpus_per_node"]))
+    lines = [
+        f"Will it fit: {m['name']} ({m['family']}: {shape}; Ψ = {m['params'] / 1e9:.2f}B"
+        + (f", nominal {m['nominal']}" if m["nominal"] else "") + ")",
+        f"  on {est.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''} x "
+        f"{min(est.world_size, c['gpus_per_node'])}) of {c['device_bytes'] / GB:.1f} GB "
+        f"({c['name']}), {c['peak_tflops']:g} TFLOP/s, links: {c['intra_node_gbps']:g} GB/s "
+        f"in a node, {c['inter_node_gbps']:g} Gbit/s per node between nodes",
+        f"  TP {est.tp} x DP {n_d}; micro-batch {est.batch} x {est.seq} tokens per GPU; "
+        f"{est.dtype} parameters + fp32 master and Adam (K = 12); ZeRO-R: "
+        f"{_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
+        "",
+        "Model states per GPU (GB)" + " " * 19 + "".join(f"{STAGE_NAMES[s]:>10}" for s in
+                                                        stages)]
+    nominal = _nominal(m["nominal"])
+    if nominal:
+        cf = E.closed_form(nominal / est.tp, n_d)
+        lines.append(_row(f"Table 1, nominal Ψ = {m['nominal']}", [cf[s] / GB for s in stages]))
+    lines.append(_row(f"Table 1, this shape Ψ = {m['params'] / 1e9:.2f}B"
+                      + (f" / TP {est.tp}" if est.tp > 1 else ""),
+                      [s.table1 / GB for s in st]))
+    lines.append(_row("dry run's ledger (this runtime)", [s.model_states / GB for s in st]))
+    if ds:
+        lines.append(_row(f"DeepSpeed {ds['version']} estimator (no offload)",
+                          [ds[s.stage] / GB if s.stage in (2, 3) else "-" for s in st]))
+    lines += ["", f"Per rank at micro-batch {est.batch} (dry run; GB)" + " " * 9
+              + "".join(f"{'stage ' + str(s):>10}" for s in stages)]
+    for part, label in (("model_states", "model states (own shards)"),
+                        ("gathered_params", "gathered parameters (stage 3)"),
+                        ("buffers", "buffers (C_B buckets, gather)"),
+                        ("activations", "activations (ckpt + working + logits)"),
+                        ("other", "other (step transients)")):
+        lines.append(_row(label, [s.parts[part] / GB for s in st]))
+    if any(s.stage == 3 for s in st):
+        lines.append(_row("  (stage 3, the runtime's own gathered peak)",
+                          [s.gathered_ledger / GB if s.stage == 3 else "-" for s in st]))
+    lines.append(_row("= live peak", [s.live_peak / GB for s in st]))
+    lines.append(_row("+ allocator's extra (rounding, fragments)",
+                      [s.allocator_extra / GB for s in st]))
+    lines.append(_row("= peak reserved (caching allocator)", [s.peak_reserved / GB for s in st]))
+    cap = st[0].capacity / GB
+    lines.append(_row(f"verdict at {cap:.1f} GB", ["fits" if s.fits else "OOM" for s in st]))
+    lines.append(_row("largest micro-batch that fits", [str(s.max_batch) for s in st]))
+    lines.append(_row("live peak while building (not judged)",
+                      [s.build_live_peak / GB for s in st]))
+    if any(s.perf for s in st):
+        lines += ["", f"Time per step at micro-batch {est.batch} (performance model, "
+                  f"calibrated on the paper's Fig 2: e_max {est.perf_params['e_max']:.2f}, "
+                  f"comm_eff {est.perf_params['comm_eff']:.2f})"]
+        lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
+        for key, label in (("compute_s", "  compute"), ("tp_s", "  TP communication"),
+                           ("dp_s", "  exposed DP communication"),
+                           ("pa_s", "  P_a all-gathers"), ("offload_s", "  P_a+cpu copies")):
+            if any(s.perf[key] for s in st) or key in ("compute_s", "dp_s"):
+                lines.append(_row(label, [s.perf[key] for s in st], "{:>10.3f}"))
+        lines.append(_row("tokens/s (cluster)", [s.perf["tokens_per_s"] for s in st],
+                          "{:>10,.0f}"))
+        lines.append(_row("MFU (model FLOPs, no recompute)", [s.perf["mfu"] for s in st],
+                          "{:>10.1%}"))
+        lines.append(_row("DP traffic per rank and step (GB)", [s.perf["dp_bytes"] / GB
+                                                               for s in st]))
+        lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
+                                                               for s in st]))
+        lines.append(_row("tokens/s at the largest micro-batch",
+                          [s.perf_max.get("tokens_per_s", "-") for s in st], "{:>10,.0f}"))
+        lines.append(_row("MFU at the largest micro-batch",
+                          [s.perf_max.get("mfu", "-") for s in st], "{:>10.1%}"))
+    stage, why = est.recommendation
+    lines += ["", "Recommendation: " + (f"stage {stage} ({STAGE_NAMES[stage]})" if stage is
+                                         not None else "none") + f" -- {why}."]
+    if ds:
+        for s in st:
+            if s.stage in (2, 3):
+                lines.append(f"  DeepSpeed's estimator, stage {s.stage}: {ds[s.stage] / GB:.2f}"
+                             f" GB (model states only); the dry run's peak reserved "
+                             f"{s.peak_reserved / GB:.2f} GB adds activations "
+                             f"{s.parts['activations'] / GB:.2f}, buffers "
+                             f"{s.parts['buffers'] / GB:.2f}, gathered parameters "
+                             f"{s.parts['gathered_params'] / GB:.2f} and the allocator's "
+                             f"{s.allocator_extra / GB:.2f} GB")
+    judged = sum(s.seconds.get("search_judgements", 0) for s in st)
+    cpu = est.cpu or {}
+    lines.append(f"  ({len(st)} stages, {judged} batch judgements; largest micro-batch: "
+                 f"{st[0].max_batch_method}; {est.seconds:.1f} s wall with {est.workers} "
+                 f"worker{'s' if est.workers != 1 else ''}; CPU {cpu.get('parent_s', 0):.1f} s "
+                 f"here + {sum((cpu.get('helpers_s') or {}).values()):.1f} s in helpers, "
+                 f"busiest path {cpu.get('critical_s', 0):.1f} s)")
+    return "\n".join(lines)
+
+
+_ZR_LABEL = {"ckpt": "activation checkpointing + C_B + M_D",
+             "pa": "activation checkpointing + P_a + C_B + M_D",
+             "pa_cpu": "activation checkpointing + P_a+cpu + C_B + M_D",
+             "none": "no activation checkpointing, C_B + M_D"}
+
+
+def _nominal(text: str) -> float:
+    m = re.fullmatch(r"([0-9.]+)\s*([BT])", text or "")
+    return float(m.group(1)) * {"B": 1e9, "T": 1e12}[m.group(2)] if m else 0.0
+
+
+def run(cfg: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
+        workers: int | None = None) -> tuple[E.Estimate, dict]:
+    """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg``."""
+    est = E.estimate(cfg, stages, zero_r, search=search, workers=workers)
+    m, p = cfg.model, cfg.parallel
+    ds = deepspeed_figures(est.stages[0].psi_rank, p.world_size // p.tp,
+                           cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp))
+    return est, ds
+
+
+def as_json(est: E.Estimate, ds: dict) -> dict:
+    d = dataclasses.asdict(est)
+    d["deepspeed"] = {str(k): v for k, v in ds.items()}
+    return d
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m zero_repro.lab.estimate",
+        description="Will it fit, which ZeRO stage, how fast: per-rank memory of stages 0-3 "
+                    "(dry run + caching-allocator replay), the largest micro-batch that fits, "
+                    "step time over the cluster's links, and a recommendation.")
+    ap.add_argument("--model", help="conf/model/NAME (e.g. llama2_7b, llama3_70b, gpt_8b)")
+    ap.add_argument("--shape", help="a model by shape: layers=,hidden=,heads=[,kv_heads=,ffn=,"
+                                    "vocab=,seq=,theta=,family=llama|gpt]")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    ap.add_argument("--cluster", help=f"conf/cluster/NAME ({', '.join(list_clusters())})")
+    ap.add_argument("--device-memory", help="device memory, e.g. 48GB or 80GiB")
+    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16/fp16 peak per GPU")
+    ap.add_argument("--intra-gbps", type=float, help="GB/s per GPU in a node (both directions)")
+    ap.add_argument("--inter-gbps", type=float, help="Gbit/s per node between nodes")
+    ap.add_argument("--pcie-gbps", type=float, help="GB/s host <-> device")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (TP x DP)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--zero-r", default="auto",
+                    help=f"auto | {' | '.join(E.ZERO_R)}, or several, comma-separated")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
+    ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
+    ap.add_argument("--workers", type=int, help="helper processes (default: 2 on 2+ cores)")
+    ap.add_argument("--json", help="also write the estimate as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        stages = tuple(sorted({int(s) for s in args.stages.split(",")}))
+        if not set(stages) <= {0, 1, 2, 3}:
+            raise ValueError(f"--stages {args.stages!r}: stages are 0..3")
+        cfg = config_from_args(args)
+        settings = [z.strip() for z in args.zero_r.split(",") if z.strip()]
+        for zr in settings or ["?"]:
+            E.zero_r_name(zr, cfg.parallel.tp)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    done = []
+    for zr in settings:
+        est, ds = run(cfg, stages, zr, not args.no_search, args.workers)
+        print(report(est, ds) + ("\n" if len(settings) > 1 else ""))
+        done.append((est, ds))
+    if len(done) > 1:
+        print(compare_settings([e for e, _ in done]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([as_json(e, d) for e, d in done] if len(done) > 1
+                      else as_json(*done[0]), f, indent=1, default=str)
+    return 0
+
+
+def compare_settings(ests: list[E.Estimate]) -> str:
+    """One line per ZeRO-R setting: its recommended stage and the tokens/s there at the
+    largest micro-batch; the fastest of them."""
+    lines, best = ["ZeRO-R settings compared (each at its recommended stage's largest "
+                   "micro-batch):"], None
+    for est in ests:
+        stage = est.recommendation[0]
+        s = next((x for x in est.stages if x.stage == stage), None)
+        tps = s.perf_max.get("tokens_per_s") if s is not None else None
+        lines.append(f"  {_ZR_LABEL[est.zero_r]}: " + (
+            f"stage {stage}, micro-batch {s.max_batch}, {tps:,.0f} tokens/s" if tps else
+            "no stage fits" if stage is None else f"stage {stage}"))
+        if tps and (best is None or tps > best[1]):
+            best = (est.zero_r, tps)
+    if best:
+        lines.append(f"  fastest: {_ZR_LABEL[best[0]]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

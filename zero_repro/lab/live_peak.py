@@ -1,0 +1,127 @@
+"""The live-storage peak of a real training run, to hold the estimate to (``scale.estimate``):
+the bytes of every tensor storage a rank holds at the fullest moment of its training steps
+(the build's survivors included, the build's transients not), measured on real tensors on
+CPU ranks over gloo -- the quantity the dry run's live peak predicts.
+
+Mechanism: ``LiveStorageTracer``, the dry run's allocation tracer (``scale.dryrun.tracer``)
+on real tensors, with two changes: data-dependent values are the real ones (``.item()`` is not
+answered with 0), and after every op the size of every live storage is read again, so a
+storage resized in place (stage 3 releases a gathered unit by resizing its storage to 0 bytes
+and materialises it again before the next use) is seen at the op where it happened, whether
+or not an op touches it (the dry run's tracer notices a resize only on a storage an op
+touches). Same build and step as the dry run (``train.build.build``; two steps by default,
+the second the steady one), the buckets travelling point-to-point over gloo
+(``ZR_CPU_TRANSPORT=pairwise``: the dry run accounts it with ``transport_of="gloo"``).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+from omegaconf import OmegaConf
+
+from zero_repro import config as C
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.train.build import build
+from zero_repro.runtime.train.step import train_step
+from zero_repro.scale import estimate as E
+from zero_repro.scale.dryrun.trace import live_peaks
+from zero_repro.scale.dryrun.tracer import AllocationTracer
+
+TRANSPORT = "pairwise"  # ZR_CPU_TRANSPORT of the measured ranks
+MODELS_AS = "gloo"  # the dry run's transport_of for them
+
+
+class LiveStorageTracer(AllocationTracer):
+    """``AllocationTracer`` on real tensors: real scalars, every live storage re-read after
+    every op (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(on_meta=False, cache=False)
+        self._how[torch.ops.aten._local_scalar_dense.default] = "plain"  # the real .item()
+        self._live: dict[int, weakref.ref] = {}
+
+    def _see(self, st) -> None:
+        fresh = id(st) not in self._sid_of
+        super()._see(st)
+        if fresh:
+            self._live[self._sid_of[id(st)]] = weakref.ref(st)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for sid, ref in list(self._live.items()):
+            st = ref()
+            if st is None or sid not in self._size:
+                del self._live[sid]
+            else:
+                self._check_size(sid, st)
+        return out
+
+
+def _batches(cfg: C.Config, step: int):
+    m, t = cfg.model, cfg.train
+    g = torch.Generator().manual_seed(1000 + step)
+    return ((torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len), generator=g),
+             torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len), generator=g))
+            for _ in range(t.grad_accum))
+
+
+def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
+    """On an initialised gloo group (``launch.spawn``): for each config, build and train
+    ``iterations`` steps under ``LiveStorageTracer``; per config {"live_peak" (bytes, training
+    steps), "by_iteration", "transport"}. Module level, for ``launch.spawn``."""
+    os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
+    out = []
+    for d in cfg_dicts:
+        cfg = C.to_config(d)
+        tracer = LiveStorageTracer()
+        with tracer:
+            topo = Topology.build(cfg.parallel.tp)
+            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            for it in range(iterations):
+                train_step(strategy, _batches(cfg, it),
+                           phase=lambda name, it=it: tracer.in_phase(name, it))
+            transport = strategy.transport.models_as
+            strategy.remove_hooks()
+            del model, ckpt, strategy
+        _, _, by_iter = live_peaks(tracer.events)
+        out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
+                    "transport": transport, "n_ops": tracer.n_ops})
+    return out
+
+
+def estimated(cfg: C.Config, rank: int, transport_of: str = MODELS_AS) -> int:
+    """The estimator's live peak for rank ``rank`` of ``cfg`` (``scale.estimate``: one dry run
+    at the prime batch, the trace written at ``cfg``'s micro-batch)."""
+    bt, r = E.prime_trace(cfg, rank, transport_of)
+    return E.memory_picture(bt.events(cfg.train.micro_batch_size), bt.rep, r.category_of,
+                            r.ledger, cfg.zero.stage)["live_peak"]
+
+
+def compare(cfgs: list[C.Config], iterations: int = 2) -> list[dict]:
+    """Every config of ``cfgs`` (one world size) run for real on CPU ranks (``measure``) and
+    estimated, per rank: {model, stage, world, tp, zero_r, dtype, batch, rank, estimate,
+    measured, ratio} (bytes; ratio = estimate / measured)."""
+    world = cfgs[0].parallel.world_size
+    dicts = [OmegaConf.to_container(OmegaConf.structured(c)) for c in cfgs]
+    real = spawn(measure, world, dicts, iterations)
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        for rank in range(world):
+            est = estimated(cfg, rank, MODELS_AS)
+            got = real[rank][i]["live_peak"]
+            rows.append({"model": cfg.model.name, "family": cfg.model.family,
+                         "stage": cfg.zero.stage, "world": world, "tp": cfg.parallel.tp,
+                         "zero_r": _zero_r(cfg.zero_r), "dtype": cfg.zero.dtype,
+                         "batch": cfg.train.micro_batch_size, "rank": rank, "estimate": est,
+                         "measured": got, "ratio": est / got})
+    return rows
+
+
+def _zero_r(zr: C.ZeroRConfig) -> str:
+    """The ``scale.estimate.ZERO_R`` name of a ZeRO-R setting."""
+    if not zr.activation_checkpointing:
+        return "none"
+    return "pa_cpu" if zr.cpu_checkpointing else "pa" if zr.partition_activations else "ckpt"

@@ -1,0 +1,511 @@
+"""Will it fit, which stage, how fast: per-rank memory of ZeRO-DP stages 0-3 from the dry run,
+the largest micro-batch that fits, and the step time over the cluster's links (paper §5 Table 1,
+§6 ZeRO-R, §7 communication; the practitioner's question Table 1 starts from).
+
+For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per rank:
+  * model states: the dry run's ledger (must equal Table 1, ``model_state_bytes(Ψ_padded,
+    stage, N_d)``) beside Table 1's closed form at Ψ = param_count / tp;
+  * the live bytes at the training live peak by what holds them (``PARTS``): model states
+    (stage 3: the own shard), gathered parameters (stage 3's units in use), buffers (C_B
+    buckets, gather buffers), activations (checkpoints, the working layer, logits and loss),
+    other (step transients); they sum to the live peak;
+  * the allocator's extra: the judged caching-allocator replay's peak reserved minus the live
+    peak (rounding, fragmentation, cached blocks; steady state, ``dryrun.judged_events``), and
+    the verdict: the judged replay at the device capacity runs out of memory or not;
+  * the largest micro-batch that fits (``largest_batch``);
+  * time from ``perf_model.step_time`` (compute + TP + exposed DP communication over the
+    cluster's links) with the calibrated parameters, tokens/s, MFU = model FLOPs without
+    recompute / (GPUs · peak · step time), and the communication per rank and step: DP 2Ψ
+    (stages 0-2) or 3Ψ (stage 3) elements (§7), TP (6l + 2) all-reduces of b·s·h with
+    recompute (counted 2n each, ``comm``'s convention).
+``recommend``: the smallest stage that fits at the requested micro-batch, unless the next one
+fits a larger micro-batch that runs faster (tokens/s, each at its largest micro-batch).
+
+Mechanism and what is approximated:
+  * one dry run per stage (``dryrun.dry_run``: meta tensors, the tracer's output cache, two
+    steps), run at micro-batch b = ``PRIME_BATCH``, a prime; every trace event's size is then
+    alpha + beta·b: a forward or backward storage whose size is a multiple of the prime holds b
+    samples (activations b·s·x), every other one is constant (model states, buffers, the
+    step's transients; constant sizes are products of model dimensions, all smaller than the
+    prime, or flat-buffer counts, a multiple of it by chance 1/65521). ``BatchTraces`` writes
+    the judged trace (``dryrun.judged_events``) at any b: the requested micro-batch (picture,
+    verdict, peak reserved: the judged replay to the allocator's steady state) and every
+    candidate of the search. Approximated: a size affine in b with an offset (P_a's slice
+    padding ceil(b·s·h/m) when m does not divide s·h) is taken as constant;
+    ``tests/test_estimate.py`` holds the written trace to dry runs at other batch sizes;
+  * the largest micro-batch: a bracketing search (seeded by the live peak's slope in b) of
+    judged replays at the device capacity; the answer fits and the next micro-batch does not;
+  * the stages run side by side in helper processes (``workers``, forked: no second import);
+  * buffers follow the transport of the cluster's ranks (``dry_run(transport_of=...)``): NCCL's
+    native one on a CUDA cluster.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from zero_repro import config as C
+from zero_repro.runtime.model import flops
+from zero_repro.scale import calibrate, perf_model
+from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun.dryrun import dry_run
+from zero_repro.scale.dryrun.stack import categories as K
+from zero_repro.scale.dryrun.stack import switches as S
+from zero_repro.scale.dryrun.trace import repeat_start
+from zero_repro.scale.hardware import Hardware
+from zero_repro.scale.paper.table1 import model_state_bytes
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+# DeepSpeed's default fused-buffer sizes (DeepSpeed@0.19.8 deepspeed/runtime/zero/config.py:
+# reduce_bucket_size and allgather_bucket_size 5e8 elements): what a practitioner's run uses
+BUCKET = 500_000_000
+# ZeRO-R settings (paper §6, Table 3's columns): activation checkpointing with C_B and M_D (C1 /
+# C3), + P_a (C2 / C4), + P_a+cpu (C5), or no checkpointing (C_B, M_D for gradients only)
+ZERO_R = {
+    "ckpt": dict(activation_checkpointing=True, constant_buffers=True, contiguous_memory=True),
+    "pa": dict(activation_checkpointing=True, partition_activations=True,
+               constant_buffers=True, contiguous_memory=True),
+    "pa_cpu": dict(activation_checkpointing=True, partition_activations=True,
+                   cpu_checkpointing=True, constant_buffers=True, contiguous_memory=True),
+    "none": dict(activation_checkpointing=False, constant_buffers=True, contiguous_memory=True),
+}
+# what holds the bytes at the live peak, from the dry run's categories (stack.categories)
+PARTS = ("model_states", "gathered_params", "buffers", "activations", "other")
+_PART_OF = {S.FP16_PARAMS: "model_states", S.MASTER_ADAM: "model_states",
+            S.GRAD_PARTITION: "model_states", S.BUCKETS: "buffers", S.GATHER: "buffers",
+            S.CHECKPOINTS: "activations", S.WORKING_LAYER: "activations",
+            S.LOGITS_LOSS: "activations"}
+MAX_BATCH = 4096  # the search's ceiling
+
+
+def zero_r_name(name: str, tp: int) -> str:
+    """``auto``: P_a when TP > 1 (it partitions checkpoints over the TP ranks), else plain
+    checkpointing with C_B and M_D."""
+    if name == "auto":
+        return "pa" if tp > 1 else "ckpt"
+    if name not in ZERO_R:
+        raise ValueError(f"zero_r={name!r}: choose auto or one of {sorted(ZERO_R)}")
+    if name in ("pa", "pa_cpu") and tp == 1:
+        raise ValueError(f"zero_r={name} partitions checkpoints over TP ranks: it needs tp > 1")
+    return name
+
+
+def stage_config(base: C.Config, stage: int, zero_r: str, batch: int) -> C.Config:
+    """``base`` at ZeRO ``stage``, ZeRO-R setting ``zero_r`` (``ZERO_R``), micro-batch ``batch``,
+    DeepSpeed's bucket sizes unless ``base`` sets others (validated)."""
+    z = dataclasses.replace(base.zero, stage=stage)
+    zr = C.ZeroRConfig(name="custom", **ZERO_R[zero_r])
+    t = dataclasses.replace(base.train, micro_batch_size=batch)
+    return C.validate(dataclasses.replace(base, zero=z, zero_r=zr, train=t))
+
+
+# ------------------------------------------------------------------------------ batch traces
+PRIME_BATCH = 65521  # the largest prime below 2^16: no product of model dimensions has it
+# storages that never scale with the micro-batch, whatever their size
+_CONSTANT = {S.FP16_PARAMS, S.MASTER_ADAM, S.GRAD_PARTITION, S.BUCKETS, S.GATHER}
+
+
+class BatchTraces:
+    """The judged trace at any micro-batch b from one dry run (module docstring): event i's
+    size is alpha_i + beta_i·b, found from the trace at b = ``PRIME_BATCH`` (``from_prime``) or
+    from two traces (``from_pair``, the reference the tests hold the first to)."""
+
+    def __init__(self, ev: list, alpha: list, beta: list):
+        self.ev, self.alpha, self.beta = ev, alpha, beta
+        self.rep = repeat_start(ev)
+
+    @classmethod
+    def from_prime(cls, ev: list, category_of: dict, p: int = PRIME_BATCH) -> "BatchTraces":
+        """A forward / backward storage whose size at b = p is a multiple of the prime p holds
+        p samples (sizes of constant storages are products of model dimensions, all < p, or
+        flat-buffer counts, a multiple of p by chance 1/p); everything else is constant."""
+        beta = [e[2] // p if (e[2] % p == 0 and e[3] in ("forward", "backward")
+                              and category_of.get(e[1]) not in _CONSTANT) else 0 for e in ev]
+        alpha = [e[2] - b * p for e, b in zip(ev, beta)]
+        return cls(ev, alpha, beta)
+
+    @classmethod
+    def from_pair(cls, ev0: list, b0: int, ev1: list, b1: int) -> "BatchTraces":
+        if len(ev0) != len(ev1) or any(a[0] != b[0] or a[1] != b[1] or a[3:] != b[3:]
+                                       for a, b in zip(ev0, ev1)):
+            raise ValueError("the traces at two batch sizes differ in their events")
+        beta = [(b[2] - a[2]) / (b1 - b0) for a, b in zip(ev0, ev1)]
+        return cls(ev0, [a[2] - s * b0 for a, s in zip(ev0, beta)], beta)
+
+    def events(self, b: int) -> list:
+        return [(e[0], e[1], max(0, int(round(a + s * b))), e[3], e[4])
+                for e, a, s in zip(self.ev, self.alpha, self.beta)]
+
+    def replay(self, b: int, capacity: float | None = None, stop_at_oom: bool = False):
+        return A.replay(self.events(b), capacity=capacity, repeat_from=self.rep,
+                        stop_at_oom=stop_at_oom)
+
+    def fits(self, b: int, capacity: float) -> bool:
+        return not self.replay(b, capacity, stop_at_oom=True).oom
+
+
+def largest_batch(fits, b0: int, fits_b0: bool, seed: int, ceiling: int = MAX_BATCH
+                  ) -> tuple[int, int]:
+    """(largest b in [1, ceiling] with ``fits(b)`` whose b + 1 does not fit, judgements made):
+    the seed and its neighbour first (when the seed is right they are the answer), then a
+    gallop away from the bracket end they moved (1, 2, 4, ... from it), then bisection.
+    ``fits(b0) = fits_b0`` is known. 0 when b = 1 does not fit."""
+    verdict = {b0: fits_b0}
+
+    def judge(b: int) -> bool:
+        if b not in verdict:
+            verdict[b] = fits(b)
+        return verdict[b]
+
+    def bounds() -> tuple[int, int]:
+        lo = max(b for b, v in verdict.items() if v)
+        return lo, min([b for b, v in verdict.items() if not v and b > lo] + [ceiling + 1])
+
+    if not judge(1):
+        return 0, len(verdict) - 1
+    lo, hi = bounds()
+    seed = min(max(seed, lo + 1), hi - 1)
+    if lo < seed < hi:
+        up = judge(seed)
+        if lo < seed + (1 if up else -1) < hi:
+            judge(seed + (1 if up else -1))
+        lo, hi = bounds()
+        step = 2
+        while hi - lo > 1:  # gallop from the end the seed moved
+            n = lo + step if up else hi - step
+            if not lo < n < hi or judge(n) != up:
+                lo, hi = bounds()
+                break
+            lo, hi = bounds()
+            step *= 2
+    while hi - lo > 1:
+        judge((lo + hi) // 2)
+        lo, hi = bounds()
+    return lo, len(verdict) - 1
+
+
+# ------------------------------------------------------------------------------ memory
+def memory_picture(events: list, rep: int | None, category_of: dict, ledger: dict,
+                   stage: int) -> dict:
+    """Bytes by ``PARTS`` at the training live peak of a judged trace (its repeated step
+    written out once more: the steady state) and the live peak."""
+    steady = events + events[rep:] if rep is not None else events
+    live, best, at = 0, -1, 0
+    for i, e in enumerate(steady):
+        live += e[2] if e[0] == "alloc" else -e[2]
+        if live > best:
+            best, at = live, i + 1
+    cats = K.live_by_category(steady, category_of, at)
+    parts = dict.fromkeys(PARTS, 0)
+    for cat, nbytes in cats.items():
+        parts[_PART_OF.get(cat, "other")] += nbytes
+    # stage 3: the lp parameters beyond the own shard are gathered units
+    own, lp = ledger.get("params_lp", 0), cats.get(S.FP16_PARAMS, 0)
+    if stage == 3 and lp > own:
+        parts["gathered_params"] += lp - own
+        parts["model_states"] -= lp - own
+    return {"parts": parts, "live_peak": best, "categories": cats}
+
+
+# ------------------------------------------------------------------------------ time
+def workload(cfg: C.Config) -> perf_model.Workload:
+    """The performance model's view of ``cfg`` (the runtime reduces each bucket as backward
+    fills it: ``overlap_comm``)."""
+    m, p, zr = cfg.model, cfg.parallel, cfg.zero_r
+    llama = m.family == "llama"
+    return perf_model.Workload(
+        n_layer=m.n_layer, hidden=m.n_embd, heads=m.n_head, gpus=p.world_size, tp=p.tp,
+        batch_per_gpu=cfg.train.micro_batch_size, seq=m.seq_len,
+        vocab=C.padded_vocab(m, p.tp), stage=cfg.zero.stage,
+        checkpointing=zr.activation_checkpointing, p_a=zr.partition_activations,
+        p_a_cpu=zr.cpu_checkpointing, overlap_comm=True,
+        lp_bytes=4 if cfg.zero.dtype == "fp32" else 2, dropout=m.dropout > 0,
+        bucket_elems=float(cfg.zero.reduce_bucket_size),
+        ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0)
+
+
+def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams) -> dict:
+    """Step time by component, tokens/s, MFU and communication per rank and step of ``cfg``
+    (``perf_model``). Empty when the cluster has no peak FLOP/s."""
+    if hw.peak_flops <= 0:
+        return {}
+    w = workload(cfg)
+    t = perf_model.step_time(w, hw, params)
+    m, b, lp = cfg.model, w.batch_per_gpu, w.lp_bytes
+    psi = w.params / w.tp
+    dp_elems = (3 if w.stage == 3 else 2) * psi if w.dp > 1 else 0.0
+    n_tp = (m.n_layer * (6 if w.checkpointing else 4) + 2) if w.tp > 1 else 0
+    tp_elems = n_tp * 2.0 * b * m.seq_len * m.n_embd
+    model_flops = flops.flops_per_iteration_cfg(m, b * w.dp, recompute=False, tp=w.tp)
+    return {"step_s": t["total"], "compute_s": t["compute"], "tp_s": t["tp_comm"],
+            "dp_s": t["dp_comm"], "pa_s": t["pa_comm"], "offload_s": t["cpu_offload"],
+            "tokens_per_s": b * m.seq_len * w.dp / t["total"],
+            "mfu": model_flops / (w.gpus * hw.peak_flops * t["total"]),
+            "tflops_per_gpu": t["tflops_per_gpu"], "dp_bytes": dp_elems * lp,
+            "tp_bytes": tp_elems * lp, "batch": b}
+
+
+# ------------------------------------------------------------------------------ one stage
+@dataclass
+class StageEstimate:
+    stage: int
+    zero_r: str
+    batch: int  # the requested micro-batch
+    n_d: int
+    psi_rank: int  # this rank's parameters (TP shard, exact)
+    psi_padded: int  # elements of this rank's flat buffers
+    table1: float  # Table 1's closed form at Ψ = param_count / tp, bytes
+    model_states: int  # the dry run's ledger (Table 1 at Ψ_padded)
+    parts: dict  # PARTS -> bytes at the live peak
+    live_peak: int
+    peak_reserved: int  # judged replay, steady state, no capacity
+    build_live_peak: int  # not judged: the build's transient (lp model + flat copy)
+    capacity: float  # bytes the allocator may use
+    fits: bool  # the judged replay at the capacity does not run out of memory
+    max_batch: int = 0  # largest micro-batch that fits (0: not even 1)
+    max_batch_method: str = ""
+    perf: dict = field(default_factory=dict)  # at the requested micro-batch
+    perf_max: dict = field(default_factory=dict)  # at the largest micro-batch
+    seconds: dict = field(default_factory=dict)
+    categories: dict = field(default_factory=dict)  # dry-run categories at the live peak
+    gathered_ledger: int = 0  # stage 3: the runtime's own peak of gathered units (ledger)
+
+    @property
+    def allocator_extra(self) -> int:
+        return self.peak_reserved - self.live_peak
+
+
+def prime_trace(cfg: C.Config, rank: int = 0, transport_of: str = "fake"
+                ) -> tuple[BatchTraces, object]:
+    """(the judged trace at any micro-batch, the dry run) of ``cfg`` from one dry run of rank
+    ``rank`` at b = ``PRIME_BATCH`` (``dryrun.dry_run``'s ``transport_of``: whose bucket
+    transport the buffers follow; ``fake`` for GPU clusters)."""
+    at_p = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                              micro_batch_size=PRIME_BATCH))
+    r = dry_run(at_p, rank=rank, iterations=2, keep_trace=True, details=False,
+                transport_of=transport_of)
+    return BatchTraces.from_prime(r.judged_events(), r.category_of), r
+
+
+def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
+                  transport_of: str = "fake") -> dict:
+    """One stage's memory at ``cfg``'s micro-batch b0 (module level: runs in a helper
+    process): the judged trace written at b0 (picture, verdict, peak reserved) from one dry
+    run (``prime_trace``) and the largest micro-batch that fits (judged replays of the trace
+    written at each candidate)."""
+    cfg = C.to_config(cfg_dict)
+    b0 = cfg.train.micro_batch_size
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    bt, r = prime_trace(cfg, rank, transport_of)
+    t1 = time.perf_counter()
+    ev = bt.events(b0)
+    pic = memory_picture(ev, bt.rep, r.category_of, r.ledger, cfg.zero.stage)
+    free = A.replay(ev, capacity=None, repeat_from=bt.rep)
+    cap = r.capacity or None
+    fits0 = cap is None or not A.replay(ev, capacity=cap, repeat_from=bt.rep,
+                                        stop_at_oom=True).oom
+    best, n = 0, 0
+    if search and cap is not None:
+        # seed: the live peak is affine in b (model states + b x activations)
+        slope = max(1, memory_picture(bt.events(b0 + 1), bt.rep, r.category_of, r.ledger,
+                                      cfg.zero.stage)["live_peak"] - pic["live_peak"])
+        seed = b0 + int((cap - free.peak_reserved) // slope)
+        best, n = largest_batch(lambda b: bt.fits(b, cap), b0, fits0, seed)
+    return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes,
+            "ledger": {k: v for k, v in r.ledger.items()}, "capacity": r.capacity, **pic,
+            "peak_reserved": free.peak_reserved, "fits": fits0, "max_batch": best,
+            "judgements": n, "build_live_peak": r.live_peak_by_phase.get("build", 0),
+            "seconds": {"dry_run_s": t1 - t0, "search_s": time.perf_counter() - t1,
+                        "cpu_s": time.process_time() - cpu0, "pid": os.getpid(),
+                        "n_events": len(ev), "n_ops": r.n_ops}}
+
+
+def _cfg_dict(cfg: C.Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
+                  params) -> StageEstimate:
+    p = cfg.parallel
+    n_d = p.world_size // p.tp
+    psi_tp = flops.param_count(cfg.model, p.tp) / p.tp
+    est = StageEstimate(
+        stage=cfg.zero.stage, zero_r=zr, batch=cfg.train.micro_batch_size, n_d=n_d,
+        psi_rank=mem["psi"], psi_padded=mem["psi_padded"],
+        table1=model_state_bytes(psi_tp, cfg.zero.stage, n_d),
+        model_states=mem["model_states"], parts=mem["parts"], live_peak=mem["live_peak"],
+        peak_reserved=mem["peak_reserved"], build_live_peak=mem["build_live_peak"],
+        capacity=mem["capacity"], fits=mem["fits"], max_batch=mem["max_batch"],
+        max_batch_method=(f"judged replays of the dry run's trace written at each micro-batch "
+                          f"(one dry run per stage at b = {PRIME_BATCH})" if search
+                          else "not searched"),
+        seconds={**mem["seconds"], "search_judgements": mem["judgements"]},
+        categories=mem["categories"], gathered_ledger=mem["ledger"].get("params_gathered", 0))
+    est.perf = performance(cfg, hw, params)
+    if est.max_batch:
+        at_max = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, micro_batch_size=est.max_batch))
+        est.perf_max = performance(at_max, hw, params)
+    return est
+
+
+# ------------------------------------------------------------------------------ the estimate
+@dataclass
+class Estimate:
+    model: dict  # name, family, shape, Ψ (exact, TP 1), nominal
+    cluster: dict  # name, device bytes, capacity, GPUs per node, peak, links
+    world_size: int
+    tp: int
+    batch: int
+    seq: int
+    dtype: str
+    zero_r: str
+    stages: list  # StageEstimate per stage
+    recommendation: tuple  # (stage or None, reason)
+    perf_params: dict
+    seconds: float  # wall
+    workers: int
+    cpu: dict = field(default_factory=dict)  # CPU seconds: parent, per helper process
+
+
+def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
+    """The smallest stage that fits at the requested micro-batch, unless the next one fits a
+    larger micro-batch that is faster (tokens/s, each at its largest micro-batch)."""
+    ok = [s for s in sorted(stages, key=lambda s: s.stage) if s.fits]
+    if not ok:
+        best = max(stages, key=lambda s: s.stage)
+        return None, (f"no stage fits micro-batch {best.batch}: stage {best.stage} needs "
+                      f"{best.peak_reserved / GB:.1f} GB of {best.capacity / GB:.1f} GB; "
+                      f"raise TP, add GPUs, or offload (P_a+cpu)")
+    pick = ok[0]
+    why = (f"stage {pick.stage} is the smallest stage that fits micro-batch {pick.batch} "
+           f"({pick.peak_reserved / GB:.1f} of {pick.capacity / GB:.1f} GB)")
+    for nxt in ok[1:]:
+        if nxt.stage != pick.stage + 1:
+            break
+        a, b = pick.perf_max.get("tokens_per_s"), nxt.perf_max.get("tokens_per_s")
+        if nxt.max_batch <= pick.max_batch:
+            why += (f"; stage {nxt.stage} fits no larger micro-batch ({nxt.max_batch} vs "
+                    f"{pick.max_batch})")
+            break
+        if a is None or b is None or b <= a:
+            if a is not None and b is not None:
+                why += (f"; stage {nxt.stage} fits micro-batch {nxt.max_batch} (vs "
+                        f"{pick.max_batch}) but is not faster ({b:,.0f} vs {a:,.0f} tokens/s)")
+            break
+        why += (f"; stage {nxt.stage} fits micro-batch {nxt.max_batch} instead of "
+                f"{pick.max_batch} and runs {b / a - 1:.0%} faster there ({b:,.0f} vs "
+                f"{a:,.0f} tokens/s)")
+        pick = nxt
+    return pick.stage, why
+
+
+def _pool(workers: int):
+    if workers <= 1:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    # fork: the helpers start without importing torch again (nothing here has started
+    # threads yet: meta tensors run no kernels)
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    return cf.ProcessPoolExecutor(workers, mp_context=ctx)
+
+
+def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
+             workers: int | None = None, perf_params: perf_model.PerfParams | None = None
+             ) -> Estimate:
+    """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
+    zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring)."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    zr = zero_r_name(zero_r, base.parallel.tp)
+    if base.cluster.device_memory_gb <= 0:
+        raise ValueError("the estimate needs the device memory: choose a cluster with "
+                         "device_memory_gb or give it")
+    b0 = base.train.micro_batch_size
+    cfgs = {s: stage_config(base, s, zr, b0) for s in stages}
+    workers = min(2, os.cpu_count() or 1) if workers is None else workers
+    hw = Hardware.from_config(base.cluster)
+    params = perf_params or calibrate.calibration().params
+    pool = _pool(workers)
+    mems: dict = {}
+    try:
+        # one dry run per stage at b = PRIME_BATCH, stage 3 (the slowest) first
+        order = sorted(stages, key=lambda s: -s)
+        # the buffers of the transport the cluster's ranks use: NCCL's native one on GPUs
+        # (two fused gradient buckets + reduce-scatter scratch), the rooted one otherwise
+        transport = "native" if base.cluster.device == "cuda" else "fake"
+        args = {s: (_cfg_dict(cfgs[s]), search, 0, transport) for s in order}
+        if pool is None:
+            mems = {s: _stage_memory(*args[s]) for s in order}
+        else:
+            futs = {s: pool.submit(_stage_memory, *args[s]) for s in order}
+            mems = {s: f.result() for s, f in futs.items()}
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params) for s in stages]
+    m, c = base.model, base.cluster
+    return Estimate(
+        model={"name": m.name, "family": m.family, "n_layer": m.n_layer, "hidden": m.n_embd,
+               "heads": m.n_head, "kv_heads": C.kv_heads(m), "ffn": C.ffn_width(m),
+               "vocab": m.vocab_size, "params": flops.param_count(m, padded=False),
+               "nominal": m.nominal},
+        cluster={"name": c.name, "device_bytes": c.device_memory_gb * GB,
+                 "gpus_per_node": c.gpus_per_node, "peak_tflops": c.peak_tflops,
+                 "intra_node_gbps": c.intra_node_gbps, "inter_node_gbps": c.inter_node_gbps,
+                 "pcie_gbps": c.pcie_gbps},
+        world_size=base.parallel.world_size, tp=base.parallel.tp, batch=b0, seq=m.seq_len,
+        dtype=base.zero.dtype, zero_r=zr, stages=out, recommendation=recommend(out),
+        perf_params=dataclasses.asdict(params), seconds=time.perf_counter() - t0,
+        workers=workers, cpu=_cpu(mems, cpu0, pool is not None))
+
+
+def _cpu(mems: dict, cpu0: float, pooled: bool) -> dict:
+    """CPU seconds of the estimate: this process's (the stages' too when run here) and each
+    helper's; with 2 idle cores the wall time is about parent + the busiest helper."""
+    per: dict = {}
+    for m in mems.values():
+        if pooled:
+            pid = str(m["seconds"]["pid"])
+            per[pid] = per.get(pid, 0.0) + m["seconds"]["cpu_s"]
+    return {"parent_s": time.process_time() - cpu0, "helpers_s": per,
+            "critical_s": time.process_time() - cpu0 + max(per.values(), default=0.0)}
+
+
+def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
+                    perf_params: perf_model.PerfParams | None = None) -> dict:
+    """Step time (s) per stage at each inter-node bandwidth in ``gbps`` (Gbit/s per node), the
+    rest of ``base``'s cluster as it is (``perf_model``; memory does not depend on it)."""
+    params = perf_params or calibrate.calibration().params
+    zr = zero_r_name(zero_r, base.parallel.tp)
+    out = {}
+    for s in stages:
+        cfg = stage_config(base, s, zr, base.train.micro_batch_size)
+        out[s] = [performance(dataclasses.replace(cfg, cluster=dataclasses.replace(
+            cfg.cluster, inter_node_gbps=float(g))), Hardware.from_config(
+                dataclasses.replace(cfg.cluster, inter_node_gbps=float(g))), params)["step_s"]
+            for g in gbps]
+    return out
+
+
+def closed_form(psi: float, n_d: int) -> dict:
+    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3."""
+    return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
+
+
+def dp_volume(psi: float, stage: int) -> float:
+    """Elements per rank and step over DP (§7): 2Ψ (stages 0-2), 3Ψ (stage 3)."""
+    return (3 if stage == 3 else 2) * psi
+
+
+__all__ = ["BatchTraces", "Estimate", "StageEstimate", "ZERO_R", "bandwidth_sweep",
+           "closed_form", "estimate", "largest_batch", "memory_picture", "performance",
+           "prime_trace", "recommend", "stage_config", "workload"]
