@@ -138,3 +138,41 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     if len(local):
         _panel(axes[0][1], local, TP.local_title(local), "number of CPU ranks (DP degree)")
     return TP.save(fig, out_dir, "fig3_scaling")
+
+
+def conclude(table: pd.DataFrame) -> list[str]:
+    """The figure in words: simulated per-GPU TFLOPs at each GPU count against the paper's,
+    the aggregate speed-ups against the paper's and the ideal (b/a), and each measured set's
+    speed-ups and per-rank TFLOPs (this machine apart from the reference set)."""
+    def ideal(pair: str) -> str:
+        a, b = (int(v) for v in str(pair).split("->"))
+        return f"{b / a:g}"
+
+    out = []
+    sim = table[table["kind"] == "simulated"]
+    per = sim[sim["y_name"] == T.Y_NAME].sort_values("x_value", key=lambda s: s.astype(float))
+    if len(per):
+        err = per["rel_error_vs_paper"].astype(float).abs().dropna()
+        out.append("simulated (model calibrated on Fig 2 only): TFLOPs/GPU "
+                   + " ".join(f"{float(r.y_value):.1f}" for r in per.itertuples())
+                   + f" at {' '.join(str(int(float(x))) for x in per['x_value'])} GPUs; paper "
+                   + " ".join(f"{float(v):.2f}" for v in per["paper_value"])
+                   + (f" (|error| median {100 * err.median():.0f}%, largest "
+                      f"{100 * err.max():.0f}%)" if len(err) else ""))
+    sp = sim[sim["y_name"] == "speedup"]
+    if len(sp):
+        out.append("aggregate speed-up, simulated / paper (ideal): " + ", ".join(
+            f"{r.x_value} {float(r.y_value):.2f}x / {float(r.paper_value):.2f}x "
+            f"({ideal(r.x_value)})" for r in sp.itertuples()))
+    meas = table[table["kind"] == "measured"]
+    for src, g in meas.groupby(meas["series"].astype(str).map(
+            lambda s: s.split(" · ", 1)[1] if " · " in s else "these records"), sort=False):
+        ups = g[g["y_name"] == "speedup"]
+        per_rank = g[g["y_name"] == T.Y_NAME].sort_values(
+            "x_value", key=lambda s: s.astype(float))
+        text = ", ".join(f"{r.x_value} ranks {float(r.y_value):.2f}x (ideal {ideal(r.x_value)})"
+                         for r in ups.itertuples())
+        tf = ", ".join(f"{float(r.y_value):.3g} at {int(float(r.x_value))}"
+                       for r in per_rank.itertuples())
+        out.append(f"measured, {src}: speed-up {text or '-'}; TFLOPs per rank {tf}")
+    return out

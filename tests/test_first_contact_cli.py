@@ -323,3 +323,18 @@ def test_plan_lines_are_short_and_verbose_lists_the_overrides(tmp_path, capsys):
     cli.print_plan(cfg, experiment, plan)
     assert "parallel.world_size=2" in capsys.readouterr().out
 
+
+
+def test_fig3_concludes_speedups_against_the_paper_and_the_ideal():
+    import experiments.fig3_scaling as fig3
+
+    table = pd.read_csv(paths.RESULTS_DIR / "fig3_scaling" / "table.csv")
+    lines = fig3.conclude(table)
+    sim = table[(table["kind"] == "simulated") & (table["y_name"] == "speedup")]
+    first = sim.iloc[0]
+    assert (f"{first['x_value']} {first['y_value']:.2f}x / {first['paper_value']:.2f}x (2)"
+            in lines[1])
+    assert "paper 25.65 37.55 39.04 36.59" in lines[0]
+    ups = table[(table["kind"] == "measured") & (table["y_name"] == "speedup")]
+    assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[2]
+    assert len(lines) == 3 and all(len(line) < 200 for line in lines)
