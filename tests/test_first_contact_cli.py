@@ -338,3 +338,22 @@ def test_fig3_concludes_speedups_against_the_paper_and_the_ideal():
     ups = table[(table["kind"] == "measured") & (table["y_name"] == "speedup")]
     assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[2]
     assert len(lines) == 3 and all(len(line) < 200 for line in lines)
+
+
+def test_a_plan_of_many_points_gives_one_sbatch_line_per_shape(tmp_path, capsys):
+    C.register_configs()
+    ((cfg, experiment, plan),) = cli.check_args([
+        "+exp=fig5_convergence", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'hydra'}"])
+    cli.print_plan(cfg, experiment, plan)
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [ln for ln in out if ln.startswith("point file")]
+    assert line.startswith(f"point files: {len(plan.todo)} (the keys above), each: sbatch ")
+    assert line.endswith("<key>.yaml")
+    files = os.listdir(os.path.join(cfg.experiment.results_dir, "fig5_convergence", "runs",
+                                    "plan"))
+    assert len(files) == len(plan.todo)  # every file is still written
+    cfg.experiment.verbose = True
+    cli.print_plan(cfg, experiment, plan)
+    assert sum(ln.startswith("point file: sbatch") for ln in
+               capsys.readouterr().out.splitlines()) == len(plan.todo)

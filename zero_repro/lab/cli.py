@@ -675,6 +675,18 @@ def print_plan(cfg, experiment, plan) -> None:
     except TypeError:  # a registered (non-module) experiment cannot run from a point file
         return
     by_key = {pp.key: pp for pp in planned}
+    commands: dict[str, list[str]] = {}  # sbatch line -> its point files
     for path in paths:
         pp = by_key[os.path.basename(path)[:-len(".yaml")]]
-        print(f"point file: {slurm.sbatch_command(pp.cfg, pp.nodes).replace('FILE', path)}")
+        commands.setdefault(slurm.sbatch_command(pp.cfg, pp.nodes), []).append(path)
+    for command, files in commands.items():
+        if verbose or len(files) <= MAX_POINT_FILE_LINES:
+            for path in files:
+                print(f"point file: {command.replace('FILE', path)}")
+        else:  # one line for many files of one shape (each file: experiment.verbose=true)
+            where = os.path.join(os.path.dirname(files[0]), "<key>.yaml")
+            print(f"point files: {len(files)} (the keys above), each: "
+                  f"{command.replace('FILE', where)}")
+
+
+MAX_POINT_FILE_LINES = 3  # a plan prints one sbatch line per point file up to this many
