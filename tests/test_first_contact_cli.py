@@ -357,3 +357,23 @@ def test_a_plan_of_many_points_gives_one_sbatch_line_per_shape(tmp_path, capsys)
     cli.print_plan(cfg, experiment, plan)
     assert sum(ln.startswith("point file: sbatch") for ln in
                capsys.readouterr().out.splitlines()) == len(plan.todo)
+
+
+def test_peers_concludes_per_stage_ratios_and_equivalence():
+    import experiments.peers as peers
+
+    table = pd.read_csv(paths.RESULTS_DIR / "peers" / "table.csv")
+    lines = peers.conclude(table)
+    same = next(line for line in lines if line.startswith("same_kernel, gpt_20m: "))
+    t = table[(table["table"] == "same_kernel") & (table["x_value"] == "zero_repro_s3")
+              & (table["y_name"] == "ratio_to_best_peer")]["y_value"]
+    assert f"s3 {t.min():.2f}" in same and "zero_repro / lower bound" in same
+    tol = table[table["y_name"] == "tolerance_ratio"]["y_value"].max()
+    assert lines[-1].startswith(f"equivalence: largest tolerance ratio {tol:.3f}")
+    assert len(lines) <= 6 and all(len(line) < 240 for line in lines)
+
+
+def test_default_result_lines_name_the_source_not_the_hardware():
+    assert cli.short_series("local DP 2 · this machine: AMD EPYC (2 cores)") == \
+        "local DP 2 (this machine)"
+    assert cli.short_series("x" * 200).endswith("...") and len(cli.short_series("x" * 200)) == 90

@@ -635,7 +635,7 @@ def default_conclusion(table: pd.DataFrame, most: int = 6) -> list[str]:
             continue
         unit = str(r["unit"].iloc[0]) if "unit" in r else ""
         rng = f"{y.iloc[0]:.4g}" if len(y) == 1 else f"{y.min():.4g} .. {y.max():.4g}"
-        out.append(f"{kind} {series}: {y_name} {rng} {unit} ({len(y)} point"
+        out.append(f"{kind} {short_series(series)}: {y_name} {rng} {unit} ({len(y)} point"
                    f"{'s' * (len(y) > 1)})")
     if len(groups) > most:
         out.append(f"... {len(groups) - most} more series in the table")
@@ -645,6 +645,14 @@ def default_conclusion(table: pd.DataFrame, most: int = 6) -> list[str]:
             out.append(f"against the paper: median |error| {100 * err.median():.1f}%, largest "
                        f"{100 * err.max():.1f}% ({len(err)} values)")
     return out
+
+
+def short_series(series: str, most: int = 90) -> str:
+    """A series name for a result line: the hardware after `` · this machine: `` /
+    `` · reference: `` (``lab.figures.regenerate``) dropped to its source, cut at ``most``."""
+    name, _, src = str(series).partition(" · ")
+    name = f"{name} ({src.split(':')[0]})" if src else name
+    return name if len(name) <= most else name[:most - 3] + "..."
 
 
 def print_plan(cfg, experiment, plan) -> None:
