@@ -258,3 +258,43 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
                "tokens/s per rank", "aggregate tokens/s", unit="rank")
     fig.tight_layout(rect=(0, 0.13, 1, 1))  # the bottom strip: the speed-up table
     return save_figure(fig, out_dir, "fig3_scaling", dpi=130)
+
+
+def conclude(table: pd.DataFrame) -> list[str]:
+    """The figure in words: per simulated series (predicted batch, paper batch) the per-GPU
+    TFLOPs against the paper's and the aggregate speed-ups against the paper's and the ideal
+    (b/a); each measured set's speed-ups (this machine apart from the reference set)."""
+    def ideal(pair: str) -> str:
+        a, b = (int(v) for v in str(pair).split("->"))
+        return f"{b / a:g}"
+
+    out = []
+    sim = table[table["kind"] == "simulated"]
+    paper = table[table["kind"] == "paper"]
+    paper_up = {str(r.x_value): float(r.y_value) for r in paper[paper["y_name"] == "speedup"]
+                .itertuples()}
+    for label, tag in (("predicted batch", False), ("paper batch", True)):
+        own = sim[sim["series"].astype(str).str.contains("(paper batch)", regex=False) == tag]
+        per = own[own["y_name"] == T.Y_NAME].sort_values("x_value",
+                                                          key=lambda s: s.astype(float))
+        if len(per):
+            err = per["rel_error_vs_paper"].astype(float).abs().dropna()
+            out.append(f"simulated, {label}: TFLOPs/GPU "
+                       + " ".join(f"{float(r.y_value):.1f}" for r in per.itertuples())
+                       + f" at {' '.join(str(int(float(x))) for x in per['x_value'])} GPUs"
+                       + (f" (|error| vs the paper: median {100 * err.median():.0f}%, largest "
+                          f"{100 * err.max():.0f}%)" if len(err) else ""))
+        sp = own[own["y_name"] == "speedup"]
+        if len(sp):
+            out.append(f"aggregate speed-up, {label} / paper (ideal): " + ", ".join(
+                f"{r.x_value} {float(r.y_value):.2f}x / "
+                f"{paper_up.get(str(r.x_value), float('nan')):.2f}x ({ideal(r.x_value)})"
+                for r in sp.itertuples()))
+    meas = table[table["kind"] == "measured"]
+    for src, g in meas.groupby(meas["series"].astype(str).map(
+            lambda s: s.split(" · ", 1)[1] if " · " in s else "these records"), sort=False):
+        ups = g[g["y_name"] == "speedup"]
+        text = ", ".join(f"{r.x_value} ranks {float(r.y_value):.2f}x (ideal {ideal(r.x_value)})"
+                         for r in ups.itertuples())
+        out.append(f"measured, {src}: aggregate tokens/s speed-up {text or '-'}")
+    return out

@@ -172,7 +172,7 @@ def _series_rows(r, prefix: str, ref_losses, is_ref: bool) -> tuple[list, list]:
              for (t, _, _), d in zip(pairs, diffs)]
     worst = max(diffs) if diffs and all(d == d for d in diffs) else float("nan")
     tol = tolerance(r)
-    log.info("%-44s max |loss - stage 0 fp32| over %d steps = %.3g (tolerance %g)%s", series,
+    log.debug("%-44s max |loss - stage 0 fp32| over %d steps = %.3g (tolerance %g)%s", series,
              len(diffs), worst, tol, "" if worst <= tol else "  EXCEEDED")
     head = [{**base, "x_name": "steps_compared", "x_value": len(diffs), "y_name": MAXD,
              "y_value": worst, **extra, "tolerance": tol, "within_tolerance": bool(worst <= tol),
@@ -185,6 +185,31 @@ def tolerance(r) -> float:
     p = ((r.config or {}).get("experiment") or {}).get("params") or {}
     tol = {**DEFAULTS["tol"], **dict(p.get("tol") or {})}
     return float(tol[r.params.get("dtype", "fp32")])
+
+
+def conclude(table) -> list[str]:
+    """Per dtype: the series compared with stage 0 fp32, their largest |Δloss| against the
+    tolerance, and any series beyond it; the reference's loss first -> last."""
+    ours = table[table["kind"] == "measured"]
+    heads = ours[ours["y_name"] == MAXD]
+    out = []
+    ref = ours[(ours["y_name"] == LOSS) & (ours["config"] == "stage0")
+               & (ours["dtype"] == "fp32")]
+    if len(ref):
+        y = ref.sort_values("x_value")["y_value"].astype(float)
+        out.append(f"stage 0 fp32 (the reference): loss {y.iloc[0]:.3f} -> {y.iloc[-1]:.3f} "
+                   f"over {len(y)} steps")
+    for dtype, g in heads.groupby("dtype", sort=False):
+        worst = g["y_value"].astype(float)
+        within = g["within_tolerance"].astype(str) == "True"
+        steps = int(g["x_value"].astype(float).max())
+        line = (f"{dtype}: {int(within.sum())} of {len(g)} series follow stage 0 fp32 within "
+                f"{float(g['tolerance'].iloc[0]):g} nats (largest |Δloss| {worst.max():.2g} over "
+                f"{steps} steps, {g.loc[worst.idxmax(), 'series']})")
+        out.append(line)
+        for _, row in g[~within].iterrows():
+            out.append(f"  EXCEEDS: {row['series']}: {float(row['y_value']):.3g} nats")
+    return out
 
 
 # ------------------------------------------------------------------------------------ plot

@@ -428,3 +428,38 @@ def _write_report(t, out_dir: str) -> str:
     os.replace(path + ".tmp", path)
     return path
 
+
+
+def conclude(table) -> list[str]:
+    """Per table of the race (same kernel, as shipped) and per set of records (this machine,
+    the reference): zero_repro's step time per stage over the best peer's of that stage and
+    over the lower bound; then the largest tolerance ratio of the equivalence check (< 1:
+    every framework's parameters equal the reference within tolerance)."""
+    import re
+
+    t = table[table["kind"] == "measured"]
+    source = t["series"].astype(str).map(
+        lambda s: f" ({s.split(' · ', 1)[1].split(':')[0]})" if " · " in s else "")
+    out = []
+    def span(v) -> str:
+        lo, hi = f"{v.min():.2f}", f"{v.max():.2f}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    keys = [t["table"].astype(str), t["model"].astype(str), source]
+    for (name, model, src), g in t.groupby(keys, sort=False):
+        ours = g[g["x_value"].astype(str).str.fullmatch(r"zero_repro_s\d")]
+        best = ours[ours["y_name"] == "ratio_to_best_peer"]
+        bound = ours[ours["y_name"] == "ratio_to_bound"]["y_value"].astype(float)
+        if not len(best):
+            continue
+        per = ", ".join(f"s{int(st)} {span(b['y_value'].astype(float))} "
+                        f"({'/'.join(dict.fromkeys(b['best_peer'].astype(str)))})"
+                        for st, b in best.groupby("stage"))
+        out.append(f"{name}{src}, {model}: step time, zero_repro / best peer: {per}; "
+                   f"zero_repro / lower bound {span(bound)}")
+    tol = pd_numeric(t[t["y_name"] == "tolerance_ratio"]["y_value"]).dropna()
+    if len(tol):
+        out.append(f"equivalence: largest tolerance ratio {tol.max():.3f} over {len(tol)} "
+                   f"framework runs ({'all within' if tol.max() < 1 else 'SOME BEYOND'} "
+                   f"tolerance)")
+    return [re.sub(r"\s+", " ", line) for line in out]

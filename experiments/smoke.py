@@ -8,7 +8,10 @@ goes down (``metrics.loss_decreased``). Series are named from each record's reso
 (``records.knob_label``: model shape, dtype, stage, ZeRO-R, world/TP/DP, steps) plus the data
 source, so an fp32 and a bf16 run, an 8- and a 6-step run, or real text and synthetic tokens,
 are two curves. Steps are numbered as the log numbers them (1 = after the first optimizer
-step); curves that coincide are drawn apart (line style, marker) and said to coincide.
+step); curves that coincide are drawn apart (line style, marker) and said to coincide. Rows of
+records that carry them hold the run's model states per rank and Table 1's value
+(``model_state_MiB``, ``table1_MiB``); ``conclude`` states the losses, the coinciding curves
+and the model states against Table 1.
 """
 from __future__ import annotations
 
@@ -45,12 +48,44 @@ def summarize(records) -> list[dict]:
         data = (r.config.get("train") or {}).get("data", "?")
         series = f"{knob_label(r.config)}, {data} data"
         hw = r.hardware.get("device_name", "")
+        m = r.metrics
+        memory = {"model_state_MiB": m["model_state_bytes"] / 2**20,
+                  "table1_MiB": m["table1_model_state_bytes"] / 2**20,
+                  "table1_formula": m.get("table1_formula", "")} \
+            if m.get("table1_model_state_bytes") else {}
         for step, loss in loss_curve(r):  # a resumed record starts at its start_step
             rows.append({"figure": FIGURE, "series": series, "x_name": "step",
                          "x_value": step + 1,  # the log's numbering: step 1 = first update
                          "y_name": "loss", "y_value": loss, "unit": "nats", "kind": r.mode,
-                         "hardware": hw})
+                         "hardware": hw, **memory})
     return rows
+
+
+def conclude(table) -> list[str]:
+    """Each run's loss first -> last, the runs whose curves coincide, and each run's model
+    states per rank beside Table 1's value."""
+    ours = table[table["kind"] != "paper"]
+    curves = {s: dict(zip(g["x_value"].astype(int), g["y_value"].astype(float)))
+              for s, g in ours.groupby("series", sort=False)}
+    if not curves:
+        return []
+    short = dict(zip(curves, _distinct(list(curves)))) if len(curves) > 1 else \
+        {s: s for s in curves}
+    out = []
+    for s, c in curves.items():
+        first, last = c[min(c)], c[max(c)]
+        line = (f"{short[s]}: loss {first:.3f} -> {last:.3f} over steps {min(c)}-{max(c)} "
+                f"({'falls' if last < first else 'does NOT fall'})")
+        g = ours[ours["series"] == s]
+        if "table1_MiB" in g and g["table1_MiB"].notna().any():
+            row = g.iloc[0]
+            line += (f"; model states {row['model_state_MiB']:.3g} MiB/rank, Table 1 "
+                     f"{row['table1_formula']}: {row['table1_MiB']:.3g} MiB")
+        out.append(line)
+    for group in coinciding(curves):
+        out.append("same loss curve (|Δloss| <= 1e-6 at every step): "
+                   + ", ".join(short[s] for s in group))
+    return out
 
 
 COINCIDE = 1e-6  # nats: curves closer than this at every common step are one curve

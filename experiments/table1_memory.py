@@ -77,6 +77,49 @@ def summarize(records) -> list[dict]:
     return rows
 
 
+def conclude(table) -> list[str]:
+    """The 54 cells against the paper (equal / differ where the paper truncates / other), the
+    measured ledgers against the formula, and at the largest measured N_d each stage's bytes
+    per rank (stage 3 / baseline = 1/N_d)."""
+    out = []
+    cells = table[(table["figure"] == FIGURE) & (table["kind"] == "analytic")]
+    if len(cells):
+        err = cells["rel_error_vs_paper"].astype(float).abs()
+        trunc = cells["truncated_by_paper"].astype(str) == "True"
+        equal, other = int((err == 0).sum()), int(((err != 0) & ~trunc).sum())
+        line = (f"analytic: {equal} of {len(cells)} cells equal the paper's printed value; "
+                f"{int((trunc & (err != 0)).sum())} differ where the paper truncates instead of "
+                f"rounding (largest {100 * err[trunc].max():.2f}%)")
+        out.append(line + (f"; {other} other cells DIFFER" if other else ""))
+    meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
+    if "source" in meas:  # a user's table: their own runs beside the reference set's
+        mine = meas[meas["source"].astype(str) != "reference"]
+        meas = mine if len(mine) else meas
+    if not len(meas):
+        return out
+    match = meas["matches_formula"].astype(str) == "True"
+    n_ds = sorted({int(x) for x in meas["x_value"].astype(float)})
+    model = str(meas["series"].iloc[0]).split(") ")[0] + ")"
+    out.append(f"measured ({model}, real gloo runs, N_d {', '.join(map(str, n_ds))}): "
+               f"{int(match.sum())} of {len(meas)} ledgers equal Table 1's formula to the byte")
+    top = meas[meas["x_value"].astype(float) == n_ds[-1]]
+    per_stage = {}
+    for _, row in top.iterrows():
+        stage = next((name for name in sorted(SCHEME.values(), key=len, reverse=True)
+                      if str(row["series"]).split(" · ")[0].endswith(f") {name}")), None)
+        if stage is not None:
+            per_stage[stage] = float(row["y_value"])
+    if per_stage:
+        text = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in
+                         sorted(per_stage.items(), key=lambda kv: -kv[1]))
+        line = f"N_d {n_ds[-1]}: model states per rank [MB] {text}"
+        if "baseline" in per_stage and "Pos+g+p" in per_stage:
+            line += (f"; Pos+g+p / baseline = {per_stage['Pos+g+p'] / per_stage['baseline']:.3f}"
+                     f" (1/N_d = {1 / n_ds[-1]:.3f})")
+        out.append(line)
+    return out
+
+
 def plot(table, out_dir: str) -> list[str]:
     """Table 1 as a grid of paper vs ours (log scale), plus the measured-vs-formula panel."""
 

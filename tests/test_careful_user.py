@@ -327,7 +327,8 @@ def test_step_and_done_lines_say_which_loss_and_only_fp16_has_a_scale():
     from zero_repro.runtime.zero.strategy import StepInfo
 
     info = StepInfo(skipped=False, grad_norm=1.0, loss_scale=1.0)
-    args = (3, 10, 4.5, info, 0.1, 1024, 1.0, 0.0, 2**20, torch.device("cpu"))
+    args = (3, 10, 4.5, info, 0.1, 1024, 1.0, 0.0, "model states 1 MiB/rank",
+            torch.device("cpu"))
     dp2 = rank.step_line(*args, dp=2, dtype="bf16")
     assert "rank-0 loss 4.5000" in dp2 and "scale" not in dp2
     assert "scale 1" in rank.step_line(*args, dp=2, dtype="fp16")
@@ -335,7 +336,7 @@ def test_step_and_done_lines_say_which_loss_and_only_fp16_has_a_scale():
     cfg = C.Config()
     m = {"losses": [5.0, 4.0], "loss_first": 5.0, "loss_last": 4.0, "step_time_s": 0.1,
          "tokens_per_s": 10.0, "tflops_per_gpu": 1.0, "skipped_steps": 0}
-    assert "loss (mean of 2 DP ranks) 5.0000 -> 4.0000" in rank.summary_line(cfg, m, 0)
+    assert "loss (mean of 2 DP ranks) 5.0000 -> 4.0000" in rank.summary_line(cfg, m, {})
 
 
 def test_rank_0_says_when_it_waits_on_a_silent_rank(tmp_path, monkeypatch, caplog):

@@ -132,17 +132,18 @@ def test_plot_action_regenerates_from_results_alone(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_end_to_end(tmp_path):
-    """python run.py +exp=smoke: 2 ranks (TP 2) train, the record says the loss went down."""
+    """python run.py +exp=smoke: 2 ranks (DP 2) train, the record says the loss went down."""
     p = run_cli("+exp=smoke", f"experiment.results_dir={tmp_path}", "train.progress=false",
                 f"hydra.run.dir={tmp_path / 'hydra'}")
     assert p.returncode == 0, p.stdout + p.stderr
     rec = json.loads((tmp_path / "smoke" / "points.jsonl").read_text())
     assert rec["status"] == "ok" and rec["metrics"]["loss_decreased"] is True
-    assert rec["topology"]["tp"] == 2 and rec["memory"] and rec["comm"]
+    assert rec["topology"]["dp"] == 2 and rec["memory"] and rec["comm"]
     table = pd.read_csv(tmp_path / "smoke" / "table.csv")
     assert len(table) == 8 and set(table["kind"]) == {"measured"}
     assert (tmp_path / "smoke" / "smoke.png").exists()
     # re-running skips the done point
     q = run_cli("+exp=smoke", f"experiment.results_dir={tmp_path}", "train.progress=false",
                 f"hydra.run.dir={tmp_path / 'hydra2'}")
-    assert q.returncode == 0 and "1 already done, ran 0" in q.stdout
+    assert q.returncode == 0 and "1 already done here (reused, not run again: " \
+        "experiment.force=true re-runs them), ran 0" in q.stdout

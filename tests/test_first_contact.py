@@ -38,10 +38,12 @@ def test_default_results_dir_is_local_and_publish_is_explicit():
     assert C.Config().experiment.results_dir == "results/local"
     from omegaconf import OmegaConf
 
+    local = C.to_config(OmegaConf.create({"experiment": {}}))
+    assert local.experiment.results_dir == str(paths.home() / "results" / "local")
     pub = C.to_config(OmegaConf.create({"experiment": {"publish": True}}))
-    assert pub.experiment.results_dir == "results"
+    assert pub.experiment.results_dir == str(paths.RESULTS_DIR)
     other = C.to_config(OmegaConf.create({"experiment": {"publish": True, "results_dir": "x"}}))
-    assert other.experiment.results_dir == "x"  # an explicit directory wins
+    assert other.experiment.results_dir == os.path.abspath("x")  # an explicit directory wins
     ignored = subprocess.run(["git", "check-ignore", "-q", "results/local/fig3_scaling/t.csv"],
                              cwd=REPO).returncode
     assert ignored == 0, "results/local/ must be git-ignored"

@@ -33,6 +33,13 @@ POINT = ["+exp=smoke", "launcher=slurm", "train.data=synthetic", "train.progress
          "train.warmup_steps=1"]
 
 
+def last_line(text: str) -> str:
+    """A probe's stderr in one line: its last non-empty one (Slurm's clients print the cause's
+    chain, e.g. four lines ending in ``fatal: Could not establish a configuration source``)."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
 def _cluster_problem() -> str:
     """Why no cluster can be used here ('' if one answers with an idle/usable node)."""
     missing = [c for c in ("sbatch", "srun", "sacct", "scontrol", "squeue", "scancel", "sinfo")
@@ -45,7 +52,7 @@ def _cluster_problem() -> str:
     except subprocess.TimeoutExpired:
         return "sinfo timed out"
     if p.returncode != 0:
-        return f"sinfo failed: {p.stderr.strip()[:200]}"
+        return f"sinfo failed: {last_line(p.stderr)}"
     if not re.search(r"^(idle|mixed|allocated)", p.stdout, re.M):
         return f"no usable node (sinfo: {p.stdout.strip()!r})"
     if subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True,

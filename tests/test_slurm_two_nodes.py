@@ -20,7 +20,8 @@ import subprocess
 
 import pytest
 
-from tests.test_slurm_real import REPO, START_HINT, _cluster_problem, cli, env, finish, records
+from tests.test_slurm_real import (REPO, START_HINT, _cluster_problem, cli, env, finish,
+                                   last_line, records)
 from zero_repro import config as C
 
 pytestmark = pytest.mark.slurm
@@ -39,7 +40,8 @@ def _why_no_two_nodes() -> str:
     note = os.path.join(os.path.dirname(os.path.dirname(os.environ.get("SLURM_CONF", "/x/y"))),
                         "two_nodes")
     why = open(note).read().strip() if os.path.exists(note) else "no partition 'two'"
-    return f"no two-node partition ({why}; sinfo: {p.stdout.strip() or p.stderr.strip()!r})"
+    seen = " ".join(p.stdout.split()) or last_line(p.stderr)
+    return f"no two-node partition ({last_line(why)}; sinfo: {seen!r})"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from zero_repro import paths
 from zero_repro.paths import conf_group_dir
 
 STAGES = (0, 1, 2, 3)
@@ -27,10 +28,10 @@ LAUNCHERS = ("local", "torchrun", "slurm")
 DATASETS = ("synthetic", "tokens", "pystdlib")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WANDB_MODES = ("offline", "online", "disabled")
-# results directories (relative to the working directory, the repository root in the README):
-# the user's own, git-ignored, and the committed reference set (written only with publish=true)
-LOCAL_RESULTS = "results/local"
-REFERENCE_RESULTS = "results"
+# results directories: the user's own, git-ignored, and the committed reference set (written only
+# with publish=true); ``to_config`` anchors them (``paths.results_path``), not the working dir
+LOCAL_RESULTS = paths.LOCAL_RESULTS
+REFERENCE_RESULTS = paths.REFERENCE_RESULTS
 # 2**initial_scale_power must be a finite fp32 number that leaves fp16 gradients room: fp16's
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
@@ -226,6 +227,7 @@ class ExperimentConfig:
     name: str = "smoke"
     action: str = "run"  # run | plot | plan | list
     force: bool = False  # re-run points already in results/
+    verbose: bool = False  # plan lines list each point's config overrides
     # where this run's records, tables and figures go: the git-ignored results/local/ by
     # default; the committed results/ (the reference set) only on purpose, with publish=true
     results_dir: str = LOCAL_RESULTS
@@ -271,7 +273,15 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig, metadata=NOT_IDENTITY)
 
 
+def register_resolvers() -> None:
+    """``${zr_home:}`` in ``conf/config.yaml`` (Hydra's run/sweep folders):
+    ``paths.home()``."""
+    OmegaConf.register_new_resolver("zr_home", lambda: str(paths.home()),
+                                    replace=True)
+
+
 def register_configs() -> None:
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in [("model", ModelConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
@@ -306,13 +316,17 @@ def ffn_width(model: ModelConfig) -> int:
 
 def to_config(cfg: DictConfig | Config) -> Config:
     """DictConfig (from Hydra or a resolved YAML file) -> typed ``Config`` object.
-    ``experiment.publish=true`` turns the default results directory into the reference set."""
+    ``experiment.publish=true`` turns the default results directory into the reference set;
+    the results directory becomes an absolute path (``paths.results_path``)."""
     if isinstance(cfg, Config):
         return cfg
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
     out = OmegaConf.to_object(merged)
-    if out.experiment.publish and out.experiment.results_dir == LOCAL_RESULTS:
-        out.experiment.results_dir = REFERENCE_RESULTS
+    e = out.experiment
+    if e.publish and e.results_dir == LOCAL_RESULTS:
+        e.results_dir = REFERENCE_RESULTS
+    if e.results_dir:  # '' is refused by validate
+        e.results_dir = str(paths.results_path(e.results_dir))
     return out  # type: ignore[return-value]
 
 

@@ -32,6 +32,7 @@ from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.build import device_for
 from zero_repro.runtime.train.data import make_source, rank_batch
+from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES
 
 log = logging.getLogger("zero_repro.examples.minimal")
 
@@ -77,8 +78,15 @@ def main(argv=None) -> dict:
         path = checkpoint.save(args.ckpt_dir, strategy, topo, args.steps)
         ledger = strategy.memory_ledger().as_dict()  # bytes per category, this rank
         if rank == 0:
-            log.info("world %d = TP %d x DP %d, stage %d: model-state bytes on rank 0 %s; "
-                     "checkpoint %s", world, topo.tp, topo.dp, args.stage, ledger, path)
+            # Table 1's model states (params, grads, fp32 master, Adam moments) apart from the
+            # buffers and gathered parameters, which are no model state
+            states = strategy.memory_ledger().model_states()
+            rest = {k: v for k, v in ledger.items() if k not in MODEL_STATE_CATEGORIES and v}
+            log.info("world %d = TP %d x DP %d, stage %d: model states %d bytes on rank 0 "
+                     "(%s); besides them %s; checkpoint %s", world, topo.tp, topo.dp,
+                     args.stage, states, ", ".join(f"{c} {ledger.get(c, 0)}"
+                                                   for c in MODEL_STATE_CATEGORIES),
+                     rest or "nothing", path)
             log.info("communication (elements per collective and group): %s",
                      topo.ledger.as_dict())
         strategy.remove_hooks()

@@ -5,16 +5,21 @@ composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``config.to_con
 ``config.validate`` -> the points are planned and each point's config validated -> only then does
 anything run. ``experiment.action``: ``run`` (default; the points not yet recorded, through
 ``zero_repro.lab.sweep.run_sweep``, ``experiment.force=true`` re-runs; W&B mirror; table and
-figure regenerated; exit 1 if a point that ran ended other than ``ok``), ``plot`` (from
-``results/`` alone), ``list`` (also ``--help``), ``plan`` (print the points and write a point file
-per measured point to do, for ``sbatch slurm/<template> FILE``).
+figure regenerated, then a few lines stating the result: the experiment's optional
+``conclude(table) -> list[str]``, else ``default_conclusion``; exit 1 if a point that ran ended
+other than ``ok``), ``plot`` (from ``results/`` alone, with the same lines), ``list`` (also
+``--help``), ``plan`` (print the points, one short line each, their overrides with
+``experiment.verbose=true``, and write a point file per measured point to do, for
+``sbatch slurm/<template> FILE``). Without an experiment (``python run.py`` alone) it lists the
+experiments and exits 2.
 
 Contract: a user error prints one ``error: <message>`` line naming the setting and exits 2 before
 any rank starts (``check_args``: every job of the command line composed, validated and planned;
 for ``action=run`` every point that starts ranks here pre-flighted, ``zero_repro.lab.preflight``,
 and the output directories checked writable); that plan is the one the job runs (planned
 once, handed on). Results go to ``experiment.results_dir`` (default
-``results/local/``); a recorded point is reused only at this code and, if measured, on this
+``results/local/`` of the repository, ``zero_repro.paths.results_path``; Hydra's folders too sit
+under ``paths.home()``: nothing is written into the working directory); a recorded point is reused only at this code and, if measured, on this
 machine (``zero_repro.lab.provenance``); ``experiment.publish=true`` writes the reference set
 ``results/``. Started as one of several ranks (torchrun, srun) it refuses (exit 2) instead of
 nesting launches. SIGTERM unwinds like Ctrl-C: the running point is recorded ``cancelled``, one
@@ -46,7 +51,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
 from zero_repro.runtime.comm import launch
-from zero_repro.lab import registry, slurm, sweep
+from zero_repro.lab import rank, registry, slurm, sweep
+from zero_repro.lab import records as R
 from zero_repro.lab.figures import regenerate
 from zero_repro.lab.wandb_runs import WandbMirror
 from zero_repro.lab.launcher import check_config, check_writable
@@ -54,6 +60,7 @@ from zero_repro.lab.launcher import check_config, check_writable
 log = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
+config.register_resolvers()  # ${zr_home:} in conf/config.yaml, in any process of a job
 
 
 def conf_dir() -> str:
@@ -143,10 +150,30 @@ def print_experiments(conf: str) -> None:
             continue
         options = sorted(p[:-5] for p in os.listdir(folder) if p.endswith(".yaml"))
         print(f"  {group:<9} {' '.join(options)}")
-    print("\nactions: experiment.action=run (default) | plot | plan | list;  results go to "
-          "results/local/ (experiment.publish=true: the committed results/)")
+    print(f"\nactions: experiment.action=run (default) | plot | plan | list;  results go to "
+          f"{paths.results_path(paths.LOCAL_RESULTS)}/NAME/ (experiment.results_dir=DIR; "
+          f"experiment.publish=true: the committed results/)")
     print("more: README.md;  every key with its default: python run.py --cfg job;  "
           "Hydra's own flags: --hydra-help")
+
+
+def names_an_experiment(argv: list[str]) -> bool:
+    """Does the command line choose an experiment (``+exp=NAME`` or ``experiment.name=``)?"""
+    return any(re.match(r"[+~]{0,2}(exp|experiment\.name)=", a) for a in argv)
+
+
+def refuse_no_experiment(argv: list[str]) -> None:
+    """``python run.py`` without an experiment: the list and how to run one, exit 2 (instead
+    of running the schema's default point under the name ``smoke``)."""
+    if names_an_experiment(argv) or any(a in _INFO_FLAGS or a.startswith("--cfg=")
+                                        for a in argv):
+        return
+    print_experiments(conf_dir())
+    print("\nrun one:  python run.py +exp=smoke    (see it first: python run.py +exp=smoke "
+          "experiment.action=plan)")
+    print("error: no experiment chosen: add +exp=NAME (one of the experiments above)",
+          file=sys.stderr)
+    sys.exit(USAGE_ERROR)
 
 
 # flags after which Hydra prints something and runs no job: nothing to validate
@@ -194,6 +221,7 @@ def main() -> None:
         print_experiments(conf_dir())
         return
     refuse_nested_launch()
+    refuse_no_experiment(argv)
     # -m anywhere (Hydra documents `python run.py -m key=a,b`; its parser takes the flag only
     # before the overrides)
     argv = [a for a in argv if a in _PLAIN_FLAGS] + [a for a in argv if a not in _PLAIN_FLAGS]
@@ -491,7 +519,7 @@ def dispatch(dcfg) -> None:
     elif action == "plan":
         print_plan(cfg, experiment, plan)
     elif action == "plot":
-        print_outputs(_regenerate(cfg, experiment))
+        print_outputs(_regenerate(cfg, experiment), experiment)
     else:
         run(cfg, experiment, plan)
 
@@ -499,7 +527,7 @@ def dispatch(dcfg) -> None:
 def run(cfg, experiment, plan=None) -> None:
     name = cfg.experiment.name
     sweep_id = sweep.new_sweep_id(name)
-    mirror = WandbMirror(cfg.logging, sweep_id)
+    mirror = WandbMirror(cfg.logging, sweep_id, results_dir=cfg.experiment.results_dir)
     try:
         result = sweep.run_sweep(cfg, experiment, plan=plan, mirror=mirror, sweep_id=sweep_id)
     finally:
@@ -515,12 +543,16 @@ def run(cfg, experiment, plan=None) -> None:
     counts = ", ".join(f"{st} {result.count(st)}" for st in
                        dict.fromkeys(["ok", "oom", "failed"] + [r.status for r in result.records]))
     busy = f", {len(result.busy)} running elsewhere (skipped)" if result.busy else ""
+    reused = (f" (reused, not run again: {sweep.FORCE} re-runs them)" if result.skipped
+              else "")
     print(f"experiment {name}: {len(result.planned)} points, {len(result.skipped)} already done "
-          f"here{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
+          f"here{reused}{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
     for rec in result.records:
         print("  " + record_line(rec))
+    for line in mirror.report(sum(bool(r.metrics.get("wandb_run")) for r in result.records)):
+        print(line)
     if out is not None:
-        print_outputs(out, table=False)
+        print_outputs(out, experiment)
     if not regenerate.is_reference(cfg.experiment.results_dir):
         print("(your own results, git-ignored; the figure shows them beside the committed "
               "reference set's measured points; experiment.publish=true writes into results/)")
@@ -550,39 +582,94 @@ def record_line(rec) -> str:
         parts.append(f"loss {m['losses'][0]:.3f} -> {m['losses'][-1]:.3f}")
     ledger = [v for k, v in (rec.memory or {}).items()
               if not k.startswith("cuda_") and isinstance(v, (int, float))]
-    if ledger and rec.mode == "measured":
+    if m.get("table1_model_state_bytes") and rec.mode == "measured":
+        t1 = {"bytes": m["table1_model_state_bytes"], "formula": m.get("table1_formula", "")}
+        parts.append(rank.memory_text(rank.memory_parts(rec.memory), t1))
+    elif ledger and rec.mode == "measured":
         parts.append(f"ledger {sum(ledger) / 2**20:.1f} MiB/rank")
+    why = R.heavy_load(rec.load) if rec.mode == "measured" else ""
+    if why:
+        parts.append(f"- loaded machine: {why}")
     if rec.reason:
         parts.append("- " + rec.reason.splitlines()[0])
     return "  ".join(parts)
 
 
-def print_outputs(out: dict, table: bool = True) -> None:
-    table = pd.read_csv(out["table"]) if out["rows"] and table else None
-    if table is not None:
-        ours = table[table["kind"] != "paper"]
-        cols = [c for c in ("series", "x_name", "x_value", "y_name", "y_value", "unit", "kind",
-                            "paper_value", "rel_error_vs_paper") if c in ours.columns]
-        with pd.option_context("display.width", 160, "display.max_colwidth", 40):
-            shown = ours[cols].head(40)
-            print(shown.to_string(index=False))
-            if len(ours) > len(shown):
-                print(f"  ... {len(ours) - len(shown)} more rows")
+def print_outputs(out: dict, experiment=None) -> None:
+    """Where the table and figures are, then what they show (``conclusion``)."""
     print(f"table:   {out['table']} ({out['rows']} rows from {out['records']} records)")
     for p in out["figures"]:
         print(f"figure:  {p}")
+    table = pd.read_csv(out["table"]) if out["rows"] else None
+    lines = conclusion(experiment, table) if table is not None else []
+    if lines:
+        print("result:")
+        for line in lines:
+            print(f"  {line}")
+
+
+def conclusion(experiment, table: pd.DataFrame) -> list[str]:
+    """The lines that state an experiment's result: its ``conclude(table)`` if it has one,
+    else ``default_conclusion``; a hook that fails costs its lines, never the run."""
+    hook = getattr(experiment, "conclude", None)
+    if not callable(hook):
+        return default_conclusion(table)
+    try:
+        return [str(line) for line in hook(table) or []]
+    except Exception as e:  # noqa: BLE001 - the table and figure are written already
+        log.warning("conclude() of the experiment failed (%s: %s): the table says it",
+                    type(e).__name__, e)
+        return default_conclusion(table)
+
+
+def default_conclusion(table: pd.DataFrame, most: int = 6) -> list[str]:
+    """For an experiment without ``conclude``: its first ``most`` series (per y quantity) with
+    their y range, how many more there are, and the error against the paper where the table
+    has one."""
+    out: list[str] = []
+    ours = table[table["kind"] != "paper"]
+    groups = list(ours.groupby(["kind", "series", "y_name"], sort=False))
+    for (kind, series, y_name), r in groups[:most]:
+        y = pd.to_numeric(r["y_value"], errors="coerce").dropna()
+        if y.empty:
+            continue
+        unit = str(r["unit"].iloc[0]) if "unit" in r else ""
+        rng = f"{y.iloc[0]:.4g}" if len(y) == 1 else f"{y.min():.4g} .. {y.max():.4g}"
+        out.append(f"{kind} {short_series(series)}: {y_name} {rng} {unit} ({len(y)} point"
+                   f"{'s' * (len(y) > 1)})")
+    if len(groups) > most:
+        out.append(f"... {len(groups) - most} more series in the table")
+    if "rel_error_vs_paper" in ours.columns:
+        err = pd.to_numeric(ours["rel_error_vs_paper"], errors="coerce").abs().dropna()
+        if not err.empty:
+            out.append(f"against the paper: median |error| {100 * err.median():.1f}%, largest "
+                       f"{100 * err.max():.1f}% ({len(err)} values)")
+    return out
+
+
+def short_series(series: str, most: int = 90) -> str:
+    """A series name for a result line: the hardware after `` · this machine: `` /
+    `` · reference: `` (``lab.figures.regenerate``) dropped to its source, cut at ``most``."""
+    name, _, src = str(series).partition(" · ")
+    name = f"{name} ({src.split(':')[0]})" if src else name
+    return name if len(name) <= most else name[:most - 3] + "..."
 
 
 def print_plan(cfg, experiment, plan) -> None:
     planned, done = plan.points, plan.done
     print(f"experiment {cfg.experiment.name}: {len(planned)} points "
           f"(launcher={cfg.launcher.name}, cluster={cfg.cluster.name})")
+    verbose = cfg.experiment.verbose
     for pp in planned:
         state = "done" if pp.key in done and not cfg.experiment.force else "todo"
-        ov = " ".join(f"{k}={v}" for k, v in pp.point.overrides.items())
+        ov = " ".join(f"{k}={v}" for k, v in pp.point.overrides.items()) if verbose else ""
         print(f"  {pp.key}  {state}  {pp.point.mode:<9} nodes={pp.nodes:<3} "
               f"world={pp.cfg.parallel.world_size:<4} tp={pp.cfg.parallel.tp:<3} "
-              f"{pp.point.name}  {ov}")
+              f"{pp.point.name}  {ov}".rstrip())
+    if any(pp.key in done for pp in planned) and not cfg.experiment.force:
+        print(f"done: recorded here at this code, reused ({sweep.FORCE} re-runs them)")
+    if not verbose and any(pp.point.overrides for pp in planned):
+        print("each point's config overrides: experiment.verbose=true")
     note = getattr(experiment, "plan_note", None)  # optional: e.g. a time estimate
     for line in note(cfg, [pp.point for pp in planned]) if callable(note) else []:
         print(line)
@@ -596,6 +683,18 @@ def print_plan(cfg, experiment, plan) -> None:
     except TypeError:  # a registered (non-module) experiment cannot run from a point file
         return
     by_key = {pp.key: pp for pp in planned}
+    commands: dict[str, list[str]] = {}  # sbatch line -> its point files
     for path in paths:
         pp = by_key[os.path.basename(path)[:-len(".yaml")]]
-        print(f"point file: {slurm.sbatch_command(pp.cfg, pp.nodes).replace('FILE', path)}")
+        commands.setdefault(slurm.sbatch_command(pp.cfg, pp.nodes), []).append(path)
+    for command, files in commands.items():
+        if verbose or len(files) <= MAX_POINT_FILE_LINES:
+            for path in files:
+                print(f"point file: {command.replace('FILE', path)}")
+        else:  # one line for many files of one shape (each file: experiment.verbose=true)
+            where = os.path.join(os.path.dirname(files[0]), "<key>.yaml")
+            print(f"point files: {len(files)} (the keys above), each: "
+                  f"{command.replace('FILE', where)}")
+
+
+MAX_POINT_FILE_LINES = 3  # a plan prints one sbatch line per point file up to this many

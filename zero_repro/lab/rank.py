@@ -35,6 +35,8 @@ from zero_repro.runtime.model import flops
 from zero_repro.runtime.train import data, loop
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.build import device_for
+from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES
+from zero_repro.scale.paper.table1 import K_ADAM, model_state_bytes
 from zero_repro.lab import wandb_runs
 
 log = logging.getLogger(__name__)
@@ -90,15 +92,69 @@ def memory_series(device: torch.device) -> dict:
     return {"memory/max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+BUFFER_CATEGORIES = ("comm_buffers", "fused_buffers")  # bucket / gather buffers at capacity
+
+
+def table1_model_states(cfg: C.Config) -> dict:
+    """Table 1's model-state bytes per rank for this run (paper §5): Ψ = parameters of one TP
+    shard (``flops.param_count_per_tp_rank``), N_d = DP degree, the run's stage, and the
+    precision's bytes (fp16/bf16: 2-byte params and grads, K = 12 of fp32 master + Adam;
+    fp32: 4-byte params and grads, K = 8, the parameters being the master). Returns {"psi",
+    "n_d", "bytes", "formula"} (formula like ``16Ψ/N_d``)."""
+    psi = flops.param_count_per_tp_rank(cfg.model, cfg.parallel.tp)
+    n_d = cfg.parallel.world_size // cfg.parallel.tp
+    lp, k = (4, 8) if cfg.zero.dtype == "fp32" else (2, K_ADAM)
+    stage = cfg.zero.stage
+    formula = {0: f"{2 * lp + k}Ψ", 1: f"{2 * lp}Ψ+{k}Ψ/N_d", 2: f"{lp}Ψ+{lp + k}Ψ/N_d",
+               3: f"{2 * lp + k}Ψ/N_d"}[stage]
+    return {"psi": psi, "n_d": n_d, "formula": formula,
+            "bytes": model_state_bytes(psi, stage, n_d, K=k, lp_bytes=lp)}
+
+
+def memory_parts(ledger: dict) -> dict:
+    """A ledger (category -> bytes) as Table 1's model states, buffers, gathered parameters
+    (stage 3) and the rest (ZeRO-R: checkpoints, arena)."""
+    states = sum(ledger.get(c, 0) for c in MODEL_STATE_CATEGORIES)
+    buffers = sum(ledger.get(c, 0) for c in BUFFER_CATEGORIES)
+    gathered = ledger.get("params_gathered", 0)
+    rest = sum(v for k, v in ledger.items() if isinstance(v, (int, float))
+               and not k.startswith("cuda_")) - states - buffers - gathered
+    return {"states": states, "buffers": buffers, "gathered": gathered, "other": rest}
+
+
+def _unit(nbytes: float) -> tuple[float, str]:
+    return (2**30, "GiB") if nbytes >= 2**30 else (2**20, "MiB")
+
+
+def memory_text(parts: dict, table1: dict, long: bool = False) -> str:
+    """``model states X MiB/rank (Table 1 16Ψ/N_d: Y)`` + buffers, gathered parameters and
+    the rest apart; ``long``: the ratio, Ψ and N_d too (the summary line)."""
+    div, unit = _unit(max(parts["states"], table1["bytes"]))
+    states, ref = parts["states"] / div, table1["bytes"] / div
+    if long:
+        ratio = parts["states"] / table1["bytes"] if table1["bytes"] else float("nan")
+        text = (f"model states {states:.3g} {unit}/rank = {ratio:.3f} x Table 1 "
+                f"({table1['formula']}, Ψ {table1['psi']:,}, N_d {table1['n_d']}: {ref:.3g})")
+    else:
+        text = f"model states {states:.3g} {unit}/rank (Table 1 {table1['formula']}: {ref:.3g})"
+    for key, name in (("buffers", "buffers"), ("gathered", "gathered params"),
+                      ("other", "other")):
+        if parts[key]:
+            d, u = _unit(parts[key])
+            text += f", {name} {parts[key] / d:.3g} {u}"
+    return text
+
+
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
-              tflops: float, peak_tflops: float, ledger_bytes: int,
+              tflops: float, peak_tflops: float, memory: str,
               device: torch.device, dp: int = 1, dtype: str = "fp32",
               model_tflops: float = 0.0) -> str:
     """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
     micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
     none), gradient norm, tokens/s, TFLOPs/GPU (the paper's convention,
     ``flops.flops_per_iteration``; + MFU from the model's FLOPs ``model_tflops`` when
-    ``cluster.peak_tflops`` is known), the memory ledger's total and, on CUDA, the caching
+    ``cluster.peak_tflops`` is known), ``memory`` (``memory_text``: model states per rank
+    beside Table 1's, buffers and gathered parameters apart) and, on CUDA, the caching
     allocator's allocated/reserved bytes."""
     which = "rank-0 loss" if dp > 1 else "loss"
     scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
@@ -107,15 +163,16 @@ def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_st
             f"{tflops:.4g} TFLOPs/GPU")
     if peak_tflops > 0 and model_tflops > 0:
         line += f" (MFU {100 * model_tflops / peak_tflops:.1f}%)"
-    line += f"  ledger {ledger_bytes / 2**20:.1f} MiB"
+    line += f"  {memory}"
     if device.type == "cuda":
         line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
                  f"  reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB")
     return line + f"  {dt:.3f} s" + ("  (skipped)" if info.skipped else "")
 
 
-def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
-    """The end-of-point line (rank 0)."""
+def summary_line(cfg: C.Config, metrics: dict, ledger: dict) -> str:
+    """The end-of-point line (rank 0): losses, speed, model states per rank against Table 1
+    (``memory_text``), topology."""
     t = cfg.train
     dp = cfg.parallel.world_size // cfg.parallel.tp
     which = f"loss (mean of {dp} DP ranks)" if dp > 1 else "loss"
@@ -125,8 +182,8 @@ def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
             f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
     if "mfu" in metrics:
         line += f" (MFU {100 * metrics['mfu']:.1f}%, HFU {100 * metrics['hfu']:.1f}%)"
-    line += (f", ledger {ledger_bytes / 2**20:.1f} MiB/rank, {metrics['skipped_steps']} "
-             f"skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
+    line += (f", {memory_text(memory_parts(ledger), table1_model_states(cfg), long=True)}; "
+             f"{metrics['skipped_steps']} skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
              f"{cfg.parallel.world_size // cfg.parallel.tp}, stage {cfg.zero.stage}, "
              f"{cfg.zero.dtype}")
     return line
@@ -333,6 +390,7 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
     every_log = cfg.train.log_every if topo.rank == 0 else 0
+    table1 = table1_model_states(cfg)
 
     def on_step(step, loss, dt, info):
         local_losses.append(loss)
@@ -340,7 +398,9 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
             log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
                                flops.tflops_per_gpu(fl, dt, world_size),
-                               cfg.cluster.peak_tflops, strategy.memory_ledger().total(),
+                               cfg.cluster.peak_tflops,
+                               memory_text(memory_parts(strategy.memory_ledger().as_dict()),
+                                           table1),
                                device, topo.dp, cfg.zero.dtype,
                                flops.tflops_per_gpu(fl_model, dt, world_size)))
         if info.skipped:
@@ -390,6 +450,9 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         "grad_norms": res.grad_norms,
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
+        # Table 1 (paper §5) for this run beside the ledger's model states
+        "model_state_bytes": mem.model_states(), "table1_model_state_bytes": table1["bytes"],
+        "table1_formula": table1["formula"], "psi": table1["psi"],
     }
     # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
     # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's convention
@@ -401,7 +464,7 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
     if topo.rank == 0:
-        log.info(summary_line(cfg, metrics, mem.total()))
+        log.info(summary_line(cfg, metrics, mem.as_dict()))
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": {**hardware_info(device), **where,

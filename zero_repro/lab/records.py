@@ -3,8 +3,10 @@ the suite reports (paper §10) is derived from them.
 
 A record carries what is needed to trust and regenerate its number: the resolved config, git SHA,
 host and hardware, topology, ``mode`` (measured | simulated | analytic), metrics, the memory and
-communication ledgers and a status (``STATUSES``: ok | oom | diverged | cancelled | timeout |
-node_fail | failed, + reason).
+communication ledgers, a status (``STATUSES``: ok | oom | diverged | cancelled | timeout |
+node_fail | failed, + reason) and the machine's load while the point ran (``load``: load
+average at start and end, the share of the machine's CPU time this process tree and all others
+took; ``heavy_load`` judges it).
 
 Durability (``RecordStore.put``): under an inter-process file lock, read the file, drop any
 earlier record with the same key, write the whole file to a temporary file in the same
@@ -36,6 +38,7 @@ import logging
 import math
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -44,6 +47,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import psutil
 from filelock import FileLock
 
 from zero_repro import config as C
@@ -84,6 +88,8 @@ class Record:
     schema: int = SCHEMA_VERSION
     # machine and code signatures (zero_repro.lab.provenance): when the record may be reused
     provenance: dict = field(default_factory=dict)
+    # the machine's load while the point ran (``load_between``); {} in older records
+    load: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(dataclasses.asdict(self)), sort_keys=True, allow_nan=False)
@@ -197,6 +203,68 @@ def host_info() -> dict:
         if var in os.environ:
             info[var.lower()] = os.environ[var]
     return info
+
+
+# ------------------------------------------------------------------------------ machine load
+# other processes' share of the machine's CPU time above which a measured point's timings are
+# suspect (2 cores: one busy process elsewhere is 0.5)
+HEAVY_LOAD_SHARE = 0.25
+MIN_LOAD_WINDOW_S = 1.0  # shorter windows: CPU-time shares are too coarse (10 ms ticks)
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished (waited-for) children, e.g. its ranks."""
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (all CPUs)."""
+    t = psutil.cpu_times()._asdict()
+    total = sum(v for k, v in t.items() if k not in ("guest", "guest_nice"))  # in user/nice
+    return total - t.get("idle", 0.0) - t.get("iowait", 0.0), total
+
+
+def load_snapshot() -> dict:
+    """The state ``load_between`` measures a point's window from."""
+    busy, total = _machine_cpu_s()
+    return {"wall": datetime.datetime.now().timestamp(), "busy": busy, "total": total,
+            "own": _own_cpu_s(), "loadavg": os.getloadavg()[0]}
+
+
+def load_between(start: dict) -> dict:
+    """The machine's load from ``start`` (``load_snapshot``) to now: 1-min load average at
+    both ends, CPUs, and (windows of at least ``MIN_LOAD_WINDOW_S``) the shares of all CPU time
+    that were busy, spent by this process tree, and spent by every other process."""
+    end = load_snapshot()
+    wall = end["wall"] - start["wall"]
+    out = {"cpus": psutil.cpu_count() or os.cpu_count(), "wall_s": round(wall, 3),
+           "loadavg_start": round(start["loadavg"], 2), "loadavg_end": round(end["loadavg"], 2)}
+    total = end["total"] - start["total"]
+    if wall >= MIN_LOAD_WINDOW_S and total > 0:
+        busy, own = end["busy"] - start["busy"], end["own"] - start["own"]
+        out.update(busy_share=round(min(1.0, busy / total), 3),
+                   own_share=round(min(1.0, own / total), 3),
+                   others_share=round(min(1.0, max(0.0, busy - own) / total), 3))
+    return out
+
+
+def heavy_load(load: dict) -> str:
+    """'' for a record measured on a quiet machine; else what loaded it, in words."""
+    if not load:
+        return ""
+    others = load.get("others_share")
+    avg = max(load.get("loadavg_start", 0.0), load.get("loadavg_end", 0.0))
+    cpus = load.get("cpus") or 1
+    if others is not None:
+        if others < HEAVY_LOAD_SHARE:
+            return ""
+        return (f"other processes took {100 * others:.0f}% of the machine's CPU time (load "
+                f"average {load.get('loadavg_start')} -> {load.get('loadavg_end')} on {cpus} "
+                f"CPUs)")
+    if avg <= cpus:  # a short window: only the load average can tell
+        return ""
+    return f"the load average was {avg:g} on {cpus} CPUs"
 
 
 def now_utc() -> str:

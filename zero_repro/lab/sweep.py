@@ -6,10 +6,12 @@ Contract: an experiment module (protocol: ``zero_repro.lab.points``) plans the p
 point's config (experiment config + the point's overrides) is validated, and every point that
 starts ranks here pre-flighted (``zero_repro.lab.preflight``), before any point runs. A point
 recorded ``ok`` or ``oom`` at this code is skipped unless ``experiment.force=true``
-(``reusable_keys``). Every point that runs leaves a Record (``RecordStore.put``, atomic), whatever
-its end (``oom``, ``diverged``, ``failed`` + reason, ``timeout`` past ``launcher.timeout_min``);
-the sweep goes on. An interrupt records the running point ``cancelled`` and stops; re-running
-picks up where it stopped. One writer per point: a point runs only under its lock
+(``reusable_keys``); the sweep says so, with that setting, and warns for a reused measured point
+that ran on a loaded machine (``records.heavy_load``). Every point that runs leaves a Record
+(``RecordStore.put``, atomic), whatever its end (``oom``, ``diverged``, ``failed`` + reason,
+``timeout`` past ``launcher.timeout_min``), with the machine's load while it ran
+(``records.load_between``); the sweep goes on. An interrupt records the running point
+``cancelled`` and stops; re-running picks up where it stopped. One writer per point: a point runs only under its lock
 (``runs/.locks/<key>.lock``), so concurrent sweeps skip each other's points. Checkpoints live in
 ``runs/ckpt-<id>/``, ``<id>`` the key without ``train.steps``/``train.warmup_steps``, so a longer
 run resumes a shorter one.
@@ -76,6 +78,7 @@ class SweepResult:
     sweep_id: str
     planned: list = field(default_factory=list)  # list[PlannedPoint]
     skipped: list = field(default_factory=list)  # keys
+    reused: list = field(default_factory=list)  # the records standing for the skipped keys
     records: list = field(default_factory=list)  # Records written by this sweep
     busy: list = field(default_factory=list)  # keys another live process was running
     # records that could not be written into points.jsonl: (record, where it is instead)
@@ -96,6 +99,7 @@ class Plan:
     points: list  # list[PlannedPoint]
     done: set = field(default_factory=set)
     checked: bool = False
+    reused: dict = field(default_factory=dict)  # key -> the record that stands for it
 
     @property
     def todo(self) -> list:
@@ -110,6 +114,9 @@ def make_plan(cfg: C.Config, experiment: Any, machine: bool = True) -> Plan:
     store = R.RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
     out = Plan(cfg, experiment, points,
                set() if cfg.experiment.force else reusable_keys(store, points))
+    if out.done:
+        recs = store.done_records()
+        out.reused = {k: recs[k] for k in out.done if k in recs}
     if machine:
         preflight.check_points(out.todo)
         out.checked = True
@@ -265,7 +272,7 @@ def _finished_elsewhere(store: R.RecordStore, pp: PlannedPoint) -> bool:
 def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str, store: R.RecordStore,
                 unsaved: list | None = None) -> R.Record:
     cfg, point = pp.cfg, pp.point
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), R.load_snapshot()
     status, reason, result = "ok", "", {}
     try:
         try:
@@ -283,7 +290,7 @@ def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str, store: R.Recor
         _, reason = R.classify_failure(e)
         with R.signals_deferred():
             record = make_record(cfg, point, pp.key, "cancelled", reason or "interrupted", {},
-                                 sweep_id, time.perf_counter() - t0)
+                                 sweep_id, time.perf_counter() - t0, R.load_between(load0))
             e.interrupted_point = point.name
             e.recorded_in = keep_record(record, store, point.run_dir, unsaved)
         raise
@@ -294,7 +301,7 @@ def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str, store: R.Recor
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
     with R.signals_deferred():  # a finished measurement is recorded before any interrupt
         record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, R.load_between(load0))
         keep_record(record, store, point.run_dir, unsaved)
     return record
 
@@ -335,7 +342,7 @@ def keep_record(record: R.Record, store: R.RecordStore, run_dir: str,
 
 
 def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, result: dict,
-                sweep_id: str, duration_s: float) -> R.Record:
+                sweep_id: str, duration_s: float, load: dict | None = None) -> R.Record:
     """Record from a run_point result: either flat metrics or the run_training shape."""
     if "metrics" in result and isinstance(result["metrics"], dict):
         metrics = dict(result["metrics"])
@@ -355,7 +362,7 @@ def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, r
                     topology=topology, hardware=hardware, hostname=host["hostname"],
                     config=C.summary(cfg), git_sha=R.git_sha(), sweep_id=sweep_id,
                     timestamp=R.now_utc(), duration_s=round(duration_s, 3),
-                    provenance=P.signature_of(point.mode, cfg))
+                    provenance=P.signature_of(point.mode, cfg), load=dict(load or {}))
 
 
 # ------------------------------------------------------------------------------- sweeps
@@ -376,8 +383,14 @@ def run_sweep(cfg: C.Config, experiment: Any, *, plan: Plan | None = None,
         preflight.check_points(plan.todo)
     planned, done, todo = plan.points, plan.done, plan.todo
     result = SweepResult(sweep_id, planned, [pp.key for pp in planned if pp.key in done])
-    log.info("experiment %s: %d points, %d already done, %d to run (sweep %s)", name,
-             len(planned), len(result.skipped), len(todo), sweep_id)
+    result.reused = [plan.reused[k] for k in result.skipped if k in plan.reused]
+    log.info("experiment %s: %d points, %d already done%s, %d to run (sweep %s)",
+             name, len(planned), len(result.skipped),
+             f" (reused; {FORCE} re-runs them)" if result.skipped else "", len(todo), sweep_id)
+    for rec in result.reused:
+        warn_if_loaded(rec)
+        if mirror is not None and hasattr(mirror, "log_reused"):
+            mirror.log_reused(rec)
 
     # inside an allocation already (salloc, an sbatch script, a hydra-submitit job) the points
     # run here: run_training's srun uses this allocation instead of submitting new jobs
@@ -411,6 +424,19 @@ def run_sweep(cfg: C.Config, experiment: Any, *, plan: Plan | None = None,
     finally:
         bar.close()
     return result
+
+
+FORCE = "experiment.force=true"  # the setting every message about reuse names
+
+
+def warn_if_loaded(rec: R.Record) -> None:
+    """A reused measured point that ran on a loaded machine: one warning, with the re-run
+    setting (its timings may be off; simulated/analytic numbers do not depend on load)."""
+    why = R.heavy_load(rec.load) if rec.mode == "measured" else ""
+    if why:
+        log.warning("point %s is reused from %s, measured while %s: its timings may be off; "
+                    "%s re-measures it", rec.point, rec.timestamp or "an earlier sweep",
+                    why, FORCE)
 
 
 # -------------------------------------------------------------------------------- Slurm

@@ -5,9 +5,12 @@ sweep id, ``name`` = point, set per point through ``point_environment``), writte
 writers: ``StepLogger`` (live, rank 0 of a training point: ONE ``log`` per optimizer step holding
 every series, since W&B drops a step lower than the last; the final metrics and ledgers in the
 summary; the record then carries ``metrics.wandb_run``) or ``WandbMirror`` (the sweep, after a
-record is written, for every other record: config, per-step series, scalars and ledgers).
-Mode ``logging.wandb_mode`` (``offline`` by default: nothing leaves the machine; ``wandb sync``
-later). Never fatal: when disabled, or wandb cannot be imported or fails, a warning is logged and
+record is written, for every other record: config, per-step series, scalars and ledgers; and for
+a point the sweep reuses instead of running, its record, tagged ``reused``, unless it was logged
+live when it ran). Both write under ``$WANDB_DIR`` or else ``paths.wandb_dir(results_dir)``: the
+offline runs are ``<results_dir>/wandb/offline-run-*`` (``wandb sync <results_dir>/wandb`` uploads
+them all). Mode ``logging.wandb_mode``
+(``offline`` by default: nothing leaves the machine; ``wandb sync`` later). Never fatal: when disabled, or wandb cannot be imported or fails, a warning is logged and
 the writer turns itself off. The mirror's ``backend`` argument is a seam for tests.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 from typing import Any
 
 from zero_repro import config as C
+from zero_repro import paths
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,8 @@ class StepLogger:
         try:
             if backend is None:
                 import wandb as backend  # optional dependency: only when logging.wandb=true
-            directory = os.environ.get("WANDB_DIR") or run_dir
+            directory = os.environ.get("WANDB_DIR") or str(
+                paths.wandb_dir(cfg.experiment.results_dir))
             os.makedirs(directory, exist_ok=True)
             run = backend.init(project=lc.wandb_project, entity=lc.wandb_entity or None,
                                config=C.summary(cfg), mode=lc.wandb_mode, dir=directory,
@@ -153,13 +158,16 @@ class WandbMirror:
     """``mirror.log_record(record)`` after each point; ``close()`` at the end of the sweep."""
 
     def __init__(self, logging_cfg: Any, sweep_id: str, backend: Any = None,
-                 directory: str | None = None):
+                 directory: str | None = None, results_dir: str | None = None):
         self.cfg = logging_cfg
         self.sweep_id = sweep_id
-        self.directory = directory or os.environ.get("WANDB_DIR") or None
+        self.directory = directory or os.environ.get("WANDB_DIR") or (
+            str(paths.wandb_dir(results_dir)) if results_dir else None)
         self.enabled = bool(logging_cfg.wandb) and logging_cfg.wandb_mode != "disabled"
         self.backend = None
         self.runs: list[str] = []  # run directories written (offline) or run ids
+        self.reused: list[str] = []  # reused points mirrored from their records
+        self.reused_live: list[tuple[str, str]] = []  # (point, run id) logged when they ran
         if self.enabled:
             self.backend = backend if backend is not None else _load_wandb()
             self.enabled = self.backend is not None
@@ -173,13 +181,54 @@ class WandbMirror:
             log.warning("W&B mirror failed for point %s (%s); disabling it", record.point, e)
             self.enabled = False
 
-    def _log(self, record: Any) -> None:
+    def log_reused(self, record: Any) -> None:
+        """A point this sweep reuses instead of running: its record mirrored as a run tagged
+        ``reused`` (config names the sweep that measured it), unless it was logged live when it
+        ran (that run is named instead: ``report``)."""
+        if not self.enabled:
+            return
+        if record.metrics.get("wandb_run"):
+            self.reused_live.append((record.point, str(record.metrics["wandb_run"])))
+            return
+        try:
+            self._log(record, reused=True)
+            self.reused.append(record.point)
+        except Exception as e:  # noqa: BLE001 - W&B must never break a sweep
+            log.warning("W&B mirror failed for reused point %s (%s); disabling it",
+                        record.point, e)
+            self.enabled = False
+
+    def report(self, logged_live: int = 0) -> list[str]:
+        """What the mirror did for the points the sweep reused, and where the offline runs are
+        (``logged_live``: points of this sweep whose rank 0 logged its own run)."""
+        out = []
+        where = os.path.join(self.directory or ".", "wandb")
+        if self.reused:
+            out.append(f"W&B: {len(self.reused)} reused point(s) mirrored from their records "
+                       f"(tagged 'reused'; experiment.force=true re-measures instead)"
+                       + (f" into {where}" if self.cfg.wandb_mode == "offline" else ""))
+        if self.reused_live:
+            ids = ", ".join(f"{p} = run {i}" for p, i in self.reused_live)
+            out.append(f"W&B: {len(self.reused_live)} reused point(s) were logged live when "
+                       f"they ran ({ids}): not logged again")
+        if self.cfg.wandb_mode == "offline" and (self.runs or self.reused or logged_live
+                                                 or self.reused_live):
+            out.append(f"W&B offline runs: {where}/offline-run-*  (upload them all: wandb sync "
+                       f"{where})")
+        return out
+
+    def _log(self, record: Any, reused: bool = False) -> None:
         config = {"point": record.point, "key": record.key, "mode": record.mode,
                   "status": record.status, "params": record.params, "git_sha": record.git_sha,
                   **record.config}
+        if reused:
+            config.update(reused=True, measured_in_sweep=record.sweep_id,
+                          recorded_at=record.timestamp)
         kwargs = dict(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,
                       group=record.experiment, job_type=self.sweep_id, name=record.point,
                       config=config, mode=self.cfg.wandb_mode)
+        if reused:
+            kwargs["tags"] = ["reused"]
         if self.directory:
             os.makedirs(self.directory, exist_ok=True)
             kwargs["dir"] = self.directory
