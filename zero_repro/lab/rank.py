@@ -282,7 +282,7 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": {**hardware_info(device),
                         # how the DP buckets travelled (gloo on one host: shared memory)
-                        "dp_transport": strategy.transport.models_as}}
+                        "dp_transport": strategy.transport.name}}
     if device.type == "cuda":
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)

@@ -15,8 +15,10 @@ Residual states (§3.2, §6):
     model. We compute bytes; the tests document the discrepancy.
   * working memory while one block is recomputed and back-propagated: one block's full
     activations (+ the gathered full checkpoint with P_a) + the logits of the LM head.
-  * fused buffers: without C_B one fp32 buffer of Ψ elements (1.5B -> 6 GB); with C_B the
-    constant bucket sizes (elements x lp bytes), independent of the model size.
+  * fused buffers: the runtime's per-rank formula (``runtime.zero.comm_buffer_bytes``, the stage
+    table): with C_B two gradient buckets of R elements at stages 2-3 plus the transport's
+    scratch, independent of the model size; without C_B one fused buffer of the model (the
+    paper's 32-bit one: 1.5B -> 6 GB).
 
 Units: bytes everywhere; ``GB`` = 1e9 bytes, as in the paper's tables.
 """
@@ -28,6 +30,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Callable
 
 from zero_repro.runtime.model.flops import param_count_formula
+from zero_repro.runtime.zero import comm_buffer_bytes
 from zero_repro.scale.paper.table1 import (
     K_ADAM,
     STAGE_NAMES,
@@ -139,11 +142,16 @@ def logits_bytes(batch: int, seq: int, vocab: int, tp: int = 1, lp_bytes: int = 
 
 
 def buffer_bytes(psi: float, constant_buffers: bool, reduce_bucket: int = 2_000_000,
-                 allgather_bucket: int = 2_000_000, lp_bytes: int = 2) -> float:
-    """Fused communication buffers: C_B -> fixed bucket sizes; else one fp32 buffer of Ψ."""
-    if constant_buffers:
-        return float(reduce_bucket + allgather_bucket) * lp_bytes
-    return 4.0 * psi
+                 allgather_bucket: int = 2_000_000, lp_bytes: int = 2, stage: int = 2,
+                 n_d: int = 1, groups: list[int] | None = None,
+                 transport: str = "native") -> float:
+    """Per-rank communication buffers of ``stage``: the runtime's formula (the stage table of
+    ``runtime.zero``, ``comm_buffer_bytes``) for ``groups`` (default: one flat group of Ψ;
+    stage 3: its units), ``lp_bytes`` per fused-buffer element, ``transport`` the DP one (the
+    paper's GPUs: ``native``). C_B: constant in Ψ; without it stage 2 holds one buffer of Ψ."""
+    return float(comm_buffer_bytes(stage, groups or [int(psi)], n_d, lp_bytes,
+                                   (reduce_bucket, allgather_bucket) if constant_buffers
+                                   else None, transport))
 
 
 # ------------------------------------------------------------------------ configurations
@@ -184,9 +192,11 @@ def as_mem_config(config: str | MemConfig | tuple) -> MemConfig:
 def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
                      batch_per_gpu: int, config: str | MemConfig | tuple = "C4",
                      seq: int = 1024, vocab: int = 50257, reduce_bucket: int = 2_000_000,
-                     allgather_bucket: int = 2_000_000, dropout: bool = True
+                     allgather_bucket: int = 2_000_000, dropout: bool = True,
+                     buffer_lp_bytes: int = 2, transport: str = "native"
                      ) -> dict[str, float]:
-    """Per-GPU bytes by category for one training step at its peak (closed form)."""
+    """Per-GPU bytes by category for one training step at its peak (closed form); the buffers
+    in ``buffer_lp_bytes`` per element over the DP ``transport`` (``buffer_bytes``)."""
     c = as_mem_config(config)
     psi = param_count_formula(n_layer, hidden, vocab, seq) / tp
     out = model_state_breakdown(psi, c.stage, n_d)
@@ -201,7 +211,13 @@ def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
         out["activation_checkpoints"] = 0.0
         out["activation_working"] = layer * n_layer
     out["logits"] = logits_bytes(batch_per_gpu, seq, vocab, tp)
-    out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket)
+    groups = None
+    if c.stage == 3:  # its flat groups: the root, then one unit per block
+        root = param_count_formula(0, hidden, vocab, seq) / tp
+        block = param_count_formula(1, hidden, vocab, seq) / tp - root
+        groups = [int(root)] + [int(block)] * n_layer
+    out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket, buffer_lp_bytes,
+                                  c.stage, n_d, groups, transport)
     return out
 
 

@@ -290,8 +290,7 @@ class TorchDDPShm(TorchDDP):
     def _all_reduce(self, state, bucket):
         buf = bucket.buffer()
         buf.div_(self.topo.dp)
-        for w in self.transport.all_reduce(buf):
-            w.wait()
+        self.transport.all_reduce(buf).wait()
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut

@@ -427,7 +427,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
                     "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
                     "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
-                    "transport": strategy.transport.models_as})
+                    "transport": strategy.transport.name})
         strategy.remove_hooks()
     return out
 
