@@ -121,10 +121,11 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
         assert counts["reduce_scatter/dp"]["elements"] == N_BUCKETS * n, counts
         assert counts["all_gather/dp"]["elements"] == N_BUCKETS * n, counts
         # what the transport holds: the slots (shared memory), the receive scratch of at most
-        # 2 reduce-scatters in flight (pairwise: (N-1) chunks each), nothing else (native:
-        # separate outputs need no staging)
+        # 2 reduce-scatters in flight (pairwise into separate outputs: the first peer's part
+        # lands in the output, (N - 2) chunks each), nothing else (native: separate outputs
+        # need no staging)
         want_held = {ShmTransport: shm.HEADER_BYTES + shm.SLOTS * slot_bytes,
-                     PairwiseTransport: 2 * (world - 1) * CHUNK * 8, NativeTransport: 0}[kind]
+                     PairwiseTransport: 2 * (world - 2) * CHUNK * 8, NativeTransport: 0}[kind]
         assert r["held"] == want_held, (kind, r["held"])
 
 

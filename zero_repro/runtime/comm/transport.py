@@ -26,8 +26,8 @@ The implementations, picked once per group by ``bucket_transport`` from the back
   the output: an in-place request is staged through at most 2 scratch chunks (``work.Scratch``).
 * ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
   exchanges with every peer, faster on gloo than its emulated collectives; a reduce-scatter
-  receives the peers' contributions in (N - 1)·c elements of scratch (at most 2 in flight),
-  an all-gather receives in place.
+  receives the peers' contributions in (N - 1)·c elements of scratch, one of them straight into
+  a separate output (at most 2 in flight), an all-gather receives in place.
 * ``RootedTransport`` (the ``fake`` group of the memory dry run): N rooted reduces /
   broadcasts per bucket, in place, no scratch.
 * ``cpu.shm_transport.ShmTransport`` (gloo ranks on one host, the default there): the
@@ -153,17 +153,22 @@ class PairwiseTransport(_OnHeap):
     RS_TAG, AG_TAG = 1, 2  # reduce-scatters and all-gathers match in order within their kind
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """The first peer's contribution is received straight into ``out`` where it is not
+        this rank's chunk of ``inp`` (then own + it, the same bits as it + own), the others
+        into scratch: (N - 1) chunks in place, (N - 2) chunks otherwise."""
         g = self.group
         c, others, own = inp.numel() // g.size, peers(g), own_chunk(inp, g)
         comm.record("reduce_scatter", g, inp.numel(), inp.element_size())
         if not others:
             _copy_unless_same(out, own)
             return DONE
+        direct = not overlaps(out, inp)
+        sends = [(inp[q * c:(q + 1) * c], q) for q in others]
 
         def start(tmp):
-            slots = [tmp[j * c:(j + 1) * c] for j in range(len(others))]
-            handles = comm.exchange([(inp[q * c:(q + 1) * c], q) for q in others],
-                                    list(zip(slots, others)), g, self.RS_TAG)
+            slots = ([out] if direct else []) + [tmp[j * c:(j + 1) * c]
+                                                 for j in range(len(others) - direct)]
+            handles = comm.exchange(sends, list(zip(slots, others)), g, self.RS_TAG)
 
             def total():
                 src = own
@@ -173,7 +178,11 @@ class PairwiseTransport(_OnHeap):
 
             return handles, total
 
-        return self.scratch.run(len(others) * c, inp.dtype, start)
+        n = (len(others) - direct) * c
+        if n == 0:
+            handles, total = start(out[:0])
+            return Work(handles, total)
+        return self.scratch.run(n, inp.dtype, start)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         g = self.group
@@ -184,21 +193,23 @@ class PairwiseTransport(_OnHeap):
                                   [(out[q * c:(q + 1) * c], q) for q in others], g, self.AG_TAG))
 
 
-def held_bytes_of(name: str, n_d: int, chunk: int, elt: int, in_place: int,
-                  reduce_scatters: int) -> int:
+def held_bytes_of(name: str, n_d: int, chunk: int, elt: int, staged: int,
+                  reduce_scatters: int, rs_in_place: bool) -> int:
     """What transport ``name`` holds itself (its ``held_bytes``) over ``n_d`` ranks once
-    collectives on chunks of at most ``chunk`` elements of ``elt`` bytes ran: ``in_place`` the
-    most that were in flight at once with outputs aliasing inputs (native: staged through
-    scratch), ``reduce_scatters`` the most reduce-scatters in flight at once (pairwise: receive
-    scratch); either is capped by the scratch depth."""
+    collectives on chunks of at most ``chunk`` elements of ``elt`` bytes ran: ``staged`` the
+    most in flight at once whose output aliases the input (native: staged through a chunk of
+    scratch each), ``reduce_scatters`` the most reduce-scatters in flight at once (pairwise:
+    receive scratch of N - 1 chunks each where ``rs_in_place``, else N - 2); either capped by
+    the scratch depth."""
     if n_d == 1:
         return 0
     if name == ShmTransport.name:
         return shm.segment_bytes()
     if name == NativeTransport.name:
-        return min(SCRATCH_DEPTH, in_place) * chunk * elt
+        return min(SCRATCH_DEPTH, staged) * chunk * elt
     if name == PairwiseTransport.name:
-        return min(SCRATCH_DEPTH, reduce_scatters) * (n_d - 1) * chunk * elt
+        per = n_d - 1 if rs_in_place else n_d - 2
+        return min(SCRATCH_DEPTH, reduce_scatters) * per * chunk * elt
     return 0
 
 

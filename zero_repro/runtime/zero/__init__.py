@@ -27,6 +27,7 @@ step publishes             nothing        all-gather of   all-gather of       no
 comm volume                2Ψ             2Ψ              2Ψ                  3Ψ (- root -
                                                                               last block, kept)
 fused buffers F            0              0               min(D, n_R)·C_R·b   min(D, n_R)·C_R·b
+                                                          (C_B off: 0)
 overlap knobs              -              overlap_param_  overlap_param_      prefetch_next_
                                           gather          gather              step, keep_
                                                                               gathered_turn
@@ -37,14 +38,19 @@ knobs: ``zero.reduce_bucket_size`` R = elements per gradient bucket, ``zero.allg
 A = elements per parameter all-gather bucket; one collective moves one bucket of the grid
 G = min(R, A) (``partition``). F, the fused gradient buffers of stages 2-3 (b bytes per
 element): D = 2 with C_B (one filling, one on the wire), C_R the largest gradient bucket (<= R),
-n_R how many there are; without C_B D = 1 and C_R the largest flat group (stage 2: the padded
-model, stage 3: the largest unit), parameters gathered un-bucketed. Stages 0-1 reduce their
-buckets in place in the full gradient buffer (counted as ``grads``). T, what the DP transport
+n_R how many there are; without C_B D = 1 and C_R the largest unit (stage 3), parameters
+gathered un-bucketed. Stages 0-1 reduce their buckets in place in the full gradient buffer
+(counted as ``grads``); so does stage 2 without C_B, whose one gradient bucket is the model (its
+one fused buffer of Ψ is that buffer, the shard in it: stage 1's memory). T, what the DP transport
 holds itself (``comm.transport.held_bytes_of``), with c the largest chunk (G/N_d) and n_G the
-number of buckets: native min(2, n_G)·c·b where a stage asks for in-place collectives (stages
-1-2), else 0; pairwise gloo min(2, n_G, D')·(N_d - 1)·c·b where it reduce-scatters (stages 1-3;
-D' = n_G at stage 1, D at stages 2-3), else 0; the CPU channel of ranks on one host its constant segment of slots at every stage; the
-dry run's rooted one 0. Hence with C_B no stage holds more buffers than the one before it, and
+number of buckets: native min(2, n_G)·c·b where a stage's collectives alias their inputs (the
+in-place reduce-scatters of a full gradient buffer and the gathers of stages 1-2), else 0;
+pairwise gloo min(2, n_G')·(N_d - 1)·c·b where a full gradient buffer is reduce-scattered in
+place (n_G' = n_G), min(2, n_G, D)·(N_d - 2)·c·b where fused buffers reduce into the shard (the
+first peer's part lands in it), 0 at stage 0; the CPU channel of ranks on one host its constant
+segment of slots at every stage; the dry run's rooted one 0. (With gradient accumulation, later
+micro-batches of stages 2-3 reduce in place: one more chunk per reduce-scatter in flight.)
+Hence with C_B no stage holds more buffers than the one before it, and
 without C_B stage 2 holds one model-size buffer, the paper's baseline.
 
 Shared machinery: ``strategy`` (the step's lifecycle, clipping, optimizer, state dict),
@@ -95,14 +101,18 @@ def comm_buffer_bytes(stage: int, groups: Sequence[int], n_d: int, elt: int,
         parts = [geometry(n, 1, r) for n in groups if n]
     else:
         parts = [geometry(n, n_d, r, a) for n in groups if n]
-    fused, depth = 0, 2 if buckets else 1
-    if stage >= 2 and parts:
+    depth = 2 if buckets else 1
+    full_store = stage < 2 or (stage == 2 and buckets is None)  # reduced in place, no F
+    fused = 0
+    if not full_store and parts:
         n_r = sum(p.grad_buckets for p in parts)
         fused = min(depth, n_r) * max(p.capacity for p in parts) * elt
     n_g = sum(p.buckets for p in parts)
     c = max((p.chunk for p in parts), default=0)
-    # collectives in flight at once: stage 1 starts every bucket's before waiting any, stages
-    # 1-2 every gather bucket's; stages 2-3 reduce as many buckets as fused buffers are in use
-    in_place = n_g if stage in (1, 2) else 0
-    reduce_scatters = n_g if stage == 1 else min(n_g, depth) if stage >= 2 else 0
-    return fused + held_bytes_of(transport, n_d, c, elt, in_place, reduce_scatters)
+    # collectives in flight at once: a full gradient buffer starts every bucket's before
+    # waiting any, stages 1-2 every gather bucket's (in place); fused buffers reduce as many
+    # buckets as are in use, into the shard
+    staged = n_g if stage in (1, 2) else 0
+    reduce_scatters = 0 if stage == 0 else n_g if full_store else min(n_g, depth)
+    return fused + held_bytes_of(transport, n_d, c, elt, staged, reduce_scatters,
+                                 rs_in_place=full_store)

@@ -112,6 +112,7 @@ class GradShards:
                  device: torch.device | str = "cpu"):
         self.buffer = (torch.zeros(sum(sizes), dtype=dtype, device=device)  # (Ψ/N_d,)
                        if contiguous else None)
+        self.sizes, self.dtype, self.device = list(sizes), dtype, device
         self.parts: list[torch.Tensor | None] = [None] * len(sizes)
         if self.buffer is not None:
             offsets = [0]
@@ -132,7 +133,12 @@ class GradShards:
 
     def claim(self, index: int) -> torch.Tensor | None:
         """Part ``index`` for a reduction to write its result into when it holds nothing yet
-        this step, counted as written; else None (the result is ``accumulate``d)."""
+        this step (M_D off: allocated now), counted as written; else None (the result is
+        ``accumulate``d)."""
+        if self.buffer is None and self.parts[index] is None:
+            self.parts[index] = torch.empty(self.sizes[index], dtype=self.dtype,
+                                            device=self.device)
+            return self.parts[index]
         if index not in self._unwritten:
             return None
         self._unwritten.discard(index)

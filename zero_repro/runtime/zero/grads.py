@@ -7,9 +7,11 @@ the reductions before the optimizer reads them (``finish_grad_sync``) and hands 
 this rank's reduced chunks (``chunks``: plain tensors, already the mean over DP ranks, still
 loss-scaled). Megatron-LM's ``_ParamAndGradBucketGroup`` names the same pair.
 
-* ``FullGrads`` (stages 0, 1): the full local gradient in the flat layout, accumulated over
-  micro-batches and reduced in place on the last one, bucket by bucket: all-reduced (stage 0)
-  or reduce-scattered into the own chunks (stage 1).
+* ``FullGrads`` (stages 0, 1; stage 2 without C_B): the full local gradient in the flat layout,
+  accumulated over micro-batches and reduced in place on the last one, bucket by bucket:
+  all-reduced (stage 0) or reduce-scattered into the own chunks (stages 1-2). Without C_B a
+  gradient bucket is the whole model: its one fused buffer is this buffer, and the shard lives
+  in it (a separate shard would hold Ψ/N_d more for nothing).
 * ``FusedGrads`` (stages 2, 3): each micro-batch's gradients copied into fused buffers of one
   gradient bucket each, reduce-scattered into this rank's gradient shard (``GradShards``); the
   full gradient never exists. A pool of ``depth`` fused buffers (one being filled, one on the
@@ -17,7 +19,8 @@ loss-scaled). Megatron-LM's ``_ParamAndGradBucketGroup`` names the same pair.
   a gradient that finds every buffer filling (it arrived out of bucket order) is kept until
   one lands.
 
-Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean.
+Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean. The
+ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers).
 """
 from __future__ import annotations
 
@@ -169,8 +172,11 @@ class FullGrads:
         self.scaled = [False] * len(self.scaled)
 
     @property
-    def nbytes(self) -> int:
+    def grad_bytes(self) -> int:
+        """The persistent gradient storage: the full buffer (its own chunks hold the sums)."""
         return self.buffer.numel() * self.buffer.element_size()
+
+    buffer_bytes = 0  # buckets are reduced in place in it: no fused buffer of its own
 
 
 class FusedGrads:
@@ -205,7 +211,10 @@ class FusedGrads:
         cap = max((g.partition.capacity for g in groups), default=0)
         dtype = groups[0].dtype if groups else torch.float32
         self.free = [transport.buffer(cap, dtype) for _ in range(min(depth, n_spans))]
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.free)
+        # the fused buffers; the gradient shard (Ψ/N_d at its peak, also without M_D)
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in self.free)
+        self.grad_bytes = sum(b.chunk for g in groups for b in g.partition.buckets) * \
+            torch.empty(0, dtype=dtype).element_size()
         self.filling: dict[tuple[int, int], torch.Tensor] = {}  # (group, span) -> buffer
         self.deferred: dict[tuple[int, int], list] = {}  # (group, span) -> kept gradients
         self.arrived: dict[tuple[int, int], int] = {}

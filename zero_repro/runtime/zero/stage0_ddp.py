@@ -39,4 +39,4 @@ class Stage0DDP(Strategy):
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
-        ledger.add("grads", self.grads.nbytes)  # buckets are reduced in place in it
+        ledger.add("grads", self.grads.grad_bytes)  # buckets are reduced in place in it

@@ -40,4 +40,4 @@ class Stage1Os(Strategy):
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
-        ledger.add("grads", self.grads.nbytes)
+        ledger.add("grads", self.grads.grad_bytes)

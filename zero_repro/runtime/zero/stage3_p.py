@@ -329,5 +329,5 @@ class Stage3P(Strategy):
         shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in self.params.units)
         ledger.add("params_lp", shard_bytes)
         ledger.add("grads", shard_bytes)  # persistent gradient shard, same size and dtype
-        ledger.add("comm_buffers", self.grads.nbytes)  # the fused gradient buffers
+        ledger.add("comm_buffers", self.grads.buffer_bytes)  # the fused gradient buffers
         ledger.add("params_gathered", self.params.gathered_peak.peak)  # transient, peak
