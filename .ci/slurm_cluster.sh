@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# A throwaway single-node Slurm cluster with accounting, for the `slurm` tests (tests/test_slurm_real.py).
+# A throwaway Slurm cluster with accounting, for the `slurm` tests (tests/test_slurm_real.py):
+# this host as one node, plus (where network/UTS/mount namespaces work) two more nodes on the
+# same machine, each a slurmd in its own namespaces, for the two-node tests.
 #
 #   bash .ci/slurm_cluster.sh start    # install Debian's packages if missing (root), start munged,
 #                                      # MariaDB, slurmdbd, slurmctld, slurmd; print `export SLURM_CONF=...`
@@ -7,7 +9,16 @@
 #   bash .ci/slurm_cluster.sh status   # daemons, sinfo, squeue
 #   bash .ci/slurm_cluster.sh stop     # cancel jobs, stop every daemon this script started (by PID)
 #
-# One node (this host, `hostname -s`, at 127.0.0.1), one CPU-only partition `cpu`; slurmdbd + a
+# Partition `cpu` (default): this host (`hostname -s`) as one node. Partition `two`: nodes zr-n1 and
+# zr-n2, two slurmd each in its own network, UTS and mount namespace (own hostname, own /dev/shm,
+# own /etc/hosts naming the nodes), with an address on a bridge this script creates
+# ($ZR_SLURM_NET.11 / .12; the bridge zrbr0 holds $ZR_SLURM_NET.1, where slurmctld is reached):
+# what two hosts look like to the runtime (the shared-memory transport sees no peer segment across
+# them), with traffic only on addresses made here (no default route, no forwarding). Files (/tmp,
+# the repository) stay shared, as on a cluster's shared filesystem. $ZR_SLURM_NODES2: auto
+# [default] (the two-node part is skipped with a warning where namespaces cannot be made), 1
+# (required: start fails without it), 0 (off). Why it is missing is in $ZR_SLURM_DIR/two_nodes.
+# One node (this host) is always there; slurmdbd + a
 # private MariaDB so that `sacct` works (submitit polls it; without accounting a job whose process was
 # hard-killed is never seen to end). Everything lives in one folder, $ZR_SLURM_DIR
 # [${TMPDIR:-/tmp}/zr-slurm-ci], wiped on every start: job ids and the accounting database start fresh,
@@ -21,6 +32,9 @@
 #   (a munged already answering on that socket is used as it is).
 # - the node may advertise more CPUs than exist (SlurmdParameters=config_overrides): $ZR_SLURM_CPUS
 #   [4] lets two 2-rank jobs run side by side on a 2-core machine.
+# - slurmd takes its node name from the hostname (the UTS namespace's); %n in SlurmdSpoolDir /
+#   SlurmdPidFile / SlurmdLogFile keeps the three slurmd's files apart.
+# - munge is a unix socket on the filesystem: the namespaced slurmd reach the host's munged.
 # Ports: $ZR_SLURM_PORT_BASE [6817]: slurmctld, +1 slurmd, +2 slurmdbd, +3 MariaDB.
 set -euo pipefail
 
@@ -30,7 +44,11 @@ PORT=${ZR_SLURM_PORT_BASE:-6817}
 NODE=$(hostname -s)
 CONF=$DIR/etc/slurm.conf
 MUNGE_SOCKET=/run/munge/munge.socket.2
-DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)  # start order; stop in reverse
+NODES2=${ZR_SLURM_NODES2:-auto}
+NET=${ZR_SLURM_NET:-10.213.0}     # the two namespaced nodes' /24 (addresses made here only)
+BRIDGE=zrbr0
+NS_NODES=(zr-n1 zr-n2)
+DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd slurmd-zr-n1 slurmd-zr-n2)  # stop in reverse
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
 
 say() { echo "[slurm_cluster] $*" >&2; }
@@ -72,14 +90,16 @@ install_packages() {
 }
 
 write_config() {
-  local mem override=""
+  local mem override="" ctld_addr=127.0.0.1
   mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
   mem=$(( mem > 2048 ? mem - 1024 : mem ))  # leave the OS some room, or the node drains
   [ "$CPUS" -le "$(nproc)" ] || override="SlurmdParameters=config_overrides"
+  two_nodes_on && ctld_addr=$NET.1  # the namespaced slurmd reach the controller on the bridge
   cat >"$CONF" <<EOF
-# written by .ci/slurm_cluster.sh: one node on localhost, CPU only, accounting through slurmdbd
+# written by .ci/slurm_cluster.sh: this host as node $NODE (partition cpu), and where namespaces
+# work the namespaced nodes ${NS_NODES[*]} (partition two); CPU only, accounting through slurmdbd
 ClusterName=zrci
-SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldHost=$NODE($ctld_addr)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -87,11 +107,11 @@ CredType=cred/munge
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pidfile
-SlurmdPidFile=$DIR/run/slurmd.pidfile
+SlurmdPidFile=$DIR/run/slurmd-%n.pidfile
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -109,8 +129,15 @@ AccountingStoragePort=$((PORT + 2))
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$mem State=UNKNOWN
-PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
+  if two_nodes_on; then
+    local i
+    for i in "${!NS_NODES[@]}"; do
+      echo "NodeName=${NS_NODES[$i]} NodeAddr=$NET.$((11 + i)) CPUs=2 Sockets=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=$((mem / 4)) State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=two Nodes=$(IFS=,; echo "${NS_NODES[*]}") MaxTime=INFINITE State=UP" >>"$CONF"
+  fi
   # slurmdbd reads slurmdbd.conf from the folder of SLURM_CONF and refuses a readable one
   cat >"$DIR/etc/slurmdbd.conf" <<EOF
 AuthType=auth/munge
@@ -129,6 +156,68 @@ StorageLoc=slurm_acct_db
 EOF
   chmod 600 "$DIR/etc/slurmdbd.conf"
 }
+
+# ------------------------------------------------------------ the two namespaced nodes
+two_nodes_on() { [ -f "$DIR/two_nodes" ] && [ "$(head -n 1 "$DIR/two_nodes")" = up ]; }
+
+net_teardown() {  # only what this script names: the namespaces zr-n*, the bridge zrbr0
+  local n
+  for n in "${NS_NODES[@]}"; do ip netns del "$n" 2>/dev/null || true; done
+  ip link del "$BRIDGE" 2>/dev/null || true
+}
+
+# net_setup: the bridge ($NET.1) and one network namespace per node with a veth on it
+# ($NET.11, .12; no default route: nothing leaves the /24); the nodes' /etc/hosts
+net_setup() {
+  local i n
+  command -v ip >/dev/null || { echo "no 'ip' command (iproute2)"; return 1; }
+  { ip link add "$BRIDGE" type bridge && ip addr add "$NET.1/24" dev "$BRIDGE" &&
+    ip link set "$BRIDGE" up; } || { echo "cannot create the bridge $BRIDGE"; return 1; }
+  for i in "${!NS_NODES[@]}"; do
+    n=${NS_NODES[$i]}
+    ip netns add "$n" || { echo "cannot create network namespace $n (ip netns add)"; return 1; }
+    { ip link add "zrv$((i + 1))" type veth peer name eth0 netns "$n" &&
+      ip link set "zrv$((i + 1))" master "$BRIDGE" up &&
+      ip -n "$n" addr add "$NET.$((11 + i))/24" dev eth0 &&
+      ip -n "$n" link set eth0 up && ip -n "$n" link set lo up; } ||
+      { echo "cannot wire $n to $BRIDGE (veth)"; return 1; }
+  done
+  nsenter --net="/run/netns/${NS_NODES[0]}" unshare --mount --uts --propagation private true ||
+    { echo "cannot create mount/UTS namespaces (unshare)"; return 1; }
+  { echo "127.0.0.1 localhost"; echo "$NET.1 $NODE"
+    for i in "${!NS_NODES[@]}"; do echo "$NET.$((11 + i)) ${NS_NODES[$i]}"; done
+  } >"$DIR/etc/hosts"
+}
+
+# two_nodes_prepare: decide before the config is written; $DIR/two_nodes says "up" or "off: why"
+two_nodes_prepare() {
+  local why
+  net_teardown
+  if [ "$NODES2" = 0 ]; then echo "off: ZR_SLURM_NODES2=0" >"$DIR/two_nodes"; return; fi
+  if [ "$(id -u)" != 0 ]; then
+    why="not root: network namespaces need it"
+  elif ! why=$(net_setup 2>&1); then
+    why=$(echo "$why" | tail -n 1)
+  else
+    echo up >"$DIR/two_nodes"; return
+  fi
+  net_teardown
+  echo "off: $why" >"$DIR/two_nodes"
+  [ "$NODES2" = 1 ] && die "two namespaced nodes required (ZR_SLURM_NODES2=1) but: $why"
+  say "WARNING: no two-node partition ($why): the two-node tests will be skipped"
+}
+
+# launch_node NAME: its slurmd in its network namespace, with its own hostname (UTS), /dev/shm
+# and /etc/hosts (mount namespace); slurmd takes its node name from the hostname
+launch_node() {
+  local n=$1
+  # (nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs the host's /sys/fs/cgroup)
+  launch "slurmd-$n" nsenter --net="/run/netns/$n" unshare --mount --uts --propagation private \
+    bash -c "hostname $n && mount -t tmpfs -o mode=1777 tmpfs /dev/shm &&
+             mount --bind '$DIR/etc/hosts' /etc/hosts && exec slurmd -D -f '$CONF'"
+}
+
+two_up() { [ "$(sinfo -h -N -p two -o %T | grep -Ec '^(idle|mixed|allocated)')" = "${#NS_NODES[@]}" ]; }
 
 munge_ok() { munge -n -S "$MUNGE_SOCKET" | unmunge -S "$MUNGE_SOCKET"; }
 
@@ -169,16 +258,26 @@ do_start() {
   done
   install_packages
   rm -rf "$DIR"
-  mkdir -p "$DIR"/{etc,state,spool,log,run,munge,mysql}
+  mkdir -p "$DIR"/{etc,state,spool,log,run,munge,mysql} "$DIR/spool/$NODE" "${NS_NODES[@]/#/$DIR/spool/}"
   chmod 700 "$DIR/munge"
   export SLURM_CONF=$CONF
+  two_nodes_prepare
   write_config
   start_munged
   start_database
   launch slurmctld slurmctld -D -f "$CONF"
   launch slurmd slurmd -D -f "$CONF"
   await 60 "node $NODE up" node_up || { sinfo -R >&2 || true; die "cluster did not come up"; }
-  say "up in $((SECONDS - t0)) s: $(sinfo -h -o '%P %D %T %N %c CPUs')"
+  if two_nodes_on; then
+    for d in "${NS_NODES[@]}"; do launch_node "$d"; done
+    if ! await 60 "nodes ${NS_NODES[*]} up" two_up; then
+      sinfo -R >&2 || true
+      echo "off: the namespaced slurmd did not come up (log/slurmd-zr-n*.log)" >"$DIR/two_nodes"
+      [ "$NODES2" = 1 ] && die "two namespaced nodes required (ZR_SLURM_NODES2=1) but they did not come up"
+      say "WARNING: the namespaced nodes did not come up: the two-node tests will be skipped"
+    fi
+  fi
+  say "up in $((SECONDS - t0)) s: $(sinfo -h -o '%P %D %T %N %c CPUs' | tr '\n' ';')"
   do_env
 }
 
@@ -202,6 +301,7 @@ do_stop() {
     say "stopped $d ($p)"
     rm -f "$DIR/run/$d.pid"
   done
+  net_teardown
 }
 
 do_status() {
@@ -210,6 +310,7 @@ do_status() {
   for d in "${DAEMONS[@]}"; do
     if running "$d"; then echo "$d: running (pid $(pid_of "$d"))"; else echo "$d: not running"; fi
   done
+  [ -f "$DIR/two_nodes" ] && echo "two-node partition: $(head -n 1 "$DIR/two_nodes")"
   if running slurmctld; then sinfo; squeue; fi
 }
 

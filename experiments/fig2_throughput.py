@@ -1,16 +1,14 @@
-"""Figure 2: throughput per GPU of ZeRO-100B vs the Megatron-LM baseline, 1.5B-170B parameters
-on 400 V100 GPUs (paper §10.2, setups Table 5).
+"""Figure 2: throughput per GPU of ZeRO-100B vs the Megatron-LM baseline, 1.5B-170B parameters on
+400 V100 GPUs (paper §10.2, setups Table 5). ZeRO-100B = P_os+g + ZeRO-R with MP inside a node
+(MP <= 16); beyond ~40B the baseline's MP crosses nodes and its TP all-reduces (12·s·h·b bytes
+per block) ride InfiniBand (~5 TFLOPs/GPU, the paper's collapse).
 
-ZeRO-100B = P_os+g + ZeRO-R with Megatron MP inside a node (MP <= 16); the baseline needs MP
-across nodes beyond ~40B, where its TP all-reduces (12·s·h·b bytes per block) cross InfiniBand
-and collapse to ~5 TFLOPs/GPU.
-
-* simulated (paper scale): Table 5 setups through the performance model; its 3 parameters are
-  fitted on THIS figure's ZeRO series (so the ZeRO rows are a fit, the baseline a prediction);
-  speed-up = ZeRO / baseline per model size, as the paper's bars;
+* simulated (paper scale): Table 5 through the performance model, whose 3 parameters are fitted
+  on THIS figure's ZeRO series (the ZeRO rows are a fit, the baseline a prediction); speed-up =
+  ZeRO / baseline per model size, as the paper's bars;
 * measured (cluster): the same setups as real points (``cluster=dgx2_v100 launcher=slurm``);
-* measured (local): ``local_models`` at world 2: ZeRO = P_os+g + ZeRO-R (C3, DP 2) vs the
-  baseline = stage 0 with Megatron TP ``local_baseline_tp`` (no ZeRO), x = parameters in B.
+* measured (local): ``local_models`` at world 2: C3 (P_os+g, DP 2) vs stage 0 with Megatron TP
+  ``local_baseline_tp``, x = parameters in B.
 """
 from __future__ import annotations
 
@@ -19,6 +17,8 @@ import pandas as pd
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
+
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig2"
 PAPER_FIGURE = "fig2"

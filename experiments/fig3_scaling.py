@@ -1,16 +1,14 @@
 """Figure 3: super-linear scalability of ZeRO-100B (60B model, 64-400 V100 GPUs; paper §10.3).
+P_os+g's model states shrink as 2Ψ + 14Ψ/N_d, so a larger DP degree buys a larger batch per GPU
+(Table 6: 16 -> 48 -> 48 -> 64) and higher arithmetic intensity: per-GPU throughput rises and the
+aggregate more than doubles from 64 to 128 GPUs (paper: 2.93x).
 
-The paper's explanation: P_os+g shrinks model-state memory per GPU as 2Ψ + 14Ψ/N_d, so a
-larger DP degree frees memory for a larger batch per GPU (Table 6: 16 -> 48 -> 48 -> 64), which
-raises arithmetic intensity; per-GPU throughput rises and the aggregate more than doubles from
-64 to 128 GPUs (paper: 2.93x).
-
-* simulated (paper scale): Table 6 setups through the performance model calibrated on Figure 2
-  only: per-GPU TFLOPs, aggregate = per-GPU x GPUs, speed-ups between GPU counts;
+* simulated (paper scale): Table 6 through the performance model calibrated on Figure 2 only:
+  per-GPU TFLOPs, aggregate = per-GPU x GPUs, speed-ups between GPU counts;
 * measured (cluster): the same four setups as real points (``cluster=dgx2_v100 launcher=slurm``);
-* measured (local): ``experiment.params.local_model`` at P_os+g (C3, TP 1) on world sizes
-  ``local_worlds`` (1 and 2 ranks), batch per rank = the largest that fits a pretend device of
-  ``local_device_mb`` MB by the analytic model, so it grows with the DP degree as in the paper.
+* measured (local): ``local_model`` at C3 (P_os+g, TP 1) on ``local_worlds`` ranks, batch per rank
+  the largest that fits a pretend ``local_device_mb`` device by the analytic model (so it grows
+  with the DP degree, as in the paper).
 """
 from __future__ import annotations
 
@@ -20,6 +18,8 @@ from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures.figures import plt
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
+
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"
@@ -82,7 +82,7 @@ def summarize(records) -> list[dict]:
 
 
 def _source(series: str) -> str:
-    """`` · this machine: <hw>`` of a labelled series (``harness.regenerate``), else ''."""
+    """`` · this machine: <hw>`` of a labelled series (``lab.figures.regenerate``), else ''."""
     return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
 
 

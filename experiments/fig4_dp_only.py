@@ -1,16 +1,13 @@
-"""Figure 4: largest-model throughput with ZeRO-DP only (no model parallelism), 128 V100 GPUs
-(paper §10.4, setups Table 10). Paper values are withheld: these are predictions.
+"""Figure 4: largest-model throughput with ZeRO-DP only (no MP), 128 V100 GPUs (paper §10.4, setups
+Table 10); paper values withheld: predictions. P_os+g needs 2Ψ + 14Ψ/N_d bytes of model states
+per GPU, so at N_d = 128 a 13B model fits a 32 GB V100 without MP (baseline DP, 16Ψ: ~1.4B).
 
-P_os+g needs 2Ψ + 14Ψ/N_d bytes of model states per GPU (Table 1), so with N_d = 128 a 13B
-model fits a 32 GB V100 without MP, where baseline DP (16Ψ) stops near 1.4B.
-
-* simulated (paper scale): Table 10 setups through the performance model calibrated on Figure 2
-  (ZeRO-DP = P_os+g + C_B/M_D + checkpointing; the baseline is PyTorch DDP, whose bucketed
-  all-reduce overlaps backward). The inputs behind each value go to
-  ``results/fig4_dp_only/predictions.csv``;
+* simulated (paper scale): Table 10 through the performance model calibrated on Figure 2
+  (ZeRO-DP = P_os+g + C_B/M_D + checkpointing; baseline = PyTorch DDP, its bucketed all-reduce
+  overlapping backward); each value's inputs in ``results/fig4_dp_only/predictions.csv``;
 * measured (cluster): the same setups as real points;
-* measured (local): ``local_models`` at world 2, TP 1: stage 0 (DDP baseline) vs stage 2
-  (P_os+g, C3), x = parameters in B.
+* measured (local): ``local_models`` at world 2, TP 1: stage 0 (DDP) vs stage 2 (C3), x =
+  parameters in B.
 """
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ import pandas as pd
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
+
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig4"
 PAPER_FIGURE = "fig4"

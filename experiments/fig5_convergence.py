@@ -1,26 +1,20 @@
-"""Figure 5 analogue: convergence equivalence of ZeRO-DP stages 0-3 and ZeRO-R C1-C5.
+"""Figure 5 analogue: convergence equivalence of ZeRO-DP stages 0-3 and ZeRO-R C1-C5 (paper §10.6).
 
-The paper's Figure 5 (§10.6) plots the validation perplexity of Turing-NLG (17B, trained with
-ZeRO-100B) against Megatron-LM 8.3B over 300K iterations. That run cannot be repeated here; what
-the figure rests on can: ZeRO changes *where* optimizer states, gradients, parameters and
-activation checkpoints live (§5, §6), never *what* is computed. With the same data and seed, an
-fp32 run must therefore follow the same loss curve under every stage and every Table 3
-configuration,
+The paper's Figure 5 (Turing-NLG 17B with ZeRO-100B vs Megatron-LM 8.3B, 300K iterations) cannot
+be repeated here; what it rests on can: ZeRO changes *where* states live (§5, §6), never *what*
+is computed. With the same data and seed an fp32 run must follow the same loss curve under every
+stage and every Table 3 configuration,
 
     max_t |loss_t(config) - loss_t(stage 0, fp32)|  ~ 1e-6   (reduction order only),
 
 and an fp16/bf16 run (fp32 master weights, §5.1) must track it within a stated tolerance.
 
-Points (``conf/exp/fig5_convergence.yaml``): stages 0, 1, 2, 3 with ZeRO-R off and C1..C5 in
-fp32, plus fp16 and bf16 variants of a few configurations, all on one grid (default world 4 =
-TP 2 x DP 2, so both the DP sharding and P_a's 1/tp checkpoint slices are exercised), the same
-seed and the real-text ``pystdlib`` data, so the loss visibly falls.
-
-Rows (``kind=measured``): ``loss`` per ``step`` for each series; ``abs_dloss_vs_stage0_fp32`` per
-step; and one ``max_abs_dloss_vs_stage0_fp32`` row per series (listed first, so the CLI prints
-them) with its ``tolerance`` and ``within_tolerance``. The paper's Figure 5 values appear only in
-a side panel of the plot (kind ``paper``, read from ``results/paper/reference.csv``), labelled as
-a different experiment: they are not comparable with our numbers.
+Points (``conf/exp/fig5_convergence.yaml``): stages 0-3 with ZeRO-R off and C1-C5 in fp32, plus
+fp16 and bf16 variants of a few, on one grid (default world 4 = TP 2 x DP 2), one seed, the
+``pystdlib`` text. Rows (``kind=measured``): ``loss`` per ``step`` per series,
+``abs_dloss_vs_stage0_fp32`` per step, and one ``max_abs_dloss_vs_stage0_fp32`` row per series
+(listed first) with its ``tolerance`` and ``within_tolerance``. The paper's values appear only in
+a side panel (kind ``paper``), labelled as a different experiment: not comparable with ours.
 """
 from __future__ import annotations
 
@@ -35,6 +29,7 @@ from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.lab.records import loss_curve, skipped_steps_of
 from zero_repro.lab.launcher import run_training
+from zero_repro.scale.paper.table1 import STAGE_NOTATION
 from zero_repro.scale.paper.table3 import TABLE3, describe, zero_r_config
 
 log = logging.getLogger(__name__)
@@ -43,7 +38,6 @@ FIGURE = "fig5_convergence"
 PAPER_FIG = "fig5"  # reference-CSV id, for the context panel only (no join: other quantity)
 LOSS, DLOSS, MAXD = "loss", "abs_dloss_vs_stage0_fp32", "max_abs_dloss_vs_stage0_fp32"
 UNIT = "nats"
-STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DEFAULTS = {
     "world_size": 4, "tp": 2,  # TP 2 x DP 2: DP sharding and P_a both do something
     "configs": ["stage0", "stage1", "stage2", "stage3", "C1", "C2", "C3", "C4", "C5"],
@@ -83,7 +77,7 @@ def label_of(name: str) -> str:
     """'stage 2 (P_os+g)' / 'C4 (P_os+g | C_B+M_D+P_a)'."""
     ov = config_overrides(name)
     if name.lower().startswith("stage"):
-        return f"stage {ov['zero.stage']} ({STAGE_NAMES[ov['zero.stage']]})"
+        return f"stage {ov['zero.stage']} ({STAGE_NOTATION[ov['zero.stage']]})"
     zr = ZeroRConfig(**{k[len("zero_r."):]: v for k, v in ov.items() if k.startswith("zero_r.")})
     return f"{name.upper()} ({describe(ov['zero.stage'], zr)})"
 

@@ -1,27 +1,21 @@
-"""Figure 6: the largest trainable model per ZeRO configuration C1-C5 (paper §10.5, Table 7:
-400 V100-32GB, MP 16, DP 25, batch 16 per GPU).
+"""Figure 6: the largest trainable model per ZeRO configuration C1-C5 (paper §10.5, Table 7: 400
+V100-32GB, MP 16, DP 25, batch 16 per GPU).
 
-simulated (dry-run judged): for each configuration, at the hidden size and head count of its
-Table 7 row, the largest number of layers whose dry run -- the real runtime on fake tensors and
-a fake process group of 400 ranks (``simulate.dryrun``), its allocation trace replayed through
-the caching-allocator model with the cluster's device memory -- does not run out of memory
-(``simulate.maxsize.max_layers``). Reported as parameters (B) next to the paper's
-40/60/50/140/150B, with the relative error and whether the paper's order of the five is
-reproduced (the ``fig6_order`` row of table.csv, and the figure's title). The figure is the
-paper's: bars per configuration, the paper's values hatched beside ours.
+simulated (dry-run judged): per configuration, at its Table 7 row's hidden size and heads, the
+largest depth whose dry run (``zero_repro.scale.dryrun.dryrun``: the real runtime on data-free
+tensors, a fake 400-rank group) replays through the caching-allocator model within the device
+memory (``zero_repro.scale.dryrun.maxsize.max_layers``), reported as parameters (B) beside the
+paper's 40/60/50/140/150B with the relative error and whether the paper's order of the five is
+reproduced (the ``fig6_order`` row, and the title). Bars per configuration, the paper's hatched.
 
-Two software stacks (``experiment.params.stacks``, ``simulate.stack``): ``paper2020`` (the
-stack that produced the paper's numbers: DeepSpeed 0.2 + the 2019 Megatron-LM layer + PyTorch
-1.x allocator behaviour, ``simulate.stack.switches``) is the paper's column; ``modern`` (this
-runtime as it is) is "what today's runtime would fit on the same cluster". A point's params
-carry ``stack`` only when it is not ``modern``, so the modern records keep their keys.
-
-Bucket sizes are the paper harness's (reduce 5e8, all-gather 2e8 elements; REFERENCE.md,
-inferred); ``experiment.params.iterations`` training steps traced per dry run (default 2: the
-second is the step every later one repeats, and each judgement replays it until the caching
-allocator's layout is steady -- ``simulate.dryrun``; with 1 step, fragmentation that builds up
-over later steps is missed, e.g. paper2020 C1 at 60 layers fits 2 steps and runs out of memory
-in its 4th).
+Stacks (``experiment.params.stacks``, ``cfg.simulate.stack``): ``paper2020`` (DeepSpeed 0.2 + the
+2019 Megatron-LM layer + PyTorch 1.x allocator behaviour, ``zero_repro.scale.dryrun.stack``) is
+the paper's column; ``modern`` (this runtime) what today's runtime fits on the same cluster. A
+point's params carry ``stack`` only when it is not ``modern`` (the modern keys are unchanged).
+Bucket sizes are the paper harness's (``zero_repro.scale.paper.buckets``; inferred,
+REFERENCE.md); ``experiment.params.iterations`` steps are traced per dry run (default 2; each
+judgement replays the second to the allocator's steady state). Search timings and fragmentation
+findings: ``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -82,7 +76,7 @@ def run_point(cfg, point: Point) -> dict:
             "judgements": [vars(j) for j in r.judgements]}
 
 
-NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
 
 
 def summarize(records) -> list[dict]:

@@ -1,27 +1,21 @@
-"""Figure 7: max cached memory per ZeRO configuration (paper §10.5, Table 8: 400 V100-32GB,
-MP 16; 40B = 50 x 8192, 32 heads, batch 16/GPU under C1-C5; 100B = 125 x 8192, 64 heads,
-batch 32/GPU under C4 and C5).
+"""Figure 7: max cached memory per ZeRO configuration (paper §10.5, Table 8: 400 V100-32GB, MP 16;
+40B = 50 x 8192, 32 heads, batch 16/GPU under C1-C5; 100B = 125 x 8192, 64 heads, batch 32/GPU
+under C4 and C5).
 
-simulated (prediction; the paper's values are withheld, nothing here is fitted): one dry run of
-the real runtime per setup (fake tensors, fake 400-rank process group, rank 0), its allocation
-trace replayed through the caching-allocator model (``simulate.allocator``) with the device's
-32 GB: ``max_cached_memory`` = the model's peak reserved bytes, PyTorch's
-``max_memory_cached``/``max_memory_reserved``, the quantity the paper plots. Also reported:
-peak allocated, exact live peak, fragmentation and the ledger. The paper states (§10.5) that
-the cached memory does not decrease from C4 to C5 at 40B but does at 100B; ``c4_to_c5`` rows
-say whether the prediction agrees.
+simulated (prediction; the paper's values are withheld, nothing is fitted): one dry run of the
+real runtime per setup (rank 0 of a fake 400-rank group), its trace replayed through the
+caching-allocator model (``zero_repro.scale.dryrun.allocator``) with the device's 32 GB:
+``max_cached_memory`` = the peak reserved bytes (PyTorch's ``max_memory_cached`` /
+``max_memory_reserved``, what the paper plots); also peak allocated, the exact live peak,
+fragmentation and the ledger. ``c4_to_c5`` rows check the paper's §10.5 statement (no decrease
+from C4 to C5 at 40B, a decrease at 100B).
 
-Two software stacks (``experiment.params.stacks``): ``paper2020`` (DeepSpeed 0.2 + 2019
-Megatron-LM + PyTorch 1.x allocator, ``simulate.stack``: its build's cached blocks count, "max
-cached" from process start) is the paper's setting; ``modern`` (this runtime) beside it. Unit:
-GiB = 2^30 B, what the paper's harness printed (``torch.cuda.max_memory_cached() /
-(1024*1024*1024)`` labelled "GigaBytes", DSE@405ce794 mpu/random.py see_memory_usage); the
-records keep their bytes in GB = 1e9 B (``*_GB`` metrics) and the table converts.
-Table 8 runs 100B only under C4 and C5: the figure leaves C1-C3 at 100B empty and says so.
-
-``experiment.params.md_off: true`` adds each setup with M_D off (contiguous_memory=false), to
-show what the arenas do to fragmentation; ``all_100b: true`` adds 100B under C1-C3 (Table 8 has
-none: the prediction is whether they fit).
+Stacks (``experiment.params.stacks``): ``paper2020`` (its build's cached blocks count: "max cached"
+from process start) and ``modern``. Unit: GiB = 2^30 B, what the paper's harness printed
+(``torch.cuda.max_memory_cached() / (1024*1024*1024)`` labelled "GigaBytes", DSE@405ce794
+mpu/random.py see_memory_usage); records keep bytes in GB = 1e9 B (``*_GB``). Table 8 runs 100B
+only under C4 and C5; the figure leaves C1-C3 empty at 100B and says so. ``md_off: true`` adds
+each setup with M_D off; ``all_100b: true`` adds 100B under C1-C3 (whether they fit).
 """
 from __future__ import annotations
 
@@ -58,8 +52,9 @@ def plan(cfg) -> list[Point]:
         for s in todo:
             for md in ([True, False] if p.get("md_off") else [True]):
                 ov = {**setup_overrides(s, cluster), "simulate.stack": stack}
-                if not md:
+                if not md:  # no longer Table 3's configuration: a custom one
                     ov["zero_r.contiguous_memory"] = False
+                    ov["zero_r.name"] = "custom"
                 name = (f"{s.size_label} {s.zero_config}" + ("" if md else " M_D off")
                         + ("" if stack == "modern" else f" {stack}"))
                 pts.append(Point(name=name, params={"model": s.size_label,
@@ -88,7 +83,7 @@ def run_point(cfg, point: Point) -> dict:
             "memory": r.ledger}
 
 
-NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
 
 
 def summarize(records) -> list[dict]:

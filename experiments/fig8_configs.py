@@ -24,6 +24,8 @@ from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.setups import setups
 
+PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+
 FIGURE = "fig8"
 PAPER_FIGURE = "fig8"
 SERIES_FAMILY: dict = {}

@@ -1,28 +1,19 @@
-"""Where did the memory go: per-category bytes at the peak of one rank's cached memory (paper
-§10.5, Figure 7's "max cached" split into what holds it), for the paper's 40B C4 and 100B C5
-setups (Table 8: 400 V100-32GB, MP 16) under both software stacks, and what each ``paper2020``
-switch costs at 40B C4.
+"""Where did the memory go: per-category bytes at the peak of one rank's cached memory (paper §10.5,
+Figure 7's "max cached" split into what holds it), for the paper's 40B C4 and 100B C5 setups
+(Table 8: 400 V100-32GB, MP 16) under both software stacks, and what each ``paper2020`` switch
+costs at 40B C4.
 
-breakdown points (``simulated``): one dry run per setup x stack (``simulate.dryrun`` with
-``simulate.stack``); ``DryRunResult.breakdown`` (``simulate.stack.categories.breakdown``):
-at the event where the judged replay's reserved bytes peak (ties: the most handed out), the
-live requested bytes per category -- fp16 parameters, fp32 master + Adam, gradient partition,
-buckets, checkpoints, working layer (incl. the s^2 scores), logits/loss, gather buffers, build
-and step transients -- plus allocator slack (rounded - requested) and cached-but-free
-(reserved - handed out); they sum to the peak reserved bytes exactly. The CUDA context + NCCL
-(outside the allocator) is a row of its own: it is not in "max cached" but it is on the device.
-
-switch points: at 40B C4, for every switch of ``simulate.stack.switches.Stack``, a dry run of
+breakdown points (``simulated``): one dry run per setup x stack; ``DryRunResult.breakdown``
+(``zero_repro.scale.dryrun.stack.categories.breakdown``): at the judged replay's reserved peak,
+the live requested bytes per category plus allocator slack and cached-but-free bytes, summing to
+the peak reserved bytes exactly. The CUDA context + NCCL (outside the allocator) is a row of its
+own. switch points: at 40B C4, for every switch of ``zero_repro.scale.dryrun.stack.switches.Stack``,
 ``modern`` with only that switch (``simulate.only_switches=[s]``) and, with
-``experiment.params.in_context=true``, one of ``paper2020`` without it (every other switch on). The effect of a switch is its peak-reserved change against
-modern ("alone") and against paper2020 ("in context"), in GiB; switches that act only inside
-another one's path (e.g. the all-gather shard size inside DeepSpeed 0.2's step) show 0 alone.
-
-``memory_breakdown_live_peak`` rows: the same categories at the peak of live bytes (where the
-training step needs the most; for paper2020 the reserved peak can be the build's, whose cached
-blocks the training step then reuses).
-
-Unit: GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
+``experiment.params.in_context=true``, ``paper2020`` without it: the peak-reserved change "alone"
+and "in context", in GiB (switches acting only inside another one's path show 0 alone).
+``memory_breakdown_live_peak`` rows: the same categories at the peak of live bytes (for
+paper2020 the reserved peak can be the build's, whose cached blocks the step then reuses). Unit:
+GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
 """
 from __future__ import annotations
 
@@ -95,7 +86,7 @@ def run_point(cfg, point: Point) -> dict:
             "at_phase_event": b["at_event"], "total_s": r.timings["total_s"]}
 
 
-NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
 
 
 def summarize(records) -> list[dict]:

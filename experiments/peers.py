@@ -1,28 +1,20 @@
-"""Peers experiment: this project's ZeRO-DP stages side by side with torch DDP,
-DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7),
-racing like with like, with the distance of every framework to a lower bound.
+"""Peers experiment: this project's ZeRO-DP stages beside torch DDP, DDP + ZeroRedundancyOptimizer,
+FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1-3 (paper §5, §7), racing like with like, each
+framework's distance to a lower bound.
 
-Points (each one record):
-  * ``same_kernel`` (the headline): every peer's AdamW is ``torch.optim.AdamW(fused=True)``,
-    the kernel this project's ShardAdamW runs; all frameworks + the lower bound (compute only:
-    the micro-batch's forward + backward, no communication, plus the fused AdamW on Ψ/N_d) +
-    the single-process reference (equivalence), on ``model`` (gpt_20m);
-  * ``as_shipped``: the same with the peers' default optimizers (on CPU torch's AdamW takes its
-    single-tensor path), a second table;
-  * ``size``: the size series, stage 2 and 3 frameworks on larger models (gpt_124m, the GPT-2
-    small shape), fused kernel, few steps, no reference (equivalence is checked at gpt_20m).
-A point runs one ``launch.spawn`` per process set (``runners.process_sets``: DeepSpeed ZeRO-3
-patches ``torch.nn.functional.linear`` for the whole process, so it runs in a set of its own;
-the lower bound runs in every set and puts the sets on one scale). Inside a set, frameworks
-are interleaved step by step (``runners.run_peers``), so load from other programs on the
-machine hits every framework alike; the timed steps are split into ``repeats`` blocks and the
-spread of the block medians is reported.
+Points (one record each): ``same_kernel`` (the headline: every peer's AdamW is
+``torch.optim.AdamW(fused=True)``, the kernel ``ShardAdamW`` runs; all frameworks, the lower
+bound and the single-process reference on ``model``, gpt_20m), ``as_shipped`` (the peers'
+default optimizers) and ``size`` (stage 2 and 3 frameworks on larger models, fused kernel, no
+reference). A point runs one ``launch.spawn`` per process set (``runners.process_sets``);
+inside a set frameworks are interleaved step by step (``runners.run_peers``) and the timed steps
+split into ``repeats`` blocks.
 
-``summarize`` emits rows with figure ``peers``, series ``<table>/<framework>/stage<k>``,
-x_name ``framework`` and y_name step_time_s | ratio_to_bound | ratio_to_best_peer |
-ratio_to_ddp | max_abs_dparam | tolerance_ratio | max_abs_dloss | comm_volume_elements (all
-``kind=measured``; extra columns table, model, params, stage, best_peer, repeats, detail);
-``plot`` draws the ratios on linear axes and writes ``report.md``.
+``summarize``: figure ``peers``, series ``<table>/<framework>/stage<k>``, x_name ``framework``,
+y_name step_time_s | ratio_to_bound | ratio_to_best_peer | ratio_to_ddp | max_abs_dparam |
+tolerance_ratio | max_abs_dloss | comm_volume_elements (``kind=measured``; extra columns table,
+model, params, stage, best_peer, repeats, detail); ``plot`` draws the ratios and writes
+``report.md``. Notes on the CPU fast path: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -226,7 +218,7 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["kind"] != "paper"].copy()
     # records of a point that differ in a config knob (e.g. a default that changed) come as
-    # separate variants (harness.regenerate): the figure and report show the newest race
+    # separate variants (lab.figures.regenerate): the figure and report show the newest race
     if "measured_at" in t:
         t = (t.sort_values("measured_at", kind="stable")
              .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
@@ -263,7 +255,7 @@ def _panel_bound(ax, t) -> None:
                   rotation=60, fontsize=7, ha="right")
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="lower bound (1.0)")
     ax.axhline(report.GOAL_BOUND, color="C3", linestyle="--", linewidth=1,
-               label=f"issue 17 goal for zero_repro ({report.GOAL_BOUND:.2f})")
+               label=f"goal for zero_repro: <= {report.GOAL_BOUND:.2f} x lower bound")
     top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
     ax.set_ylim(0, top * 1.08)  # whiskers included
     ax.set_ylabel("step time / lower bound [x], same fused AdamW")
@@ -290,7 +282,7 @@ def _panel_best_peer(ax, t) -> None:
     ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="parity with the best peer")
     for k, goal in sorted(report.GOAL_RATIO.items()):
         ax.hlines(goal, k - 0.45, k + 0.45, colors="C3", linestyles="--", linewidth=1,
-                  label="issue 17 goal" if k == 0 else None)
+                  label="goal: <= 0.95 (stages 0-1), 0.80 (2-3)" if k == 0 else None)
     ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
     tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]
     ax.set_ylim(0, max([1.3] + tops) * 1.25)  # room for the legend above the bars
@@ -405,15 +397,15 @@ def _write_report(t, out_dir: str) -> str:
              "## How to read it", "",
              "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
              "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
-             "framework's distance to it (issue 17 goal for zero_repro: <= "
+             "framework's distance to it (goal for zero_repro: <= "
              f"{report.GOAL_BOUND:.2f}).", *_split_line(t),
-             "- `/ best peer`: the fastest other framework at the same ZeRO stage (issue 17 goal "
+             "- `/ best peer`: the fastest other framework at the same ZeRO stage (goal "
              "for zero_repro: <= 0.95 at stages 0-1, <= 0.80 at stages 2-3). Within a process "
              "set the step times are divided directly; across sets through each set's lower "
              "bound.",
              "- Transport: every peer's collectives run on torch's gloo backend (loopback "
              "TCP sockets). `zero_repro_sk` moves its DP buckets through shared memory "
-             "(`distributed.shm`, gloo ranks on one host; `ZR_CPU_TRANSPORT`), "
+             "(`runtime.comm.cpu.shm`, gloo ranks on one host; `ZR_CPU_TRANSPORT`), "
              "`zero_repro_sk_p2p` through gloo point-to-point sends, as the peers' travel: the "
              "`_p2p` rows race the implementations on one transport, the plain ones show what "
              "the transport adds. Both skip the global gradient norm (unclipped fp32: it "

@@ -1,5 +1,5 @@
 """``python -m experiments.plot NAME``: regenerate ``results/NAME/table.csv`` and its figure from
-``results/NAME/points.jsonl`` alone (the command the README and the issues name; the work is
+``results/NAME/points.jsonl`` alone (the command the README names; the work is
 done by ``zero_repro.lab.figures.regenerate``)."""
 from zero_repro.lab.figures.regenerate import main
 

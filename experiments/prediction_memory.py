@@ -1,18 +1,13 @@
-"""The memory model behind the Figure 4 and Figure 8 predictions (paper §10.4-10.5, Tables 9-10):
-does each predicted setup fit a 32 GB V100 at the paper's batch, under the paper2020 stack and
-the modern one, and how much cached memory does it need?
+"""The memory model behind the Figure 4 and 8 predictions (paper §10.4-10.5, Tables 9-10): does each
+predicted setup fit a 32 GB V100 at the paper's batch, under paper2020 and modern, and how much
+cached memory does it need?
 
-The throughput predictions (``results/fig4_dp_only``, ``results/fig8_configs``,
-``predictions.csv``) take the batch per GPU from the paper's tables and the time from the
-performance model calibrated on Figure 2 (no refit); the memory model enters them here: one dry
-run per setup x stack (``simulate.dryrun``, rank 0, the paper harness's buckets), its judged
-replay's peak reserved bytes (GiB = 2^30 B) and whether it ran out of memory. Figure 8's rows
-are dry-run under both Table 9 row orders (``paper.table9``: ``c1_to_c5``, ``table7``), since
-the order decides the batch of C3, C4 and C5. A setup that does not fit under ``paper2020`` is
-one the paper could not have run as the mapping reads it; the prediction for it is flagged.
-
-Inputs of every value (shape, GPUs, MP, batch, configuration, stack, capacity) are columns of
-``results/prediction_memory/table.csv``. Nothing here is compared with the withheld values.
+One dry run per setup x stack (``zero_repro.scale.dryrun.dryrun``, rank 0, the paper harness's
+buckets): its judged replay's peak reserved bytes (GiB) and whether it ran out of memory; Figure
+8's rows under both Table 9 row orders (``zero_repro.scale.paper.table9``: the order decides C3-C5's
+batch). A setup that does not fit under ``paper2020`` could not have run as the mapping reads it:
+its prediction is flagged. Every value's inputs are columns of the table; nothing is compared
+with the withheld values.
 """
 from __future__ import annotations
 
@@ -77,7 +72,7 @@ def run_point(cfg, point: Point) -> dict:
             "dry_run_backend": r.backend}
 
 
-NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
 
 
 def summarize(records) -> list[dict]:

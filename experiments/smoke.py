@@ -5,11 +5,14 @@ A tiny GPT trains for a few steps on ``parallel.world_size`` local ranks (``conf
 ``zero_repro.lab.launcher.run_training``; the record keeps the per-step losses and ``summarize`` turns
 them into ``kind=measured`` rows (y_name ``loss`` per ``step``). The check that matters: the loss
 goes down (``metrics.loss_decreased``). Series are named from each record's resolved config
-(``records.knob_label``: model shape, dtype, stage, ZeRO-R, world/TP/DP, steps), so an fp32 and a
-bf16 run, or an 8- and a 6-step run, are two curves.
+(``records.knob_label``: model shape, dtype, stage, ZeRO-R, world/TP/DP, steps) plus the data
+source, so an fp32 and a bf16 run, an 8- and a 6-step run, or real text and synthetic tokens,
+are two curves. Steps are numbered as the log numbers them (1 = after the first optimizer
+step); curves that coincide are drawn apart (line style, marker) and said to coincide.
 """
 from __future__ import annotations
 
+from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro import config as C
 from zero_repro.lab.records import knob_label, loss_curve
@@ -39,10 +42,76 @@ def summarize(records) -> list[dict]:
     for r in records:
         if r.status != "ok":
             continue
-        series = knob_label(r.config)
+        data = (r.config.get("train") or {}).get("data", "?")
+        series = f"{knob_label(r.config)}, {data} data"
         hw = r.hardware.get("device_name", "")
         for step, loss in loss_curve(r):  # a resumed record starts at its start_step
-            rows.append({"figure": FIGURE, "series": series, "x_name": "step", "x_value": step,
+            rows.append({"figure": FIGURE, "series": series, "x_name": "step",
+                         "x_value": step + 1,  # the log's numbering: step 1 = first update
                          "y_name": "loss", "y_value": loss, "unit": "nats", "kind": r.mode,
                          "hardware": hw})
     return rows
+
+
+COINCIDE = 1e-6  # nats: curves closer than this at every common step are one curve
+
+
+def coinciding(curves: dict) -> list[list[str]]:
+    """Groups (of two or more) of series whose losses agree within ``COINCIDE`` at every step
+    they share. ``curves``: {series: {step: loss}}."""
+    groups: list[list[str]] = []
+    for name, c in curves.items():
+        for g in groups:
+            ref = curves[g[0]]
+            common = c.keys() & ref.keys()
+            if common and all(abs(c[s] - ref[s]) <= COINCIDE for s in common):
+                g.append(name)
+                break
+        else:
+            groups.append([name])
+    return [g for g in groups if len(g) > 1]
+
+
+def plot(table, out_dir: str) -> list[str]:
+    """Loss vs step per series; coinciding series get distinct styles and a note."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+
+    ours = table[table["kind"] != "paper"].assign(
+        x=lambda d: pd.to_numeric(d["x_value"]), y=lambda d: pd.to_numeric(d["y_value"]))
+    curves = {s: dict(zip(g["x"], g["y"])) for s, g in ours.groupby("series", sort=False)}
+    fig, ax = plt.subplots(figsize=(9, 5.2 + 0.18 * len(curves)))
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "x", "D", "v"]
+    for i, (s, c) in enumerate(curves.items()):
+        xs = sorted(c)
+        ax.plot(xs, [c[x] for x in xs], styles[i % 4], marker=markers[i % 6], color=f"C{i % 10}",
+                markersize=7 - (i % 3) * 1.5, label=s)
+    groups = coinciding(curves)
+    if groups:
+        ax.text(0.01, 0.02, "drawn over each other (|Δloss| <= 1e-6 at every step):\n"
+                + "\n".join(" = ".join(_distinct(g)) for g in groups),
+                transform=ax.transAxes, fontsize=8, va="bottom")
+    xs = sorted(ours["x"].unique())
+    if xs:
+        ax.set_xticks(xs)
+    ax.set(xlabel="optimizer step (as logged)", ylabel="training loss [nats]",
+           title="smoke: loss per step (local CPU ranks, measured)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
+    fig.tight_layout()
+    return save_figure(fig, out_dir, "smoke", dpi=150)
+
+
+def _distinct(names: list[str]) -> list[str]:
+    """Each name cut to the words that tell it apart from the others in ``names``, with the
+    word before each (``stage 0`` rather than ``0``)."""
+    words = [n.replace(",", "").split() for n in names]
+    if len({len(w) for w in words}) != 1:
+        return names
+    differ = [i for i in range(len(words[0])) if len({w[i] for w in words}) > 1]
+    keep = sorted({j for i in differ for j in (i - 1, i) if j >= 0})
+    return [" ".join(w[j] for j in keep) for w in words]

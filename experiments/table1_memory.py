@@ -1,13 +1,13 @@
-"""Table 1: per-device model-state memory of P_os, P_os+g and P_os+g+p (paper §5, K = 12,
-fp16 + Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
+"""Table 1: per-device model-state memory of P_os, P_os+g and P_os+g+p (paper §5, K = 12, fp16 +
+Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 
-* analytic: all 54 cells from the closed form (``measure.analytic.table1``), displayed with
-  the paper's precision; ``truncated_by_paper`` flags the 8 cells the paper truncates instead of
-  rounding (e.g. 257.75 -> 257), so their relative error vs the paper is non-zero by design;
-* measured: the memory ledger of real training runs on local gloo ranks (the ``small`` model,
-  fp16, world = N_d in ``experiment.params.measured_nd``, TP 1, every stage 0-3, two steps) next
-  to the same formula evaluated at that run's Ψ (its flat-buffer elements, padding included):
-  ``matches_formula`` says whether the ledger equals it to the byte.
+* analytic: all 54 cells from the closed form (``zero_repro.scale.analytic.table1``) at the
+  paper's precision; ``truncated_by_paper`` flags the 8 cells the paper truncates instead of
+  rounding (e.g. 257.75 -> 257), whose relative error is non-zero by design;
+* measured: the memory ledger of real runs on local gloo ranks (the ``small`` model, fp16, world
+  = N_d in ``experiment.params.measured_nd``, TP 1, stages 0-3, two steps) beside the formula at
+  that run's Ψ (flat-buffer elements, padding included): ``matches_formula`` says whether the
+  ledger equals it to the byte.
 """
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.dryrun.dryrun import real_ledgers
 from zero_repro.scale.analytic import model_state_bytes
+from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale import analytic
 
 FIGURE = "table1"
 PAPER_FIGURE = "table1"
 Y = "model_state_memory_per_gpu"
-SCHEME = {1: "Pos", 2: "Pos+g", 3: "Pos+g+p", 0: "baseline"}
+SCHEME = STAGE_NAMES  # Table 1's column labels (reference.csv)
 
 
 def plan(cfg) -> list[Point]:
@@ -98,19 +99,65 @@ def plot(table, out_dir: str) -> list[str]:
            title="Table 1: analytic (^) vs paper (X)")
     a1.set_ylim(1e-3, 1e5)  # room below the data for the legend
     a1.legend(fontsize=6.5, ncol=3, loc="lower left", framealpha=0.9)
-    meas = table[table["figure"] == f"{FIGURE}_measured"]
-    for i, (series, g) in enumerate(meas.groupby("series", sort=False)):
-        g = g.assign(x=pd.to_numeric(g["x_value"])).sort_values("x")
-        a2.plot(g["x"], g["y_value"] / 1e6, "-o", color=f"C{i % 10}", label=f"{series} [ledger]")
-        a2.plot(g["x"], g["formula_bytes"] / 1e6, "k+", markersize=10)
-    ok = bool(meas["matches_formula"].all()) if len(meas) else False
-    a2.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",
-           title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}")
-    if len(meas):
-        xs = sorted(pd.to_numeric(meas["x_value"]).unique())
-        a2.set_xticks(xs, [str(int(x)) for x in xs])
-    a2.set_ylim(bottom=0)
-    a2.legend(fontsize=7, loc="lower left")
+    _plot_measured(a2, table[table["figure"] == f"{FIGURE}_measured"])
     fig.tight_layout()
     paths = save_figure(fig, out_dir, 'table1_memory', dpi=150)
     return paths
+
+
+STAGE_COLOUR = {"baseline": "C0", "Pos": "C1", "Pos+g": "C2", "Pos+g+p": "C3"}
+
+
+def _plot_measured(ax, meas) -> None:
+    """Ledger (o) vs formula (+) per stage: colour = stage; this machine's series solid with
+    filled markers, the reference set's dashed with larger hollow markers, so a series that
+    equals the other stays visible; the title says whether they coincide."""
+    import pandas as pd
+    from matplotlib.lines import Line2D
+
+    if not len(meas):
+        ax.set_title("measured ledger: no runs")
+        return
+    meas = meas.assign(x=pd.to_numeric(meas["x_value"]),
+                       source=meas.get("source", pd.Series("this machine", index=meas.index)))
+    meas = meas.assign(stage=meas["series"].str.split(" · ", regex=False).str[0].str.split(") ", regex=False).str[-1],
+                       src=meas["series"].str.split(" · ", regex=False).str[1].fillna("this machine")
+                       .str.split(":").str[0])
+    for (src, stage), g in meas.groupby(["src", "stage"], sort=False):
+        g = g.sort_values("x")
+        ref = src == "reference"
+        ax.plot(g["x"], g["y_value"] / 1e6, "--" if ref else "-", color=STAGE_COLOUR[stage],
+                marker="o", markersize=11 if ref else 5, markerfacecolor="none" if ref else None,
+                alpha=0.8 if ref else 1.0)
+        ax.plot(g["x"], g["formula_bytes"] / 1e6, "k+", markersize=10)
+    ok = bool(meas["matches_formula"].all())
+    srcs = list(dict.fromkeys(meas["src"]))
+    same = ""
+    if len(srcs) == 2:
+        a, b = (meas[meas["src"] == s].set_index(["stage", "x"])["y_value"] for s in srcs)
+        common = a.index.intersection(b.index)
+        same = ("\nthis machine = reference at every point (drawn over each other)" if len(common)
+                and (a[common] == b[common]).all() else "")
+    ax.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",
+           title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}"
+                 f"{same}")
+    xs = sorted(meas["x"].unique())
+    ax.set_xticks(xs, [str(int(x)) for x in xs])
+    ax.set_ylim(0, meas["y_value"].max() / 1e6 * 1.35)  # headroom for the legends
+    model = meas["series"].iloc[0].split(") ")[0] + ")"
+    stages = [Line2D([], [], color=c, marker="o", label=s)
+              for s, c in STAGE_COLOUR.items() if s in set(meas["stage"])]
+    leg = ax.legend(handles=stages, title=model, fontsize=7, title_fontsize=7,
+                    loc="upper right", ncol=2)
+    ax.add_artist(leg)
+    def label(src: str) -> str:
+        full = next((s for s in meas["series"] if " · " in s and s.split(" · ")[1]
+                     .startswith(src)), None)
+        return full.split(" · ")[1].split(" [")[0] if full else "ledger of real gloo runs"
+
+    styles = [Line2D([], [], color="grey", marker="o", markersize=11 if s == "reference" else 5,
+                     markerfacecolor="none" if s == "reference" else "grey",
+                     ls="--" if s == "reference" else "-", label=label(s)) for s in srcs]
+    styles.append(Line2D([], [], color="k", marker="+", ls="", markersize=10,
+                         label="Table 1 formula at the run's Ψ"))
+    ax.legend(handles=styles, fontsize=7, loc="upper center", bbox_to_anchor=(0.35, 1.0))

@@ -1,32 +1,23 @@
-"""Table 2: the largest model whose model states fit a 32 GB V100 at N_d = 64, MP 1 ... 16
-(paper §5.4; GPUs = 64 x MP).
+"""Table 2: the largest model whose model states fit a 32 GB V100 at N_d = 64, MP 1 ... 16 (paper
+§5.4; GPUs = 64 x MP).
 
-* analytic ("theoretical" columns): Ψ_max = 32e9 / bytes-per-parameter(stage, N_d = 64) x MP
-  for baseline DP, P_os, P_os+g, P_os+g+p (``measure.analytic.max_params``), next to the
+* analytic ("theoretical" columns): Ψ_max = 32e9 / bytes-per-parameter(stage, N_d = 64) x MP for
+  baseline DP, P_os, P_os+g, P_os+g+p (``zero_repro.scale.analytic.max_params``), beside the
   paper's printed values (parsed from the reference CSV: "7.6B", "0.5T", ...);
-* simulated, dry-run judged (the paper's "measured" columns, which it obtained on real
-  V100s): the largest number of layers whose dry run fits 32 GB through the caching-allocator
-  model (``simulate.maxsize``), for baseline DP (stage 0, activation checkpointing, no C_B/M_D)
-  and P_os (C1: checkpointing + C_B + M_D), at ``experiment.params.measured_mp`` (default MP
-  1, 2, 4, 8, 16; GPUs = 64 x MP), batch 1 per GPU, sequence 1024, vocabulary 50257 (padded to
-  a multiple of 128), paper bucket sizes for P_os.
+* simulated, dry-run judged (the paper's "measured" columns, obtained on real V100s): the largest
+  depth whose dry run fits 32 GB through the caching-allocator model
+  (``zero_repro.scale.dryrun.maxsize``), for baseline DP (stage 0, checkpointing, no C_B/M_D) and
+  P_os (C1), at ``experiment.params.measured_mp`` (default 1-16), batch 1, sequence 1024,
+  vocabulary 50257 (padded to a multiple of 128), the paper's bucket sizes for P_os.
 
-Model shapes (our choice: the paper does not state the shapes behind Table 2): only the depth
-is searched; hidden 4096 with 32 heads for MP <= 2 and hidden 8192 with 64 heads for MP 4, 8, 16
-(both divisible by every MP used, so each rank holds h/MP columns and heads/MP heads). A larger
-hidden at larger MP keeps the depth in the tens-to-hundreds of layers, as the paper's 8192-wide
-large models do. The answer is the last whole layer that fits, so it is quantised down by less
-than one layer: 12h^2 = 0.20B parameters at h = 4096, 0.81B at h = 8192 (the baseline at MP 4,
-7 layers, is the coarsest: one layer is 13% of it).
-
-Two software stacks (``experiment.params.stacks``): ``paper2020`` (the 2020 stack the paper
-measured: DeepSpeed 0.2's P_os path, the 2019 Megatron layer, no empty_cache after the build,
-CUDA context + NCCL outside the allocator; ``simulate.stack``) for the paper's measured columns,
-``modern`` (this runtime) beside it. The baseline (stage 0) runs the runtime's DDP under both:
-only the 2019 layer and the capacity change for it (DeepSpeed 0.2 had no stage-0 path).
-
-Cost: one max-layer search is two probe dry runs and two judgements (the last depth that fits
-and the first that does not, run in parallel on 2 cores): 2-50 s each, ~3 min for all ten.
+Model shapes (ours: the paper does not state them): only the depth is searched; hidden 4096 with
+32 heads for MP <= 2, 8192 with 64 heads for MP 4-16 (divisible by every MP used). The answer is
+the last whole layer that fits, so it is quantised down by less than one layer (12h^2 = 0.20B
+parameters at h = 4096, 0.81B at h = 8192). Stacks (``experiment.params.stacks``): ``paper2020``
+(DeepSpeed 0.2's P_os path, the 2019 Megatron layer, no empty_cache after the build, CUDA
+context + NCCL outside the allocator) for the paper's measured columns, ``modern`` beside it;
+the baseline runs the runtime's DDP under both (only the 2019 layer and the capacity change).
+Cost: ``results/table2_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -40,10 +31,11 @@ from zero_repro.scale.paper.buckets import PAPER_BUCKETS
 from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides
 from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.setups import reference_rows
+from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale.dryrun import maxsize
 
 FIGURE = "table2"
-SCHEMES = {0: "Baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+SCHEMES = {**STAGE_NAMES, 0: "Baseline"}  # Table 2's series labels (reference.csv)
 MEASURED = {0: "measured Baseline", 1: "measured ZeRO-DP(Pos)"}
 STACKS = ("paper2020", "modern")
 
@@ -103,7 +95,7 @@ def _paper() -> dict:
     return out
 
 
-NEWEST_ONLY = True  # summarize() shows the newest record of every point (harness.regenerate)
+NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
 
 
 def summarize(records) -> list[dict]:

@@ -1,6 +1,6 @@
 """ShardAdamW: the chunk-by-chunk update equals torch's AdamW bit for bit, and the step's
-transient fp32 gradient copies are made one chunk at a time (issue 15: the up-front conversion
-held 4Ψ/N_d uncounted bytes at the fp16 step)."""
+transient fp32 gradient copies are made one chunk at a time (an up-front conversion of the whole
+shard would hold 4Ψ/N_d uncounted bytes at the fp16 step)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""The CUDA caching-allocator model (simulate/allocator.py) against hand-computed traces."""
+"""The CUDA caching-allocator model (scale/dryrun/allocator.py) against hand-computed traces."""
 from __future__ import annotations
 
 import pytest

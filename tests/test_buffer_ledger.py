@@ -5,7 +5,8 @@ of the live storages the strategy holds (every tensor reachable from it, each st
 same accounting for every category; storages that map another rank's memory are that rank's).
 Stage 3's transient ``params_gathered`` (a peak) is left out of the comparison of totals: run
 without the next step's prefetch, no unit is gathered between steps. Also: the stages see only
-the transport's contract, and nothing of a CPU fast path.
+the transport's contract, and nothing of a CPU fast path; no stage holds more than the one
+before it, on every transport, C_B on and off.
 """
 from __future__ import annotations
 
@@ -105,6 +106,44 @@ def test_ledger_is_the_formula_and_the_live_storages(monkeypatch, mode, name):
             counted = sum(led.values()) - led.get("params_gathered", 0)
             # a shared region's mapping carries a 64-byte header of counters beside its data
             assert 0 <= r["live"] - counted <= 64 * r["regions"], (label, r["live"], counted, led)
+
+
+DEEP = ModelConfig(n_layer=8, n_embd=64, n_head=4, seq_len=16, vocab_size=256,
+                  vocab_pad_multiple=8)
+
+
+def _totals(rank: int, world: int, bucket: int) -> dict:
+    """Ledger total per (C_B, stage) after two steps of a model whose unit is small beside Ψ."""
+    out = {}
+    for constant in (True, False):
+        for stage in range(4):
+            topo = Topology.build(1)
+            model = GPT(DEEP, topo.tp_group)
+            model.init_weights(1)
+            zero = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+            zr = ZeroRConfig(name="custom", constant_buffers=constant, contiguous_memory=True)
+            s = build_strategy(model, topo, zero, TrainConfig(micro_batch_size=2, lr=1e-3), zr)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                idx = torch.randint(0, DEEP.vocab_size, (2, DEEP.seq_len), generator=g)
+                _, loss = s(idx, idx)
+                s.backward(loss)
+                s.step()
+                s.zero_grad()
+            out[(constant, stage)] = s.memory_ledger().total()
+            s.remove_hooks()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["shm", "pairwise", "native"])
+def test_no_stage_holds_more_than_the_one_before(monkeypatch, mode):
+    """Stage k's ledger (model states, buffers, the transport's own, stage 3's gathered peak) is
+    at most stage k-1's on every rank, C_B on (buckets far below Ψ) and off (one bucket)."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
+    for res in spawn(_totals, 2, 20_000):
+        for constant in (True, False):
+            t = [res[(constant, k)] for k in range(4)]
+            assert t == sorted(t, reverse=True), (mode, constant, t)
 
 
 def test_stages_see_only_the_transport_contract():

@@ -33,7 +33,7 @@ def test_every_experiment_overlay_composes_and_validates(name):
     from zero_repro.lab import sweep as orchestrate
 
     C.register_configs()
-    # the GPU proof refuses to plan without CUDA (it never falls back silently): its CPU path
+    # the GPU proof plans its CUDA run anywhere but runs it only on CUDA: its CPU path
     extra = ["experiment.params.device=cpu"] if name == "gpu_proof" else []
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=[f"+exp={name}", *extra])

@@ -1,4 +1,4 @@
-"""The fake-tensor dry run of the real runtime (simulate/dryrun.py) and its max-size search.
+"""The fake-tensor dry run of the real runtime (scale/dryrun/dryrun.py) and its max-size search.
 
 * model-state bytes of the dry run equal Table 1 exactly, every stage, at a paper-shaped
   configuration (hidden 8192, TP 16, 400 ranks; 2 layers by default, the full 100B slow);

@@ -3,7 +3,7 @@ that hangs (peers time out), and a preempted run resumed from its checkpoint.
 
 Each case must end every process within a bounded time, name the failing rank, and give a
 non-zero exit status (CLI) or ``WorkerFailed`` (library). Fault injection is the ``fault.*``
-config section (``worker.inject_fault``): the rank fails after backward, before the optimizer
+config section (``lab.rank.inject_fault``): the rank fails after backward, before the optimizer
 step, i.e. while its peers are inside that step's collectives.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A new user's first contact (issue 16): results go to the user's own directory and are reused
+"""A new user's first contact: results go to the user's own directory and are reused
 only when made here at this code; series never merge records that differ in a knob; re-plots
 are byte-identical; run.py under torchrun refuses instead of nesting launches; --help lists the
 experiments; the runnable example trains under torchrun at world 2."""

@@ -1,5 +1,5 @@
-"""CPU ranks run on a caching malloc (``distributed.host_heap``): measured with the kernel's own
-count of minor page faults, in real spawned ranks under each mode."""
+"""CPU ranks run on a caching malloc (``runtime.comm.cpu.host_heap``): measured with the
+kernel's own count of minor page faults, in real spawned ranks under each mode."""
 from __future__ import annotations
 
 import os

@@ -5,11 +5,15 @@ layer (``LAYERS``, bottom first; the longest matching prefix decides). A module-
 a project module in a higher layer fails the test, as does any import of a project module inside
 a function (they hide cycles and upward imports) and any import cycle among project modules.
 Third-party imports inside functions are not checked: optional dependencies (deepspeed, wandb)
-are imported where they are used, with a comment saying why.
+are imported where they are used, with a comment saying why. Every ``zero_repro.x.y`` named in
+comments, docstrings, the README, Slurm templates and configs must exist (no stale paths).
 """
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -199,3 +203,102 @@ def test_runtime_imports_nothing_of_scale_or_lab():
 def test_layer_order_catches_upward_imports(src, target, bad):
     """The rule itself: a planted upward import is caught, a downward one is not."""
     assert (layer_of(target) > layer_of(src)) is bad
+
+
+# --------------------------------------------------------------------- names in prose exist
+DOTTED = re.compile(r"\bzero_repro(?:\.[A-Za-z_]\w*)+")
+PROSE_FILES = ("README.md", "slurm", "conf")  # besides the Python files: a file or a folder
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and string literal of a Python file; every line of any
+    other text file."""
+    src = path.read_text()
+    if path.suffix != ".py":
+        return list(enumerate(src.splitlines(), 1))
+    tokens = tokenize.generate_tokens(io.StringIO(src).readline)
+    return [(t.start[0], t.string) for t in tokens if t.type in (tokenize.COMMENT, tokenize.STRING)]
+
+
+def _class_members(node: ast.ClassDef) -> set[str]:
+    """Methods and attributes (class-level, and ``self.x`` assigned in methods) of a class."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            out |= {t.id if isinstance(t, ast.Name) else t.attr for t in targets
+                    if isinstance(t, (ast.Name, ast.Attribute))}
+    return out
+
+
+def _top_level_names(path: Path) -> dict[str, set[str]]:
+    """Names a module defines or imports at module level (inside ``if``/``try`` too), each with
+    its members when it is a class (empty otherwise)."""
+    names: dict[str, set[str]] = {}
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse + getattr(node, "finalbody", [])
+            body += [n for h in getattr(node, "handlers", []) for n in h.body]
+        elif isinstance(node, ast.ClassDef):
+            names[node.name] = _class_members(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = set()
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update({n.id: set() for t in targets for n in ast.walk(t)
+                          if isinstance(n, ast.Name)})
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: set() for a in node.names})
+    return names
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``zero_repro.a.b.c`` names a module, or a name defined in the longest module
+    prefix of it (and, one level further, a member of a class defined there)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if not _is_module(".".join(parts[:i])):
+            continue
+        rest = parts[i:]
+        if not rest:
+            return True
+        base = ROOT.joinpath(*parts[:i])
+        path = base / "__init__.py" if (base / "__init__.py").is_file() else base.with_suffix(".py")
+        names = _top_level_names(path)
+        if rest[0] not in names:
+            return False
+        return len(rest) == 1 or not names[rest[0]] or rest[1] in names[rest[0]]
+    return False
+
+
+def test_module_paths_named_in_prose_exist():
+    """Every ``zero_repro.x.y`` named in a comment, docstring or string of the code, tests,
+    README or Slurm templates is a module or a name in one: moves leave no stale references."""
+    # this file is left out: it plants stale names to test the rule
+    tests = set((ROOT / "tests").glob("*.py")) - {Path(__file__).resolve()}
+    files = project_files() + sorted(tests)
+    files += [p for name in PROSE_FILES for p in ([ROOT / name] if (ROOT / name).is_file()
+                                                  else sorted((ROOT / name).rglob("*")))
+              if p.is_file()]
+    stale = [f"{f.relative_to(ROOT)}:{line}: {name}"
+             for f in files for line, text in _prose(f)
+             for name in DOTTED.findall(text) if not resolves(name)]
+    assert not stale, "names that do not resolve:\n" + "\n".join(sorted(set(stale)))
+
+
+@pytest.mark.parametrize("name,ok", [
+    ("zero_repro.scale.dryrun.dryrun.dry_run", True),
+    ("zero_repro.runtime.zero.strategy.Strategy.step", True),
+    ("zero_repro.lab.records.point_key", True),
+    ("zero_repro.simulate.dryrun", False),
+    ("zero_repro.measure.records.point_key", False),
+    ("zero_repro.lab.records.no_such_function", False),
+    ("zero_repro.runtime.zero.strategy.Strategy.no_such_method", False),
+])
+def test_stale_module_paths_are_caught(name, ok):
+    """The rule itself: a planted stale path is caught, a real one is not."""
+    assert resolves(name) is ok

@@ -1,4 +1,4 @@
-"""The dry run's meta backend (``simulate.tracer``, ``dry_run(backend="meta")``): the runtime on
+"""The dry run's meta backend (``scale.dryrun.tracer``, ``dry_run(backend="meta")``): the runtime on
 PyTorch's meta device with the tracer's output cache, checked against the uncached meta kernels
 (exact) and against the original FakeTensorMode mechanism (equal but for two CUDA rules the
 CPU fake tensors did not follow); and the runtime's buffers on the model's device."""

@@ -249,3 +249,80 @@ def test_newest_ok_keeps_one_record_per_point_across_changed_params():
     failed_b = rec("b", 2, "failed", "2026-02-01T00:00:01")
     assert R.newest_ok([old_a, old_b, new_a, failed_b]) == [new_a, old_b]
     assert R.newest_ok([failed_b]) == []
+
+
+# ------------------------------------------------------------------ identity and migration
+def test_identity_is_declared_on_the_fields():
+    """What identifies a point is the schema's field metadata: a knob marked
+    ``identity: False`` (or a whole section) never changes a key; a knob a record's config lacks
+    counts at the value records made before it ran with; a knob the schema no longer has is
+    ignored (so removing it orphans nothing once the keys are migrated)."""
+    base = C.summary(C.Config())
+    key = R.point_key({"i": 1}, "measured", base)
+    for sec, name in [("train", "progress"), ("train", "log_every"),
+                      ("cluster", "description")]:
+        changed = json.loads(json.dumps(base))
+        changed[sec][name] = "something else"
+        assert R.point_key({"i": 1}, "measured", changed) == key, (sec, name)
+    for sec in ("launcher", "logging", "experiment", "checkpoint", "fault", "simulate"):
+        assert sec not in C.identity(base)
+    fossil = json.loads(json.dumps(base))
+    fossil["zero"]["overlap_comm"] = False  # a knob that left the schema
+    assert R.point_key({"i": 1}, "measured", fossil) == key
+    older = json.loads(json.dumps(base))
+    del older["zero"]["overlap_param_gather"]  # made before the knob existed: it ran on
+    on = json.loads(json.dumps(base))
+    on["zero"]["overlap_param_gather"] = True
+    assert R.point_key({}, "measured", older) == R.point_key({}, "measured", on) != \
+        R.point_key({}, "measured", base)
+    assert "overlap_comm" not in {f.name for f in C.identity_fields()["zero"]}
+
+
+def test_migrate_rewrites_keys_only_and_is_idempotent(tmp_path):
+    store = R.RecordStore(str(tmp_path / "x" / "points.jsonl"))
+    recs = [R.Record(key=f"old{i}", experiment="x", point=f"p{i}", params={"i": i},
+                     mode="simulated", status="ok", config=C.summary(C.Config()),
+                     metrics={"y": i}) for i in range(3)]
+    os.makedirs(os.path.dirname(store.path))
+    lines = [r.to_json() for r in recs]
+    with open(store.path, "w") as f:
+        f.write("\n".join(lines[:2] + ["{torn"] + lines[2:]) + "\n")
+    assert R.migrate(store.path) == (3, 3)
+    after = open(store.path).read().splitlines()
+    assert after[2] == "{torn"  # a line that is no record is kept as it is
+    for old, new, rec in zip(lines, [after[0], after[1], after[3]], recs):
+        doc = json.loads(new)
+        assert doc["key"] == R.point_key(rec.params, rec.mode, rec.config)
+        assert {**json.loads(old), "key": doc["key"]} == doc
+    assert R.migrate(store.path) == (3, 0)
+    assert open(store.path).read().splitlines() == after
+
+
+def test_a_migrated_record_is_still_reused(tmp_path):
+    """A record written under an older key scheme, migrated, stands for its point again."""
+    cfg = make_cfg(tmp_path)
+    exp = FakeExperiment(n=2)
+    orchestrate.run_sweep(cfg, exp)
+    store = R.RecordStore.for_experiment(cfg.experiment.results_dir, "fake")
+    path = store.path
+    text = open(path).read()
+    for r in store.load():
+        text = text.replace(r.key, "0123456789abcdef"[: len(r.key) - 1] + r.point[-1])
+    open(path, "w").write(text)
+    exp.calls.clear()
+    assert len(orchestrate.run_sweep(cfg, exp).records) == 2 and exp.calls == [0, 1]
+    orchestrate.run_sweep(cfg, exp)  # (the re-run replaced them: start again from old keys)
+    open(path, "w").write(text)
+    assert R.migrate(path) == (2, 2)
+    exp.calls.clear()
+    res = orchestrate.run_sweep(cfg, exp)
+    assert exp.calls == [] and len(res.skipped) == 2 and res.records == []
+
+
+def test_committed_records_carry_todays_keys():
+    """Every committed record's key is today's key of its own params, mode and config."""
+    from zero_repro import paths
+
+    for path in sorted(paths.RESULTS_DIR.glob("*/points.jsonl")):
+        for r in R.RecordStore(str(path)).load():
+            assert r.key == R.point_key(r.params, r.mode, r.config), (path, r.point)

@@ -1,4 +1,4 @@
-"""The shared-memory channel's set-up (``comm.cpu.shm``) in real spawned ranks: a group on
+"""The shared-memory channel's set-up (``runtime.comm.cpu.shm``) in real spawned ranks: a group on
 one host gets it and leaves nothing in ``/dev/shm``; ranks that cannot see each other's
 segments (here: one rank looks in another directory, as a rank on another host would) fall
 back to gloo point-to-point under ``auto`` and fail with one clear error under ``shm``; a bad

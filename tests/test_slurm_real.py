@@ -67,7 +67,8 @@ def cluster():
 def env() -> dict:
     e = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
              WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    for k in [k for k in e if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+    for k in [k for k in e if (k.startswith("SLURM_") and k != "SLURM_CONF")
+              or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")]:
         del e[k]  # as on a login node, also when pytest itself runs inside a job
     return e
 

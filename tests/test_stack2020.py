@@ -1,4 +1,4 @@
-"""The paper2020 software stack (issue 13, phase A): each switch changes exactly the memory
+"""The paper2020 software stack: each switch changes exactly the memory
 category it claims, by the byte formula it claims, executed under fake tensors."""
 from __future__ import annotations
 

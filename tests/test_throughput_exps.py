@@ -11,10 +11,8 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
-from experiments import gpu_throughput
 from zero_repro.scale.paper import table9
 from zero_repro.lab.figures import paper_compare
 from zero_repro.lab import registry as base
@@ -180,24 +178,6 @@ def test_local_measured_point_end_to_end(tmp_path):
     per = [r for r in rows if r["y_name"] == T.Y_NAME]
     assert len(per) == 1 and per[0]["kind"] == "measured" and per[0]["x_value"] == 1
     assert "CPU ranks" in per[0]["hardware"] and "max_fit" in per[0]["batch_source"]
-
-
-def test_gpu_script_refuses_without_cuda(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the real check is test_gpu_throughput_targets")
-    assert gpu_throughput.main([]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert gpu_throughput.cluster_for("NVIDIA H200") == "h200"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_gpu_throughput_targets(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiments.gpu_throughput",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1800,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "throughput.json").exists()
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ from zero_repro.lab import sweep
 from zero_repro.lab.points import Point
 from zero_repro.runtime.train import loop
 from zero_repro.lab.rank import resume_path
-from zero_repro.lab.launcher import run_training
+from zero_repro.lab.launcher import RunDiverged, run_training
 from zero_repro.runtime.zero.strategy import StepInfo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,12 +143,14 @@ def _cfg(tmp_path, **over) -> C.Config:
 def test_diverging_fp16_run_stops_within_a_few_steps_as_diverged(tmp_path):
     cfg = _cfg(tmp_path, zero__dtype="fp16", train__lr=1000.0, zero__initial_scale_power=8)
     t0 = time.monotonic()
-    with pytest.raises(launch.WorkerFailed) as e:
+    with pytest.raises(RunDiverged) as e:
         run_training(cfg, str(tmp_path / "run"))
-    assert "Diverged" in str(e.value) and "diverged at step" in str(e.value), e.value
+    assert "diverged at step" in str(e.value), e.value
     step = int(str(e.value).split("diverged at step ")[1].split(":")[0])
     assert step < 6, f"trained on until step {step}"
     assert R.classify_failure(e.value)[0] == "diverged"
+    # what it measured until then comes with it: the steps before the diverging one
+    assert len(e.value.result["metrics"]["losses"]) == step
     assert time.monotonic() - t0 < 60
 
 
@@ -163,6 +165,11 @@ def test_diverged_cli_run_exits_nonzero_and_is_recorded(tmp_path):
     assert "diverged" in p.stdout
     rec = R.RecordStore.for_experiment(str(tmp_path), "smoke").load()[-1]
     assert rec.status == "diverged" and "diverged at step" in rec.reason
+    # a clean reason (one line, no traceback, no machine paths) and the losses until then
+    assert "\n" not in rec.reason and "Traceback" not in rec.reason and "/" not in rec.reason
+    step = int(rec.reason.split("diverged at step ")[1].split(":")[0])
+    assert len(rec.metrics["losses"]) == step
+    assert rec.metrics["losses_of"].endswith("'s micro-batches")
 
 
 def _info(skipped: bool, scale: float) -> StepInfo:

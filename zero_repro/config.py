@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,8 +35,21 @@ REFERENCE_RESULTS = "results"
 # largest value is 65504 = 2**16 * 0.9995, DeepSpeed's default power is 16, 2**32 the most any
 # recipe uses; beyond it every step overflows until the scale has halved back down
 MAX_SCALE_POWER = 32
+# the longest wait the clocks under a run accept: Python keeps timeouts as int64 nanoseconds
+# (threading.TIMEOUT_MAX, also signal.setitimer's limit), ~292 years; c10d takes more
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
+# c10d counts whole milliseconds and the rendezvous of the ranks (init_process_group, same
+# timeout) takes longer than a second on a loaded machine: below this nothing can run
+MIN_COLLECTIVE_TIMEOUT_S = 1.0
 # software stacks of the paper-scale dry run (zero_repro.scale.dryrun.stack.switches.STACKS)
 SIM_STACKS = ("modern", "paper2020")
+# Record identity, declared on the fields (``identity``). Every field identifies a run point
+# unless its metadata holds ``identity: False``; ``ABSENT`` is the value a record made before
+# the field existed ran with (default: the field's default). A schema change that alters
+# identities migrates the committed records' keys (``zero_repro.lab.records.migrate``)
+IDENTITY = "identity"
+NOT_IDENTITY = {IDENTITY: False}
+ABSENT = "absent"
 
 
 @dataclass
@@ -69,18 +83,15 @@ class ZeroConfig:
     # bucket; without C_B one bucket of the whole model each
     reduce_bucket_size: int = 2_000_000
     allgather_bucket_size: int = 2_000_000
-    # read only by the DeepSpeed peer (peers/frameworks.py); this runtime reduces each bucket as
-    # it fills, on the compute stream. Kept in the schema because every point key hashes the
-    # zero section (measure.records.point_key): removing it would orphan the committed records
-    overlap_comm: bool = True
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
     # stages 1-2: a bucket's parameter all-gather starts as soon as Adam updated its chunk and
     # the next forward waits per module for the buckets it reads (bit-identical results). Off:
     # the all-gather completes inside step(). None (default): on when the ranks run on GPUs
     # (cluster.device=cuda: NCCL transfers on their own engines), off on CPU, where gloo's
     # transfers take the cores Adam and the next forward need (measured 11% slower at stage 2
-    # on 2 cores: results/peers/overlap_ab.md). ``effective_zero`` resolves it.
-    overlap_param_gather: Optional[bool] = None
+    # on 2 cores: results/peers/overlap_ab.md). ``effective_zero`` resolves it. Records made
+    # before the knob existed ran with it on (``ABSENT``)
+    overlap_param_gather: Optional[bool] = field(default=None, metadata={ABSENT: True})
     # stage 3: the next forward's first gathers (root, first ``prefetch_blocks`` blocks) start
     # in step() as soon as Adam updated their shards, overlapping the rest of the update
     prefetch_next_step: bool = True
@@ -121,8 +132,10 @@ class TrainConfig:
     seed: int = 1234
     data: str = "synthetic"  # synthetic | tokens (memmap file) | pystdlib (real text, offline)
     data_path: str = ""
-    log_every: int = 1  # rank 0 logs a step line every N steps (and the last); 0 = none
-    progress: bool = True  # the sweep's progress bar (points done / total, ETA)
+    # rank 0 logs a step line every N steps (and the last); 0 = none
+    log_every: int = field(default=1, metadata=NOT_IDENTITY)
+    # the sweep's progress bar (points done / total, ETA)
+    progress: bool = field(default=True, metadata=NOT_IDENTITY)
 
 
 @dataclass
@@ -136,7 +149,8 @@ class ClusterConfig:
     intra_node_gbps: float = 0.0  # GB/s per device inside a node (NVSwitch/NVLink)
     inter_node_gbps: float = 0.0  # Gb/s per node between nodes (InfiniBand)
     pcie_gbps: float = 0.0  # GB/s host<->device
-    description: str = "local CPU ranks on gloo"
+    # words for tables (the throughput figures' hardware column): not what a point measures
+    description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
 
 
 @dataclass
@@ -199,11 +213,11 @@ class ExperimentConfig:
 
 @dataclass
 class SimulateConfig:
-    """Paper-scale dry run (``zero_repro.scale``); not part of a record's config key
-    (``harness.records.KEY_SECTIONS``): experiments put the stack into their point params."""
+    """Paper-scale dry run (``zero_repro.scale``); not part of a record's identity
+    (``Config.simulate``): experiments put the stack into their point params."""
 
     # software stack the dry run executes: modern (this runtime) | paper2020 (DeepSpeed 0.2 +
-    # 2019 Megatron-LM + PyTorch 1.x allocator, ``simulate.stack.switches``)
+    # 2019 Megatron-LM + PyTorch 1.x allocator, ``scale.dryrun.stack.switches``)
     stack: str = "modern"
     # non-empty: modern with only these paper2020 switches on (one switch's cost), e.g.
     # [materialized_scores]; the stack name is then ignored
@@ -212,18 +226,24 @@ class SimulateConfig:
 
 @dataclass
 class Config:
+    """The whole configuration. A section or field whose metadata says ``identity: False``
+    does not identify a run point (``identity``): how a run is launched, logged, stored or
+    displayed, not what it computes."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     zero_r: ZeroRConfig = field(default_factory=ZeroRConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig, metadata=NOT_IDENTITY)
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=NOT_IDENTITY)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig,
+                                         metadata=NOT_IDENTITY)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig,
+                                         metadata=NOT_IDENTITY)
+    fault: FaultConfig = field(default_factory=FaultConfig, metadata=NOT_IDENTITY)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig, metadata=NOT_IDENTITY)
 
 
 def register_configs() -> None:
@@ -394,6 +414,10 @@ def _validate_train(cfg: Config) -> None:
     _choice(t.data, DATASETS, "train.data")
     if t.data == "tokens" and not t.data_path:
         raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")
+    if t.data_path and t.data != "tokens":
+        raise ValueError(f"train.data_path={t.data_path!r} is read only with train.data=tokens "
+                         f"(train.data={t.data}): add train.data=tokens, or drop "
+                         f"train.data_path")
     if t.data == "pystdlib" and cfg.model.vocab_size < 256:
         raise ValueError(f"train.data=pystdlib (byte tokens) needs model.vocab_size >= 256, got "
                          f"model.vocab_size={cfg.model.vocab_size}")
@@ -416,8 +440,9 @@ def _validate_cluster_launcher(cfg: Config) -> None:
                          "nothing, so losses would be wrong); use cluster.backend=gloo "
                          "(or nccl), dry runs select fake themselves")
     _number(la.signal_delay_s, "launcher.signal_delay_s", 0, integer=True)
-    _number(la.timeout_min, "launcher.timeout_min", 0, lo_open=True)
-    _number(la.collective_timeout_s, "launcher.collective_timeout_s", 0, lo_open=True)
+    _number(la.timeout_min, "launcher.timeout_min", 0, MAX_TIMEOUT_S / 60, lo_open=True)
+    _number(la.collective_timeout_s, "launcher.collective_timeout_s",
+            MIN_COLLECTIVE_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def _validate_logging_experiment(cfg: Config) -> None:
@@ -455,8 +480,39 @@ def _validate_fault(cfg: Config) -> None:
 
 
 def summary(cfg: Config) -> dict[str, Any]:
-    """Flat dict of the knobs that identify a run point (for records and W&B)."""
+    """The resolved config as nested plain dicts (a record's ``config``, W&B)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore
+
+
+def _identifies(f: dataclasses.Field) -> bool:
+    return f.metadata.get(IDENTITY, True)
+
+
+def _absent_value(f: dataclasses.Field) -> Any:
+    if ABSENT in f.metadata:
+        return f.metadata[ABSENT]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def identity_fields() -> dict[str, list[dataclasses.Field]]:
+    """{section: its identifying fields}, from the schema's field metadata."""
+    return {sec.name: [f for f in dataclasses.fields(sec.default_factory) if _identifies(f)]
+            for sec in dataclasses.fields(Config) if _identifies(sec)}
+
+
+def identity(config: dict) -> dict[str, dict[str, Any]]:
+    """The part of a resolved config (``summary``, or a record's ``config``, perhaps written
+    by an older schema) that identifies a run point: every identifying field of today's
+    schema, a field the config lacks at its ``ABSENT`` value; fields the schema no longer has
+    are left out."""
+    out = {}
+    for sec, fields in identity_fields().items():
+        have = config.get(sec) or {}
+        out[sec] = {f.name: have[f.name] if f.name in have else _absent_value(f)
+                    for f in fields}
+    return out
 
 
 def model_files() -> dict:

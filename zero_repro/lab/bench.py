@@ -1,33 +1,20 @@
-"""Step-time benchmark of the ZeRO-DP stages (paper §5/§7, measured on local gloo ranks).
+"""Step-time benchmark of the ZeRO-DP stages and A/B race of the schedule's overlap knobs (paper §5,
+§7), measured on local gloo ranks.
 
-``python -m zero_repro.lab.bench [--model tiny|<conf/model name>] [--world 2] [--steps N]`` spawns
-``world`` CPU ranks, trains the same model on the same random tokens with each stage 0-3 in turn
-(TP 1, no ZeRO-R) and prints the median step time (after warm-up) per stage and its ratio to
-stage 0. Times are *measured* on this machine's CPUs over gloo; they say nothing about GPU
-clusters (gloo has no fast reduce-scatter / all-gather of flat buffers: stages 1-3 run them as
-point-to-point exchanges, ``distributed.transport.PairwiseTransport``).
+``python -m zero_repro.lab.bench [--model tiny|<conf/model>] [--world 2] [--steps N]``: each stage
+0-3 in turn (TP 1, no ZeRO-R) on the same model and tokens; prints the median step time after
+warm-up per stage and its ratio to stage 0. Times are this machine's CPUs over gloo and say
+nothing about GPU clusters.
 
-``python -m zero_repro.lab.bench --ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]``
-instead races each overlap knob of the ZeRO-DP schedule off (A) against on (B), for the stages
-it acts on (§7 volumes are the same either way):
-
-  overlap_param_gather  stages 1, 2  bucket all-gathers overlap the step and the next forward
-  prefetch_next_step    stage 3      the next forward's first gathers start inside step()
-  keep_gathered_turn    stage 3      root + last block stay gathered from forward to backward
-  all                   stages 1-3   every knob above off (A) against every knob on (B)
-
-One strategy per (stage, knob): the knob is flipped on the strategy's ``zero`` config between
-steps (it is read afresh every step, see the stages), so A and B steps alternate A B B A … on
-the same model, data stream and machine load; the machine is shared, so only interleaved
-medians are compared. Knobs that act across the step boundary (``CROSS_STEP``: what step k
-launches is waited for in step k + 1) alternate in blocks of two steps, of which only the
-second is timed: a timed step always follows a step of its own variant. A step is ``train.step.train_step`` (forward, backward, step, zero_grad),
-its time the slowest rank's. Per repeat: the median step time of A (knob off, the other knobs
-at their defaults) and of B (knob on) and their ratio B/A; printed: the median ratio over the
-repeats with its spread (min-max), and both medians. Results are bit-identical either way for
-the overlap knobs (``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved;
-``split_tied_grad`` changes the rounding of the tied gradient's sum (the same values within
-fp32 rounding: ``tests/test_tied_grad.py``) and the work itself (no dense V×h lookup gradient).
+``--ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]`` (``ab_main``): each knob of
+``KNOBS`` (``overlap_param_gather`` stages 1-2, ``prefetch_next_step`` and ``keep_gathered_turn``
+stage 3, ``all``) off (A) against on (B), on one strategy whose ``zero`` config is flipped
+between steps, so A and B alternate (A B B A …) on one model, data stream and machine load; knobs
+acting across the step boundary (``CROSS_STEP``) alternate in blocks of two steps and only the
+second is timed. A step (``train.step.train_step``) takes the slowest rank's time; per repeat the
+medians of A and B and their ratio B/A; printed: the median ratio over repeats with its min-max
+spread. Invariant: the §7 volumes are equal either way and the knobs are bit-identical
+(``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
 """
 from __future__ import annotations
 

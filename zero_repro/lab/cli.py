@@ -1,57 +1,36 @@
 """Command line: ``python run.py +exp=NAME [overrides]`` (Hydra) -> validate -> plan -> run.
 
-The user-facing shell of the reproduction suite (every paper figure/table, §10, is one
-``conf/exp/NAME.yaml`` + ``experiments/NAME.py``). Flow: Hydra composes ``conf/config.yaml``
-(schema in ``zero_repro.config``) -> ``config.to_config`` -> ``config.validate`` -> the
-experiment's points are planned and each point's config validated -> only then does anything
-run. ``experiment.action`` selects what happens:
+Every paper figure or table (§10) is ``conf/exp/NAME.yaml`` + ``experiments/NAME.py``. Hydra
+composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``config.to_config`` ->
+``config.validate`` -> the points are planned and each point's config validated -> only then does
+anything run. ``experiment.action``: ``run`` (default; the points not yet recorded, through
+``zero_repro.lab.sweep.run_sweep``, ``experiment.force=true`` re-runs; W&B mirror; table and
+figure regenerated; exit 1 if a point that ran ended other than ``ok``), ``plot`` (from
+``results/`` alone), ``list`` (also ``--help``), ``plan`` (print the points and write a point file
+per measured point to do, for ``sbatch slurm/<template> FILE``).
 
-* ``run`` (default): run the points not yet in ``results/NAME/points.jsonl``
-  (``zero_repro.lab.sweep.run_sweep``; ``experiment.force=true`` re-runs them), mirror records
-  to W&B when ``logging.wandb=true``, regenerate ``table.csv`` and ``NAME.png/.pdf``, print a
-  summary. Exit status 1 if a point that ran ended other than ``ok`` (``oom`` included: it is
-  recorded as a result -- the point does not fit, and it is not run again -- but the command
-  did not produce every number it was asked for; diverged, cancelled, timeout and failed are
-  run again next time).
-* ``plot``: regenerate table and figures from ``results/`` alone (no run).
-* ``list`` (also ``python run.py --help``): the experiments, one line each, and the config
-  groups with their options.
-* ``plan``: print the points (key, nodes, overrides, done or not) and write one point file per
-  measured point still to do into the Hydra run directory, for ``sbatch slurm/<template> FILE``
-  (the printed hint names the template and, on CPU clusters, the overrides).
-
-User errors print one line ``error: <message>`` naming the setting and exit with status 2,
-before any worker process starts: ``check_args`` composes every job of the command line (each
-job of a ``-m`` multirun, before the first one runs) with Hydra's compose API, validates it
-(``config.validate``), plans the experiment (every point's config validated) and, for
-``action=run``, checks every point that would start ranks here against this machine
-(``harness.preflight``: files, devices, cores, memory) and that ``experiment.results_dir`` and
-the Hydra output directory are writable. Composition errors (unknown group option, a value of
-the wrong type, a malformed override) are reported the same way.
-
-Where results go: ``experiment.results_dir`` (default ``results/local/``, git-ignored: this
-machine's own records, tables and figures, drawn beside the committed reference set's measured
-points). A recorded point is skipped only if it was made at this code and, for measured points,
-on this machine (``harness.provenance``). ``experiment.publish=true`` writes into the committed
-reference set ``results/`` instead: publishing is an explicit act.
-
-Under a launcher: the CLI starts its own ranks (``launcher=local|torchrun|slurm``), so started
-as one of several ranks itself (``torchrun --nproc_per_node N run.py``, ``srun -n N python
-run.py``) it refuses with one line and exit status 2 instead of nesting N launches.
-
-Signals: SIGTERM (``kill``, ``timeout``, ``docker stop``) unwinds like Ctrl-C: the ranks of the
-running point are stopped, the point is recorded ``cancelled``, one line is printed (no
-traceback) and the exit status is 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
-Ranks also die on their own if this process is killed outright (``distributed.launch``).
+Contract: a user error prints one ``error: <message>`` line naming the setting and exits 2 before
+any rank starts (``check_args``: every job of the command line composed, validated and planned;
+for ``action=run`` every point that starts ranks here pre-flighted, ``zero_repro.lab.preflight``,
+and the output directories checked writable); that plan is the one the job runs (planned
+once, handed on). Results go to ``experiment.results_dir`` (default
+``results/local/``); a recorded point is reused only at this code and, if measured, on this
+machine (``zero_repro.lab.provenance``); ``experiment.publish=true`` writes the reference set
+``results/``. Started as one of several ranks (torchrun, srun) it refuses (exit 2) instead of
+nesting launches. SIGTERM unwinds like Ctrl-C: the running point is recorded ``cancelled``, one
+line is printed, exit 128 + the signal number (130 SIGINT, 143 SIGTERM); ranks die with this
+process (``zero_repro.runtime.comm.launch``).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
 import re
 import signal
 import sys
+import typing
 
 from zero_repro import paths
 
@@ -62,16 +41,15 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
 from zero_repro.runtime.comm import launch
-from zero_repro.lab import preflight, registry, slurm, sweep
+from zero_repro.lab import registry, slurm, sweep
 from zero_repro.lab.figures import regenerate
-from zero_repro.lab.records import RecordStore
 from zero_repro.lab.wandb_runs import WandbMirror
-from zero_repro.lab.launcher import check_writable
+from zero_repro.lab.launcher import check_config, check_writable
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +69,15 @@ class UserError(Exception):
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
+
+
+def check_conf_dir() -> None:
+    """``ZERO_REPRO_CONF_DIR``, when set, must be a ``conf/`` directory."""
+    env = os.environ.get("ZERO_REPRO_CONF_DIR")
+    if env and not os.path.isfile(os.path.join(env, "config.yaml")):
+        what = "does not exist" if not os.path.exists(env) else "holds no config.yaml"
+        fail(f"ZERO_REPRO_CONF_DIR={env!r} {what}: point it at the repository's conf/ "
+             f"directory, or unset it")
 
 
 def check_group_choices(argv: list[str], conf: str) -> None:
@@ -165,29 +152,67 @@ def print_experiments(conf: str) -> None:
 # flags after which Hydra prints something and runs no job: nothing to validate
 _INFO_FLAGS = ("--hydra-help", "--cfg", "-c", "--info", "-i",
                "--shell-completion", "-sc", "--version")
+# flags without a value that Hydra reads anywhere on the command line (its parser wants them
+# before the overrides)
+_PLAIN_FLAGS = ("-m", "--multirun", "-r", "--run")
 MAX_VALIDATED_JOBS = 1000  # a multirun larger than this is validated job by job as it runs
+# plans made by check_args, by the job's overrides, for dispatch to run (plan once)
+_PREPARED: dict[tuple, tuple] = {}
+_signalled: list[int] = []
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGINT / SIGTERM: the first one unwinds (KeyboardInterrupt / ``launch.Terminated``);
+    later ones are ignored while the run stops and writes its record."""
+    if _signalled:
+        return
+    _signalled.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise launch.Terminated(signum)
+
+
+def interrupted_line(e: BaseException, signum: int) -> str:
+    """The one line an interrupt ends with: where the running point's record is."""
+    head = f"interrupted ({signal.Signals(signum).name}): "
+    point, where = getattr(e, "interrupted_point", None), getattr(e, "recorded_in", None)
+    if point is None:
+        return head + "no point was running; every finished point is recorded"
+    if where == "stdout":
+        return (head + f"point {point!r} could not be recorded: its record is the JSON line "
+                f"printed above; run the same command again to continue")
+    return (head + f"point {point!r} is recorded as cancelled in {where}; run the same "
+            f"command again to continue")
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    signal.signal(signal.SIGTERM, launch.raise_terminated)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    check_conf_dir()
     if any(a in ("--help", "-h") for a in argv) or "experiment.action=list" in argv:
         print_experiments(conf_dir())
         return
     refuse_nested_launch()
+    # -m anywhere (Hydra documents `python run.py -m key=a,b`; its parser takes the flag only
+    # before the overrides)
+    argv = [a for a in argv if a in _PLAIN_FLAGS] + [a for a in argv if a not in _PLAIN_FLAGS]
+    sys.argv[1:] = argv
     try:
         check_group_choices(argv, conf_dir())
         config.register_configs()
         if not any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv):
             try:
-                check_args(argv)
+                for job, prepared, composed in check_args(argv, keep=True):
+                    _PREPARED[_task_of(job)] = (prepared, composed)
             except UserError as e:
                 fail(str(e))
         _run_hydra()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through launch.Terminated
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"interrupted ({signal.Signals(signum).name}): the running point is recorded as "
-              f"cancelled; run the same command again to continue", file=sys.stderr)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # the line below is the last word
+        print(interrupted_line(e, signum), file=sys.stderr)
         sys.exit(128 + int(signum))
 
 
@@ -210,13 +235,155 @@ def _run_hydra() -> None:
         raise
 
 
+def _overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")]
+
+
 def _jobs(argv: list[str]) -> list[list[str]]:
     """The override list of every job the command line runs (one unless ``-m``)."""
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = _overrides(argv)
     if not any(a in ("-m", "--multirun") for a in argv):
         return [overrides]
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _unreadable(arg: str) -> str:
+    """What to do when Hydra's grammar cannot read the override ``arg``."""
+    key, _, value = arg.partition("=")
+    if "~" in value:
+        return (f"{arg}: Hydra cannot read ~ in a value and the shell expands it only at the "
+                f"start of a word: write {key}=$HOME{value.split('~', 1)[1]}")
+    return (f"{arg}: Hydra cannot read this value unquoted: quote it for Hydra inside the "
+            f"shell's quotes, '{key}=\"{value}\"'")
+
+
+def check_command_line(argv: list[str]) -> None:
+    """UserError for what the command line itself gets wrong: an override Hydra cannot read
+    (with what to do), a setting given twice (Hydra would take the last silently), a boolean
+    given as a number."""
+    parser = OverridesParser.create()
+    seen: dict[tuple, str] = {}
+    for arg in _overrides(argv):
+        try:
+            o = parser.parse_override(arg)
+        except Exception as e:  # noqa: BLE001 - Hydra's grammar errors
+            if "LexerNoViableAlt" in str(e) or "token recognition" in str(e):
+                raise UserError(_unreadable(arg)) from None
+            raise UserError(_first_line(e)) from None
+        where = (o.key_or_group, o.package)
+        if where in seen:
+            raise UserError(f"{o.key_or_group} is given twice ({seen[where]} and {arg}): keep "
+                            f"one (Hydra would take the last one without a word)")
+        seen[where] = arg
+        values = [] if o.is_delete() else (
+            list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()])
+        if _is_bool_field(o.key_or_group) and any(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise UserError(f"{arg}: {o.key_or_group} is a boolean: give true or false")
+
+
+def _schema_field(dotted: str):
+    """(dataclass, field) of a dotted schema key, or None."""
+    cls, field = config.Config, None
+    for part in dotted.split("."):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return None
+        field = fields[part]
+        owner = cls
+        cls = field.default_factory if dataclasses.is_dataclass(field.default_factory) else None
+    return owner, field
+
+
+def _is_bool_field(dotted: str) -> bool:
+    found = _schema_field(dotted)
+    if found is None:
+        return False
+    hint = typing.get_type_hints(found[0]).get(found[1].name)
+    return hint is bool or hint == typing.Optional[bool]
+
+
+def check_keys(node, cls=config.Config, prefix: str = "") -> None:
+    """UserError for a key of the composed config that the schema does not have (a typo, one
+    added with ``+``), with the nearest schema key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in node.keys():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else \
+                f": {prefix.rstrip('.') or 'the config'} has {sorted(fields)}"
+            raise UserError(f"{prefix}{key} is not a setting{hint}")
+        sub = fields[key].default_factory
+        if dataclasses.is_dataclass(sub) and isinstance(node[key], DictConfig):
+            check_keys(node[key], sub, f"{prefix}{key}.")
+
+
+def experiment_params(name: str, experiment) -> set:
+    """The ``experiment.params`` keys experiment ``name`` reads: those of its overlay
+    ``conf/exp/NAME.yaml``, its ``DEFAULTS`` and its ``PARAMS``."""
+    overlay = os.path.join(conf_dir(), "exp", f"{name}.yaml")
+    known: set = set()
+    if os.path.isfile(overlay):
+        doc = OmegaConf.to_container(OmegaConf.load(overlay))
+        known |= set(((doc.get("experiment") or {}).get("params") or {}))
+    known |= set(getattr(experiment, "DEFAULTS", None) or ())
+    known |= set(getattr(experiment, "PARAMS", None) or ())
+    return known
+
+
+def _not_a_param(key: str, name: str, known: set) -> UserError:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean experiment.params.{close[0]}?" if close else \
+        f"it reads {sorted(known) or 'none'}"
+    return UserError(f"experiment.params.{key} is not a parameter of experiment {name!r} "
+                     f"({hint})")
+
+
+def check_params(cfg, experiment, job: list[str]) -> None:
+    """UserError for an ``experiment.params.KEY`` on the command line that the experiment
+    does not read (``experiment_params``)."""
+    given = {o.split("=", 1)[0].lstrip("+~").split(".")[2] for o in job
+             if o.lstrip("+~").startswith("experiment.params.")}
+    known = experiment_params(cfg.experiment.name, experiment) if given else set()
+    for key in sorted(given - known):
+        raise _not_a_param(key, cfg.experiment.name, known)
+
+
+def _unknown_key(e: BaseException, job: list[str]) -> UserError | None:
+    """Hydra's "Could not override 'KEY'" (with its advice to add it with ``+``) for a key the
+    schema, or the experiment's params, does not have: said with the key it resembles."""
+    m = re.match(r"Could not override '([\w.]+)'", str(e).strip())
+    if not m:
+        return None
+    key = m[1]
+    if key.startswith("experiment.params.") and key.count(".") >= 2:
+        name = next((o.split("=", 1)[1] for o in job if o.startswith("+exp=")), None)
+        name = next((o.split("=", 1)[1] for o in job if o.startswith("experiment.name=")),
+                    name)
+        try:
+            experiment = registry.get(name) if name else None
+        except ValueError:
+            experiment = None
+        known = experiment_params(name, experiment) if experiment is not None else set()
+        if experiment is None or key.split(".")[2] in known:
+            return None  # Hydra's own words say it: add it with +
+        return _not_a_param(key.split(".")[2], name, known)
+    parts = key.split(".")
+    try:
+        check_keys(OmegaConf.create(_nested(parts)))
+    except UserError as err:
+        return err
+    return None
+
+
+def _nested(parts: list[str]) -> dict:
+    out: dict = {}
+    for part in reversed(parts):
+        out = {part: out or None}
+    return out
 
 
 def _first_line(e: BaseException) -> str:
@@ -238,10 +405,11 @@ def _first_line(e: BaseException) -> str:
     return head
 
 
-def check_args(argv: list[str]) -> list[tuple]:
+def check_args(argv: list[str], keep: bool = False) -> list[tuple]:
     """Everything ``main`` checks before Hydra runs a job (see the module docstring), in this
-    process; UserError with one line naming the setting. Returns (cfg, experiment, planned)
-    per job."""
+    process; UserError with one line naming the setting. Returns (cfg, experiment, plan) per
+    job, or with ``keep`` (job overrides, that, the composed config) for ``dispatch``."""
+    check_command_line(argv)
     try:
         jobs = _jobs(argv)
     except Exception as e:  # noqa: BLE001 - Hydra's override grammar errors
@@ -261,62 +429,89 @@ def check_args(argv: list[str]) -> list[tuple]:
                 with open_dict(dcfg):
                     del dcfg["hydra"]
             except Exception as e:  # noqa: BLE001 - every composition error is a usage error
-                raise UserError(_first_line(e)) from None
+                raise _unknown_key(e, job) or UserError(_first_line(e)) from None
             prefix = f"job {job}: " if multirun else ""
             try:
+                check_keys(dcfg)
                 check_writable(out_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir")
-                out.append(prepare(dcfg, machine=here))
+                prepared = prepare(dcfg, machine=here, job=job)
             except (UserError, ValueError) as e:
                 raise UserError(prefix + _first_line(e)) from None
+            out.append((job, prepared, OmegaConf.to_container(dcfg)) if keep else prepared)
     GlobalHydra.instance().clear()
     return out
 
 
-def prepare(dcfg, machine: bool = True):
-    """DictConfig -> (validated Config, experiment, planned points); UserError if invalid.
-    For ``action=run`` the points still to run are checked against this machine
-    (``machine=False``: configuration only)."""
+def prepare(dcfg, machine: bool = True, job: list[str] | None = None):
+    """DictConfig -> (checked Config, experiment, its ``sweep.Plan`` or None for ``plot`` /
+    ``list``); UserError if invalid. For ``action=run`` the points still to run are checked
+    against this machine (``machine=False``: configuration only)."""
     try:
-        cfg = config.validate(config.to_config(dcfg))
+        cfg = check_config(config.to_config(dcfg))
         experiment = registry.get(cfg.experiment.name)
-        planned = sweep.plan(cfg, experiment) if cfg.experiment.action != "plot" else []
+        check_params(cfg, experiment, job or [])
         check_writable(cfg.experiment.results_dir, "experiment.results_dir")
-        if cfg.experiment.action == "run" and machine:
-            store = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
-            done = set() if cfg.experiment.force else sweep.reusable_keys(store, planned)
-            preflight.check_points([pp for pp in planned if pp.key not in done])
+        action = cfg.experiment.action
+        plan = sweep.make_plan(cfg, experiment, machine=machine and action == "run") \
+            if action in ("run", "plan") else None
     except (ValueError, OmegaConfBaseException) as e:
         raise UserError(_first_line(e)) from None
-    return cfg, experiment, planned
+    return cfg, experiment, plan
+
+
+def _task_of(job: list[str]) -> tuple:
+    """A job's overrides as Hydra's ``overrides.task`` lists them (without hydra's own)."""
+    return tuple(o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def _prepared_for(dcfg):
+    """The plan ``check_args`` made for this job, if it is this very config (plan once)."""
+    try:
+        job = tuple(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra
+        return None
+    prepared, composed = _PREPARED.pop(job, (None, None))
+    return prepared if composed == OmegaConf.to_container(dcfg) else None
 
 
 def dispatch(dcfg) -> None:
-    try:
-        cfg, experiment, planned = prepare(dcfg)
-    except UserError as e:
-        fail(str(e))
-        return
+    prepared = _prepared_for(dcfg)
+    if prepared is None:  # a job check_args did not see (more than MAX_VALIDATED_JOBS)
+        try:
+            check_keys(dcfg)
+            prepared = prepare(dcfg)
+        except UserError as e:
+            fail(str(e))
+            return
+    cfg, experiment, plan = prepared
     logging.getLogger().setLevel(cfg.logging.level.upper())
     action = cfg.experiment.action
     if action == "list":
         print_experiments(conf_dir())
     elif action == "plan":
-        print_plan(cfg, experiment, planned)
+        print_plan(cfg, experiment, plan)
     elif action == "plot":
         print_outputs(_regenerate(cfg, experiment))
     else:
-        run(cfg, experiment)
+        run(cfg, experiment, plan)
 
 
-def run(cfg, experiment) -> None:
+def run(cfg, experiment, plan=None) -> None:
     name = cfg.experiment.name
     sweep_id = sweep.new_sweep_id(name)
     mirror = WandbMirror(cfg.logging, sweep_id)
     try:
-        result = sweep.run_sweep(cfg, experiment, mirror=mirror, sweep_id=sweep_id)
+        result = sweep.run_sweep(cfg, experiment, plan=plan, mirror=mirror, sweep_id=sweep_id)
     finally:
         mirror.close()
-    out = _regenerate(cfg, experiment)
+    try:
+        out = _regenerate(cfg, experiment)
+    except OSError as e:  # a results directory that can no longer be written
+        out = None
+        print(f"error: the table and figure of {name} could not be written "
+              f"({e.filename}: {e.strerror}); regenerate them later with "
+              f"python -m experiments.plot {name} --results-dir {cfg.experiment.results_dir}",
+              file=sys.stderr)
     counts = ", ".join(f"{st} {result.count(st)}" for st in
                        dict.fromkeys(["ok", "oom", "failed"] + [r.status for r in result.records]))
     busy = f", {len(result.busy)} running elsewhere (skipped)" if result.busy else ""
@@ -324,11 +519,16 @@ def run(cfg, experiment) -> None:
           f"here{busy}, ran {len(result.records)} ({counts}); sweep {sweep_id}")
     for rec in result.records:
         print("  " + record_line(rec))
-    print_outputs(out, table=False)
+    if out is not None:
+        print_outputs(out, table=False)
     if not regenerate.is_reference(cfg.experiment.results_dir):
         print("(your own results, git-ignored; the figure shows them beside the committed "
               "reference set's measured points; experiment.publish=true writes into results/)")
-    if any(r.status != "ok" for r in result.records):
+    for rec, where in result.unsaved:
+        print(f"error: point {rec.point!r} is not in points.jsonl: its record is "
+              f"{'the JSON line printed above' if where == 'stdout' else 'in ' + where}",
+              file=sys.stderr)
+    if any(r.status != "ok" for r in result.records) or result.unsaved or out is None:
         sys.exit(1)
 
 
@@ -373,9 +573,8 @@ def print_outputs(out: dict, table: bool = True) -> None:
         print(f"figure:  {p}")
 
 
-def print_plan(cfg, experiment, planned) -> None:
-    store = RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
-    done = sweep.reusable_keys(store, planned)
+def print_plan(cfg, experiment, plan) -> None:
+    planned, done = plan.points, plan.done
     print(f"experiment {cfg.experiment.name}: {len(planned)} points "
           f"(launcher={cfg.launcher.name}, cluster={cfg.cluster.name})")
     for pp in planned:
@@ -384,11 +583,14 @@ def print_plan(cfg, experiment, planned) -> None:
         print(f"  {pp.key}  {state}  {pp.point.mode:<9} nodes={pp.nodes:<3} "
               f"world={pp.cfg.parallel.world_size:<4} tp={pp.cfg.parallel.tp:<3} "
               f"{pp.point.name}  {ov}")
+    note = getattr(experiment, "plan_note", None)  # optional: e.g. a time estimate
+    for line in note(cfg, [pp.point for pp in planned]) if callable(note) else []:
+        print(line)
     try:
         out_dir = os.path.join(HydraConfig.get().runtime.output_dir, "points")
     except ValueError:  # not under Hydra (called from Python)
         out_dir = os.path.join(cfg.experiment.results_dir, cfg.experiment.name, "runs", "plan")
-    skip = set() if cfg.experiment.force else done
+    skip = done
     try:
         paths = sweep.write_point_files(planned, experiment, "plan", out_dir, done=skip)
     except TypeError:  # a registered (non-module) experiment cannot run from a point file

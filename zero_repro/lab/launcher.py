@@ -1,19 +1,19 @@
 """The launcher front-end of one training run (one sweep point): what runs in the CLI process.
 
-``check_runnable`` is everything about files and devices that can be known before a rank starts
-(data file long enough and in the vocabulary, CUDA/NCCL present, checkpoint directory writable,
-the checkpoint to resume from committed, of this model and TP degree, not past ``train.steps``).
+``check_runnable``: everything about files and devices knowable before a rank starts (the data
+file long enough and in the vocabulary, CUDA/NCCL present, the checkpoint directory writable, the
+checkpoint to resume committed, of this model and TP degree, not past ``train.steps``).
 ``run_training`` validates, writes the resolved config into the run directory and starts the
-ranks with the configured launcher:
-
-* ``launcher=local``: ``world_size`` local processes on gloo (CPU) via ``runtime.comm.launch.spawn``;
-* ``launcher=torchrun`` / ``slurm``: ``launch_command`` starts
-  ``python -m zero_repro.lab.rank --config resolved.yaml`` on every rank under torchrun or srun
-  (the rank program: ``zero_repro.lab.rank``).
+ranks: ``launcher=local`` as ``world_size`` gloo processes (``runtime.comm.launch.spawn``);
+``launcher=torchrun`` / ``slurm`` through ``launch_command`` (``python -m zero_repro.lab.rank
+--config resolved.yaml`` on every rank under torchrun or srun).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -30,24 +30,52 @@ from zero_repro import config as C
 from zero_repro.runtime.comm import launch as spawn
 from zero_repro.runtime.comm.cpu import host_heap, shm
 from zero_repro.runtime.train import checkpoint
-from zero_repro.lab.rank import checkpoint_root, model_identity, rank_main, resume_path
+from zero_repro.scale.paper import table3
+from zero_repro.lab.rank import (DIVERGED_FILE, checkpoint_root, model_identity, rank_main,
+                                 resume_path)
 
 log = logging.getLogger(__name__)
 
+TOKEN_CHUNK = 1 << 26  # tokens per step of the vocabulary scan (128 MiB of uint16)
+THREADS_VAR = "ZR_THREADS_PER_RANK"  # intra-op threads of each local rank (runtime.comm.launch)
+
+
+def check_config(cfg: C.Config) -> C.Config:
+    """``config.validate`` plus the rules that need the lab's facts; ValueError (one line,
+    naming the setting) otherwise. Pure, like ``validate``."""
+    C.validate(cfg)
+    _check_table3_name(cfg.zero_r)
+    return cfg
+
+
+def _check_table3_name(zr: C.ZeroRConfig) -> None:
+    """A Table 3 name (c1..c5) stands for its ZeRO-R components: a record labelled C4 must
+    have run C4's. The stage is free (``zero_r=c4 zero.stage=3`` is C4's components at
+    stage 3, README)."""
+    if zr.name not in table3.TABLE3:
+        return
+    want = dataclasses.asdict(table3.zero_r_config(zr.name))
+    have = dataclasses.asdict(zr)
+    wrong = [k for k in want if k != "name" and want[k] != have[k]]
+    if wrong:
+        setting = ", ".join(f"zero_r.{k}={str(have[k]).lower()}" for k in wrong)
+        raise ValueError(f"zero_r.name={zr.name} names Table 3's {zr.name.upper()}, whose "
+                         f"components differ from {setting}: select the preset with "
+                         f"zero_r={zr.name} (alone), or name this combination "
+                         f"zero_r.name=custom")
+
 
 def check_runnable(cfg: C.Config, run_dir: str) -> str | None:
-    """ValueError (one line, naming the setting) for anything about files and devices that
-    would make the ranks fail: checked in this process, creating nothing. Returns the
-    checkpoint the run will resume from (None: fresh)."""
+    """ValueError (one line, naming the setting) for anything about files, devices and the
+    environment that would make the ranks fail: checked in this process, creating nothing.
+    Returns the checkpoint the run will resume from (None: fresh)."""
     _check_data(cfg)
+    _check_environment(cfg)
     _check_device(cfg)
     root = checkpoint_root(cfg, run_dir)
     if cfg.checkpoint.save_every > 0:
         check_writable(root, "checkpoint.dir")
-    path = resume_path(cfg, run_dir)
-    if path is not None:
-        _check_resume(cfg, path)
-    return path
+    return resolve_resume(cfg, run_dir)
 
 
 def _check_data(cfg: C.Config) -> None:
@@ -55,17 +83,70 @@ def _check_data(cfg: C.Config) -> None:
     if t.data != "tokens":
         return
     if not os.path.isfile(t.data_path):
-        raise ValueError(f"train.data_path={t.data_path!r} is not a file: give a uint16 token "
-                         f"file (nanoGPT's train.bin format)")
-    n = os.path.getsize(t.data_path) // 2
+        hint = " (~ is not expanded: write $HOME/...)" if t.data_path.startswith("~") else ""
+        raise ValueError(f"train.data_path={t.data_path!r} is not a file{hint}: give a uint16 "
+                         f"token file (nanoGPT's train.bin format)")
+    size = os.path.getsize(t.data_path)
+    if size % 2:
+        raise ValueError(f"train.data_path={t.data_path!r} holds {size} bytes, an odd number: "
+                         f"not a file of uint16 tokens (nanoGPT's train.bin format)")
+    n = size // 2
     if n <= m.seq_len + 1:
         raise ValueError(f"train.data_path={t.data_path!r} holds {n} tokens; model.seq_len="
                          f"{m.seq_len} needs more than {m.seq_len + 1}")
-    if n <= 256_000_000:  # a few seconds at most: worth it, an id >= vocab fails mid-run
-        top = int(np.memmap(t.data_path, dtype=np.uint16, mode="r")[:n].max())
+    tokens = np.memmap(t.data_path, dtype=np.uint16, mode="r")
+    for start in range(0, n, TOKEN_CHUNK):  # every id: one >= vocab fails mid-run otherwise
+        chunk = tokens[start:start + TOKEN_CHUNK]
+        top = int(chunk.max())
         if top >= m.vocab_size:
+            at = start + int(np.argmax(chunk >= m.vocab_size))
             raise ValueError(f"train.data_path={t.data_path!r} holds token id {top} >= "
-                             f"model.vocab_size={m.vocab_size}: raise model.vocab_size")
+                             f"model.vocab_size={m.vocab_size} (first at token {at}): raise "
+                             f"model.vocab_size")
+
+
+def _threads_per_rank() -> str:
+    value = os.environ.get(THREADS_VAR, "")
+    if value and not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"{THREADS_VAR}={value!r}: give a whole number of threads >= 1, or "
+                         f"unset it (1 thread per rank)")
+    return value
+
+
+# every ZR_* variable the ranks read, with its check
+ENVIRONMENT = {"ZR_CPU_TRANSPORT": shm.mode, "ZR_HOST_HEAP": host_heap.mode,
+               THREADS_VAR: _threads_per_rank}
+
+
+def _check_environment(cfg: C.Config) -> None:
+    """Every ``ZR_*`` variable the ranks read is valid; one that is nearly one of them is a
+    typo (refused with the name it resembles); ``/dev/shm`` has room when
+    ``ZR_CPU_TRANSPORT=shm`` requires shared memory."""
+    for name in sorted(v for v in os.environ if v.startswith("ZR_") and v not in ENVIRONMENT):
+        close = difflib.get_close_matches(name, ENVIRONMENT, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"{name}={os.environ[name]!r} is not a variable zero-repro reads "
+                             f"(did you mean {close[0]}?)")
+    for check in ENVIRONMENT.values():
+        check()
+    _check_shared_memory(cfg)
+
+
+def _check_shared_memory(cfg: C.Config) -> None:
+    """``ZR_CPU_TRANSPORT=shm`` with ranks on this host: the DP groups' slot segments fit in
+    ``/dev/shm`` by ``shm.room_needed`` (the rule the ranks apply)."""
+    if shm.mode() != "shm" or cfg.cluster.backend != "gloo":
+        return
+    tp, dp = cfg.parallel.tp, cfg.parallel.world_size // cfg.parallel.tp
+    if dp < 2:
+        return
+    groups = min(tp, max(1, local_ranks(cfg) // dp)) if cfg.launcher.name != "local" else tp
+    need, have = shm.room_needed(dp, groups), shm.room()
+    if have < need:
+        raise ValueError(f"ZR_CPU_TRANSPORT=shm needs {need / 2**20:.0f} MiB free in "
+                         f"{shm.SHM_DIR} for {groups} data-parallel group(s) of {dp} ranks, "
+                         f"{have / 2**20:.0f} MiB are free: free some, or unset "
+                         f"ZR_CPU_TRANSPORT (gloo is used where shared memory does not fit)")
 
 
 def local_ranks(cfg: C.Config) -> int:
@@ -110,9 +191,43 @@ def check_writable(path: str, key: str) -> None:
                          f"another directory") from None
 
 
+def resolve_resume(cfg: C.Config, run_dir: str) -> str | None:
+    """The checkpoint the run resumes from, checked (None: start fresh). A given path must be
+    intact; ``auto`` / ``latest`` take the newest committed checkpoint that is intact, saying
+    so when they pass over a damaged one (``auto`` starts fresh when none is)."""
+    how = cfg.checkpoint.resume
+    if how not in ("auto", "latest"):
+        path = resume_path(cfg, run_dir)
+        if path is not None:
+            _check_resume(cfg, path)
+        return path
+    root = checkpoint_root(cfg, run_dir)
+    candidates = checkpoint.committed(root)
+    if not candidates:
+        return resume_path(cfg, run_dir)  # none: its messages (latest: an error)
+    damaged = []
+    for path in candidates:
+        try:
+            checkpoint.read_manifest(path, verify=cfg.checkpoint.verify)
+        except checkpoint.CheckpointError as e:
+            damaged.append(str(e))
+            continue
+        if damaged:
+            log.warning("checkpoint.resume=%s: %s; resuming from the newest intact one, %s",
+                        how, "; ".join(damaged), path)
+        _check_resume(cfg, path)
+        return path
+    if how == "latest":
+        raise ValueError(f"checkpoint.resume=latest but no checkpoint in {root!r} is intact: "
+                         f"{damaged[0]}; use checkpoint.resume=auto to start fresh")
+    log.warning("checkpoint.resume=auto: no checkpoint in %s is intact (%s): starting from "
+                "step 0", root, damaged[0])
+    return None
+
+
 def _check_resume(cfg: C.Config, path: str) -> None:
     try:
-        manifest = checkpoint.read_manifest(path, verify=False)  # hashes: checked by the load
+        manifest = checkpoint.read_manifest(path, verify=cfg.checkpoint.verify)
     except checkpoint.CheckpointError as e:
         raise ValueError(f"checkpoint.resume: {e}") from None
     if not isinstance(manifest, dict) or not {"tp", "step", "params"} <= set(manifest):
@@ -132,26 +247,82 @@ def _check_resume(cfg: C.Config, path: str) -> None:
                          f"left to do with train.steps={cfg.train.steps}; raise train.steps")
 
 
+# (run directory, resolved config) of points pre-flighted in this process -> (the checkpoint
+# they resume from, the committed checkpoints then): run_training takes each once instead of
+# checking it again
+_checked: dict[tuple[str, str], tuple[str | None, list[str]]] = {}
+
+
+def _checked_key(cfg: C.Config, run_dir: str) -> tuple[str, str]:
+    return os.path.abspath(run_dir), json.dumps(C.summary(cfg), sort_keys=True, default=str)
+
+
+def note_checked(cfg: C.Config, run_dir: str, resume: str | None) -> None:
+    """``cfg`` in ``run_dir`` passed ``check_config`` and ``check_runnable`` (which found
+    ``resume``): its next ``run_training`` does not check it again."""
+    _checked[_checked_key(cfg, run_dir)] = (
+        resume, checkpoint.committed(checkpoint_root(cfg, run_dir)))
+
+
+class RunDiverged(RuntimeError):
+    """The ranks stopped because the run diverged; ``result`` holds what it measured until
+    then (``metrics.losses``), the message the clean reason."""
+
+    def __init__(self, reason: str, result: dict):
+        super().__init__(reason)
+        self.result = result
+
+
 def run_training(cfg: C.Config, run_dir: str) -> dict:
-    """Validate, write the resolved config into ``run_dir``, run all ranks; rank 0's result."""
-    C.validate(cfg)
-    check_runnable(cfg, run_dir)  # files, devices, the checkpoint: fail before spawning
+    """Check (unless pre-flighted, ``note_checked``), write the resolved config into
+    ``run_dir`` (with the checkpoint to resume from resolved), run all ranks; rank 0's
+    result. ``RunDiverged`` when the run diverged."""
+    key = _checked_key(cfg, run_dir)
+    if key in _checked:
+        resume, seen = _checked.pop(key)
+        if checkpoint.committed(checkpoint_root(cfg, run_dir)) != seen:
+            # saved since the check (by an earlier point of the sweep): new input
+            resume = resolve_resume(cfg, run_dir)
+    else:
+        check_config(cfg)
+        resume = check_runnable(cfg, run_dir)  # files, devices, checkpoint: before spawning
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
-    C.save(cfg, path)
-    if cfg.launcher.name == "local":
-        try:
-            results = spawn.spawn(rank_main, cfg.parallel.world_size, path,
-                                   backend=cfg.cluster.backend,
-                                   timeout_s=cfg.launcher.collective_timeout_s)
-        except BaseException:
-            # every rank has exited (spawn joins them before raising): a save they were in
-            # the middle of can never be committed
-            for d in checkpoint.discard_partial(checkpoint_root(cfg, run_dir)):
-                log.info("removed the interrupted checkpoint save %s", d)
+    # the ranks resume from the checkpoint checked here (hashed here when verify is on)
+    ck = dataclasses.replace(cfg.checkpoint, resume=resume or "",
+                             verify=cfg.checkpoint.verify and not resume)
+    C.save(dataclasses.replace(cfg, checkpoint=ck), path)
+    with contextlib.suppress(FileNotFoundError):  # a diverged earlier run's
+        os.unlink(os.path.join(run_dir, DIVERGED_FILE))
+    try:
+        if cfg.launcher.name == "local":
+            try:
+                results = spawn.spawn(rank_main, cfg.parallel.world_size, path,
+                                       backend=cfg.cluster.backend,
+                                       timeout_s=cfg.launcher.collective_timeout_s)
+            except BaseException:
+                # every rank has exited (spawn joins them before raising): a save they were
+                # in the middle of can never be committed
+                for d in checkpoint.discard_partial(checkpoint_root(cfg, run_dir)):
+                    log.info("removed the interrupted checkpoint save %s", d)
+                raise
+            return results[0]
+        return _run_external(cfg, run_dir, path)
+    except spawn.WorkerFailed as e:
+        diverged = _diverged(run_dir)
+        if diverged is None:
             raise
-        return results[0]
-    return _run_external(cfg, run_dir, path)
+        raise RunDiverged(*diverged) from e
+
+
+def _diverged(run_dir: str) -> tuple[str, dict] | None:
+    """(reason, result) a rank left in ``run_dir`` when it stopped the run as diverged."""
+    try:
+        with open(os.path.join(run_dir, DIVERGED_FILE)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc["reason"], {"metrics": doc.get("metrics") or {}}
 
 
 def launch_command(cfg: C.Config, config_path: str, out_path: str,
@@ -212,7 +383,7 @@ def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     # failed launch's real cause ("execve(): torchrun: No such file", "NCCL not built in", a
     # rank's traceback) is there, not in the exit status
     tail: collections.deque = collections.deque(maxlen=200)
-    # CPU ranks start on a caching malloc (distributed.host_heap); srun passes it on
+    # CPU ranks start on a caching malloc (runtime.comm.cpu.host_heap); srun passes it on
     env = host_heap.rank_env() if cfg.cluster.backend == "gloo" else None
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     reader = threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, tail), daemon=True)

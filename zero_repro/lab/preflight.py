@@ -1,22 +1,13 @@
 """Pre-flight checks of a sweep's points against this machine, before the first point runs.
 
-``config.validate`` checks a configuration by itself; this module checks what a point needs
-from the machine that starts its ranks, so that a point that cannot run is a user error (one
-line, exit status 2) and not a ``failed`` record minutes later or an OOM-killed machine:
-
-* files and devices (``launcher.check_runnable``): the token file, CUDA/NCCL, the checkpoint
-  directory, the checkpoint to resume from;
-* cores: more local ranks than ``RANKS_PER_CORE`` x the usable cores is refused (each rank
-  spins in its collectives; far past the core count gloo times out and nothing is measured);
-* memory: the closed-form per-rank estimate of paper §3/§5/§6 (``measure.analytic``:
-  model states ``(2·lp + K)Ψ`` split by the stage, activations, logits, buffers) plus a Python +
-  torch process per rank, summed over the ranks on this machine, against the memory available
-  now (CPU) or each device's memory (CUDA).
-
-``launcher.oversubscribe=true`` skips the two resource checks (the estimate is an estimate;
-oversubscribing cores is legitimate for debugging). Checks apply to points that start ranks on
-this machine: ``mode=measured`` with ``launcher=local`` or ``torchrun``, or ``slurm`` inside an
-allocation; simulated and analytic points start nothing.
+``check_points``: what a point needs from the machine that starts its ranks, so a point that
+cannot run is a user error (one line, exit 2), not a ``failed`` record or an OOM-killed machine:
+files and devices (``launcher.check_runnable``); cores (more local ranks than ``RANKS_PER_CORE``
+x the usable cores is refused: gloo ranks spin in their collectives); memory
+(``estimate_rank_bytes``: the closed-form estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``,
+plus a process per rank, summed over this machine's ranks, against the memory available now or
+each device's). ``launcher.oversubscribe=true`` skips the resource checks. Applies to points that
+start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm in an allocation).
 """
 from __future__ import annotations
 
@@ -41,16 +32,18 @@ def runs_here(cfg: C.Config, mode: str) -> bool:
 
 
 def check_points(planned) -> None:
-    """ValueError naming the first point (a PlannedPoint of ``harness.sweep``) that cannot run
-    here, and the setting to change."""
+    """ValueError naming the first point (a PlannedPoint of ``lab.sweep``) that cannot run
+    here, and the setting to change. Each point that passes is noted
+    (``launcher.note_checked``): its ``run_training`` does not check it again."""
     for pp in planned:
         if not runs_here(pp.cfg, pp.point.mode):
             continue
         try:
-            launcher.check_runnable(pp.cfg, pp.point.run_dir)
+            resume = launcher.check_runnable(pp.cfg, pp.point.run_dir)
             check_resources(pp.cfg)
         except ValueError as e:
             raise ValueError(f"point {pp.point.name!r}: {e}") from None
+        launcher.note_checked(pp.cfg, pp.point.run_dir, resume)
 
 
 def usable_cores() -> int:

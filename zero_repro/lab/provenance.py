@@ -1,27 +1,14 @@
-"""Whose numbers a record holds: the machine and the code that made it, and the rule for when
-a record may stand for a run the user asked for (paper §10 figures are only reproduced if the
-numbers shown were computed here, at this code).
+"""Whose numbers a record holds, and when a record may stand for a run the user asked for (paper
+§10's figures are reproduced only from numbers computed here, at this code).
 
-Two signatures go into every record (``Record.provenance``):
-
-* ``machine``: what a measured number depends on besides the config: the device kind and
-  model (CPU model and core count, or GPU name and count), the OS/architecture and the torch
-  version; on CPU also the malloc the ranks run on (``distributed.host_heap``) and how their
-  buckets travel (``distributed.shm``: ``ZR_CPU_TRANSPORT``). It
-  deliberately leaves out the hostname: two nodes of one cluster are the same hardware.
-  Points that run through Slurm are measured on compute nodes this process cannot see, so
-  their signature is the cluster config (``cluster.name``) and the torch version.
-* ``code``: the git tree of the files that compute a number, ``zero_repro/`` and
-  ``experiments/`` (``git rev-parse HEAD:<dir>``), plus a digest of any uncommitted change to
-  them; outside a git checkout, the installed package version. A commit that changes only
-  README, tests, results or configs keeps the code signature (configs are in the point key).
-
-The reuse rule (``reusable``): a recorded ``ok``/``oom`` point counts as done only if its code
-signature equals this code's and, for a ``measured`` point, its machine signature equals the
-one this point would be measured on. ``simulated``/``analytic`` points depend on the code only
-(they are pure functions of config and code). Anything else is run again and its record
-replaced. Records written before signatures existed have none: they are never reused (the
-committed ``results/`` are the reference set, re-run on purpose with ``experiment.publish``).
+``signature_of`` (``Record.provenance``): ``machine`` (device kind and model, core or GPU count,
+OS/architecture, torch version; on CPU the ranks' malloc and bucket transport, ``ZR_HOST_HEAP``
+and ``ZR_CPU_TRANSPORT``; no hostname; for Slurm points the cluster config and torch version) and
+``code`` (git trees of ``zero_repro/`` and ``experiments/`` plus a digest of uncommitted changes
+to them; outside git, the package version). Rule (``reusable``): an ``ok``/``oom`` record counts
+as done only at this code signature and, if ``measured``, at the machine signature this point
+would be measured on (``simulated``/``analytic``: code only); records without signatures are
+never reused.
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
-"""The rank program of one training run: what runs in every rank (its log lines, resume).
+"""The rank program of one training run: what runs in every rank (``rank_main``, log lines, resume).
 
-The CLI resolves the Hydra config once and writes it to the run directory; ranks read that file
-(ranks never run ``@hydra.main`` themselves: run directories and sweeps would differ per rank).
-``rank_main`` is called by the local launcher (``zero_repro.lab.launcher``) in each spawned
-process, or by ``main`` (``python -m zero_repro.lab.rank --config resolved.yaml``) when torchrun
-or srun started the processes.
-
-Parallelism is applied to the model from outside in a fixed order by ``runtime.train.build``:
-TP (inside the model constructor) -> activation checkpointing (ZeRO-R) -> ZeRO wrap -> optimizer.
-
-Checkpoints (``zero_repro.runtime.train.checkpoint``): saved every ``checkpoint.save_every``
-steps into ``<run dir>/checkpoints`` (or ``checkpoint.dir``); with ``checkpoint.resume`` set the
-rank loads the strategy state (any stage / DP size) and continues from the saved data position.
-A checkpoint carries the loss history up to its step (``extra.history``) and the model shape it
-belongs to (``extra.model``): a resumed run's record keeps ``losses`` from ``start_step`` on and
-the earlier ones in ``losses_before_start``, so a table drawn from it equals the uninterrupted
-run's. ``fault.*`` injects a rank failure mid-step (tests). Ranks drop the strategy's gradient
-hooks (a reference cycle hooks -> strategy -> module) before their process groups are destroyed.
+Ranks read the config the CLI resolved into the run directory (never ``@hydra.main``);
+``rank_main`` runs in each process the local launcher spawns (``zero_repro.lab.launcher``), or
+under torchrun / srun through ``main`` (``python -m zero_repro.lab.rank --config resolved.yaml``).
+Parallelism is applied by ``runtime.train.build`` (TP -> activation checkpointing -> ZeRO ->
+optimizer). Checkpoints (``zero_repro.runtime.train.checkpoint``) are saved every
+``checkpoint.save_every`` steps; ``checkpoint.resume`` continues from the saved data position at
+any stage or DP size. Invariant: a resumed run's record (``losses`` from ``start_step``,
+``losses_before_start`` from the checkpoint's ``extra.history``) draws the same table as the
+uninterrupted run's. ``fault.*`` injects a rank failure mid-step (tests).
 """
 from __future__ import annotations
 
@@ -29,6 +21,8 @@ import os
 import platform
 import resource
 import signal
+import sys
+import threading
 import time
 
 import torch
@@ -51,6 +45,9 @@ log = logging.getLogger(__name__)
 # get the signal. The ranks note it and go on: the point ends at its time limit at the latest.
 TIME_LIMIT_SIGNAL = signal.SIGUSR2
 _signals_seen: list[dict] = []
+DIVERGED_FILE = "diverged.json"  # in the run directory: a diverged run's losses and reason
+WAIT_REPORT_S = 30.0  # rank 0 reports a wait on its peers this long, and again every 30 s
+BEAT_S = 5.0  # how often each rank notes its progress for rank 0's report
 
 
 def _note_time_limit_signal(signum, frame) -> None:
@@ -65,9 +62,21 @@ def hardware_info(device: torch.device) -> dict:
             "threads_per_rank": torch.get_num_threads()}
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
+        info["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
     else:
         info["device_name"] = platform.processor() or platform.machine()
     return info
+
+
+def placement(topo: Topology) -> dict:
+    """Where the ranks ran (collective over the world): every rank's host in rank order, the
+    number of hosts, whether each TP group stayed on one host (Megatron's TP needs the node's
+    links) and how the default group met (spawn | torchrun | slurm)."""
+    hosts = comm.all_gather_object(platform.node(), topo.world)
+    tp_groups = [hosts[d * topo.tp:(d + 1) * topo.tp] for d in range(topo.dp)]
+    return {"hosts": hosts, "nodes": len(set(hosts)),
+            "tp_within_node": all(len(set(g)) == 1 for g in tp_groups),
+            "rendezvous": launch.rendezvous() or "none"}
 
 
 def memory_series(device: torch.device) -> dict:
@@ -83,16 +92,21 @@ def memory_series(device: torch.device) -> dict:
 
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
               tflops: float, peak_tflops: float, ledger_bytes: int,
-              device: torch.device) -> str:
-    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its DP
-    shard of the batch), loss scale, gradient norm, tokens/s, TFLOPs/GPU (+ MFU when
+              device: torch.device, dp: int = 1, dtype: str = "fp32",
+              model_tflops: float = 0.0) -> str:
+    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
+    micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
+    none), gradient norm, tokens/s, TFLOPs/GPU (the paper's convention,
+    ``flops.flops_per_iteration``; + MFU from the model's FLOPs ``model_tflops`` when
     ``cluster.peak_tflops`` is known), the memory ledger's total and, on CUDA, the caching
     allocator's allocated/reserved bytes."""
-    line = (f"step {step + 1:>4}/{steps}  loss {loss:.4f}  scale {float(info.loss_scale):g}  "
+    which = "rank-0 loss" if dp > 1 else "loss"
+    scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
+    line = (f"step {step + 1:>4}/{steps}  {which} {loss:.4f}  {scale}"
             f"grad_norm {float(info.grad_norm):.3g}  {tokens_per_step / dt:,.0f} tok/s  "
             f"{tflops:.4g} TFLOPs/GPU")
-    if peak_tflops > 0:
-        line += f" (MFU {100 * tflops / peak_tflops:.1f}%)"
+    if peak_tflops > 0 and model_tflops > 0:
+        line += f" (MFU {100 * model_tflops / peak_tflops:.1f}%)"
     line += f"  ledger {ledger_bytes / 2**20:.1f} MiB"
     if device.type == "cuda":
         line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
@@ -103,17 +117,30 @@ def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_st
 def summary_line(cfg: C.Config, metrics: dict, ledger_bytes: int) -> str:
     """The end-of-point line (rank 0)."""
     t = cfg.train
-    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), loss "
+    dp = cfg.parallel.world_size // cfg.parallel.tp
+    which = f"loss (mean of {dp} DP ranks)" if dp > 1 else "loss"
+    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), {which} "
             f"{metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, median step "
             f"{metrics['step_time_s']:.3f} s, {metrics['tokens_per_s']:,.0f} tok/s, "
             f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
     if "mfu" in metrics:
-        line += f" (MFU {100 * metrics['mfu']:.1f}%)"
+        line += f" (MFU {100 * metrics['mfu']:.1f}%, HFU {100 * metrics['hfu']:.1f}%)"
     line += (f", ledger {ledger_bytes / 2**20:.1f} MiB/rank, {metrics['skipped_steps']} "
              f"skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
              f"{cfg.parallel.world_size // cfg.parallel.tp}, stage {cfg.zero.stage}, "
              f"{cfg.zero.dtype}")
     return line
+
+
+def reset_peaks(device: torch.device) -> int:
+    """CUDA: the build's peak allocated bytes, then the peak statistics reset, so that the
+    record's ``cuda_max_*`` describe the training steps (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def _rank_logging(cfg: C.Config, rank: int) -> None:
@@ -159,16 +186,90 @@ def model_identity(model: C.ModelConfig) -> dict:
                               "vocab_pad_multiple", "bias")}
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zero_repro/
+_COMM = os.path.join("runtime", "comm")  # a rank whose innermost project frame is here waits
 
 
+def where_is(thread_id: int | None) -> tuple[str, bool]:
+    """(``path:line function`` of the innermost frame of thread ``thread_id`` in this
+    package, whether that is inside the communication layer: a collective or its wait)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return "?", False
+    rel = os.path.relpath(frame.f_code.co_filename, _PACKAGE)
+    return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}", rel.startswith(_COMM)
 
 
+class Watchdog(threading.Thread):
+    """Every rank notes where its main thread is (steps done, the innermost frame of this
+    package, whether that is a collective) in ``<run dir>/progress/rank<r>`` every ``BEAT_S``
+    s. Rank 0, once it has waited in one collective for ``WAIT_REPORT_S`` s, logs one
+    warning line naming the peers that are not in a collective (where they are) or noted
+    nothing for as long, and again every ``WAIT_REPORT_S`` s, until the wait ends or the
+    collective timeout ends the run."""
 
+    def __init__(self, run_dir: str, rank: int, world: int, timeout_s: float):
+        super().__init__(name="zr-watchdog", daemon=True)
+        self.folder = os.path.join(run_dir, "progress")
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.main = threading.main_thread().ident
+        self.step = 0  # steps done
+        self.stopped = threading.Event()
+        os.makedirs(self.folder, exist_ok=True)
 
+    def stop(self) -> None:
+        self.stopped.set()
 
+    def _note(self, where: str, waiting: bool) -> None:
+        path = os.path.join(self.folder, f"rank{self.rank}")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"step": self.step, "where": where, "waiting": waiting,
+                       "time": time.time()}, f)
+        os.replace(path + ".tmp", path)
 
+    def _peers(self) -> dict[int, dict]:
+        out = {}
+        for r in range(1, self.world):
+            try:
+                with open(os.path.join(self.folder, f"rank{r}")) as f:
+                    out[r] = json.load(f)
+            except (OSError, ValueError):
+                continue
+        return out
 
+    def run(self) -> None:
+        since, at, reported = None, None, 0
+        while not self.stopped.wait(BEAT_S):
+            where, waiting = where_is(self.main)
+            try:
+                self._note(where, waiting)
+            except OSError:
+                return
+            if self.rank != 0:
+                continue
+            now = time.monotonic()
+            if not waiting or where != at:  # computing, or a new wait
+                since, at, reported = (now if waiting else None), where, 0
+                continue
+            if now - since < WAIT_REPORT_S * (reported + 1):
+                continue
+            reported += 1
+            log.warning("rank 0 has waited %.0f s in a collective (%s, step %d): %s; the run "
+                        "fails if this goes on for launcher.collective_timeout_s=%g s",
+                        now - since, where, self.step + 1, self._who(), self.timeout_s)
 
+    def _who(self) -> str:
+        peers, out = self._peers(), []
+        for r in range(1, self.world):
+            p = peers.get(r)
+            if p is None or time.time() - p["time"] > WAIT_REPORT_S:
+                out.append(f"rank {r} has noted nothing for over {WAIT_REPORT_S:.0f} s")
+            elif not p["waiting"]:
+                out.append(f"rank {r} is not in a collective (at {p['where']}, "
+                           f"{p['step']} steps done)")
+        return "; ".join(out) or "every peer waits in a collective too"
 
 
 def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
@@ -189,11 +290,23 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     cfg = C.load(config_path)
     _rank_logging(cfg, rank)
     device = device_for(cfg, rank if local_rank is None else local_rank)
+    run_dir = os.path.dirname(os.path.abspath(config_path))
+    watchdog = Watchdog(run_dir, rank, world_size, cfg.launcher.collective_timeout_s)
+    watchdog.start()
+    try:
+        return _rank_run(cfg, rank, world_size, device, run_dir, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, run_dir: str,
+              watchdog: Watchdog) -> dict:
     topo = Topology.build(cfg.parallel.tp)
     model, ckpt, strategy = build(cfg, topo, device)
+    build_peak = reset_peaks(device)
+    where = placement(topo)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
-    run_dir = os.path.dirname(os.path.abspath(config_path))
     root = checkpoint_root(cfg, run_dir)
     start, resumed, history = 0, resume_path(cfg, run_dir), []
     if resumed is not None:
@@ -211,9 +324,14 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
-    fl = flops.flops_per_iteration(t.micro_batch_size * t.grad_accum * topo.dp, m.seq_len,
-                                   m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-                                   recompute=cfg.zero_r.activation_checkpointing)
+    batch = t.micro_batch_size * t.grad_accum * topo.dp
+    recompute = cfg.zero_r.activation_checkpointing
+    fl = flops.flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd, C.padded_vocab(m, 1),
+                                   recompute=recompute)
+    fl_model = flops.model_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
+                                               C.padded_vocab(m, 1))
+    fl_hw = flops.hardware_flops_per_iteration(batch, m.seq_len, m.n_layer, m.n_embd,
+                                               C.padded_vocab(m, 1), recompute)
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
@@ -221,11 +339,13 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
     def on_step(step, loss, dt, info):
         local_losses.append(loss)
+        watchdog.step = step + 1
         if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
             log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
                                flops.tflops_per_gpu(fl, dt, world_size),
                                cfg.cluster.peak_tflops, strategy.memory_ledger().total(),
-                               device))
+                               device, topo.dp, cfg.zero.dtype,
+                               flops.tflops_per_gpu(fl_model, dt, world_size)))
         if info.skipped:
             skipped.append(step)
         every = cfg.checkpoint.save_every
@@ -249,6 +369,8 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
                          start_step=start,
                          before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
     except BaseException as e:
+        if isinstance(e, loop.Diverged):
+            _note_divergence(run_dir, topo.rank, str(e), history, local_losses, start)
         live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
         raise
     finally:
@@ -272,36 +394,51 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
     }
+    # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
+    # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's convention
+    metrics["model_tflops_per_gpu"] = flops.tflops_per_gpu(fl_model, step_s, world_size)
+    metrics["hardware_tflops_per_gpu"] = flops.tflops_per_gpu(fl_hw, step_s, world_size)
     if cfg.cluster.peak_tflops > 0:
-        metrics["mfu"] = metrics["tflops_per_gpu"] / cfg.cluster.peak_tflops
+        metrics["mfu"] = metrics["model_tflops_per_gpu"] / cfg.cluster.peak_tflops
+        metrics["hfu"] = metrics["hardware_tflops_per_gpu"] / cfg.cluster.peak_tflops
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
     if topo.rank == 0:
         log.info(summary_line(cfg, metrics, mem.total()))
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
-           "hardware": {**hardware_info(device),
+           "hardware": {**hardware_info(device), **where,
                         # how the DP buckets travelled (gloo on one host: shared memory)
                         "dp_transport": strategy.transport.name}}
     if device.type == "cuda":
+        # the training steps' peaks (reset after the build); the build's own beside them
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+        out["memory"]["cuda_max_allocated_build"] = build_peak
     if live.active:
         metrics["wandb_run"] = live.finish(wandb_runs.summary_of(out), 0)
     model = ckpt = strategy = None  # noqa: F841 - drop the references (teardown: no gloo user alive)
     return out
 
 
-
-
-
-
-
-
-
-
-
-
+def _note_divergence(run_dir: str, rank: int, reason: str, history: list, losses: list,
+                     start: int) -> None:
+    """This rank's losses so far and the reason, for the ``diverged`` record (the first rank
+    to write it wins: ranks diverge together, their peers' losses are not at hand)."""
+    path = os.path.join(run_dir, DIVERGED_FILE)
+    doc = {"reason": f"rank {rank}: {reason}",
+           "metrics": {"losses": list(losses), "losses_of": f"rank {rank}'s micro-batches",
+                       "start_step": start, "losses_before_start": list(history)}}
+    tmp = f"{path}.{rank}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+        else:
+            os.unlink(tmp)
+    except OSError as e:
+        log.warning("could not note the divergence in %s: %s", path, e)
 
 
 def main(argv=None) -> None:

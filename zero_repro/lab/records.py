@@ -1,29 +1,31 @@
-"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``.
+"""Run records: one ``Record`` per run point, kept in ``results/<exp>/points.jsonl``; every number
+the suite reports (paper §10) is derived from them.
 
-Every number the suite reports (paper §10 figures, Tables 1-3) is derived from these records,
-so a record carries everything needed to trust and regenerate it: the resolved config, the git
-SHA, the host and hardware, the topology, how the number was obtained (``mode``: measured |
-simulated | analytic), the metrics, the memory/communication ledgers and a status
-(``STATUSES``: ok | oom | diverged | cancelled | timeout | node_fail | failed, + reason).
+A record carries what is needed to trust and regenerate its number: the resolved config, git SHA,
+host and hardware, topology, ``mode`` (measured | simulated | analytic), metrics, the memory and
+communication ledgers and a status (``STATUSES``: ok | oom | diverged | cancelled | timeout |
+node_fail | failed, + reason).
 
-Durability rule (what a killed sweep may do to the file): ``RecordStore.put`` takes an
-inter-process file lock, reads the file, drops any earlier record with the same key, writes the
-whole file to a temporary file in the same directory, fsyncs it and ``os.replace``-s it over
-``points.jsonl``. The rename is atomic, so a kill at any moment leaves either the old or the
-new file: no record is lost or half-written, and the file holds at most one record per key
-(a retried failed point, or a forced re-run, replaces its old record; but a record that is not
-``ok`` never replaces an ``ok`` one unless ``put(..., replace_ok=True)``). The lock serialises
-concurrent writers (Slurm jobs of one sweep finishing together on a shared file system); a
-writer holds it while its temporary file exists, so any ``points.jsonl.<pid>.tmp`` found under
-the lock was left by a killed writer and is removed.
+Durability (``RecordStore.put``): under an inter-process file lock, read the file, drop any
+earlier record with the same key, write the whole file to a temporary file in the same
+directory, fsync, ``os.replace`` it over ``points.jsonl``. A kill at any moment leaves the old or
+the new file; at most one record per key; a record that is not ``ok`` never replaces an ``ok``
+one unless ``put(..., replace_ok=True)``; a temporary file found under the lock was left by a
+killed writer and is removed.
 
 Point key: the first 16 hex digits of SHA-256 over the canonical JSON of the point's params,
-its mode and the run-relevant config sections (model, parallel, zero, zero_r, train, cluster)
-after the point's overrides. The same command re-run gives the same keys (so done points are
-skipped); changing a knob that changes the numbers gives new keys.
+its mode and the identifying fields of its config after the point's overrides
+(``config.identity``: declared on the schema's fields). The same command re-run gives the same
+keys (so done points are skipped); changing a knob that changes the numbers gives new keys. A
+schema change that alters identities (a knob removed, one added whose default is not what
+older records ran with) is followed by ``migrate`` over the committed records
+(``python -m zero_repro.lab.records migrate results/*/points.jsonl``): it rewrites each
+record's ``key`` from its own params, mode and config and nothing else.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -34,15 +36,19 @@ import logging
 import math
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from filelock import FileLock
 
+from zero_repro import config as C
 from zero_repro.paths import REPO_ROOT
+from zero_repro.scale.paper import table3
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +58,6 @@ log = logging.getLogger(__name__)
 # runs again next time
 STATUSES = ("ok", "oom", "diverged", "cancelled", "timeout", "node_fail", "preempted", "failed")
 DONE_STATUSES = ("ok", "oom")  # an OOM is a result (the point does not fit), not an error
-KEY_SECTIONS = ("model", "parallel", "zero", "zero_r", "train", "cluster")
-# knobs inside KEY_SECTIONS that change how a run is displayed, not what it measures
-KEY_IGNORED = {"train": ("progress", "log_every"), "cluster": ("description",)}
-# knobs added after records were committed, left out of the key at these values (their
-# default) so the committed keys stay valid; any other value enters the key as usual
-# (overlap_param_gather's default became None = automatic later: None enters the key, so a
-# CPU point of the new default -- overlap off -- never reuses a record made with it on)
-KEY_ADDED_DEFAULTS = {"zero": {"overlap_param_gather": True, "prefetch_next_step": True,
-                               "keep_gathered_turn": True, "split_tied_grad": False}}
 SCHEMA_VERSION = 1
 
 
@@ -119,25 +116,50 @@ def _jsonable(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------- keys
-def config_fingerprint(config: dict) -> dict:
-    """The run-relevant part of a resolved config (what the point key depends on)."""
-    out = {}
-    for sec in KEY_SECTIONS:
-        d = dict(config.get(sec) or {})
-        for k in KEY_IGNORED.get(sec, ()):
-            d.pop(k, None)
-        for k, default in KEY_ADDED_DEFAULTS.get(sec, {}).items():
-            if d.get(k, default) == default:
-                d.pop(k, None)
-        out[sec] = d
-    return out
-
-
 def point_key(params: dict, mode: str, config: dict | None = None) -> str:
+    """The key of a point: its params, mode and ``config.identity`` of its resolved config."""
     payload = {"params": _jsonable(params), "mode": mode,
-               "config": _jsonable(config_fingerprint(config or {}))}
+               "config": _jsonable(C.identity(config or {}))}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def migrate(path: str) -> tuple[int, int]:
+    """Rewrite the ``key`` of every record in the JSONL file ``path`` to today's key scheme
+    (``point_key`` of its own params, mode and config); every other byte of a record is kept,
+    lines that are not records are kept as they are, the order too. Idempotent. Returns
+    (records, keys changed)."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    out, changed, n = [], 0, 0
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            out.append(line)
+            continue
+        if not isinstance(doc, dict) or "key" not in doc:
+            out.append(line)
+            continue
+        n += 1
+        key = point_key(doc.get("params") or {}, doc.get("mode", ""), doc.get("config") or {})
+        if key != doc["key"]:
+            changed += 1
+            # the key's own text only: the rest of the line stays byte for byte
+            old = json.dumps(doc["key"])
+            head, sep, tail = line.partition(f'"key": {old}')
+            if not sep:
+                raise ValueError(f"{path}: a record whose key is not written as '\"key\": "
+                                 f"{old}'")
+            new = head + f'"key": {json.dumps(key)}' + tail
+            if json.loads(new) != {**doc, "key": key}:
+                raise ValueError(f"{path}: the key of record {doc.get('point')!r} is not "
+                                 f"where it can be rewritten alone")
+            line = new
+        out.append(line)
+    if changed:
+        _atomic_write_lines(path, out)
+    return n, changed
 
 
 # ------------------------------------------------------------------------------ provenance
@@ -210,23 +232,49 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------- store
+DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+_reported: set = set()  # (path, unreadable lines) already reported by this process
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT/SIGTERM/SIGHUP held back while the block runs (in the main thread), delivered
+    when it ends: a record being written is finished before an interrupt unwinds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class RecordStore:
     """``results/<exp>/points.jsonl``: load, query and atomically put records."""
+
+    UNREADABLE = ".unreadable"  # suffix of the file unreadable lines are moved to
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         # the lock file lives in the git-ignored runs/ folder, not beside the committed JSONL
         self.lock_path = os.path.join(os.path.dirname(self.path), "runs", ".points.jsonl.lock")
+        self.aside_path = self.path + self.UNREADABLE
 
     @classmethod
     def for_experiment(cls, results_dir: str, experiment: str) -> "RecordStore":
         return cls(os.path.join(results_dir, experiment, "points.jsonl"))
 
     def load(self) -> list[Record]:
+        return self._read()[0]
+
+    def _read(self) -> tuple[list[Record], list[tuple[int, str, str]]]:
+        """(records, unreadable lines as (line number, text, why)); the unreadable ones are
+        reported once per process."""
         if not os.path.exists(self.path):
-            return []
-        out = []
-        with open(self.path, encoding="utf-8") as f:
+            return [], []
+        out, bad = [], []
+        with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -236,12 +284,36 @@ class RecordStore:
                         raise TypeError(f"a JSON {type(doc).__name__}, not an object")
                     out.append(Record.from_dict(doc))
                 except (json.JSONDecodeError, TypeError, ValueError) as e:
-                    # only possible if someone edited the file by hand: keep the rest usable
-                    log.warning("%s:%d: skipping unreadable record (%s)", self.path, i, e)
-        return out
+                    bad.append((i, line.rstrip("\n"), str(e)))
+        self._report(bad)
+        return out, bad
+
+    def _report(self, bad: list) -> None:
+        seen = (self.path, tuple(text for _, text, _ in bad))
+        if not bad or seen in _reported:
+            return
+        _reported.add(seen)
+        lines = ", ".join(str(i) for i, _, _ in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        log.error("error: %s: %d unreadable line%s (line %s: %s) skipped; the next record "
+                  "written moves %s to %s", self.path, len(bad), "s" * (len(bad) > 1), lines,
+                  bad[0][2], "them" if len(bad) > 1 else "it", self.aside_path)
+
+    def _rewrite(self, records: list["Record"], bad: list) -> None:
+        """Under the lock: the unreadable lines appended to ``aside_path`` (durably), then the
+        file rewritten with ``records``."""
+        if bad:
+            with open(self.aside_path, "a", encoding="utf-8", errors="surrogateescape") as f:
+                for _, text, _ in bad:
+                    f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            # (the user was told when they were read: ``_report``)
+            log.debug("%s: moved %d unreadable line(s) to %s", self.path, len(bad),
+                      self.aside_path)
+        _atomic_write_lines(self.path, [r.to_json() for r in records])
 
     def done_keys(self) -> set[str]:
-        """Keys with an ok/oom record, whoever made it (``harness.sweep.reusable_keys`` adds
+        """Keys with an ok/oom record, whoever made it (``lab.sweep.reusable_keys`` adds
         the machine/code rule that decides what a sweep skips)."""
         return {r.key for r in self.load() if r.done}
 
@@ -253,16 +325,15 @@ class RecordStore:
         that is not ``ok`` does not replace an ``ok`` one (returns False, file unchanged)
         unless ``replace_ok``."""
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        with FileLock(self.lock_path, timeout=600):
+        with FileLock(self.lock_path, timeout=600), signals_deferred():
             self._remove_stale_temps()
-            old = self.load()
+            old, bad = self._read()
             if record.status != "ok" and not replace_ok and any(
                     r.key == record.key and r.status == "ok" for r in old):
                 log.warning("point %s: keeping its ok record; the %s re-run is not recorded "
                             "over it", record.point, record.status)
                 return False
-            kept = [r for r in old if r.key != record.key]
-            _atomic_write_lines(self.path, [r.to_json() for r in kept] + [record.to_json()])
+            self._rewrite([r for r in old if r.key != record.key] + [record], bad)
         return True
 
     def _remove_stale_temps(self) -> None:
@@ -281,21 +352,31 @@ class RecordStore:
     def remove(self, keys: Iterable[str]) -> int:
         keys = set(keys)
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        with FileLock(self.lock_path, timeout=600):
+        with FileLock(self.lock_path, timeout=600), signals_deferred():
             self._remove_stale_temps()
-            records = self.load()
+            records, bad = self._read()
             kept = [r for r in records if r.key not in keys]
-            _atomic_write_lines(self.path, [r.to_json() for r in kept])
+            self._rewrite(kept, bad)
         return len(records) - len(kept)
 
 
 def _atomic_write_lines(path: str, lines: list[str]) -> None:
+    write_atomic(path, "".join(line + "\n" for line in lines))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file, fsynced and renamed over it (a
+    temporary file that could not be written whole is removed)."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     os.replace(tmp, path)
     try:  # make the rename itself durable (POSIX: fsync the directory)
         dfd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -340,6 +421,10 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+ZERO_R_COMPONENTS = ("activation_checkpointing", "partition_activations", "cpu_checkpointing",
+                     "constant_buffers", "contiguous_memory")
+
+
 def knob_label(config: dict) -> str:
     """A series name from a record's resolved config (never from a label a config pinned):
     model shape, dtype, ZeRO stage and ZeRO-R, world = TP x DP, steps. E.g.
@@ -349,20 +434,37 @@ def knob_label(config: dict) -> str:
     world, tp = p.get("world_size", 1), p.get("tp", 1)
     label = (f"GPT {m.get('n_layer')}x{m.get('n_embd')} (h{m.get('n_head')}, "
              f"s{m.get('seq_len')}) {z.get('dtype')} stage {z.get('stage')}")
-    if zr.get("name") not in (None, "", "off"):
-        label += f" + ZeRO-R {str(zr['name']).upper()}"
+    name = zero_r_ran(zr)
+    if name:
+        label += f" + ZeRO-R {name.upper()}"
     return label + f" w{world}=tp{tp}xdp{world // max(1, tp)} {t.get('steps')} steps"
 
 
+def zero_r_ran(zero_r: dict) -> str:
+    """The ZeRO-R configuration a config's components make (never the name alone): its Table
+    3 name when the components are that row's, ``custom`` for any other set, '' for none."""
+    parts = {k: bool(zero_r.get(k)) for k in ZERO_R_COMPONENTS}
+    if not any(parts.values()):
+        return ""
+    name = str(zero_r.get("name") or "")
+    if name in table3.TABLE3:
+        row = table3.zero_r_config(name)
+        if all(getattr(row, k) == v for k, v in parts.items()):
+            return name
+    return "custom"
+
+
 def knob_diff(record: Record, others: Iterable[Record]) -> dict:
-    """The run-relevant config knobs (``config_fingerprint``, dotted) whose value in ``record``
-    differs from at least one of ``others``: what tells two records of one point apart."""
-    mine = _flat(config_fingerprint(record.config))
+    """The identifying config knobs (``config.identity``, dotted) whose value in ``record``
+    differs from at least one of ``others``: what tells two records of one point apart.
+    The values shown are the record's own (None where its config predates the knob)."""
+    mine = _flat(C.identity(record.config))
     keys: set = set()
     for o in others:
-        theirs = _flat(config_fingerprint(o.config))
+        theirs = _flat(C.identity(o.config))
         keys |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
-    return {k: json.loads(mine[k]) if k in mine else None for k in sorted(keys)}
+    said = _flat(record.config or {})
+    return {k: json.loads(said[k]) if k in said else None for k in sorted(keys)}
 
 
 def variants(records: Iterable[Record]) -> list[list[Record]]:
@@ -371,7 +473,7 @@ def variants(records: Iterable[Record]) -> list[list[Record]]:
     layer 1 the next newest of those that have more, and so on. Records of one point that
     differ in a config knob (dtype, steps, model, ...) have different keys and all stay
     visible: each layer is summarized on its own and its series named by the knobs that tell
-    it apart (``harness.regenerate.summary_frame``)."""
+    it apart (``lab.figures.regenerate.summary_frame``)."""
     by: dict[str, list[Record]] = {}
     for r in records:
         by.setdefault(_ident(r), []).append(r)
@@ -403,3 +505,22 @@ def newest_ok(records: Iterable[Record]) -> list[Record]:
             out[r.point] = r
     return list(out.values())
 
+
+
+def main(argv=None) -> int:
+    """``python -m zero_repro.lab.records migrate FILE...``: ``migrate`` each points.jsonl."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["migrate"])
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args(argv)
+    total = 0
+    for path in args.files:
+        n, changed = migrate(path)
+        total += changed
+        print(f"{path}: {n} records, {changed} keys rewritten")
+    print(f"{total} keys rewritten in {len(args.files)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,15 +1,13 @@
-"""Slurm facts for the sweep: a job's final state in Slurm's own words, the record status it
-means, the job log's last error lines, waiting for jobs that may die without a result, and which
-sbatch template fits a cluster.
+"""Slurm facts for the sweep: a job's final state, the record status it means, the job log's last
+error lines, waiting for jobs that may die without a result, the sbatch template for a cluster.
 
-A point submitted with ``launcher=slurm`` normally writes its own record from inside its job. When
-it cannot (cancelled, out of time, a lost node, a hard-killed process) the submitter records it,
-with the status taken from Slurm (``sacct``; ``scontrol show job`` when there is no accounting,
-while the controller still remembers the job): CANCELLED -> ``cancelled``, TIMEOUT/DEADLINE ->
+A point submitted with ``launcher=slurm`` writes its own record from inside its job; when it
+cannot (cancelled, out of time, a lost node, a hard kill) the submitter records it with Slurm's
+state (``sacct``, else ``scontrol show job``): CANCELLED -> ``cancelled``, TIMEOUT/DEADLINE ->
 ``timeout``, NODE_FAIL -> ``node_fail``, PREEMPTED -> ``preempted``, OUT_OF_MEMORY -> ``oom``,
-anything else -> ``failed``; the reason quotes the last error lines of the job's log and names
-the log's path. A record a job did write is corrected the same way when Slurm says the job was
-cancelled or ran out of time (the job's own view is then only "srun exited with status 143").
+else ``failed``, the reason quoting the job log's last error lines and naming the log. A record a
+job did write is corrected the same way when Slurm says it was cancelled or ran out of time (the
+job itself saw only "srun exited with status 143").
 """
 from __future__ import annotations
 

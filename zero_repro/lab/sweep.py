@@ -1,42 +1,24 @@
-"""Sweep runner: plan points -> skip those already done -> run each -> record it.
+"""Sweep runner: plan points -> skip those already done -> run each -> record it (the loop behind
+every figure, paper §10). Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
+``python -m zero_repro.lab.sweep --point-file FILE`` (files from ``write_point_files``).
 
-Implements the experiment loop behind every figure reproduction (paper §10): an experiment
-module (``experiments/<name>.py``, protocol in ``zero_repro/lab/points.py``) plans its points; each
-point's config is the experiment config plus the point's overrides, validated *before any point
-runs* (a bad point is a user error, not a record). A point whose key is already recorded with
-status ok or oom is skipped unless ``experiment.force=true``. Every point that runs leaves a
-Record in ``results/<exp>/points.jsonl`` (``RecordStore.put``, atomic), also when it runs out of
-memory (status ``oom``: a result, the point does not fit), diverges (``diverged``) or fails
-(``failed`` + reason) or runs past ``launcher.timeout_min`` on the local launcher (``timeout``:
-its ranks are stopped, ``wall_clock_limit``): the sweep goes on. An interrupt (Ctrl-C, SIGTERM) records the running
-point as ``cancelled`` and stops the sweep; re-running the same command picks up where it
-stopped. A record that is not ``ok`` never replaces an ``ok`` one (``RecordStore.put``).
+Contract: an experiment module (protocol: ``zero_repro.lab.points``) plans the points; each
+point's config (experiment config + the point's overrides) is validated, and every point that
+starts ranks here pre-flighted (``zero_repro.lab.preflight``), before any point runs. A point
+recorded ``ok`` or ``oom`` at this code is skipped unless ``experiment.force=true``
+(``reusable_keys``). Every point that runs leaves a Record (``RecordStore.put``, atomic), whatever
+its end (``oom``, ``diverged``, ``failed`` + reason, ``timeout`` past ``launcher.timeout_min``);
+the sweep goes on. An interrupt records the running point ``cancelled`` and stops; re-running
+picks up where it stopped. One writer per point: a point runs only under its lock
+(``runs/.locks/<key>.lock``), so concurrent sweeps skip each other's points. Checkpoints live in
+``runs/ckpt-<id>/``, ``<id>`` the key without ``train.steps``/``train.warmup_steps``, so a longer
+run resumes a shorter one.
 
-One writer per point: a point runs only under its lock (``runs/.locks/<key>.lock``, an
-inter-process file lock released by the kernel when its holder dies), so two sweeps started
-together skip each other's points ("running elsewhere") instead of running them twice or
-sharing ``runs/<key>/``; after taking the lock the store is read again, so a point another
-sweep finished meanwhile is not re-run. Before any point runs, every point that starts ranks
-on this machine passes ``harness.preflight`` (files, devices, cores, memory).
-
-Checkpoints of a point live in ``runs/ckpt-<id>/``, where ``<id>`` is the point key computed
-*without* ``train.steps`` and ``train.warmup_steps``: the same run with more steps finds the
-checkpoints of the shorter one (``checkpoint.resume=auto`` then continues it).
-
-Where points run: ``launcher=local`` / ``torchrun`` run points one after another in this process
-(``run_point`` itself starts the ranks). ``launcher=slurm`` submits each *measured* point as its
-own Slurm job through ``submitit`` with that point's node count
-(``ceil(world_size / cluster.gpus_per_node)``); the job runs ``run_and_record`` on the first node
-(``srun`` inside ``run_training`` starts one rank per GPU) and writes the record itself, so a
-record survives even if this process dies. Simulated/analytic points are cheap single-process
-runs and always run here; inside a Slurm allocation (``SLURM_JOB_ID`` set: salloc, an sbatch
-script, a hydra-submitit job) every point runs here, in that allocation. A job that Slurm
-stopped (scancel, time limit, lost node) or that died without a record is recorded with
-Slurm's own state as its status (``cancelled``, ``timeout``, ``node_fail``, ...) and the job
-log's last error lines (``zero_repro.lab.slurm``).
-
-Entry points: ``run_sweep(cfg, experiment)`` and, on a compute node,
-``python -m zero_repro.lab.sweep --point-file FILE`` (files written by ``write_point_files``).
+Where points run: ``launcher=local`` / ``torchrun`` one after another here; ``launcher=slurm``
+submits each *measured* point as its own job through ``submitit`` (``nodes_for``), which runs
+``run_and_record`` and writes its record itself; simulated and analytic points, and every point
+inside an allocation (``SLURM_JOB_ID``), run here. A job that Slurm stopped or that died without
+a record is recorded with Slurm's state and its log's last error lines (``zero_repro.lab.slurm``).
 """
 from __future__ import annotations
 
@@ -50,6 +32,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -64,7 +47,7 @@ from tqdm.auto import tqdm
 from zero_repro import config as C
 from zero_repro.paths import REPO_ROOT
 from zero_repro.runtime.comm.launch import Terminated
-from zero_repro.lab import preflight
+from zero_repro.lab import launcher, preflight
 from zero_repro.lab import provenance as P
 from zero_repro.lab import records as R
 from zero_repro.lab import slurm as S
@@ -95,9 +78,42 @@ class SweepResult:
     skipped: list = field(default_factory=list)  # keys
     records: list = field(default_factory=list)  # Records written by this sweep
     busy: list = field(default_factory=list)  # keys another live process was running
+    # records that could not be written into points.jsonl: (record, where it is instead)
+    unsaved: list = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.records)
+
+
+@dataclass
+class Plan:
+    """One command's plan, made once (``make_plan``) and handed on: the points with their
+    validated configs and keys, the keys whose records stand for running them (``done``),
+    and whether the points to run were pre-flighted on this machine."""
+
+    cfg: C.Config
+    experiment: Any
+    points: list  # list[PlannedPoint]
+    done: set = field(default_factory=set)
+    checked: bool = False
+
+    @property
+    def todo(self) -> list:
+        return [pp for pp in self.points if pp.key not in self.done]
+
+
+def make_plan(cfg: C.Config, experiment: Any, machine: bool = True) -> Plan:
+    """Plan the points (ValueError for an invalid point), find the done ones and, with
+    ``machine``, pre-flight the others that start ranks here (ValueError naming the first that
+    cannot run)."""
+    points = plan(cfg, experiment)
+    store = R.RecordStore.for_experiment(cfg.experiment.results_dir, cfg.experiment.name)
+    out = Plan(cfg, experiment, points,
+               set() if cfg.experiment.force else reusable_keys(store, points))
+    if machine:
+        preflight.check_points(out.todo)
+        out.checked = True
+    return out
 
 
 def new_sweep_id(name: str) -> str:
@@ -116,7 +132,7 @@ def point_config(cfg: C.Config, overrides: dict) -> C.Config:
         if OmegaConf.select(base, dotted, default="__missing__") == "__missing__":
             raise ValueError(f"point override {dotted}={value!r} names no config key")
         OmegaConf.update(base, dotted, value, merge=False)
-    return C.validate(C.to_config(base))
+    return launcher.check_config(C.to_config(base))
 
 
 def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
@@ -152,14 +168,14 @@ def checkpoint_id(point: Any, summary: dict) -> str:
     checkpoints, so a longer run can continue a shorter one."""
     summary = copy.deepcopy(summary)
     for k in ("steps", "warmup_steps"):
-        summary["train"].pop(k, None)
+        summary["train"][k] = None
     return R.point_key(point.params, point.mode, summary)
 
 
 def reusable_keys(store: R.RecordStore, planned: list[PlannedPoint]) -> set[str]:
     """Keys of ``planned`` whose recorded result may stand for running them now: done (ok /
     oom) and made at this code, and for measured points on this machine
-    (``harness.provenance.reusable``). The rest run (again)."""
+    (``lab.provenance.reusable``). The rest run (again)."""
     recs = store.done_records()
     return {pp.key for pp in planned if pp.key in recs and P.reusable(recs[pp.key], pp.cfg)}
 
@@ -208,7 +224,8 @@ def wall_clock_limit(seconds: float, what: str):
 
 
 def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
-                   store: R.RecordStore | None = None) -> R.Record | None:
+                   store: R.RecordStore | None = None,
+                   unsaved: list | None = None) -> R.Record | None:
     """Run one point under its lock, turn its outcome (result, OOM, divergence, failure) into a
     Record and store it. None: another live process holds the point, or finished it while
     this one waited (nothing run).
@@ -217,29 +234,44 @@ def run_and_record(experiment: Any, pp: PlannedPoint, sweep_id: str,
     cfg, point = pp.cfg, pp.point
     store = store or R.RecordStore.for_experiment(cfg.experiment.results_dir,
                                                   cfg.experiment.name)
-    lock = point_lock(pp)
     try:
+        lock = point_lock(pp)
         lock.acquire()
     except Timeout:
         log.warning("point %s (%s) is running in another process: skipped here", point.name,
                     pp.key)
         return None
+    except OSError as e:  # the results directory cannot be written: run it, keep its record
+        log.warning("point %s: cannot take its lock (%s): running it without", point.name,
+                    e.strerror or e)
+        lock = None
     try:
-        if not cfg.experiment.force and reusable_keys(store, [pp]):
+        if not cfg.experiment.force and _finished_elsewhere(store, pp):
             log.info("point %s was finished by another process meanwhile", point.name)
             return None
-        return _run_locked(experiment, pp, sweep_id, store)
+        return _run_locked(experiment, pp, sweep_id, store, unsaved)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
-def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str,
-                store: R.RecordStore) -> R.Record:
+def _finished_elsewhere(store: R.RecordStore, pp: PlannedPoint) -> bool:
+    """Under the point's lock: a record of it that stands now (another sweep finished it since
+    the plan looked)."""
+    rec = store.done_records().get(pp.key)
+    return rec is not None and P.reusable(rec, pp.cfg)
+
+
+def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str, store: R.RecordStore,
+                unsaved: list | None = None) -> R.Record:
     cfg, point = pp.cfg, pp.point
-    os.makedirs(point.run_dir, exist_ok=True)
     t0 = time.perf_counter()
     status, reason, result = "ok", "", {}
     try:
+        try:
+            os.makedirs(point.run_dir, exist_ok=True)
+        except OSError as e:  # a point that needs it fails on its own; others need not
+            log.warning("point %s: no run directory (%s)", point.name, e.strerror or e)
         # names the point's live W&B run (logged by its rank 0, which inherits the environment)
         with point_environment(sweep_id, cfg.experiment.name, point.name), \
                 wall_clock_limit(point_time_limit_s(cfg), f"point {point.name!r}"):
@@ -249,16 +281,57 @@ def _run_locked(experiment: Any, pp: PlannedPoint, sweep_id: str,
         log.warning("point %s (timeout): %s", point.name, reason)
     except (KeyboardInterrupt, Terminated) as e:
         _, reason = R.classify_failure(e)
-        store.put(make_record(cfg, point, pp.key, "cancelled", reason or "interrupted", {},
-                              sweep_id, time.perf_counter() - t0))
+        with R.signals_deferred():
+            record = make_record(cfg, point, pp.key, "cancelled", reason or "interrupted", {},
+                                 sweep_id, time.perf_counter() - t0)
+            e.interrupted_point = point.name
+            e.recorded_in = keep_record(record, store, point.run_dir, unsaved)
         raise
     except Exception as e:  # noqa: BLE001 - every failure of a point is data
         status, reason = S.in_job(*R.classify_failure(e))  # Slurm's word, if inside a job
+        # what the point measured before it failed (a diverged run's losses)
+        result = getattr(e, "result", None) or {}
         log.warning("point %s (%s): %s", point.name, status, reason.splitlines()[0])
-    record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
-                         time.perf_counter() - t0)
-    store.put(record)
+    with R.signals_deferred():  # a finished measurement is recorded before any interrupt
+        record = make_record(cfg, point, pp.key, status, reason, result, sweep_id,
+                             time.perf_counter() - t0)
+        keep_record(record, store, point.run_dir, unsaved)
     return record
+
+
+RECORD_FILE = "record.json"  # in the point's run directory: a record points.jsonl refused
+
+
+def keep_record(record: R.Record, store: R.RecordStore, run_dir: str,
+                unsaved: list | None = None) -> str:
+    """Write ``record`` into ``store`` (signals held back meanwhile); when that fails, into
+    ``<run_dir>/record.json``, else print it as one JSON line; say where in an ``error:``
+    line. Returns where it is (a path, or ``stdout``). Never raises for a write that failed:
+    the sweep goes on."""
+    try:
+        store.put(record)  # (signals held back inside)
+        return store.path
+    except OSError as e:
+        why = f"{store.path}: {e.strerror or e}"
+    where = os.path.join(run_dir, RECORD_FILE)
+    try:
+        with R.signals_deferred():
+            os.makedirs(run_dir, exist_ok=True)
+            R.write_atomic(where, record.to_json() + "\n")
+    except OSError as e:
+        where = "stdout"
+        why += f"; {os.path.join(run_dir, RECORD_FILE)}: {e.strerror or e}"
+    if unsaved is not None:
+        unsaved.append((record, where))
+    if where == "stdout":
+        print(f"error: point {record.point!r}: its record could not be written ({why}); "
+              f"here it is, one JSON line to append to {store.path}:", file=sys.stderr)
+        print(record.to_json(), flush=True)
+    else:
+        print(f"error: point {record.point!r}: its record could not be written ({why}); it "
+              f"is kept in {where}: append that line to {store.path} when it can be written",
+              file=sys.stderr)
+    return where
 
 
 def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, result: dict,
@@ -286,20 +359,22 @@ def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, r
 
 
 # ------------------------------------------------------------------------------- sweeps
-def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
-              mirror: Any = None, sweep_id: str | None = None,
+def run_sweep(cfg: C.Config, experiment: Any, *, plan: Plan | None = None,
+              progress: bool | None = None, mirror: Any = None, sweep_id: str | None = None,
               submit: Callable | None = None) -> SweepResult:
-    """Plan, skip done points, run the rest (locally or as Slurm jobs), record each.
+    """Run ``plan`` (default: ``make_plan(cfg, experiment)``): skip its done points, run the
+    rest (locally or as Slurm jobs), record each.
 
     ``mirror``: an object with ``log_record(record)`` (``zero_repro.lab.wandb_runs.WandbMirror``).
     ``submit``: replaces the Slurm submission (tests); default ``submit_slurm``."""
     name = cfg.experiment.name
     sweep_id = sweep_id or new_sweep_id(name)
     store = R.RecordStore.for_experiment(cfg.experiment.results_dir, name)
-    planned = plan(cfg, experiment)
-    done = set() if cfg.experiment.force else reusable_keys(store, planned)
-    todo = [pp for pp in planned if pp.key not in done]
-    preflight.check_points(todo)  # every point that would start ranks here, before the first
+    if plan is None:
+        plan = make_plan(cfg, experiment)
+    elif not plan.checked:  # planned without this machine in mind (a Hydra launcher plugin)
+        preflight.check_points(plan.todo)
+    planned, done, todo = plan.points, plan.done, plan.todo
     result = SweepResult(sweep_id, planned, [pp.key for pp in planned if pp.key in done])
     log.info("experiment %s: %d points, %d already done, %d to run (sweep %s)", name,
              len(planned), len(result.skipped), len(todo), sweep_id)
@@ -332,7 +407,7 @@ def run_sweep(cfg: C.Config, experiment: Any, *, progress: bool | None = None,
             (submit or submit_slurm)(experiment, remote, sweep_id, _done)
         for pp in local:
             bar.set_description(f"{name} [{pp.point.name}]")
-            _done(run_and_record(experiment, pp, sweep_id, store), pp.key)
+            _done(run_and_record(experiment, pp, sweep_id, store, result.unsaved), pp.key)
     finally:
         bar.close()
     return result
@@ -369,7 +444,7 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
                  on_record: Callable[[R.Record], None]) -> None:
     """Submit every point as its own job, then wait for them. Records are written by the jobs; a
     job that ends without one (cancelled, out of time, killed) is recorded here with Slurm's
-    state as its status (``harness.slurm``), and so is a job whose own record only saw its
+    state as its status (``lab.slurm``), and so is a job whose own record only saw its
     ranks die because Slurm cancelled it."""
     modname = module_path(experiment)
     jobs = []
@@ -400,12 +475,12 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
             rec = value
             if status != value.status:
                 rec = dataclasses.replace(value, status=status, reason=reason)
-                store_of(pp).put(rec)
+                keep_record(rec, store_of(pp), pp.point.run_dir)
         else:  # the job raised outside run_and_record
             status, reason = R.classify_failure(value)
             status, reason = S.correct_status(status, reason, job.job_id, _logs(job))
             rec = make_record(pp.cfg, pp.point, pp.key, status, reason, {}, sweep_id, 0.0)
-            store_of(pp).put(rec)
+            keep_record(rec, store_of(pp), pp.point.run_dir)
         on_record(rec)
 
     def on_lost(item, job, state, code) -> None:
@@ -416,7 +491,7 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
         rec = make_record(pp.cfg, pp.point, pp.key, status, reason,
                           {"slurm_job_id": job.job_id}, sweep_id, 0.0)
         log.warning("point %s: %s", pp.point.name, reason.splitlines()[0])
-        store_of(pp).put(rec)
+        keep_record(rec, store_of(pp), pp.point.run_dir)
         on_record(rec)
 
     S.wait_for_jobs([((pp, job), job) for pp, job in jobs], on_result, on_lost)
@@ -435,7 +510,7 @@ def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
 def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: str,
                       out_dir: str, done: set | frozenset = frozenset()) -> list[str]:
     """One YAML per point that needs a cluster (measured, not in ``done``) for
-    ``sbatch slurm/<template> FILE`` (``harness.slurm.sbatch_command``; slurm/README.md).
+    ``sbatch slurm/<template> FILE`` (``lab.slurm.sbatch_command``; slurm/README.md).
     Simulated/analytic points run where they are planned."""
     todo = [pp for pp in planned if pp.point.mode == "measured" and pp.key not in done]
     if todo:
@@ -454,7 +529,7 @@ def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: st
 def run_point_file(path: str) -> R.Record | None:
     """Run the point described by a point file and record it (on a compute node)."""
     doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    cfg = C.validate(C.to_config(OmegaConf.create(doc["config"])))
+    cfg = launcher.check_config(C.to_config(OmegaConf.create(doc["config"])))
     pp = PlannedPoint(Point.from_dict(doc["point"]), cfg, doc["key"])
     return run_and_record(importlib.import_module(doc["experiment_module"]), pp,
                           doc.get("sweep_id", ""))

@@ -1,25 +1,14 @@
-"""Weights & Biases runs for a sweep's points (optional; the records in results/ are the truth).
+"""Weights & Biases runs for a sweep's points (optional; the records in ``results/`` are the truth).
 
-With ``logging.wandb=true`` every point becomes one W&B run: ``group`` = experiment name,
-``job_type`` = sweep id, ``name`` = point name (W&B's own environment variables, set by the sweep
-per point through ``point_environment`` and inherited by every rank). Two writers, one run each:
-
-* **live** (``StepLogger``, rank 0 of a training point, while it trains): ONE ``log`` per
-  optimizer step holding every series -- ``loss`` (rank 0's micro-batch loss; the record keeps
-  the DP mean), ``grad_norm``, ``loss_scale``, ``step_time_s``, ``tokens_per_s``,
-  ``tflops_per_gpu``, ``memory/...`` (W&B drops a ``log`` whose step is lower than the last one,
-  so one call per step keeps every series whole); at the end the summary gets the final metrics
-  and the memory/communication ledgers, and the run is finished (exit code 1 if training raised).
-  The point's record then carries ``metrics.wandb_run``.
-* **mirror** (``WandbMirror``, the sweep, after a record is written) for every other record
-  (simulated/analytic points, points that failed before training): ``config`` = the resolved
-  config plus params, key, mode and status; per-step series in the metrics as one ``log`` per
-  step; scalar metrics and the ledgers (``memory/<category>``, ``comm/...``) in the summary.
-
-The mode is ``logging.wandb_mode`` (``offline`` by default: nothing leaves the machine; upload
-later with ``wandb sync``). Never fatal: when ``logging.wandb`` is false, the mode is
-``disabled``, or wandb cannot be imported or fails, a warning is logged and the writer turns
-itself off. The mirror's ``backend`` argument is a seam for tests (wandb's ``init`` API).
+With ``logging.wandb=true`` every point is one W&B run (``group`` = experiment, ``job_type`` =
+sweep id, ``name`` = point, set per point through ``point_environment``), written by one of two
+writers: ``StepLogger`` (live, rank 0 of a training point: ONE ``log`` per optimizer step holding
+every series, since W&B drops a step lower than the last; the final metrics and ledgers in the
+summary; the record then carries ``metrics.wandb_run``) or ``WandbMirror`` (the sweep, after a
+record is written, for every other record: config, per-step series, scalars and ledgers).
+Mode ``logging.wandb_mode`` (``offline`` by default: nothing leaves the machine; ``wandb sync``
+later). Never fatal: when disabled, or wandb cannot be imported or fails, a warning is logged and
+the writer turns itself off. The mirror's ``backend`` argument is a seam for tests.
 """
 from __future__ import annotations
 

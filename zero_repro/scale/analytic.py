@@ -1,26 +1,19 @@
-"""Closed-form per-rank memory model of ZeRO (paper §3, §5, §6; Tables 1-2, Figure 6 seed).
+"""Closed-form per-rank memory model of ZeRO (paper §3, §5, §6; Tables 1-2, the Figure 6 seed).
 
-Model states per data-parallel rank: Table 1's formula, ``zero_repro.scale.paper.table1``
-(Ψ = parameters of one TP shard = param_count / tp, K = 12 for mixed-precision Adam):
-baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
-
-Residual states (§3.2, §6):
-  * activations without checkpointing: the paper's footnote counts ≈12·h·b·s·l *elements*
-    (fp16, so 24·h·b·s·l bytes: GPT-2 1.5B, s=1K, b=32 -> 60 GB). ``activation_bytes_per_layer``
-    is a finer per-op count of one Megatron block on one TP rank (op enumeration in its doc).
-  * checkpoints (one block input per layer): b·s·h elements per layer, 2 bytes each; P_a keeps
-    1/tp of them; P_a+cpu keeps none on the device. The paper's §6.1 example (100B, b=32, s=1024,
-    MP=16, "≈33 GB -> ≈2 GB") matches the *element count* b·s·h·l = 33.5e9 of the Table 5 100B
-    shape (125 x 8192); in fp16 bytes that is 67 GB, consistent with §3.2's "≈60 GB" for the same
-    model. We compute bytes; the tests document the discrepancy.
-  * working memory while one block is recomputed and back-propagated: one block's full
-    activations (+ the gathered full checkpoint with P_a) + the logits of the LM head.
-  * fused buffers: the runtime's per-rank formula (``runtime.zero.comm_buffer_bytes``, the stage
-    table): with C_B two gradient buckets of R elements at stages 2-3 plus the transport's
-    scratch, independent of the model size; without C_B one fused buffer of the model (the
-    paper's 32-bit one: 1.5B -> 6 GB).
-
-Units: bytes everywhere; ``GB`` = 1e9 bytes, as in the paper's tables.
+Model states per DP rank: Table 1's formula (``zero_repro.scale.paper.table1``; Ψ = parameters
+of one TP shard, K = 12): baseline 16Ψ, P_os 4Ψ + KΨ/N_d, P_os+g 2Ψ + 14Ψ/N_d, P_os+g+p 16Ψ/N_d.
+Residual states (§3.2, §6): activations without checkpointing (the paper's footnote ≈12·h·b·s·l
+elements, fp16: GPT-2 1.5B, s = 1K, b = 32 -> 60 GB, ``activation_elements_footnote``;
+``activation_bytes_per_layer`` counts one Megatron block per op on one TP rank); checkpoints
+b·s·h elements per layer (P_a: 1/tp of them; P_a+cpu: none on the device); working memory of one
+block's recompute and backward plus the LM-head logits; fused buffers by the runtime's formula
+(``zero_repro.runtime.zero.comm_buffer_bytes``: with C_B two gradient buckets of R elements at
+stages 2-3 plus the transport's scratch; without it one fused buffer of the model, the paper's
+32-bit one: 1.5B -> 6 GB). Bytes everywhere, ``GB`` = 1e9 bytes as in the paper's tables. The
+paper's §6.1 example (100B, b = 32, s = 1024, MP 16, "≈33 GB -> ≈2 GB") matches the *element*
+count b·s·h·l = 33.5e9 of Table 5's 100B shape (125 x 8192); in fp16 bytes that is 67 GB (§3.2's
+"≈60 GB"): we compute bytes, the tests document the gap.
+Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``.
 """
 from __future__ import annotations
 
@@ -148,7 +141,9 @@ def buffer_bytes(psi: float, constant_buffers: bool, reduce_bucket: int = 2_000_
     """Per-rank communication buffers of ``stage``: the runtime's formula (the stage table of
     ``runtime.zero``, ``comm_buffer_bytes``) for ``groups`` (default: one flat group of Ψ;
     stage 3: its units), ``lp_bytes`` per fused-buffer element, ``transport`` the DP one (the
-    paper's GPUs: ``native``). C_B: constant in Ψ; without it stage 2 holds one buffer of Ψ."""
+    paper's GPUs: ``native``). C_B: constant in Ψ; without it stage 3 holds one of its largest
+    unit, and stage 2's one buffer of Ψ is its gradient store (``memory_breakdown``'s
+    ``lp_grads``: the paper's 32-bit fused buffer, 6 GB for 1.5B), reduced in place."""
     return float(comm_buffer_bytes(stage, groups or [int(psi)], n_d, lp_bytes,
                                    (reduce_bucket, allgather_bucket) if constant_buffers
                                    else None, transport))
@@ -200,6 +195,8 @@ def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
     c = as_mem_config(config)
     psi = param_count_formula(n_layer, hidden, vocab, seq) / tp
     out = model_state_breakdown(psi, c.stage, n_d)
+    if c.stage == 2 and not c.c_b:  # one fused buffer of Ψ, the shard in it (the runtime's)
+        out["lp_grads"] = buffer_lp_bytes * psi
     layer = activation_bytes_per_layer(batch_per_gpu, seq, hidden, heads, tp, dropout)
     if c.checkpointing:
         out["activation_checkpoints"] = checkpoint_bytes(batch_per_gpu, seq, hidden, n_layer,

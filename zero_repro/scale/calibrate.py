@@ -1,23 +1,14 @@
-"""Calibration of the performance model's three free parameters on the paper's Figure 2 ZeRO
-series (and optionally Figure 3), and predictions of Figures 2 (baseline), 3, 4 and 8 without
-refitting (paper §10.2-10.5).
+"""Calibration of the performance model's three parameters (``e_max``, ``x_half``, ``comm_eff``) on
+the paper's Figure 2 ZeRO series; predictions of Figures 2 (baseline), 3, 4 and 8 without
+refitting (paper §10.2-10.5). Entry points: ``calibration``, ``fit``, ``predict_fig2/3/4/8``.
 
-Discipline: the only inputs taken from the paper are hardware specs (§10.1 -> conf/cluster/
-dgx2_v100.yaml), the experiment setups (Tables 5, 6, 9, 10 via ``zero_repro.scale.paper.setups``) and the fit
-targets (Figure 2 "ZeRO-100B" per-GPU TFLOPs; with ``use_fig3`` also the Figure 3 bars).
-Objective: sum of squared relative errors measured as log(simulated/paper) (symmetric in over-
-and under-prediction), minimised by a deterministic Nelder-Mead on the log of the parameters
-(no scipy needed), with bounds by clipping. Default: Figure 2 ZeRO only, so Figure 3 is a
-prediction too.
-
-Known limit: the paper's 100B -> 120B step (batch/GPU 32 -> 24, 38.7 -> 28.1 TF) is steeper
-than any compute + fixed-communication model allows (TF ∝ b/(b + b0) can drop at most to
-24/32 = 0.75 of its value; the paper shows 0.726), so these two points bound the fit quality.
-
-Which ZeRO-R configuration each Figure 2/3 point ran is not stated; we take the cheapest one
-that the analytic memory model lets fit on a 32 GB V100: C4 (P_os+g, P_a) when MP > 1, C3 when
-MP = 1 (P_a is a no-op without MP), and C5 (P_a+cpu) when C4 does not fit — the paper states
-170B needs P_a+cpu (§10.5).
+Taken from the paper: hardware specs (§10.1 -> ``conf/cluster/dgx2_v100.yaml``), setups (Tables
+5, 6, 9, 10, ``zero_repro.scale.paper.setups``), fit targets (Figure 2 "ZeRO-100B" TFLOPs/GPU;
+with ``use_fig3`` Figure 3's bars). Objective: Σ log(simulated / paper)², a deterministic
+Nelder-Mead on the log of the parameters, bounds by clipping. A Figure 2/3 point's ZeRO-R
+configuration (unstated, ``zero_config_for``): the cheapest the analytic model fits on a 32 GB
+V100: C4 when MP > 1, C3 when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu).
+Fit limits: ``results/fig2_throughput/notes.md``.
 """
 from __future__ import annotations
 

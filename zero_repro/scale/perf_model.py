@@ -1,38 +1,32 @@
 """Closed-form time per iteration (compute + alpha-beta communication over the real topology) and
-TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication analysis, §10
-throughput figures 2, 3, 4, 8).
+TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication, §10 Figures 2, 3, 4,
+8). ``step_time(workload, hardware, params)``, ``simulate``:
 
     T = T_compute + T_tp + T_dp,exposed + T_Pa + T_cpu
 
-* Compute. FLOPs per GPU = F/MP with F the Megatron convention (``zero_repro.runtime.model.flops``:
-  96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with recompute). They run at peak · eff, with a
-  saturating efficiency in the GEMM work per memory-bound attention-score element,
-      eff = e_max · x / (x + x_half),   x = 72·h²·(1 + s/(6h)) / (a·s)
-  Equivalently each score element (a·b·s²/MP per block) costs x_half GEMM-FLOP-equivalents.
-  (Tried and rejected, see calibrate.py: x = tokens·h/MP, and x = FLOPs per activation byte.)
-* Collectives: ring closed forms (n ranks, S bytes = the full buffer, per-rank bandwidth B,
-  per-step latency α):  all-reduce 2(n-1)/n·S/B + 2(n-1)α;  reduce-scatter and all-gather
-  (n-1)/n·S/B + (n-1)α. B is the bottleneck link of the group on the topology: NVSwitch per GPU
-  per direction inside a node; across nodes the node's NICs are shared by the groups that have
-  members on the node (MP=16 on a 16-GPU node: 16 DP groups, one GPU each, share 800 Gb/s).
-  The fitted efficiency ``comm_eff`` multiplies the inter-node (InfiniBand) and PCIe
-  bandwidths; NVSwitch runs at its per-direction spec (one η on every link fits Fig 2 worse:
-  max error 19% instead of 15%, with η ≈ 0.44).
-* TP (Megatron): per block 2 all-reduces of b·s·h forward, 2 backward, 2 more in the recompute
-  (6 = the paper's "12·s·h per block" volume, §8), + 2 for the vocab-parallel embedding/head;
-  over NVSwitch when MP <= GPUs/node, else over InfiniBand (the baseline's collapse >= 40B).
+* Compute: F/MP FLOPs per GPU (F: Megatron's convention with recompute,
+  ``zero_repro.runtime.model.flops``) at peak · eff, eff = e_max · x / (x + x_half) with
+  x = 72·h²·(1 + s/(6h)) / (a·s), the GEMM work per memory-bound attention-score element.
+* Collectives: ring closed forms (n ranks, S bytes of the full buffer, per-rank bandwidth B,
+  per-step latency α): all-reduce 2(n-1)/n·S/B + 2(n-1)α; reduce-scatter and all-gather
+  (n-1)/n·S/B + (n-1)α. B is the group's bottleneck link: NVSwitch per GPU per direction inside
+  a node; across nodes the node's NICs shared by the groups with members on it (MP 16 on a
+  16-GPU node: 16 DP groups of one GPU each share 800 Gb/s). The fitted
+  ``comm_eff`` scales the InfiniBand and PCIe bandwidths; NVSwitch runs at its spec.
+* TP: per block 2 all-reduces of b·s·h forward, 2 backward, 2 in the recompute (the paper's
+  "12·s·h per block", §8) + 2 for the vocab-parallel embedding/head; over NVSwitch when MP <=
+  GPUs per node, else over InfiniBand (the baseline's collapse at >= 40B).
 * DP: stage 0 all-reduces the lp gradients (Megatron 2019: after backward; PyTorch DDP with
-  ``overlap_comm``: bucketed during backward);
-  stages 1-2 reduce-scatter the gradients and all-gather the updated lp parameters after the
-  step. With ``overlap_comm`` the reduce-scatter hides behind backward compute (exposed =
-  max(0, T_rs - T_backward)); the all-gather is always exposed (the next forward needs it).
-  Stage 3: all-gather in forward and in backward + reduce-scatter, overlapped likewise.
-* P_a: one all-gather of b·s·h per block in backward over the TP group (§8).
-  P_a+cpu: 2x the partitioned checkpoint bytes over PCIe (§8); the device->host copy overlaps
-  the forward, the host->device copy in backward is synchronous.
+  ``overlap_comm``: bucketed during backward); stages 1-2 reduce-scatter them (hidden behind
+  backward with ``overlap_comm``: exposed = max(0, T_rs - T_backward)) and all-gather the lp
+  parameters after the step (always exposed); stage 3 all-gathers in forward and in backward
+  and reduce-scatters, overlapped likewise.
+* P_a: one TP all-gather of b·s·h per block in backward (§8); P_a+cpu: 2x the partitioned
+  checkpoint bytes over PCIe, the device->host copy overlapping forward, host->device in
+  backward synchronous.
 
-Not modelled: the optimizer step (memory bound, < 3% at these sizes), pipeline bubbles,
-allocator stalls/fragmentation, stragglers.
+Not modelled: the optimizer step, pipeline bubbles, allocator stalls and fragmentation,
+stragglers. Alternatives tried and their errors: ``results/fig2_throughput/notes.md``.
 """
 from __future__ import annotations
 

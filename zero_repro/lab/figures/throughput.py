@@ -71,6 +71,8 @@ DEFAULTS = {
     "local_batch": 4,  # int, or max_fit (analytic model, pretend device of local_device_mb)
     "local_device_mb": 180, "local_max_batch": 8,
 }
+# every experiment.params key the throughput figures read (cli.check_params)
+PARAMS = (*DEFAULTS, "table9_order")
 # Figure 4's baseline is PyTorch DDP, which overlaps its bucketed all-reduce with backward
 # (must match calibrate.predict_fig4; a test checks the two agree)
 OVERLAP = {"fig4": lambda s: s.series == "Baseline"}

@@ -1,16 +1,13 @@
 """The peer frameworks as runners of one training step each (``peers.runners`` drives them).
 
-One ``Runner`` per framework, all training the same GPT (``model.gpt``) from the same seed on
-the same global batches: torch DDP, DDP + ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``
-(resharding after forward or not), DeepSpeed ZeRO 1-3, this project's stages 0-3
-(``ZeroRepro``), the single-process reference (``Reference``: ``torch.optim.AdamW`` on the full
-global batch, what every framework is compared with) and ``LowerBound`` (the same micro-batch's
-forward + backward with no communication plus the fused AdamW on Ψ/N_d: the floor).
-
-``CommCounter`` (a ``TorchDispatchMode`` that sees every c10d collective, DDP's C++ reducer
-calls included) counts one untimed step's communication; ``storage_bytes`` /
-``optimizer_state_tensors`` measure the distinct storages of parameters, gradients and optimizer
-state a rank holds. ``RUNNERS``: framework name -> runner class.
+One ``Runner`` per framework (``RUNNERS``: name -> class), all training the same GPT from the same
+seed on the same global batches: torch DDP, DDP + ``ZeroRedundancyOptimizer``, FSDP2
+``fully_shard`` (resharding after forward or not), DeepSpeed ZeRO 1-3, this project's stages 0-3
+(``ZeroRepro``), the single-process reference every framework is compared with (``Reference``:
+``torch.optim.AdamW`` on the full global batch) and the floor (``LowerBound``: the micro-batch's
+forward + backward without communication plus the fused AdamW on Ψ/N_d). ``CommCounter`` (a
+``TorchDispatchMode`` seeing every c10d collective, DDP's C++ reducer included) counts a step's
+communication; ``storage_bytes`` / ``optimizer_state_tensors`` measure a rank's distinct storages.
 """
 from __future__ import annotations
 
@@ -57,7 +54,7 @@ FRAMEWORKS: dict[str, tuple[int, str]] = {
     "zero_repro_s2": (2, "zero_repro"),
     "zero_repro_s3": (3, "zero_repro"),
     # the same stages with their DP buckets on gloo's sockets (point-to-point), as the peers'
-    # are, instead of shared memory (distributed.shm): what the transport alone gives
+    # are, instead of shared memory (runtime.comm.cpu.shm): what the transport alone gives
     "zero_repro_s0_p2p": (0, "zero_repro"),
     "zero_repro_s1_p2p": (1, "zero_repro"),
     "zero_repro_s2_p2p": (2, "zero_repro"),
@@ -276,8 +273,8 @@ class TorchDDP(Runner):
 class TorchDDPShm(TorchDDP):
     """torch DDP whose bucket all-reduce is a comm hook (``DDP.register_comm_hook``, torch's
     API for replacing DDP's communication) on the DP group's bucket transport: on one host the
-    shared-memory one (``distributed.shm``) zero_repro's stages use. Each bucket is averaged and
-    waited in the hook (DDP takes the hook's completed future)."""
+    shared-memory one (``runtime.comm.cpu.shm``) zero_repro's stages use. Each bucket is
+    averaged and waited in the hook (DDP takes the hook's completed future)."""
 
     name = "torch_ddp_shm"
 
@@ -352,6 +349,9 @@ class DeepSpeedZero(Runner):
     """DeepSpeed engine, ZeRO stage k, fp32, a plain torch AdamW as the client optimizer."""
 
     ds_stage = 1
+    # DeepSpeed's overlap_comm (its reductions on a side stream while backward runs); the
+    # committed peers race ran with it on
+    overlap_comm = True
 
     def __init__(self, spec, rank, world):  # noqa: D107
         ok, why = deepspeed_available()
@@ -370,7 +370,7 @@ class DeepSpeedZero(Runner):
         cfg = {"train_micro_batch_size_per_gpu": spec.train.micro_batch_size,
                "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-               "zero_optimization": {"stage": self.ds_stage, "overlap_comm": z.overlap_comm,
+               "zero_optimization": {"stage": self.ds_stage, "overlap_comm": self.overlap_comm,
                                      "contiguous_gradients": True,
                                      "reduce_bucket_size": z.reduce_bucket_size,
                                      "allgather_bucket_size": z.allgather_bucket_size}}

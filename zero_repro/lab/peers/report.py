@@ -1,38 +1,28 @@
-"""Equivalence and speed reports for the peer comparison (paper §5/§7 claims checked against
-torch DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and this project's stages).
+"""Equivalence and speed reports of the peer comparison (paper §5/§7 claims checked against torch
+DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and this project's stages).
 
-Input: the per-rank results of ``runners.run_peers`` (one dict per rank), for one or several
-process sets (``runners.process_sets``: a framework that patches torch runs in a set of its
-own). Output: plain dicts (JSON-able, stored in the record) and a text rendering.
+Input: the per-rank results of ``runners.run_peers`` for one or several process sets
+(``runners.process_sets``). Output: JSON-able dicts (stored in the record) and a text rendering
+(``format_report``).
 
-Equivalence (fp32): for every framework f and step s,
-  loss:   |L_f(s) - L_ref(s)| <= loss_tol, with L_f(s) the mean of the ranks' local losses
-          (equal rank batches, so it is the global-batch mean) and L_ref(s) the reference's;
-  params: per element e, |θ_f(s) - θ_ref(s)| <= floor(s) + B_e(s), with
-          floor(s) = param_tol_rel_lr · lr · (s + 1) and B_e(s) the conditioning budget
-          (``frameworks.Reference``): Σ_k lr · min(2, 2δ_k / (√v̂_k,e + eps)), δ_k the fp32 rounding
-          of the gradient (grad_rounding_rel · max |g_k| of the tensor).
-Why the budget: two fp32 runs that sum the same gradient in a different order (DP ranks sum
-half-batch gradients) differ by δ. Adam's update lr·m̂/(√v̂+eps) is insensitive to δ where the
-gradient dominates eps, but where |g| is below eps (e.g. 4e-9 against eps 1e-8) it divides δ by
-~eps: the first step can move such an element by up to 2·lr (a sign flip), whichever framework
-runs, DDP included. A fixed floor of 0.05·lr flagged exactly that (1.5066e-5 vs 1.5e-5 at step
-0 on a weight with a ~4e-9 gradient), on some machines and not others. With the budget a
-verdict does not depend on the machine's rounding, while a real bug (a shard not updated, a
-wrong slice, a sum instead of a mean) still moves well-conditioned elements (budget ~0) by ~lr
-at once. The verdict value is max_e |Δθ_e| / (floor + B_e) (<= 1: equivalent); the elements
-that needed their budget are counted. The first (step, tensor, rank) beyond tolerance is named.
+Equivalence (``equivalence``, fp32), for every framework f and step s:
+  loss:   |L_f(s) - L_ref(s)| <= loss_tol (L_f: the ranks' mean local loss = the global-batch
+          mean; L_ref: the reference's);
+  params: per element e, |θ_f(s) - θ_ref(s)| <= floor(s) + B_e(s), floor(s) = param_tol_rel_lr ·
+          lr · (s + 1), B_e(s) the conditioning budget (``frameworks.Reference``) Σ_k lr ·
+          min(2, 2δ_k / (√v̂_k,e + eps)), δ_k = grad_rounding_rel · max |g_k| of the tensor.
+The budget covers fp32 rounding of a gradient summed in another order, which Adam divides by ~eps
+where |g| < eps (any framework, DDP included), while a real bug still moves well-conditioned
+elements (budget ~0) by ~lr. Verdict: max_e |Δθ_e| / (floor + B_e) <= 1; the elements that
+needed their budget are counted, the first (step, tensor, rank) beyond tolerance is named.
 
-Speed: per framework the step time of a step is the slowest rank's; its timed steps (after
-warm-up; the comm-counted step excluded) are split into ``repeats`` consecutive blocks and
-the median of each block is one repeat; ``step_time_s`` is the median over all timed steps
-and ``repeats_s`` shows the spread. ``lower_bound`` (compute + the fused AdamW on Ψ/N_d, no
-communication) runs in every process set: ``ratio_to_bound`` = t / bound of the same set.
-``ratio_to_best_peer`` divides by the fastest *other-framework* peer at the same ZeRO stage:
-t_f / t_peer when both ran in one set, else (t_f / bound_f) / (t_peer / bound_peer) (the bound
-puts two sets on one scale: machine load hits the bound as it hits the frameworks).
-``ratio_to_ddp`` divides by torch DDP. The issue's goals (issue 17): zero_repro stage k <=
-0.95 × the best peer at stages 0-1, <= 0.80 at stages 2-3, and <= 1.15 × the lower bound.
+Speed (``speed``, ``speed_sets``): a step's time is the slowest rank's; ``step_time_s`` the median
+over the timed steps, ``repeats_s`` the medians of ``repeats`` consecutive blocks.
+``ratio_to_bound`` = t / the lower bound of the same process set; ``ratio_to_best_peer`` divides
+by the fastest other framework at the same stage (directly within one set, across sets through
+each set's bound); ``ratio_to_ddp`` by torch DDP. Goals (``GOAL_RATIO``, ``GOAL_BOUND``):
+zero_repro stage k <= 0.95 × the best peer at stages 0-1, <= 0.80 at stages 2-3, and <= 1.15 ×
+the lower bound.
 """
 from __future__ import annotations
 
@@ -41,8 +31,8 @@ import statistics
 
 from zero_repro.lab.peers.frameworks import FRAMEWORKS
 
-GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # issue 17: ours / best peer, per stage
-GOAL_BOUND = 1.15  # issue 17: ours / lower bound, every stage
+GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # goal: ours / best peer, per stage
+GOAL_BOUND = 1.15  # goal: ours / lower bound, every stage
 BOUND = "lower_bound"
 
 
@@ -223,7 +213,7 @@ def format_report(eq: dict, sp: dict) -> str:
             f"DIVERGES at step {fd['step']} in {fd['tensor']} (rank {fd['rank']})" if fd else "-")
         goal = ""
         if s.get("goal_met") is not None:
-            goal = (f"  issue-17 goal <= {s['goal_ratio']:.2f} x best peer: "
+            goal = (f"  goal <= {s['goal_ratio']:.2f} x best peer: "
                     + ("met" if s["goal_met"] else "NOT met"))
         if s.get("goal_bound_met") is not None:
             goal += f"; <= {GOAL_BOUND:.2f} x bound: " + ("met" if s["goal_bound_met"]

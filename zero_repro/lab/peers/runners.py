@@ -1,35 +1,20 @@
-"""Peer runners: the same GPT, seed and global batches trained by torch DDP, DDP +
-ZeroRedundancyOptimizer, FSDP2 ``fully_shard``, DeepSpeed ZeRO 1-3 and this project's stages
-0-3, each in lock step with a single-process reference (paper §5: every ZeRO-DP stage trains
-*the same model* as baseline DP; §7: stages 0-2 move 2Ψ elements per step, stage 3 moves 3Ψ).
+"""Peer runners: one GPT, seed and sequence of global batches trained by torch DDP, DDP +
+ZeroRedundancyOptimizer, FSDP2 ``fully_shard``, DeepSpeed ZeRO 1-3 and this project's stages 0-3,
+each in lock step with a single-process reference (paper §5: every stage trains *the same model*
+as baseline DP; §7: stages 0-2 move 2Ψ elements per step, stage 3 3Ψ).
 
-Equivalence: after every step s each framework's parameters θ_f(s) are compared with the
-reference θ_ref(s) (``torch.optim.AdamW`` on the TP=1 model over the full global batch):
-``max |θ_f(s) - θ_ref(s)|`` per tensor, over the elements this rank holds (a full replica for
-DDP-like peers, the local shard for FSDP2, the gathered parameters for the project's stages and
-DeepSpeed ZeRO-3). The reference runs on every rank (redundantly, not timed), so no reference
-snapshot is stored or sent anywhere.
-
-Speed: frameworks are interleaved step by step (the order rotates every step) inside one set of
-processes, so load from other programs on the machine hits every framework alike. A timed step
-is barrier -> forward/backward/step/zero_grad -> clock; the step time of a step is the slowest
-rank's. Like with like: with ``optimizer="fused"`` every peer runs ``torch.optim.AdamW(
-fused=True)``, the kernel of this project's ShardAdamW (``"as_shipped"``: the peers' defaults).
-``lower_bound`` is the floor: the same micro-batch's forward + backward with no communication
-plus the fused AdamW on Ψ/N_d elements.
-
-Isolation: a framework that replaces a torch function for the whole process (``PATCHES_TORCH``:
-DeepSpeed ZeRO-3 sets ``torch.nn.functional.linear``, measured) runs in its own process set
-(``process_sets``), so no other framework runs through its functions; the lower bound runs in
-every set and puts the sets on one scale (report.py).
-
-Communication: one untimed warm-up step per framework runs under ``CommCounter`` (a
-``TorchDispatchMode`` that sees every c10d collective, including DDP's C++ reducer calls) and is
-counted in a ``comm.CommLedger`` with comm.py's paper-volume convention. Memory: bytes of the
-distinct storages of parameters, gradients and optimizer state this rank holds after a step.
-
-Entry points (module level, usable with ``launch.spawn``): ``run_peers(rank, world, spec)``
-and one ``run_<framework>`` per framework.
+``run_peers(rank, world, spec)`` (module level, for ``launch.spawn``): after every step each
+framework's parameters are compared with the reference's (``torch.optim.AdamW`` on the TP=1 model
+over the full global batch, run redundantly on every rank, untimed) over the elements the rank
+holds. Frameworks are interleaved step by step (the order rotates) so machine load hits them
+alike; a timed step is barrier -> forward/backward/step/zero_grad -> clock, its time the slowest
+rank's. ``optimizer="fused"`` gives every peer ``torch.optim.AdamW(fused=True)``, the kernel of
+``ShardAdamW`` (``"as_shipped"``: the peers' defaults); ``lower_bound`` is the same micro-batch's
+forward + backward without communication plus the fused AdamW on Ψ/N_d. A framework that patches
+torch for the whole process (``PATCHES_TORCH``) runs in a process set of its own
+(``process_sets``); the lower bound runs in every set. One untimed step per framework is counted
+under ``CommCounter`` in a ``comm.CommLedger`` (§7 convention); memory is the distinct storages
+of parameters, gradients and optimizer state after a step.
 """
 from __future__ import annotations
 

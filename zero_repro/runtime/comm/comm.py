@@ -1,23 +1,16 @@
-"""The only module that calls torch.distributed collectives (paper §7 communication analysis).
+"""The only caller of torch.distributed collectives; it counts what each one moves (paper §7).
 
 Every collective goes through here so that the *communication ledger* can count what each
 step moves, per collective and per process group, and so that API renames between torch
 versions live in one place (torch 2.13 deprecates ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``;
-older cluster installs only have the former).
+older cluster installs only have the former; the c10d ops' meta kernels, below).
 
-Counting convention (what the paper's §7 calls "communication volume", in elements):
-
-* ``all_reduce`` of n elements counts 2n (a bandwidth-optimal all-reduce is a reduce-scatter
-  followed by an all-gather, §7.1);
-* ``reduce_scatter`` counts the full (unsharded) input n;
-* ``all_gather`` counts the full (gathered) output n;
-* ``broadcast`` counts n;
-* ``reduce`` (to one root) counts n.
-
-With that convention baseline DP, P_os and P_os+g move 2Ψ elements per step and P_os+g+p 3Ψ.
-The ledger also records raw bytes and call counts. A group of size 1 performs no
-communication and records nothing.
+Counting convention (§7 "communication volume", in elements): ``all_reduce`` of n counts 2n
+(a reduce-scatter plus an all-gather, §7.1); ``reduce_scatter`` counts its full input n,
+``all_gather`` its full output n, ``broadcast`` and ``reduce`` n. Invariant: baseline DP, P_os
+and P_os+g move 2Ψ elements per step, P_os+g+p 3Ψ. Raw bytes and call counts are kept too; a
+group of size 1 communicates nothing and records nothing.
 """
 from __future__ import annotations
 
@@ -29,6 +22,15 @@ from typing import Sequence
 
 import torch
 import torch.distributed as tdist
+
+if not torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Meta"):
+    # older torch (2.7.1 among them) registers the c10d collectives' meta kernels only when this
+    # module is imported (newer ones at ``import torch``, and then it is not imported: it pulls in
+    # seconds of torch.distributed); the paper-scale dry run runs collectives on meta tensors
+    try:
+        import torch.distributed._tools.fake_collectives  # noqa: F401
+    except ImportError:  # torch 2.6 and older: no meta kernels, the dry run's meta backend fails
+        pass
 
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 if hasattr(tdist.ReduceOp, "AVG"):
@@ -90,7 +92,7 @@ class Group:
     # the backend whose bucket transport a dry run models on this group ("" = its own): a dry
     # run of a gloo configuration runs on ``fake`` but accounts gloo's transport
     models: str = ""
-    # the shared-memory channel of a gloo group on one host (``distributed.shm``), once built
+    # the shared-memory channel of a gloo group on one host (``cpu.shm``), once built
     channel: object | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -117,9 +119,14 @@ def is_initialized() -> bool:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 300.0,
-                       init_method: str | None = None, store=None) -> None:
+                       init_method: str | None = None, store=None,
+                       device_id: torch.device | None = None) -> None:
+    """The default group. ``device_id`` (NCCL: this rank's current GPU) binds it to one device:
+    its communicators are created eagerly here, sub-groups split from them (``ncclCommSplit``)."""
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     if store is not None:
         kwargs["store"] = store
     elif init_method is not None:

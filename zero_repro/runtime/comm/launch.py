@@ -1,21 +1,14 @@
-"""Process launch: local multi-process spawn (gloo, CPU), torchrun / SLURM env (NCCL, GPU),
-and the ``fake`` backend for paper-scale dry runs.
+"""Process launch: local spawn of gloo CPU ranks (``spawn``), torchrun / Slurm environments (NCCL,
+``init_from_env``) and the ``fake`` group of paper-scale dry runs (``init_fake``).
 
-``spawn`` starts ``world_size`` fresh Python processes (``spawn`` start method, so no CUDA or
-gloo state is inherited), each of which initialises the default process group and calls
-``fn(rank, world_size, *args)``. Results come back through per-rank pickle files. If any rank
-raises or dies, the others are terminated and ``WorkerFailed`` names the failing rank, so a
-crashed rank never leaves the rest hanging in a collective; a rank that hangs while its peers
-time out waiting for it is the one named.
-
-Ranks die with their parent: on Linux each rank asks the kernel for SIGKILL when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls ``os.getppid()``; a parent
-that is interrupted (KeyboardInterrupt, or the CLI's SIGTERM handler raising) terminates its
-ranks on the way out. A rank that returned destroys its process groups and leaves with
-``os._exit(0)``: no gloo object outlives ``destroy_process_group`` into interpreter teardown
-(where gloo aborted: "terminate called without an active exception"). Per-spawn temporary
-directories are named after the parent's pid; those of dead parents (a SIGKILLed CLI) are
-removed by the next spawn.
+``spawn(fn, world_size, *args)`` starts fresh processes (``spawn`` start method: no CUDA or gloo
+state inherited); each initialises the default group, runs ``fn(rank, world_size, *args)`` and
+returns its result through a per-rank pickle file. Invariants: a rank that raises, dies or hangs
+is named in ``WorkerFailed`` and the others are terminated (none is left in a collective); ranks
+die with their parent (``PR_SET_PDEATHSIG``, else a watchdog thread), and an interrupted parent
+terminates them; a rank that returned destroys its groups and leaves with ``os._exit(0)`` (no
+gloo object outlives ``destroy_process_group`` into teardown, where gloo aborts); the next spawn
+removes the temporary directories of dead parents.
 """
 from __future__ import annotations
 
@@ -122,6 +115,42 @@ def _environment(env: dict[str, str] | None):
         os.environ.update(saved)
 
 
+def cuda_device(local_rank: int) -> torch.device:
+    """This rank's GPU, made current: device ``local_rank % torch.cuda.device_count()`` (a site
+    that binds one visible GPU to each task, e.g. Slurm's ``--gpus-per-task=1``, shows every rank
+    its GPU as device 0). Called before the process group exists, so NCCL's communicators are
+    created on it eagerly (``device_id``). fp32 matmuls use TF32 tensor cores unless
+    ``ZR_TF32=0`` (PyTorch's own default is off since 1.12)."""
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("a CUDA rank but no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+    device = torch.device("cuda", local_rank % n)
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32()
+    return device
+
+
+def tf32() -> bool:
+    """Whether CUDA ranks run fp32 matmuls on TF32 tensor cores (``ZR_TF32``, default 1)."""
+    want = os.environ.get("ZR_TF32", "1")
+    if want not in ("0", "1"):
+        raise ValueError(f"ZR_TF32={want!r}: use 1 (TF32 for fp32 matmuls) or 0 (full fp32)")
+    return want == "1"
+
+
+def _group_device(backend: str, local_rank: int) -> torch.device | None:
+    """The device an NCCL process group binds to (set current first), None for gloo/fake."""
+    return cuda_device(local_rank) if backend == "nccl" else None
+
+
+# how this process's default group was set up: spawn (the local launcher), torchrun or slurm
+_rendezvous = ""
+
+
+def rendezvous() -> str:
+    return _rendezvous
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -139,8 +168,11 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
     torch.set_num_threads(max(1, int(os.environ.get("ZR_THREADS_PER_RANK", "1"))))
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
+        global _rendezvous
+        _rendezvous = "spawn"
         comm.init_process_group(backend, rank, world_size, timeout_s=timeout_s,
-                                init_method=f"tcp://127.0.0.1:{port}")
+                                init_method=f"tcp://127.0.0.1:{port}",
+                                device_id=_group_device(backend, rank))
         result = fn(rank, world_size, *args)
         payload = ("ok", result)
     except BaseException as e:  # noqa: BLE001 - report any failure to the parent
@@ -273,7 +305,9 @@ def _reason(out_dir: str, rank: int, exitcode) -> str:
 
 
 def init_from_env(backend: str, timeout_s: float = 1800.0) -> tuple[int, int, int]:
-    """torchrun / srun launch: init the default group from the environment."""
+    """torchrun / srun launch: init the default group from the environment (NCCL: on this
+    rank's GPU, made current first)."""
+    global _rendezvous
     info = comm.env_rank_info()
     if info is None:
         raise RuntimeError("no RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS (srun) "
@@ -284,7 +318,9 @@ def init_from_env(backend: str, timeout_s: float = 1800.0) -> tuple[int, int, in
     # source env.sh): two jobs sharing a node must not both listen on 29500
     job = os.environ.get("SLURM_JOB_ID", "")
     os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000) if job.isdigit() else "29500")
-    comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://")
+    _rendezvous = "torchrun" if "RANK" in os.environ else "slurm"
+    comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://",
+                            device_id=_group_device(backend, local))
     return rank, world, local
 
 

@@ -1,41 +1,32 @@
-"""Bucket transport: how one group moves a bucket's reduce-scatter, all-gather and all-reduce
+"""Bucket transports: how one group moves a bucket's reduce-scatter, all-gather and all-reduce
 (paper §7), behind one narrow contract (FSDP2's ``_fsdp_api`` plug-ins are the model).
+``bucket_transport(group)`` picks one per group from its backend; the stages never ask which.
 
-What a ZeRO-DP stage may do with the transport of its DP group (``Transport``), and nothing else:
+What a ZeRO-DP stage may do with its DP group's transport (``Transport``), and nothing else:
+``buffer(numel, dtype)`` (a zeroed tensor where a persistent bucket or shard should live; the
+caller owns and counts it), ``reduce_scatter(out, inp)`` (``out``, c elements, receives the sum
+of every rank's chunk ``rank`` of ``inp``, N·c; ``out`` may be that chunk of ``inp``; the other
+chunks are undefined afterwards), ``all_gather(out, inp)`` (``out``, N·c, receives every rank's
+``inp`` in rank order; ``inp`` may be this rank's chunk of ``out``), ``all_reduce(buf)`` (in
+place) and ``held_bytes()`` (what the transport holds itself, for the ledger). A collective
+returns a ``work.Work``: once ``wait()`` returns the result is in place and the inputs may be
+written again (peers that read them in place are done). Scratch, in-flight limits and whatever
+a transport does to be fast stay inside it; ``name`` says which ran (records, dry runs).
 
-* ``buffer(numel, dtype)``: a zeroed tensor where a persistent bucket or shard should live (a
-  transport may place it where its peers read it in place; the caller owns and counts it);
-* ``reduce_scatter(out, inp)``: ``inp`` is ``N·c`` elements (rank order), ``out`` receives the
-  sum of every rank's chunk ``rank`` (``c`` elements); ``out`` may be this rank's chunk of
-  ``inp``; the other chunks of ``inp`` are undefined afterwards;
-* ``all_gather(out, inp)``: ``out`` (``N·c``) receives every rank's ``inp`` (``c``) in rank
-  order; ``inp`` may be this rank's chunk of ``out``;
-* ``all_reduce(buf)``: the sum over the group, in place;
-* ``held_bytes()``: bytes the transport itself holds (scratch, channels) for the ledger.
-
-Each collective returns a ``work.Work``: once ``wait()`` returns, the result is in place and
-the caller may write the inputs again (peers that read them in place are done). Until then the
-caller neither reads the result nor writes the inputs. Scratch, limits on what is in flight,
-and whatever a transport does to be fast stay inside it. ``name`` says which ran (records,
-``dry_run(transport_of=...)``).
-
-The implementations, picked once per group by ``bucket_transport`` from the backend:
-
-* ``NativeTransport`` (NCCL and others; on gloo with ``ZR_CPU_TRANSPORT=native``): the
-  backend's ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, whose input must not alias
-  the output: an in-place request is staged through at most 2 scratch chunks (``work.Scratch``).
+* ``NativeTransport`` (NCCL and others; gloo with ``ZR_CPU_TRANSPORT=native``): the backend's
+  collectives into separate outputs; an in-place request is staged through at most 2 scratch
+  chunks (``work.Scratch``).
 * ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
-  exchanges with every peer, faster on gloo than its emulated collectives; a reduce-scatter
-  receives the peers' contributions in (N - 1)·c elements of scratch, one of them straight into
-  a separate output (at most 2 in flight), an all-gather receives in place.
-* ``RootedTransport`` (the ``fake`` group of the memory dry run): N rooted reduces /
-  broadcasts per bucket, in place, no scratch.
-* ``cpu.shm_transport.ShmTransport`` (gloo ranks on one host, the default there): the
-  group's shared-memory channel, its ``buffer``s mapped by the peers.
+  exchanges with every peer; a reduce-scatter receives (N - 1)·c elements of scratch, one chunk
+  straight into a separate output, at most 2 in flight; an all-gather receives in place.
+* ``RootedTransport`` (the dry run's ``fake`` group): N rooted reduces / broadcasts per bucket,
+  in place, no scratch.
+* ``cpu.shm_transport.ShmTransport`` (gloo ranks on one host, the default there): the group's
+  shared-memory channel, its ``buffer``s mapped by the peers.
 
-All move the same elements to the same ranks with the same §7 volume; the sum of a
-reduce-scatter's chunk is taken by its owner (own chunk, then the peers' in rank order on the
-CPU transports), so every rank holds the same values.
+Invariant: all move the same elements to the same ranks with the same §7 volume; a chunk's sum
+is taken by its owner (own chunk, then the peers' in rank order on the CPU transports), so every
+rank holds the same values. Timings of the gloo variants: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Parameter counts and training FLOPs of the GPT-2-like model (paper §10: model sizes Ψ and the
-throughput in TFLOPs/GPU of Figures 2, 3, 4 and 8).
+"""Parameter counts and training FLOPs of the GPT-2-like model (paper §10: the model sizes Ψ and
+the TFLOPs/GPU of Figures 2, 3, 4 and 8).
 
 Parameters (bias on, vocabulary V, sequence s, hidden h, layers l):
 
@@ -9,20 +9,26 @@ Parameters (bias on, vocabulary V, sequence s, hidden h, layers l):
           proj, MLP  LayerNorms  embeddings    (weight, bias)
           (3+1+4+4)  (4h)/block  (LM head tied)
 
-FLOPs per iteration (global batch B sequences of length s), Megatron-LM convention
-(Narayanan et al., 2021, eq. 3; the ZeRO paper never states how it computes TFLOPs):
+FLOPs per iteration (global batch B of length-s sequences), Megatron-LM's convention
+(Narayanan et al., 2021, eq. 3; the ZeRO paper does not state its own): forward =
+24·B·s·l·h²·(1 + s/(6h)) + 2·B·s·h·V (matmuls, 2 FLOPs per MAC), backward = 2 × forward, and
+with activation recompute the blocks' forward once more (the LM head not):
 
-    forward  = 24·B·s·l·h²·(1 + s/(6h)) + 2·B·s·h·V     (matmuls only, 2 FLOPs per MAC)
-    backward = 2 × forward
-    with activation recompute (the paper's runs checkpoint every block) the blocks' forward runs
-    once more, the LM head does not:
-        F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
-    without recompute:
-        F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
-    (the logit term 6·B·s·h·V is the same in both; writing the second as 72·(…+V/(16lh)) would
-    undercount it.)
+    with recompute     F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
+    without recompute  F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
 
-Attention scores count the full s×s product (no causal halving), as Megatron does.
+(the logit term 6·B·s·h·V is the same in both). Attention scores count the full s×s product (no causal halving), as Megatron does: the
+paper's TFLOPs/GPU convention (``flops_per_iteration``). Utilisation is reported in two honest
+forms beside it (PaLM, Chowdhery et al. 2022, App. B):
+
+    MFU's FLOPs (model): no recompute, causal attention (the s² terms halved: the causal mask
+        makes half the scores unneeded, and flash/memory-efficient kernels skip them)
+        F_model = 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h))
+    HFU's FLOPs (hardware): what runs, recompute included when checkpointing is on
+        F_hw = 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h))     (= F_model without checkpointing)
+
+Entry points: ``param_count``, ``flops_per_iteration``, ``model_flops_per_iteration``,
+``tflops_per_gpu``.
 """
 from __future__ import annotations
 
@@ -77,6 +83,23 @@ def flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: 
     if recompute:
         return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def model_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int,
+                              vocab: int) -> float:
+    """MFU's numerator: 72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h)) (no recompute, causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    return 72.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (12 * l * h))
+
+
+def hardware_flops_per_iteration(batch: int, seq: int, n_layer: int, hidden: int, vocab: int,
+                                 recompute: bool) -> float:
+    """HFU's numerator: the model FLOPs plus, with activation checkpointing, the blocks'
+    forward once more: 96·B·s·l·h²·(1 + s/(12h) + V/(16·l·h)) (causal)."""
+    b, s, l, h, v = batch, seq, n_layer, hidden, vocab
+    if not recompute:
+        return model_flops_per_iteration(b, s, l, h, v)
+    return 96.0 * b * s * l * h * h * (1 + s / (12 * h) + v / (16 * l * h))
 
 
 def flops_per_iteration_cfg(cfg: ModelConfig, batch: int, recompute: bool = True,

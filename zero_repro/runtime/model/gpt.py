@@ -1,25 +1,20 @@
-"""GPT-2-like language model (nanoGPT shape) with Megatron tensor parallelism: the model ZeRO
-trains in the paper's experiments (§10.1: "GPT-2 like transformer based models").
+"""GPT-2-like language model (nanoGPT shape) with Megatron tensor parallelism: the model the
+paper's experiments train (§10.1, "GPT-2 like transformer based models").
 
 Pre-LN blocks, learned position embedding, causal self-attention, GELU MLP of width 4h, final
-LayerNorm, LM head tied to the vocabulary-parallel token embedding. Parameter count (bias on,
-padded vocabulary V):  Ψ = 12·l·h² + 13·l·h + (V + s)·h + 2h  (see ``flops.param_count``).
+LayerNorm, LM head tied to the vocabulary-parallel token embedding; Ψ = 12·l·h² + 13·l·h +
+(V + s)·h + 2h for the padded vocabulary V (``flops.param_count``). TP degree t: QKV and MLP-in
+column-parallel, attention-out and MLP-out row-parallel, vocabulary-parallel embedding and
+cross entropy. The model knows nothing of ZeRO: checkpointing and stage-3 gathering wrap
+``model.blocks`` (``Block``: ``x -> x``) from outside.
 
-Tensor parallelism (TP degree t): QKV and MLP-in are column-parallel (heads / MLP columns split
-over t), attention-out and MLP-out are row-parallel (one all-reduce each), the token embedding
-is vocabulary-parallel, and the loss is the vocabulary-parallel cross entropy of the per-shard
-logits. The model knows nothing of ZeRO: activation checkpointing and stage-3 parameter
-gathering wrap ``model.blocks`` (an ``nn.ModuleList`` of ``Block``, ``block(x) -> x``) from outside.
-
-Vocabulary padding: the embedding has ``padded_vocab(cfg, t)`` rows; rows >= vocab_size are zero
-at init and, since the loss excludes their logits (masked to -inf inside the cross entropy)
-and no input id reaches them, their gradient is exactly zero, so they stay zero. Returned logits
-therefore hold 0 in padded columns; compare or sample from the first ``vocab_size`` columns only.
-
-TP-consistent init: every parameter's *full* (TP=1) tensor is drawn from a CPU generator seeded
-by (seed, parameter name) and this rank keeps its slice, so any TP degree trains the same model.
-QKV uses a head-major layout [head, (q,k,v), head_dim] along its output dim so that a contiguous
-TP slice is a whole group of heads with their q, k and v.
+Invariants: padded vocabulary rows (``padded_vocab``) start at zero, their logits are masked in
+the loss, so their gradient is exactly zero and they stay zero (compare or sample from the first
+``vocab_size`` columns only); initialisation is TP-consistent (each full tensor drawn from a
+generator seeded by (seed, parameter name), each rank keeps its slice: any TP degree trains the
+same model); QKV is head-major ([head, (q, k, v), head_dim]) so a TP slice is whole heads.
+``init_on="device"`` draws each full tensor with a generator on the parameters' device instead
+(the same model for every TP degree of that device type, not the CPU draw's values).
 """
 from __future__ import annotations
 
@@ -67,7 +62,7 @@ class CausalSelfAttention(nn.Module):
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      dropout_p: float) -> torch.Tensor:
     """Causal fused attention (B, nh, T, hd). On ``meta`` tensors (the paper-scale dry run,
-    ``simulate.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
+    ``zero_repro.scale.dryrun``) ``F.scaled_dot_product_attention`` would take its math path, which
     materialises the s² scores; PyTorch chooses the kernel by device above the dispatcher
     (``sdp_utils.cpp``), so the dry run calls the kernel a CUDA GPU runs instead: the
     memory-efficient one, the choice on the paper's V100s (sm70; flash attention needs sm80+),
@@ -109,7 +104,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: comm.Group | None = None, device=None,
-                 dtype=None, seed: int = 0):
+                 dtype=None, seed: int = 0, init_on: str = "cpu"):
         super().__init__()
         self.cfg = cfg
         self.tp_group = group = _resolve_group(tp_group)
@@ -127,7 +122,7 @@ class GPT(nn.Module):
         log.debug("GPT %s: %d layers x %d, tp %d, padded vocab %d", cfg.name, cfg.n_layer,
                   cfg.n_embd, group.size, self.vocab_padded)
         if torch.device(device or "cpu").type != "meta":
-            self.init_weights(seed)
+            self.init_weights(seed, on=init_on)
 
     # ---------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -185,8 +180,11 @@ class GPT(nn.Module):
         return "normal", self.cfg.init_std
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``."""
+    def init_weights(self, seed: int = 0, on: str = "cpu") -> None:
+        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``,
+        drawn on the CPU (``on="cpu"``) or on the parameter's device (``on="device"``)."""
+        if on not in ("cpu", "device"):
+            raise ValueError(f"init on {on!r}: use 'cpu' or 'device'")
         from torch._subclasses.fake_tensor import is_fake
 
         dims, full_shapes = self.tp_partition_dims(), self.full_shapes()
@@ -195,7 +193,8 @@ class GPT(nn.Module):
             if p.is_meta or is_fake(p):
                 continue  # nothing to fill (dry runs); materialize with to_empty + init_weights
             full = _full_init(name, full_shapes[name], *self._init_spec(name), seed,
-                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None)
+                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None,
+                              device=p.device if on == "device" else "cpu")
             shard = _slice(full, dims[name], r, t, p.shape)
             p.copy_(shard.to(device=p.device, dtype=p.dtype))
 
@@ -205,14 +204,14 @@ def _name_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _full_init(name, shape, kind, std, seed, n_real_rows=None) -> torch.Tensor:
+def _full_init(name, shape, kind, std, seed, n_real_rows=None, device="cpu") -> torch.Tensor:
     if kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
     if kind == "ones":
-        return torch.ones(shape)
-    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
     rows = shape[0] if n_real_rows is None else n_real_rows
-    full = torch.zeros(shape)
+    full = torch.zeros(shape, device=device)
     # draw only the real rows, so the values do not depend on the padding of any TP degree
     full[:rows].normal_(0.0, std, generator=gen)
     return full

@@ -1,27 +1,17 @@
-"""Megatron-style tensor (model) parallelism: the layers ZeRO is combined with (paper §8, "ZeRO
+"""Megatron-style tensor (model) parallelism, the layers ZeRO is combined with (paper §8, "ZeRO
 with MP"; Shoeybi et al. 2019).
 
-Implements the two conjugate autograd regions of Megatron-LM,
+Megatron-LM's two conjugate autograd regions, ``copy_to_tp`` ("f": forward identity, backward
+all-reduce) and ``reduce_from_tp`` ("g": forward all-reduce, backward identity), plus
+``scatter_to_tp`` / ``gather_from_tp``, and the layers built from them: ``ColumnParallelLinear``,
+``RowParallelLinear`` (one all-reduce of the output), ``VocabParallelEmbedding`` and
+``vocab_parallel_cross_entropy`` (softmax over a vocabulary no rank holds whole).
 
-* ``copy_to_tp``     "f": forward identity,   backward all-reduce over the TP group,
-* ``reduce_from_tp`` "g": forward all-reduce, backward identity,
-
-plus ``scatter_to_tp`` / ``gather_from_tp`` (split / concatenate along the last dimension), and
-the layers built from them: ``ColumnParallelLinear`` (output features split over TP),
-``RowParallelLinear`` (input features split; one all-reduce of the output),
-``VocabParallelEmbedding`` (vocabulary rows split) and ``vocab_parallel_cross_entropy`` (softmax
-over a vocabulary that no rank holds entirely).
-
-Communication it must satisfy: a transformer block does one all-reduce of its B·s·h activation
-after attention and one after the MLP in the forward pass, and two (of the input gradients) in
-the backward pass: 4 all-reduces of B·s·h per block per step, 6 with activation recompute, i.e.
-6 × 2·s·h = 12·s·h elements per sample and block in the §7 volume convention, the paper's §8
-"12 × seq × hidden" of Megatron MP traffic per block. With a TP group of size 1 every function
-here is the plain op and communicates nothing.
-
-All communication goes through ``zero_repro.runtime.comm.comm`` (never torch.distributed) so that it
-lands in the communication ledger. Which dimension of each parameter is split over TP is
-declared per layer class in ``PARTITION_DIMS`` (a side table; nothing is attached to Parameters).
+Communication it must satisfy: per block and step 4 all-reduces of B·s·h (2 forward, 2
+backward), 6 with activation recompute: 6 × 2·s·h = 12·s·h elements per sample and block in the
+§7 convention, the paper's §8 "12 × seq × hidden". A TP group of size 1 communicates nothing.
+All communication goes through ``zero_repro.runtime.comm.comm``; the split dimension of each
+parameter is declared per layer class in ``PARTITION_DIMS`` (a side table).
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""One build step for a training run: the model and every parallelism applied to it from
-outside, in a fixed order (as torchtitan's ``parallelize_llama`` applies TP, activation
-checkpointing, then FSDP):
+"""One training run's build (``build``): the model and every parallelism applied from outside, in a
+fixed order (as torchtitan's ``parallelize_llama``): 1. TP (Megatron: the GPT is built with the TP
+group); 2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, the M_D arena) wraps the blocks;
+3. the ZeRO-DP wrap (§5, stages 0-3): parameters re-pointed into flat buffers in the training
+dtype, this rank's shard of fp32 master + Adam state created by the strategy.
 
-    1. TP (Megatron §3): the GPT is constructed with the TP group, its linears column/row
-       parallel and its embedding vocab-parallel;
-    2. activation checkpointing (ZeRO-R §6.1: P_a, P_a+cpu, M_D arena) wraps the blocks;
-    3. ZeRO-DP wrap (§5: stage 0-3 strategy): parameters re-pointed into flat buffers in the
-       training dtype, this rank's shard of fp32 master + Adam state (the optimizer) created
-       by the strategy.
-
-Used by the worker, the dry run (``simulate.dryrun``: on meta tensors + the fake process
-group), the stage benchmark and the tests. The model is built directly in the training dtype:
-an fp32 build of one rank of a 100B model (6.25B parameters at TP 16) would need 25 GB before
-the strategy even casts it; the fp32 master is made by the strategy for its shard only.
+Used by the rank program, the dry run (``zero_repro.scale.dryrun.dryrun``: meta tensors, fake
+group), the benchmark and the tests. The model is built in the training dtype (an fp32 build of
+one rank of a 100B model, 6.25B parameters at TP 16, would need 25 GB before the cast); the fp32
+master exists for this rank's shard only.
 """
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ from typing import Callable
 import torch
 
 from zero_repro import config as C
+from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import GPT
 from zero_repro.runtime.zero import build_strategy
@@ -45,22 +41,27 @@ def dp1_warning(cfg: C.Config, dp: int) -> str | None:
 
 def build(cfg: C.Config, topo: Topology, device: torch.device, *,
           make_model: Callable | None = None, make_ckpt: Callable | None = None,
-          make_strategy: Callable | None = None
+          make_strategy: Callable | None = None, warn_dp1: bool = True
           ) -> tuple[GPT, ActivationCheckpointing | None, Strategy]:
     """TP model -> activation checkpointing -> ZeRO strategy. Returns (model, checkpointing
     handle or None, strategy).
 
     The three steps can be replaced, the order cannot: the paper-scale dry run's ``paper2020``
-    stack (``simulate.stack``) passes the 2019 layer (``make_model(cfg, topo, device, dtype)``),
-    the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed 0.2's ZeRO-DP
-    allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the runtime's."""
-    warning = dp1_warning(cfg, topo.dp)
+    stack (``zero_repro.scale.dryrun.stack``) passes the 2019 layer (``make_model(cfg, topo,
+    device, dtype)``), the 2019 checkpointing (``make_ckpt(model, topo, zero_r)``) and DeepSpeed
+    0.2's ZeRO-DP allocation sequence (``make_strategy(model, topo, cfg)``); the defaults are the
+    runtime's. ``warn_dp1=False``: a caller that builds stages 1-3 at DP 1 on purpose (Table 1's
+    N_d = 1 row) is not warned that they equal stage 0."""
+    warning = dp1_warning(cfg, topo.dp) if warn_dp1 else None
     if warning and topo.rank == 0:
         log.warning(warning)
     torch.manual_seed(cfg.train.seed)
     dtype = lp_dtype(cfg.zero.dtype)
     if make_model is None:
-        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype)
+        # a GPU draws its weights itself (a rank draws every full TP=1 tensor: 60B samples
+        # for Fig 3's model, ~18 min single-threaded on a CPU, seconds on the device)
+        model = GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype,
+                    init_on="device" if device.type == "cuda" else "cpu")
     else:
         model = make_model(cfg, topo, device, dtype)
     ckpt = None
@@ -77,11 +78,11 @@ def build(cfg: C.Config, topo: Topology, device: torch.device, *,
 
 
 def device_for(cfg: C.Config, local_rank: int) -> torch.device:
-    """The device of this rank (``cluster.device``); CUDA selects ``local_rank``'s GPU."""
+    """The device of this rank (``cluster.device``); CUDA: ``launch.cuda_device(local_rank)``
+    (``local_rank`` modulo the visible GPUs)."""
     if cfg.cluster.device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("cluster.device=cuda but CUDA is not available on this machine; "
                                "use cluster=local")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        return launch.cuda_device(local_rank)
     return torch.device("cpu")

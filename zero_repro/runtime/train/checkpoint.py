@@ -1,34 +1,23 @@
 """Resharding checkpoints of ZeRO-DP training state with torch.distributed.checkpoint (DCP).
 
-What is saved (paper §5: the model states ZeRO partitions are the fp32 master weights and the
-Adam moments, 12Ψ/N_d bytes per rank for stages 1-3): for every parameter, the fp32 master, m
-and v as 1-D tensors of the parameter's (TP-local) element count, under canonical names
-``master/tp{t}/{param}``, ``exp_avg/...``, ``exp_avg_sq/...``. Training-dtype parameters are
-not saved: they are the master cast down. Scalars (data position = next step index, Adam step
-count, loss-scaler state, the layout it was saved from) go into ``manifest.json``, with a
-SHA-256 of every file; per-rank RNG states are saved as ``rng/rank{r}`` byte tensors.
+Saved (paper §5, the model states ZeRO partitions: 12Ψ/N_d bytes per rank for stages 1-3): per
+parameter its fp32 master, ``exp_avg`` and ``exp_avg_sq`` as 1-D tensors of its TP-local size
+(``master/tp{t}/{param}``, ...); training-dtype parameters are the master cast down and are not
+saved. Scalars (data position, Adam step, loss-scaler state, the layout) and a SHA-256 per file
+go into ``manifest.json``; per-rank RNG states into ``rng/rank{r}``.
 
-Why this layout reshards. A rank's ZeRO shard is a set of ranges of its group's flat buffer
-(``Strategy.state_dict()['groups'][i]['shard_ranges']``, interleaved bucket chunks, see
-``zero/partition.py``). Intersected with the parameter slots, each range becomes pieces
-``(param, offset, length)``, i.e. 1-D chunks of that parameter with a global offset. Each rank
-hands DCP a ``ShardedTensor`` per parameter whose local shards are its pieces, so every
-element is written exactly once, by the rank that owns it (stage 0: DP rank 0 writes, the
-others hold copies). Loading builds the same description for the *new* layout (any stage, any
-DP size, any bucket size); DCP intersects the requested chunks with the saved ones and reads
-only the overlapping bytes. Invariant checked by the tests: resume(save(state)) equals the
-uninterrupted state elementwise; for the same layout bit for bit.
+Resharding: a rank's shard (``zero/partition.py``: interleaved bucket chunks) intersected with
+the parameter slots gives ``Piece``s (param, offset, length); each rank hands DCP a
+``ShardedTensor`` per parameter of its pieces (elements it does not hold are placeholder "gap"
+shards: no metadata all-gather), so every element is written once, by its owner, and a load
+into any stage, DP size or bucket size reads only the overlapping bytes. Invariant (tested):
+resume(save(state)) equals the uninterrupted state elementwise, bit for bit at the same
+layout. TP resharding is not supported (``CheckpointError``).
 
-The ``ShardedTensor`` global metadata is only consulted by DCP for the global size (chunk
-offsets come from the local shards); we describe the elements this rank does not hold as
-placeholder "gap" shards, which avoids a metadata all-gather and lets stage-0 ranks all read
-full copies. TP resharding is not supported: a checkpoint loads only at the TP degree it was
-saved with (a clear ``CheckpointError`` otherwise).
-
-Commit protocol: DCP writes into ``step_N.partial/``; the coordinator then writes the manifest
-(the commit marker), renames the directory to ``step_N`` and updates ``latest``. A directory
-without a manifest, a file whose hash does not match, a different model or TP degree raise
-``CheckpointError`` before any tensor is loaded: never a silent partial load.
+Commit protocol: DCP writes ``step_N.partial/``, the coordinator writes the manifest (the commit
+marker), renames it to ``step_N`` and updates ``latest``. A missing manifest, a hash mismatch, a
+different model or TP degree raise ``CheckpointError`` before any tensor is loaded.
+Entry points: ``save``, ``load``, ``latest``, ``committed``, ``check_compatible``.
 """
 from __future__ import annotations
 

@@ -1,24 +1,17 @@
-"""The training loop: warm-up steps, timed steps, per-step loss and throughput.
+"""The training loop (``train``): warm-up steps, timed steps, per-step loss and throughput.
 
-One optimizer step (``train.step.train_step``) = ``grad_accum`` micro-batches of forward +
-backward through the strategy, then ``strategy.step()``. The first ``warmup_steps`` steps are
-run but not timed (allocator warm-up, lazy optimizer state, gloo connection set-up). Per-step wall time is measured with
-``time.perf_counter`` after a device synchronize (CUDA events would time only the GPU work;
-the step time the paper reports is wall clock).
-
-Measurement has no side effects on training: losses are collected locally and gathered once
-at the end with an object all-gather that the communication ledger does not count.
-
-Resuming: ``start_step`` is the data position restored from a checkpoint (batches are a pure
-function of (seed, step), so starting the step loop there replays exactly the data the
-uninterrupted run would have seen). fp16 overflow skips are data: counted, their step indices
-kept, and each one logged.
-
-Divergence (``Diverged``, recorded as status ``diverged``): a non-finite loss, or
-``FLOOR_SKIPS`` consecutive skipped steps at the lowest loss scale (fp16 at
-``zero.min_loss_scale``; fp32/bf16 have no scale to lower, so any non-finite gradient counts),
-stops the run at once; a run in which every step was skipped ends as diverged too. Training on
-would only write steps that trained nothing.
+One optimizer step is ``train.step.train_step``; the first ``warmup_steps`` run untimed
+(allocator warm-up, lazy optimizer state, connection set-up); step time is wall clock per
+step, as the paper reports: on CPU ``time.perf_counter``; on CUDA the interval between events
+recorded on the compute stream, the host synchronising once per window of ``CUDA_WINDOW`` steps
+(and at warm-up end, checkpoint steps, the last step), so nothing waits for the NCCL stream
+between steps and a step's trailing collectives overlap the next forward. Measurement has no
+side effects: losses are gathered once, at the end, by an object all-gather the ledger does not
+count. ``start_step`` resumes at a checkpoint's data position (batches are a function of (seed,
+step), so a resumed run sees the uninterrupted run's data). fp16 overflow skips are counted and
+logged. ``Diverged`` (status ``diverged``) stops the run at a non-finite loss, ``FLOOR_SKIPS``
+consecutive skips at the lowest loss scale (any non-finite gradient for fp32/bf16), or a run whose
+every step was skipped.
 """
 from __future__ import annotations
 
@@ -40,6 +33,7 @@ from zero_repro.runtime.train.step import train_step
 log = logging.getLogger(__name__)
 
 FLOOR_SKIPS = 3  # consecutive skipped steps at the lowest loss scale that mean "diverged"
+CUDA_WINDOW = 8  # steps between host synchronisations on CUDA (see the module docstring)
 
 
 class Diverged(RuntimeError):
@@ -78,25 +72,47 @@ class LoopResult:
         return statistics.median(self.step_times) if self.step_times else float("nan")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _Clock:
+    """Step start marks (CUDA events on the current stream, else ``perf_counter``) and the
+    seconds between consecutive marks, read once per window."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, marks: list) -> list[float]:
+        """Seconds between consecutive ``marks`` (one host synchronisation on CUDA)."""
+        if not self.cuda:
+            return [b - a for a, b in zip(marks, marks[1:])]
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
 def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: torch.device,
           on_step=None, start_step: int = 0, before_step=None) -> LoopResult:
     """Run steps ``start_step .. train.steps - 1``. ``before_step(step)`` runs after the
-    backward passes and before the optimizer step; ``on_step(step, loss, dt, info)`` after it
-    (checkpointing happens there, outside the timed region)."""
+    backward passes and before the optimizer step; ``on_step(step, loss, dt, info)`` after it,
+    at the end of the step's window (checkpointing happens there, outside the timed region: a
+    checkpoint step always ends its window)."""
     t = cfg.train
     res = LoopResult(start_step=start_step)
     local_losses = []
+    clock = _Clock(device)
+    window = CUDA_WINDOW if clock.cuda else 1
+    every = cfg.checkpoint.save_every
+    pending: list = []  # (step, loss tensors, info) of the open window
+    marks: list = []
     floor_run = 0
     for step in range(start_step, t.steps):
         if step == t.steps - 1:
             topo.ledger.reset()  # the ledger of exactly one (the last) step
-        _sync(device)
-        t0 = time.perf_counter()
+        marks.append(clock.mark())
         losses: list[torch.Tensor] = []
         batches = (rank_batch(source, step, t.micro_batch_size, topo.dp, topo.dp_rank, k,
                               t.grad_accum) for k in range(t.grad_accum))
@@ -105,27 +121,34 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
                           on_loss=losses.append,
                           before_update=None if before_step is None
                           else functools.partial(before_step, step))
-        step_loss = 0.0
-        for loss in losses:  # same order and arithmetic as summing inside the micro-batch loop
-            step_loss += float(loss) / t.grad_accum
-        _sync(device)
-        dt = time.perf_counter() - t0
-        if step >= start_step + t.warmup_steps or step == t.steps - 1:
-            res.step_times.append(dt)
-        local_losses.append(step_loss)
+        pending.append((step, losses, info))
         if info.skipped:
             res.skipped_steps += 1
             res.skipped_at.append(step)
-            if topo.rank == 0:
-                what = ("fp16 gradient overflow" if cfg.zero.dtype == "fp16"
-                        else f"non-finite gradient ({cfg.zero.dtype})")
-                log.warning("step %d: %s, optimizer step skipped (%d so far); loss scale was %g",
-                            step, what, res.skipped_steps, info.loss_scale)
-        floor_run = _check_divergence(step, step_loss, info, cfg, floor_run)
-        res.grad_norms.append(float(info.grad_norm))
-        res.loss_scales.append(float(info.loss_scale))
-        if on_step is not None:  # per-step log line, checkpoints, W&B (zero_repro.lab.rank)
-            on_step(step, step_loss, dt, info)
+            if topo.rank == 0 and cfg.zero.dtype == "fp16":
+                log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so "
+                            "far); loss scale was %g", step, res.skipped_steps, info.loss_scale)
+            elif topo.rank == 0:  # fp32/bf16: no loss scale
+                log.warning("step %d: non-finite gradient (%s), optimizer step skipped (%d so "
+                            "far)", step, cfg.zero.dtype, res.skipped_steps)
+        ends = (len(pending) >= window or step == t.steps - 1
+                or step == start_step + t.warmup_steps - 1 or (every and (step + 1) % every == 0))
+        if not ends:
+            continue
+        marks.append(clock.mark())
+        for (k, ls, inf), dt in zip(pending, clock.seconds(marks)):
+            step_loss = 0.0
+            for loss in ls:  # same order and arithmetic as summing inside the micro-batch loop
+                step_loss += float(loss) / t.grad_accum
+            if k >= start_step + t.warmup_steps or k == t.steps - 1:
+                res.step_times.append(dt)
+            local_losses.append(step_loss)
+            floor_run = _check_divergence(k, step_loss, inf, cfg, floor_run)
+            res.grad_norms.append(float(inf.grad_norm))
+            res.loss_scales.append(float(inf.loss_scale))
+            if on_step is not None:  # per-step log line, checkpoints, W&B (zero_repro.lab.rank)
+                on_step(k, step_loss, dt, inf)
+        pending, marks = [], []
     if res.skipped_steps == t.steps - start_step:
         raise Diverged(f"every step ({res.skipped_steps}) was skipped: nothing was trained; "
                        f"lower train.lr (fp16: zero.initial_scale_power)")

@@ -1,18 +1,14 @@
-"""One optimizer step through a ZeRO-DP strategy (paper §5): the only place the step sequence
-is written down. The training loop, the paper-scale dry run, the stage benchmark, the peers race
-and the tests all call ``train_step``.
+"""One optimizer step through a ZeRO-DP strategy (paper §5), ``train_step``: the only place the step
+sequence is written down (the loop, the dry run, the benchmark, the peers race and the tests).
 
     for each of k = train.grad_accum micro-batches:   forward -> strategy.backward(loss)
     before_update()                                   (fault injection in the loop)
     strategy.step()  -> StepInfo (skipped?, grad norm, loss scale)
     strategy.zero_grad()
 
-``strategy.backward`` divides the loss by k, so k micro-batches of size b equal one batch of
-size k·b. ``phase(name)`` wraps the forward and the backward of every micro-batch and the update
-(the dry run's allocation tracer attributes each allocation to its phase there); the loss of a
-micro-batch is handed to ``on_loss`` (a real run reads its value) and dropped right after
-backward, so nothing of the micro-batch outlives it (under fake tensors ``float(loss)`` is
-impossible, and holding the loss would shift the dry run's peak).
+``strategy.backward`` divides the loss by k (k micro-batches of b = one batch of k·b). ``phase``
+wraps each forward, backward and the update (the dry run attributes allocations to phases); a
+micro-batch's loss goes to ``on_loss`` and is dropped after backward (nothing outlives it).
 """
 from __future__ import annotations
 

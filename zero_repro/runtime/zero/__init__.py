@@ -1,8 +1,9 @@
-"""ZeRO-DP (paper §5): one Strategy per stage behind one interface (``strategy.Strategy``).
+"""ZeRO-DP (paper §5): one Strategy per stage behind one interface (``strategy.Strategy``),
+built by ``build_strategy``.
 
 The stages side by side (Ψ parameters, N_d DP ranks, K = 12 for mixed-precision Adam; memory in
 bytes per rank at fp16 params/grads, Table 1; communication in elements per step over the DP
-group, §7 convention of ``comm.comm``):
+group, §7 convention of ``zero_repro.runtime.comm.comm``):
 
 =========================  =============  ==============  ==================  ==============
                            0 baseline DP  1 P_os          2 P_os+g            3 P_os+g+p
@@ -37,27 +38,25 @@ Buffers (``comm_buffers`` of the ledger, per rank, ``comm_buffer_bytes``) = F + 
 knobs: ``zero.reduce_bucket_size`` R = elements per gradient bucket, ``zero.allgather_bucket_size``
 A = elements per parameter all-gather bucket; one collective moves one bucket of the grid
 G = min(R, A) (``partition``). F, the fused gradient buffers of stages 2-3 (b bytes per
-element): D = 2 with C_B (one filling, one on the wire), C_R the largest gradient bucket (<= R),
-n_R how many there are; without C_B D = 1 and C_R the largest unit (stage 3), parameters
-gathered un-bucketed. Stages 0-1 reduce their buckets in place in the full gradient buffer
-(counted as ``grads``); so does stage 2 without C_B, whose one gradient bucket is the model (its
-one fused buffer of Ψ is that buffer, the shard in it: stage 1's memory). T, what the DP transport
-holds itself (``comm.transport.held_bytes_of``), with c the largest chunk (G/N_d) and n_G the
-number of buckets: native min(2, n_G)·c·b where a stage's collectives alias their inputs (the
-in-place reduce-scatters of a full gradient buffer and the gathers of stages 1-2), else 0;
-pairwise gloo min(2, n_G')·(N_d - 1)·c·b where a full gradient buffer is reduce-scattered in
-place (n_G' = n_G), min(2, n_G, D)·(N_d - 2)·c·b where fused buffers reduce into the shard (the
-first peer's part lands in it), 0 at stage 0; the CPU channel of ranks on one host its constant
-segment of slots at every stage; the dry run's rooted one 0. (With gradient accumulation, later
-micro-batches of stages 2-3 reduce in place: one more chunk per reduce-scatter in flight.)
-Hence with C_B no stage holds more buffers than the one before it, and
-without C_B stage 2 holds one model-size buffer, the paper's baseline.
+element): D = 2 with C_B (one filling, one on the wire) of C_R, the largest gradient bucket
+(<= R), never more than the n_R buckets there are; without C_B stage 3 keeps D = 1 of its largest
+unit, and stage 2 none: it reduces its one model-size bucket in place in its full gradient
+buffer, as stages 0-1 do (counted as ``grads``; the shard lies in it: stage 1's memory, the
+paper's baseline of one fused buffer of Ψ). T, what the DP transport holds itself
+(``zero_repro.runtime.comm.transport.held_bytes_of``; c the largest chunk G/N_d, n_G the number
+of buckets): native min(2, n_G)·c·b where a stage's collectives alias their inputs (in-place
+reduce-scatters of a full gradient buffer, the gathers of stages 1-2), else 0; pairwise gloo
+min(2, n_G)·(N_d - 1)·c·b for in-place reduce-scatters, min(2, n_G, D)·(N_d - 2)·c·b where
+fused buffers reduce into the shard, 0 at stage 0; the CPU channel of one host its constant
+segment of slots; the dry run's rooted one 0. (With gradient accumulation, later micro-batches
+of stages 2-3 reduce in place: one more chunk per reduce-scatter in flight.) Invariant: no
+stage holds more than the one before it, C_B on or off.
 
 Shared machinery: ``strategy`` (the step's lifecycle, clipping, optimizer, state dict),
 ``grads`` (gradient stores), ``params`` (parameter stores of stages 0-2), ``flat_buffer`` (flat
-parameter buffers, gradient shards), ``partition`` (bucket arithmetic); how a bucket travels over
-the DP group is the group's transport (``comm.transport``), chosen once per strategy. The
-overlap knobs (``ZeroConfig``, all on by default, results bit-identical on or off) are
+parameters, gradient shards), ``partition`` (bucket arithmetic). How a bucket travels over the
+DP group is the group's transport (``zero_repro.runtime.comm.transport``), chosen once per
+strategy. The overlap knobs (``ZeroConfig``, on by default, bit-identical on or off) are
 described in ``strategy``; ``python -m zero_repro.lab.bench --ab KNOB`` races each off against on.
 """
 from __future__ import annotations

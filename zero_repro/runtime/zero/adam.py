@@ -1,24 +1,18 @@
-"""AdamW on flat fp32 shards (paper §5.1: P_os, each rank updates only its 1/N_d of the
-optimizer state: 12Ψ/N_d bytes = fp32 master 4 + m 4 + v 4).
+"""AdamW on flat fp32 shards (paper §5.1, P_os: each rank updates only its 1/N_d of the optimizer
+state, 12Ψ/N_d bytes = fp32 master 4 + m 4 + v 4).
 
-The update is ``torch.optim.AdamW``'s: by default torch's fused AdamW kernel
-(``torch._fused_adamw_``, what ``AdamW(fused=True)`` runs), one pass over master, m, v and
-gradient per chunk instead of the ~8 passes of the single-tensor path (5-6× faster on CPU, where
-the update is memory-bound). It equals the single-tensor arithmetic to rounding (~1 ulp per
-step); ``fused=False`` selects the single-tensor path, operation for operation
-``torch.optim.AdamW(foreach=False)``. State lives in three contiguous fp32 tensors (master, m,
-v) covering this rank's shard; chunks (one per bucket) are views of them. An fp32 gradient with
-multiplier 1 (no unscale, no clip) is used as it is; otherwise one transient fp32 copy
-``grad × grad_mult`` is made per chunk, stepped and dropped before the next chunk's copy is made,
-so the step's transient is one chunk (at most one bucket's shard, 4 bytes per element), not
-4Ψ/N_d bytes for the whole shard (the gradient buffers are never modified).
+``ShardAdamW`` keeps master, m and v in three contiguous fp32 tensors over this rank's shard;
+its chunks (one per bucket) are views of them. The update is ``torch.optim.AdamW``'s: torch's
+fused kernel (``torch._fused_adamw_``, what ``AdamW(fused=True)`` runs) by default, equal to the
+single-tensor arithmetic to rounding (~1 ulp per step); ``fused=False`` is, operation for
+operation, ``torch.optim.AdamW(foreach=False)``. Transient memory: at most one chunk's fp32 copy
+``grad × grad_mult`` at a time (none for an fp32 gradient with multiplier 1), never 4Ψ/N_d; the
+gradient buffers are not modified.
 
-The chunks are updated one kernel call each, in order. ``step(..., on_chunk=f)`` calls ``f(i)``
-as soon as chunk i (and its training-dtype cast) is final, so a stage can put chunk i on the
-wire while chunk i+1 is updated. Bit-identical to one call over all chunks: the fused kernel
-updates each tensor of its list on its own with the same scalars (CPU: one kernel per tensor;
-CUDA: element-wise arithmetic independent of how the list is chunked); tested in
-tests/test_adam_chunks.py.
+``step(..., on_chunk=f)`` calls ``f(i)`` as soon as chunk i (and its training-dtype cast) is
+final, so a stage can put chunk i on the wire while chunk i+1 is updated; bit-identical to one
+call over all chunks (the fused kernel updates each tensor of its list on its own with the same
+scalars; tests/test_adam_chunks.py).
 """
 from __future__ import annotations
 

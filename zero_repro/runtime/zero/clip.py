@@ -1,20 +1,14 @@
 """Global gradient norm from shard norms (paper §5: with P_g each rank holds 1/N_d of the
 gradients, so the global norm is assembled from per-shard sums of squares).
 
-||g||² = Σ_ranks Σ_{elements counted on that rank} g², one all-reduce of two numbers over the
-world (DP × TP): the sum of squares and an overflow flag. Each element must be counted exactly
-once: stage 0 keeps full gradients on every DP rank, so only DP rank 0 counts them; TP-replicated
-parameters (LayerNorm weights, row-parallel biases, …) are counted on TP rank 0 only. The
-clipping coefficient follows ``torch.nn.utils.clip_grad_norm_``: min(1, max_norm/(norm+1e-6)).
-
-Cost: one multi-tensor norm over the owned gradient elements (``torch._foreach_norm``, the
-kernel ``clip_grad_norm_`` uses), each owned element read once, results kept on the device
-until the world all-reduce; the only host reads are the two agreed numbers. The non-finite flag
-comes from the norms themselves (inf/nan propagate into a norm), so elements that are not
-counted (stage 0 on DP rank > 0, TP-replicated parameters on TP rank > 0) still enter the
-overflow check. Norms are computed in fp32 (fp16/bf16 gradients are upcast inside the kernel,
-a 2-norm of fp16 values would overflow at 65504); per-range norms are squared and summed in
-fp64. A finite gradient whose 2-norm exceeds the fp32 range (> 3.4e38) counts as overflow.
+||g||² = Σ_ranks Σ_{elements counted on that rank} g², agreed with one all-reduce of two numbers
+(sum of squares, overflow flag) over the world (DP × TP). Invariant: each element is counted
+exactly once (stage 0: DP rank 0 only; TP-replicated parameters: TP rank 0 only), yet every
+element enters the overflow check (inf/nan propagate into its norm). Coefficient as
+``torch.nn.utils.clip_grad_norm_``: min(1, max_norm / (norm + 1e-6)). Norms by
+``torch._foreach_norm`` in fp32 (an fp16 2-norm would overflow at 65504), squared and summed in
+fp64; a finite gradient whose norm exceeds the fp32 range counts as overflow. The only host
+reads are the two agreed numbers. Entry points: ``local_stats``, ``agree``, ``clip_coef``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
-"""Contiguous flat buffers for ZeRO-DP (paper §5): parameters as views into one flat tensor,
-this rank's shard as views of its chunks, and the gradient shard.
+"""Contiguous flat buffers for ZeRO-DP (paper §5): parameters as views into one flat tensor, this
+rank's shard as views of its chunks, and the gradient shard.
 
-``FlatParams`` owns one group of parameters (the whole model for stages 0-2, one unit for
-stage 3). It casts them to the training dtype, lays them end to end (``partition.layout``),
-pads to the bucket grid (``partition.Partition``) and re-points every ``param.data`` at its view
-of the flat tensor (made by ``alloc``, e.g. the transport's ``buffer``). After that, writing
-the flat tensor (e.g. an all-gather of updated chunks) updates the module's parameters in
-place; stage 3 additionally frees the flat storage (``free``) and re-allocates it
-(``materialize``) around each use, which leaves the parameters' views in place (their storage
-is resized, not replaced, so tensors autograd saved for backward see the re-gathered values).
-
-``PeakBytes`` tracks stage 3's gathered units; ``GradShards`` is the reduced gradient shard of
-stages 2 and 3.
+``FlatParams`` owns one group of parameters (the whole model for stages 0-2, one unit for stage
+3): it casts them to the training dtype, lays them end to end (``partition.layout``), pads to the
+bucket grid (``partition.Partition``) and re-points every ``param.data`` at its view of the flat
+tensor (made by ``alloc``, e.g. the transport's ``buffer``), so writing the flat tensor updates
+the module in place. Stage 3 frees the storage (``free``) and re-allocates it (``materialize``)
+around each use; the views stay valid (storage resized, not replaced, so tensors autograd saved
+see the re-gathered values). ``PeakBytes`` tracks stage 3's gathered units; ``GradShards`` is
+the reduced gradient shard of stages 2 and 3.
 """
 from __future__ import annotations
 

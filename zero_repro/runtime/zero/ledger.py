@@ -1,19 +1,13 @@
-"""Memory ledger: bytes owned per category on this rank (paper §3.1 model states, §6 residual
-states).
+"""Memory ledger (``MemoryLedger``): bytes owned per category on this rank (paper §3.1 model states,
+§6 residual states); pure bookkeeping, reading it has no side effects.
 
-Model-state categories (Table 1, mixed precision with Adam: 2Ψ + 2Ψ + 12Ψ = 16Ψ bytes for
-baseline DP, divided by N_d by the ZeRO stages that partition them):
-
-  params_lp    fp16/bf16 parameters (fp32 parameters in fp32 mode)
-  grads        gradient storage held persistently (stage 2/3: this rank's shard)
-  master_fp32  fp32 master copy (0 in fp32 mode: the parameters are the master)
-  adam_m       Adam first moment (fp32)
-  adam_v       Adam second moment (fp32)
-
-Other categories: ``comm_buffers`` (fused bucket / gather buffers at capacity),
-``params_gathered`` (stage 3 transient gathered units, peak), and whatever other modules add
-(ZeRO-R: ``ckpt_device``, ``ckpt_cpu``, ``arena_capacity``, ``arena_used``, ``fused_buffers``).
-The ledger is pure bookkeeping: reading it has no side effects.
+Model-state categories (``MODEL_STATE_CATEGORIES``; Table 1, mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ
+= 16Ψ bytes for baseline DP, divided by N_d where a stage partitions them): ``params_lp``
+(fp16/bf16 parameters; fp32 in fp32 mode), ``grads`` (persistent gradient storage; stages 2-3:
+the shard), ``master_fp32`` (0 in fp32 mode: the parameters are the master), ``adam_m``,
+``adam_v``. Others: ``comm_buffers`` (the fused gradient buffers allocated and the transport's own),
+``params_gathered`` (stage 3's gathered units, peak) and what other modules add (ZeRO-R:
+``ckpt_device``, ``ckpt_cpu``, ``arena_capacity``, ``arena_used``, ``fused_buffers``).
 """
 from __future__ import annotations
 

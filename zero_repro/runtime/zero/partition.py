@@ -1,31 +1,17 @@
-"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership.
+"""Pure shard arithmetic for ZeRO-DP (paper §5): flat layout, padding, buckets and ownership
+(integers only: no tensors, no communication; tested exhaustively).
 
-No torch.distributed and no tensors here, only integers, so it can be unit-tested exhaustively.
-
-Layout. The parameters of one group (the whole model for stages 0-2, one unit = one
-transformer block or one top-level module for stage 3) are laid end to end in one flat buffer,
-in ``named_parameters`` order. The flat buffer is cut into *buckets*: consecutive ranges whose
-size is a multiple of the DP degree N_d and at most the grid size G = min(R, A) of the two
-bucket knobs (paper §6.3, constant-size buffers: ``zero.reduce_bucket_size`` R elements per
-gradient bucket, ``zero.allgather_bucket_size`` A per parameter all-gather bucket; C_B off:
-both unbounded, one bucket per group). Every bucket is split into N_d equal *chunks*; DP rank r
-owns chunk r of every bucket, and one collective moves one bucket. A *gradient bucket*
-(``grad_buckets``) is the run of consecutive buckets of at most R elements that is filled and
-reduced together; a *gather bucket* (``gather_buckets``) the run of at most A elements that is
-all-gathered together (one of the two runs is always a single bucket).
-
-Why interleaved ownership rather than one contiguous 1/N_d slice per rank: a bucket filled
-during backward (its parameters are adjacent, so their gradients become ready together) can
-then be reduce-scattered as it is, and each rank receives exactly the elements it owns. The
-same chunks are all-gathered after the optimizer step, bucket by bucket.
-
-Padding. Full buckets hold N_d·c elements with c = min(G // N_d, ceil(Ψ/N_d)); the last
-bucket holds the remainder rounded up to a multiple of N_d, so the padding is < N_d elements
-per group (stage 3: per unit). Padding elements are zero in parameters and gradients and never
-move away from zero (AdamW on a zero parameter with zero gradient stays zero).
-
-Memory formula this supports: each rank's shard of a group is padded_numel / N_d elements,
-so optimizer state per rank is 12·Ψ/N_d bytes (+ < 12·N_d bytes of padding per group).
+One group's parameters (the whole model for stages 0-2, one unit for stage 3) are laid end to end
+in ``named_parameters`` order (``layout``) and cut into *buckets* of at most G = min(R, A)
+elements (§6.3: ``zero.reduce_bucket_size`` R per gradient bucket, ``zero.allgather_bucket_size``
+A per all-gather bucket; C_B off: one bucket per group), each split into N_d equal *chunks*; DP
+rank r owns chunk r of every bucket (``Partition``), and one collective moves one bucket. A
+gradient bucket (``grad_buckets``) is the run of consecutive buckets of at most R elements filled
+and reduced together, a gather bucket (``gather_buckets``) the run of at most A gathered together
+(one of the two is always a single bucket). Invariants: full buckets hold N_d·c elements,
+c = min(G // N_d, ceil(Ψ/N_d)); the last holds the remainder rounded up to a multiple of N_d
+(padding < N_d elements per group, always zero); a rank's shard is padded_numel / N_d elements,
+so its optimizer state is 12·Ψ/N_d bytes (+ < 12·N_d bytes of padding per group).
 """
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """Mixed precision for ZeRO-DP (paper §3.1): fp16/bf16 parameters and gradients, fp32 master
-weights and Adam states, and dynamic loss scaling for fp16.
+weights and Adam states, dynamic loss scaling for fp16.
 
-Memory: 2Ψ (fp16 params) + 2Ψ (fp16 grads) + 4Ψ (fp32 master) + 4Ψ (m) + 4Ψ (v) = 16Ψ bytes.
-In fp32 mode the parameters themselves are the master copy: no separate fp32 copy is kept
-(4Ψ params + 4Ψ grads + 8Ψ Adam = 16Ψ; the ledger reports master_fp32 = 0).
+Memory: 2Ψ (fp16 params) + 2Ψ (grads) + 4Ψ (fp32 master) + 4Ψ (m) + 4Ψ (v) = 16Ψ bytes; in fp32
+mode the parameters are the master (4Ψ + 4Ψ + 8Ψ, the ledger's master_fp32 = 0).
 
-Loss scaling: the loss is multiplied by ``scale`` before backward and gradients are divided by
-it in the step. The overflow decision must be the same on every rank of the world (DP × TP):
-the strategy all-reduces a flag over ``topo.world`` before calling ``update``, so either every
-rank skips the step or none does. A skipped step changes nothing but the scaler: parameters,
-fp32 master, Adam m/v and the Adam step count stay as they were.
-
-Hysteresis (DeepSpeed's ``hysteresis`` = delayed shift, Megatron's ``hysteresis``): a budget of
-``hysteresis`` overflows; the overflow that exhausts it halves the scale, and so does every
-further overflow until the budget is restored, which happens only when the scale doubles after
-``window`` consecutive good steps (1 = halve on every overflow). Backing off from a scale that
-is 2^k too large thus costs hysteresis - 1 + k skipped steps, not hysteresis × k: halving must
-not refill the budget.
+Loss scaling (``DynamicLossScaler``, ``StaticScaler``, ``build_scaler``): the loss is multiplied
+by ``scale`` before backward and gradients divided by it in the step. The overflow decision is
+agreed over the world (DP × TP) before ``update``, so every rank skips or none does; a skipped
+step changes nothing but the scaler. Hysteresis (DeepSpeed's delayed shift, Megatron's
+``hysteresis``): the overflow that exhausts a budget of ``hysteresis`` halves the scale, as does
+every further overflow until the budget is restored, which happens only when the scale doubles
+after ``window`` good steps; backing off from a scale 2^k too large costs hysteresis - 1 + k
+skipped steps, not hysteresis × k (halving must not refill the budget).
 """
 from __future__ import annotations
 

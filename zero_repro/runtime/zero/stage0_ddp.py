@@ -1,15 +1,12 @@
-"""Baseline data parallelism (paper §3.1, §7.1): every rank keeps all model states.
+"""Baseline data parallelism (paper §3.1, §7.1): every rank keeps all model states (``Stage0DDP``).
 
 Memory per rank (mixed precision, Adam): 2Ψ params + 2Ψ grads + 12Ψ optimizer = 16Ψ bytes.
-Communication per step: one all-reduce of the gradients = 2Ψ elements (reduce-scatter +
-all-gather, §7.1).
+Communication per step: one all-reduce of the gradients = 2Ψ elements (§7.1).
 
-Gradients are accumulated into one flat buffer in the parameter layout (``grads.FullGrads``).
-Gradient buckets are consecutive ranges of that buffer (R elements each), so a bucket is
-all-reduced *in place* as soon as its last gradient arrives, overlapping the rest of backward
-(no separate fused copy: the flat gradient buffer is the fused buffer). Gradients are divided
-by N_d before the sum, so the reduced gradient is the mean over DP ranks. The same gradient
-store serves stage 1 (P_os), which reduce-scatters the buckets instead.
+Gradients accumulate in one flat buffer in the parameter layout (``grads.FullGrads``, shared with
+stage 1); a gradient bucket (R consecutive elements of it) is all-reduced in place through the
+DP group's transport as soon as its last gradient arrives, overlapping the rest of backward.
+Gradients are divided by N_d before the sum, so the result is the mean over DP ranks.
 """
 from __future__ import annotations
 

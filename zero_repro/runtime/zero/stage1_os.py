@@ -1,16 +1,14 @@
-"""P_os: optimizer-state partitioning (paper §5.1).
+"""P_os: optimizer-state partitioning (paper §5.1), ``Stage1Os``.
 
 Memory per rank: 2Ψ params + 2Ψ grads + 12Ψ/N_d optimizer (fp32 master, m, v of this rank's
 shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gradients (Ψ) +
-all-gather of the updated parameters (Ψ) = 2Ψ elements, the same as baseline DP (§7.2.1).
+all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1).
 
-Full training-dtype gradients are accumulated as in stage 0 (``grads.FullGrads``); on the last
-micro-batch each gradient bucket is reduce-scattered as soon as it is complete, and this rank's
-reduced chunks land in its own range of the gradient buffer (the rest of the buffer is stale
-and unused). After the AdamW step on the fp32 shard, the updated chunks are all-gathered
-gather bucket by gather bucket straight into the flat parameters (``params.GatheredParams``;
-with ``zero.overlap_param_gather`` overlapped with the step and the next forward). Either way
-2Ψ in the §7 ledger.
+Full gradients accumulate as in stage 0 (``grads.FullGrads``); on the last micro-batch each
+complete gradient bucket is reduce-scattered through the DP group's transport into this rank's
+range. After AdamW on the fp32 shard the updated chunks are all-gathered gather bucket by gather
+bucket into the flat parameters (``params.GatheredParams``; with ``zero.overlap_param_gather``
+overlapped with the step and the next forward).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""P_os+g: optimizer-state and gradient partitioning (paper §5.2).
+"""P_os+g: optimizer-state and gradient partitioning (paper §5.2), ``Stage2G``.
 
 Memory per rank: 2Ψ params + 2Ψ/N_d gradient shard + 12Ψ/N_d optimizer = 2Ψ + 14Ψ/N_d bytes,
 plus the fused gradient buffers (C_B, §6.3: two of R elements). Without C_B a gradient bucket
@@ -8,18 +8,13 @@ in it (4Ψ + 12Ψ/N_d, stage 1's memory: P_g saves gradient memory only with C_B
 Communication per step: reduce-scatter of the gradients (Ψ) + all-gather of the parameters (Ψ)
 = 2Ψ elements (§7.2.1).
 
-During backward each gradient is copied into the fused buffer of the gradient bucket(s) it
-belongs to (a bucket is a consecutive range of the flat layout, so its gradients become ready
-together); a complete bucket is reduce-scattered asynchronously while backward continues, into
-this rank's persistent gradient shard (``grads.FusedGrads``). The full gradient never exists on
-any rank. With gradient accumulation every micro-batch is reduce-scattered (the shard
-accumulates), which keeps the gradient memory at Ψ/N_d at the price of k reduce-scatters. The
-parameter all-gather after the step is stage 1's (``params.GatheredParams``).
-
-ZeRO-R knobs: ``constant_buffers`` false: one fused buffer of the whole model (above);
-``contiguous_memory`` (M_D) true keeps the gradient shard in one pre-allocated contiguous tensor,
-false allocates each bucket's chunk when its first reduced gradient arrives and frees them all
-in ``zero_grad`` (fragmenting the heap).
+In backward each gradient is copied (divided by N_d) into the fused buffer of its gradient
+bucket(s) (``grads.FusedGrads``); a complete bucket is reduce-scattered asynchronously into
+this rank's persistent gradient shard: the full gradient never exists on any rank. Every
+micro-batch is reduce-scattered (gradient memory stays Ψ/N_d). ZeRO-R: ``constant_buffers``
+false: the one model-size bucket above; ``contiguous_memory`` (M_D) keeps the shard in one
+pre-allocated tensor, else each chunk is allocated right before its first reduction writes it
+and freed in ``zero_grad``. The parameter all-gather is stage 1's (``params.GatheredParams``).
 """
 from __future__ import annotations
 

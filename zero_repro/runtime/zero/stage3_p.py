@@ -1,49 +1,26 @@
-"""P_os+g+p: optimizer-state, gradient and parameter partitioning (paper §5.3, §7.2.2).
+"""P_os+g+p: optimizer-state, gradient and parameter partitioning (paper §5.3, §7.2.2), ``Stage3P``.
 
-Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the transient
-gathered units (the root, the block being computed and ``zero.prefetch_blocks`` ahead) and the
-fused gradient buffers (C_B: two of R elements; without C_B one of the largest unit). Communication per step: all-gather of the parameters in forward (Ψ) and again in
-backward (Ψ), reduce-scatter of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP (§7.2.2);
-with ``zero.keep_gathered_turn`` the root and the last block are gathered once per step, not
-twice: 3Ψ - Ψ_root - Ψ_last block (2.3Ψ at GPT-20M, whose root is 62% of Ψ).
+Memory per rank: (2 + 2 + 12)Ψ/N_d = 16Ψ/N_d bytes of model states, plus the gathered units in
+use (the root, the block being computed and ``zero.prefetch_blocks`` ahead) and the fused
+gradient buffers (C_B: two of R elements; without C_B one of the largest unit). Communication
+per step: all-gather of the parameters in forward (Ψ) and again in backward (Ψ) + reduce-scatter
+of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP; with ``zero.keep_gathered_turn`` (default)
+the root and the last block stay gathered from forward into backward: 3Ψ - Ψ_root - Ψ_last block.
 
-Units (``Units``, the parameter store): each child of ``model.blocks`` (an ``nn.ModuleList``,
-if the model has one) is a unit; every other parameter belongs to a *root* unit, one per
-top-level module (GPT: the embedding with its tied head, the position embedding, the final norm)
-and one for parameters of the model itself; the root units are gathered and freed together.
-Each unit has its own flat buffer (``FlatParams``), padded to its bucket grid, and this rank
-keeps only its chunks (``shard``, every unit's in one store from the transport's ``buffer``);
-the flat storage is freed (resized to 0 bytes) whenever the unit is not in use, so the
-module's parameter views hold no data. Gradients go through stage 2's fused buffers
-(``grads.FusedGrads``, one flat group per unit): a unit's parameters are freed as soon as its
-last gradient is copied in.
-
-Schedule:
-  forward   root pre-hook gathers the root; each block's forward pre-hook waits for (or starts)
-            its gather and prefetches the next ``prefetch_blocks`` blocks asynchronously; its
-            forward post-hook frees it and hooks the block output's gradient. The root is
-            freed after the model's forward. With ``zero.keep_gathered_turn`` (default) a
-            forward with autograd on keeps the root and the last block gathered into backward,
-            which needs both first (the head's and the last block's gradients): freeing them
-            only to gather them again at once exposed two gathers per step. The params_gathered
-            peak is the same (forward holds root + 1 + ``prefetch_blocks`` blocks anyway).
-  backward  ``pre_backward`` gathers the root and prefetches the last blocks; the hook on a
-            block's output gradient (fires just before that block's backward) waits for its
-            gather and prefetches the previous blocks. When every gradient of a unit has been
-            copied into the fused buffers, the unit is freed; ``post_backward`` frees the rest.
-  step      nothing to gather: the updated shard is the parameter storage. With
-            ``zero.prefetch_next_step`` (default) the gathers the next forward needs first
-            (the root, then the first ``prefetch_blocks`` blocks) start inside ``step`` as soon
-            as Adam has updated that unit's shard (the root's chunks come first), so they
-            overlap the rest of the update (``start_param_sync``); a copy gathered before an
-            update that changed its shard is freed then (never stale).
-
-Every all-gather gathers a bucket of a unit straight from the shard into the unit's flat
-buffer, through the DP group's transport (``comm.transport``).
-
-Each unit is a small state machine SHARDED -> GATHERING -> GATHERED -> SHARDED; a hook that
-fires in the wrong state raises an error naming the unit (e.g. ``loss.backward()`` called
-directly instead of ``strategy.backward(loss)``).
+Units (``Units``, the parameter store): each child of ``model.blocks`` plus the *root* (one unit
+per other top-level module, gathered and freed together), each with its own ``FlatParams``
+padded to its bucket grid; this rank keeps only its chunks (every unit's in one store from the
+transport's ``buffer``) and the flat storage is freed whenever the unit is not in use. Gradients
+go through stage 2's fused buffers (``grads.FusedGrads``, one flat group per unit). Schedule:
+forward pre-hooks gather a block (prefetching ``prefetch_blocks`` ahead), post-hooks free it;
+``pre_backward`` gathers the root and the last blocks, backward gathers in reverse and frees a
+unit once its last gradient is copied in, ``post_backward`` frees the rest; ``step`` gathers
+nothing (the updated shard is the parameter storage); with ``zero.prefetch_next_step`` (default)
+the next forward's first gathers start inside ``step`` as each unit's shard is updated
+(``start_param_sync``). Whatever changes the shards first frees what is gathered (never stale).
+Each unit is a state machine (SHARDED -> GATHERING -> GATHERED -> SHARDED); a hook that fires in
+the wrong state raises an error naming the unit (e.g. ``loss.backward()`` instead of
+``strategy.backward(loss)``).
 """
 from __future__ import annotations
 

@@ -1,64 +1,42 @@
 """The one interface every ZeRO-DP stage implements (paper §5); the stages side by side and
-``build_strategy`` are in ``zero_repro.runtime.zero`` (``__init__``).
+``build_strategy`` are in ``zero_repro.runtime.zero``.
 
-A ``Strategy`` wraps an ``nn.Module`` the way DDP does: call ``strategy.module(...)`` (or
-``strategy.forward``), then ``strategy.backward(loss)`` and ``strategy.step()``.
+A ``Strategy`` wraps an ``nn.Module`` the way DDP does: ``strategy.module(...)`` (or
+``forward``), ``backward(loss)``, ``step()`` -> ``StepInfo``, ``zero_grad()``.
+  backward(loss)  scales the loss (loss scale / grad_accum) and runs autograd; gradient hooks
+                  move each gradient into the stage's storage and launch bucketed async
+                  collectives while backward goes on.
+  step()          waits for the collectives; unscales; agrees the overflow flag and the norm
+                  over the world (DP × TP) in one all-reduce; skips on overflow (every rank),
+                  else clips by the global norm, runs AdamW on this rank's fp32 shard, casts it
+                  into the training dtype and publishes the parameters (stage-specific).
+Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``step()``; stages
+0-1 reduce on the last micro-batch only (DDP's no_sync), stages 2-3 reduce-scatter every
+micro-batch into the shard; k micro-batches equal one batch k times larger
+(``backward(loss, is_last_micro_batch=...)`` overrides the micro-batch count).
 
-Per-step contract (all stages):
-  backward(loss)  scales the loss (loss scale / grad_accum), runs autograd; gradient hooks
-                  (``Tensor.register_post_accumulate_grad_hook``) move each gradient into the
-                  stage's storage and launch bucketed async collectives while backward goes on.
-  step()          waits for outstanding collectives; unscale; overflow flag and grad norm agreed
-                  over the world (DP × TP) in one all-reduce; skip the step on overflow (every
-                  rank), else clip by the global norm and run AdamW on this rank's fp32 shard;
-                  cast into the training-dtype shard; publish the parameters (stage-specific).
-  zero_grad()     clears gradient storage.
+The lifecycle, the same for every stage (``backward`` and ``step`` below), over the two stores a
+stage composes: a gradient store (``grads.FullGrads`` or ``grads.FusedGrads``) and a parameter
+store (``params.ReplicatedParams``, ``params.GatheredParams`` or ``stage3_p.Units``), with
+Megatron-LM's start/finish pairs:
 
-The step's lifecycle, the same for every stage (``backward`` and ``step`` below), over what a
-stage composes: a gradient store (``grads``: ``grads.FullGrads`` or ``grads.FusedGrads``) and a
-parameter store (``params``: ``params.ReplicatedParams``, ``params.GatheredParams`` or
-``stage3_p.Units``), with Megatron-LM's start/finish pairs:
+    backward  params.pre_backward()        stage 3: the root gathered, the last blocks prefetched
+              loss.backward()              hooks: grads.add(p); a complete bucket's sync starts
+              grads.start_grad_sync(last)  the buckets backward left incomplete
+              params.post_backward()       stage 3: every unit back to its shard
+    step      params.finish_param_sync()   the last update's gathers landed
+              grads.finish_grad_sync()     every bucket reduced: the owned gradients final
+              norm, overflow, clip; AdamW  chunk by chunk, params.start_param_sync(i)
+              params.start_param_sync()    what the update did not start (stages 1-2: the
+                                           gathers, waited here unless overlap_param_gather)
 
-    backward  params.pre_backward()          stage 3: the root gathered, the last blocks
-                                              prefetched
-              loss.backward()                hooks: grads.add(p) -> a bucket's sync starts as
-                                              soon as it is complete
-              grads.start_grad_sync(last)     the buckets backward left incomplete
-              params.post_backward()          stage 3: every unit back to its shard
-    step      params.finish_param_sync()      the last update's gathers have landed: nothing
-                                              reads the shards the optimizer writes
-              grads.finish_grad_sync()        every bucket reduced: the owned gradients final
-              norm, overflow, clip; AdamW     chunk by chunk: params.start_param_sync(i)
-              params.start_param_sync()       what the update did not start (stages 1-2: the
-                                              all-gathers, waited here unless
-                                              ``zero.overlap_param_gather``)
-
-Not overlapped because it cannot be exact: Adam per bucket as its reduction lands (stages 2-3):
-the clip coefficient needs the global norm of every bucket on every rank, and even with
-``grad_clip`` 0 a step with a non-finite gradient anywhere (any dtype) is skipped, which is
-known only once every bucket is reduced; m, v and master of the early buckets could not be
-restored without a copy of them (12 bytes per element).
-
-Gradient accumulation: call forward/backward k = ``train.grad_accum`` times, then ``step()``.
-Micro-batches are counted; stages 0/1 accumulate full local gradients and reduce on the last
-micro-batch only (DDP's no_sync behaviour), stages 2/3 reduce-scatter every micro-batch and
-accumulate into the gradient shard (they never hold full gradients). ``backward(loss,
-is_last_micro_batch=...)`` overrides the counter. Either way k micro-batches equal one batch
-k times larger.
-
-Communication per step (§7, comm.py convention): stages 0-2 move 2Ψ elements over the DP group,
-stage 3 moves 3Ψ (less the root and last block it keeps across the turn); memory per rank follows Table 1 (``paper.table1.model_state_bytes``). The
-bucket collectives travel through the DP group's transport (``comm.transport``: ``buffer``,
-``reduce_scatter``, ``all_gather``, ``all_reduce``, ``held_bytes``), picked once per strategy.
-
-Construction: ``Strategy.__init__`` sets what every stage shares (configs, DP group, N_d,
-dtype, loss scaler, the trainable parameters, the transport, the bucket sizes); each stage's
-``__init__`` builds its stores and ends with ``_compose`` (optimizer over the owned chunks,
-norm ranges, gradient hooks).
-
-Step cost outside the collectives: one multi-tensor norm over the owned gradients (``clip``;
-one host read of the agreed (norm, overflow) pair per step) and torch's fused AdamW kernel over
-the owned shard (``adam``).
+Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
+keeps gathered across the turn); memory per rank Table 1's
+(``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
+(``zero.overlap_param_gather``, ``prefetch_next_step``, ``keep_gathered_turn``) are bit-identical
+on or off: whatever reads parameters outside forward waits first (``wait_params``), whatever
+writes shards first settles what still reads them. Not overlapped, because it cannot be exact:
+Adam per bucket as its reduction lands (the clip and the overflow skip need every bucket).
 """
 from __future__ import annotations
 
@@ -204,9 +182,11 @@ class Strategy:
         else:
             norm, overflow = float("nan"), False
         self.scaler.update(overflow)
-        if overflow:
+        if overflow and isinstance(self.scaler, precision.DynamicLossScaler):
             log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
                      self.stage, scale, self.scaler.scale)
+        elif overflow:  # fp32/bf16: no loss scale to speak of
+            log.info("stage %d: non-finite gradient, step skipped", self.stage)
         else:
             coef = clip.clip_coef(norm, self.zero.grad_clip)
             t = self.train

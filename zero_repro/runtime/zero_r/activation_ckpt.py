@@ -1,32 +1,21 @@
 """Activation checkpointing with ZeRO-R's P_a, P_a+cpu and M_D (paper §6.1, §6.3, Table 3).
 
-Each transformer block is recomputed in backward; only its input x ([B, S, H], replicated on
-the m tensor-parallel ranks) is kept between forward and backward. ZeRO-R then shrinks what
-is kept (per rank, one checkpointed block, elements):
+Each transformer block is recomputed in backward; only its input x ([B, S, H], replicated on the
+m TP ranks) is kept. Kept per rank and checkpointed block (elements):
 
     plain checkpointing   B*S*H                   on the device
     P_a                   ceil(B*S*H / m)         on the device    (+1 TP all-gather in backward)
     P_a+cpu               ceil(B*S*H / m)         in (pinned) CPU memory, 0 on the device
     M_D                   the kept tensors live in one pre-allocated arena (zero_r/arena.py)
 
-P_a's only communication is one all-gather over the TP group of B*S*H elements (padded to a
-multiple of m) per block per backward, issued when the recompute needs the input.
-
-Mechanism: ``saved_tensors_hooks`` placed *around* ``torch.utils.checkpoint.checkpoint(...,
-use_reentrant=False)``. Around the call the hooks see only what the checkpoint itself saves
-(the block input); placed inside the checkpointed function they would replace checkpointing
-with plain saving of every intermediate. ``pack`` keeps this rank's slice, ``unpack`` gathers it.
-
-Parameter names: ``model.blocks[i]`` is replaced by a ``CheckpointedBlock`` that holds the
-original block as its child ``block``, so ``named_parameters()`` reads
-``blocks.{i}.block.<name>`` (use ``canonical_name`` to map back). ``state_dict()`` /
-``load_state_dict()`` keep the original keys ``blocks.{i}.<name>`` (state-dict hooks on the
-wrapper), so checkpoints load into models with or without activation checkpointing.
-Hooks that must also fire during recompute (e.g. ZeRO stage 3's parameter gather) belong on
-the inner block (``handle.inner_blocks``): the wrapper runs once per step, the inner block
-twice.
-
-Order of application (ARCHITECTURE): TP -> activation checkpointing -> ZeRO wrap -> optimizer.
+P_a communicates one TP all-gather of B*S*H elements (padded to a multiple of m) per block per
+backward. Mechanism: ``saved_tensors_hooks`` *around* ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` see only the block input (``pack`` keeps this rank's slice, ``unpack``
+gathers it). ``apply_activation_checkpointing`` replaces ``model.blocks[i]`` by a
+``CheckpointedBlock`` holding it as ``block`` (``canonical_name`` maps parameter names back);
+``state_dict`` keeps the original keys, so checkpoints load with or without it. Hooks that must
+also fire during recompute belong on the inner block (``handle.inner_blocks``). Order
+(ARCHITECTURE): TP -> activation checkpointing -> ZeRO wrap -> optimizer.
 """
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
 """M_D for activation checkpoints: one pre-allocated contiguous arena (paper §6.3).
 
-ZeRO-R's memory defragmentation (M_D) observes that activation checkpoints are *long-lived*
-(they stay from a block's forward until its recompute in backward) while the rest of the
-forward's activations are *short-lived*. Allocated from the same pool they interleave, and the
-freed short-lived blocks leave holes that a later large request cannot use ("OOM with free
-memory"). M_D pre-allocates one contiguous buffer for all checkpoints and hands out views in
-order, so the long-lived tensors never sit between short-lived ones.
+Long-lived checkpoints interleaved with short-lived activations in one pool leave holes a later
+large request cannot use ("OOM with free memory"); ``CheckpointArena`` pre-allocates one buffer
+for all checkpoints and hands out views in order. Memory it must satisfy (per rank, elements):
 
-Memory it must satisfy (per rank, elements):
-
-    capacity = n_slots * slot_numel,     slot_numel = B*S*H        (no P_a)
+    capacity = n_slots * slot_numel,     slot_numel = B*S*H            (no P_a)
                                          slot_numel = ceil(B*S*H / m)  (P_a, m = TP degree)
 
-with ``n_slots`` = number of checkpointed blocks. The buffer is allocated once, at the first
-forward (when the checkpoint shape is first known), reused every step (``reset``), and never
-grows: a changed shape or an overflow raises ``ValueError`` with the fix in the message,
-instead of silently re-allocating (which would defeat the purpose).
-
-``fragmentation_stats()`` reads the CUDA caching allocator (reserved - allocated, largest free
-block) so runs with and without M_D can be compared; it returns ``{}`` without CUDA.
+for ``n_slots`` checkpointed blocks: allocated at the first forward, reused every step (``reset``),
+never grown (a changed shape or an overflow raises ``ValueError`` with the fix).
+``fragmentation_stats()`` reads the CUDA caching allocator (``{}`` without CUDA).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""A model of PyTorch's CUDA caching allocator, to replay a dry run's allocation trace and
-predict "max cached memory" (paper §10.5, Figure 7: PyTorch's max_memory_cached, today
-max_memory_reserved) and the fragmentation M_D removes (§6.3).
+"""A model of PyTorch's CUDA caching allocator, to replay a dry run's allocation trace and predict
+"max cached memory" (paper §10.5, Figure 7: ``max_memory_cached``, today ``max_memory_reserved``)
+and the fragmentation M_D removes (§6.3).
 
-Rules modelled (c10/cuda/CUDACachingAllocator.cpp, default configuration: no
-max_split_size, no expandable segments, one stream):
+Rules modelled (c10/cuda/CUDACachingAllocator.cpp, default configuration: no max_split_size, no
+expandable segments, one stream):
 
   * request rounding: ``round_size(n) = max(512, 512·ceil(n/512))`` (kMinBlockSize = 512 B);
     zero-byte requests allocate nothing;
@@ -18,23 +18,16 @@ max_split_size, no expandable segments, one stream):
     segments are never returned to the device -- except on allocation failure under a
     ``capacity``: then every completely free segment is released (``cudaFree``, as
     ``release_cached_blocks`` does) and the allocation retried once; if it still does not fit
-    the replay records an OOM (the allocation is then made anyway, so the trace continues and
-    ``peak_reserved`` says by how much it overflowed).
+    the replay records an OOM (and makes the allocation anyway, so ``peak_reserved`` says by
+    how much it overflowed).
 
-Steady state (``replay(..., repeat_from=i)``): a training run repeats one iteration's
-allocations thousands of times, and under a capacity the allocator's layout can drift for
-several of them (segments released on a failed allocation come back in another order and
-size; C1 at 60 layers under paper2020 needs 25.5 GiB through 2 iterations, 31.1 GiB from the
-5th on). The replay therefore repeats ``events[i:]`` -- one closed iteration: every storage it
-allocates it also frees -- until the allocator's state at the end of a repetition (the ordered
-segments and the size / in-use flag of every block in them) equals the state at the end of
-the previous one: from then on every repetition makes the same decisions, so the result
-(peaks, OOM) is the one of an arbitrarily long run. ``ReplayResult.repeats`` says how many
-repetitions that took and ``steady`` whether the state settled within ``max_repeats``.
-
-``peak_reserved`` is the high-water mark of the segment bytes (what Figure 7 plots);
-``peak_allocated`` the high-water mark of handed-out (rounded) block bytes; fragmentation =
-1 - peak_allocated / peak_reserved (cache that never held live blocks at once).
+Steady state (``replay(..., repeat_from=i)``): ``events[i:]`` must be one closed iteration
+(``closed_from``); it is repeated until the allocator's state at the end of a repetition (the
+ordered segments, the size and in-use flag of every block) equals that of the previous one, so
+the result is that of an arbitrarily long run (``ReplayResult.repeats``, ``steady``). Outputs:
+``peak_reserved`` (segment bytes, what Figure 7 plots), ``peak_allocated`` (handed-out rounded
+bytes), fragmentation = 1 - peak_allocated / peak_reserved; ``min_capacity`` bisects the
+smallest capacity a trace fits.
 """
 from __future__ import annotations
 
@@ -323,7 +316,7 @@ def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
     (fits iff min_capacity <= capacity, the allocator releasing its cached segments before an
     OOM as PyTorch does). Bisection between the peak allocated bytes (nothing fits below) and
     the peak reserved bytes of the unconstrained replay (fits there); each step is one replay
-    (~0.03 s per 10^4 events), ~10 steps at paper scale. ``repeat_from``: every replay runs to
+    (cost: results/fig6_max_model/notes.md). ``repeat_from``: every replay runs to
     the allocator's steady state (``replay``), so the answer holds for a long run.
     ``known``: (capacity, fits) of a replay already made, which narrows the bracket (a search
     judging near the answer halves the steps) and keeps the answer consistent with it."""

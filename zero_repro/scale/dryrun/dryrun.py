@@ -1,80 +1,31 @@
-"""Paper-scale memory dry run: the REAL worker code path on data-free tensors and a fake process
-group, with an allocation trace (paper §10.5, Figures 6-7; Tables 1-2 memory columns).
+"""Paper-scale memory dry run (paper §10.5, Figures 6-7; Tables 1-2 memory columns): one rank's
+real build and training steps on data-free tensors under a ``fake`` process group.
 
-``dry_run(cfg)`` does what one rank of ``zero_repro.lab.rank`` does for a training run --
-``train.build.build`` (GPT -> activation checkpointing -> ZeRO strategy, the same functions, no
-simulation copy), then ``iterations`` optimizer steps of forward / ``strategy.backward`` /
-``strategy.step`` / ``zero_grad`` in the configured precision -- but on PyTorch's ``meta``
-device (tensors carry shape, dtype, strides and storage size, never data; ``backend="meta"``,
-the default, see ``simulate.tracer``; ``backend="fake"`` runs the original mechanism,
-``FakeTensorMode`` CPU tensors) on a ``fake`` process group of ``parallel.world_size`` ranks
-(this process is rank ``rank``, e.g. rank 0 of 400 with TP 16). Nothing is allocated, so a
-100B-parameter rank fits in a laptop. Meta kernels follow CUDA's dtype rules where the CPU
-kernels differ (layer norm keeps fp32 statistics of fp16 input), and the model takes the
-fused attention kernel a GPU takes (``model.gpt.causal_attention``).
+``dry_run(cfg, rank)`` runs what a rank of ``zero_repro.lab.rank`` runs -- ``train.build.build``
+(GPT -> activation checkpointing -> ZeRO strategy: the same functions, no simulation copy) and
+``iterations`` steps of ``train.step.train_step`` -- on PyTorch's ``meta`` device (``backend``
+``meta``; ``fake``: ``FakeTensorMode`` CPU tensors) with a ``fake`` group of
+``parallel.world_size`` ranks, so a 100B-parameter rank fits a laptop. Meta kernels follow CUDA's
+dtype rules and the model takes the fused attention kernel a GPU takes.
 
-What it reports (must satisfy, per rank, Ψ = this rank's flat-buffer elements):
-  * the project's own ledgers (``strategy.memory_ledger()`` + the checkpointing handle):
-    model states equal Table 1 exactly, ``model_state_bytes(Ψ_padded, stage, N_d)``
-    (e.g. 2Ψ + 14Ψ/N_d for P_os+g), checkpoints b·s·h·l·2 (/m with P_a, 0 on device with
-    P_a+cpu);
-  * an allocation trace: every storage the runtime creates or frees, in order, with its bytes,
-    the phase (build / forward / backward / step) and the iteration. Mechanism: a
-    ``TorchDispatchMode`` sees every aten op; each output
-    storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
-    (PyTorch keeps one Python object per live storage) records its free. Storages resized in
-    place (ZeRO-3 ``release``/``materialize``) are detected when an op touches them and, once
-    seen resizing, polled after every op (so from the second iteration on they are exact);
-  * the trace replayed through the CUDA caching-allocator model (``simulate.allocator``):
-    peak allocated, peak reserved ("max cached memory", Figure 7) and fragmentation.
+What it reports and must satisfy (Ψ = this rank's flat-buffer elements): the project's ledgers,
+model states equal to Table 1 exactly (``model_state_bytes(Ψ_padded, stage, N_d)``), checkpoints
+b·s·h·l·2 bytes (/m with P_a, 0 on the device with P_a+cpu); the allocation trace
+(``tracer.AllocationTracer``) and its replay through the caching-allocator model (``allocator``):
+peak allocated, peak reserved ("max cached", Figure 7), fragmentation, and ``live_peak_steady``
+(the next step's live peak: the last step's curve plus the state it created lazily). Judged
+replays run to the steady state: the last traced step (2 steps by default; the first also
+creates the lazy state) is repeated until the allocator's layout stops changing
+(``allocator.replay(repeat_from=...)``); a last step that is not closed is judged as traced.
 
-Two training steps are the default, and every judged replay runs to the allocator's steady
-state: the second step allocates exactly what every later one does (the first also creates the
-lazy state: Adam moments, C_B buffers, the M_D arena), so the replays repeat it
-(``allocator.replay(repeat_from=...)``, ``DryRunResult.repeat_from``) until the caching
-allocator's layout stops changing -- under a capacity it can drift for several steps (segments
-released on a failed allocation come back in another order), and a depth that fits its first
-two steps can run out of memory in its fifth (paper2020 C1 at 60 layers needs 25.5 GiB through
-2 steps, 31.1 GiB from the 5th on). The repeated step must be closed (it frees what it
-allocates and nothing older); a trace whose last step is not (one step only, or a step that
-keeps a storage into the next) is judged as traced, without repetition.
-
-Older note on the live peak: a further step repeats the first one's allocations except
-the state the first creates lazily (C_B buffers, the M_D arena, ...), so ``live_peak_steady``
--- the last step's live curve plus the lazily created bytes allocated after each point --
-predicts the next step's peak from one step's trace (tests check it equals a real second
-step for C1, C4, C5 and stage 3; at 100B C4, 1 and 2 steps give the same peak live and peak
-reserved bytes). Cost: under FakeTensorMode nearly all of a run was fake-tensor dispatch
-(~100-500 us per aten op); on meta with the tracer's output cache a 100B / 400-GPU C4 dry run
-of 2 steps takes ~8 s instead of ~56 s (the build, the runtime's Python and autograd remain).
-Benchmark: ``python -m zero_repro.scale.dryrun.dryrun --bench`` (100B, 400 GPUs, C4;
-``--backend both`` times meta and fake side by side).
-
-Software stack (``cfg.simulate.stack``, ``simulate.stack``): ``modern`` runs this runtime as
-it is (everything above); ``paper2020`` runs what produced the paper's numbers, through the same
-``train.build.build`` with three parts replaced: the 2019 Megatron layer and loss
-(``stack.megatron2019.GPT2019``: materialised fp16 scores, dropout masks, tanh-GELU
-intermediates, fp32 logits), the 2019 checkpointing (``stack.checkpoint2019``: per-layer P_a
-partitions, zeroed full input + list all-gather, no arena without P_a) and, for stages 1/2,
-DeepSpeed 0.2's ZeRO-DP allocation sequence (``stack.deepspeed02.DeepSpeed02Strategy``, which
-replaces the runtime's flat buffers). Its judged replay includes the build (no ``empty_cache``
-in the 2020 code: "max cached" counts from process start) and its capacity is the device less
-the CUDA context + NCCL bytes. Every storage carries a category (``stack.categories``):
-``DryRunResult.breakdown`` says where the memory went at the peak, for either stack.
-
-Data-dependent values do not exist without data: the dispatch mode answers every
-``.item()`` / ``bool(tensor)`` with 0 (finite gradients, no fp16 overflow, loss 0), so the step
-always takes the non-skipped path -- the one that allocates the most.
-
-Host vs device: every tensor is on meta (under ``fake``: CPU). P_a+cpu checkpoints (the M_D
-arena in host memory, or the per-block CPU copies) are identified from the checkpointing
-handle and excluded from device numbers. On a GPU, P_a+cpu's unpack also makes a small device
-copy of the 1/m slice before the all-gather; the CPU path does not, so C5 is under-counted by
-one slice (b·s·h/m·2 bytes, 1 MB at 100B, b=32) -- negligible.
-
-The fake process group is global state of torch.distributed: one per process. ``dry_run``
-initialises it and destroys it on exit (so consecutive calls with different world sizes work in
-one process); inside a process that already has a process group use ``dry_run_subprocess``.
+``cfg.simulate.stack`` (``stack``): ``modern`` runs this runtime as it is; ``paper2020`` swaps
+in the 2019 Megatron layer and checkpointing and DeepSpeed 0.2's stage 1-2 allocation sequence,
+judged with its build (no ``empty_cache``: "max cached" from process start) against the device
+less the CUDA context + NCCL; ``DryRunResult.breakdown`` says where the memory went at the peak.
+Data-dependent reads answer 0 (finite gradients, no overflow: the most-allocating path). P_a+cpu
+host storages are excluded from device numbers (C5 under-counts one b·s·h/m·2-byte slice, 1 MB
+at 100B). The fake group is process-global: ``dry_run`` creates and destroys it; inside a
+process that has a group use ``dry_run_subprocess``. Speeds: ``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -257,22 +208,23 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     """Run ``iterations`` training steps of rank ``rank`` of ``cfg`` under fake tensors.
 
     ``stack``: the software stack to execute (default ``cfg.simulate``: modern = this
-    runtime, paper2020 = the 2020 stack, ``simulate.stack``).
+    runtime, paper2020 = the 2020 stack, ``scale.dryrun.stack``).
     ``allocator_capacity``: device bytes for the allocator replay (default: the cluster's
     ``device_memory_gb``·1e9 less the stack's bytes outside the allocator, unbounded when 0);
     an allocation the replay cannot place even after releasing cached segments is reported as
     ``allocator["oom"]``.
     ``backend``: ``meta`` (tensors on the meta device, the tracer's output cache),
     ``meta_uncached`` (every meta kernel run: the cache's reference) or ``fake``
-    (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``simulate.tracer``).
+    (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``tracer``).
     ``details=False``: leave ``breakdown`` and (where the judge replays without the build)
     ``allocator_with_build`` empty -- a replay each, ~5-10% of a dry run; the max-layers search
     needs only the judged replay.
-    ``transport_of``: whose bucket transport the ranks' buffers follow (``distributed.transport``):
+    ``transport_of``: whose bucket transport the ranks' buffers follow (``runtime.comm.transport``):
     ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
-    it under-counts only constant-size scratch -- or the transport a CPU run used (its
-    ``models_as``, ``real_ledgers``' ``transport``): ``gloo`` (point-to-point, with receive
-    scratch) or ``shm`` (shared memory, none), which reproduce that run's ledgers exactly."""
+    it under-counts only constant-size scratch -- or the transport a run used (its ``name``,
+    ``real_ledgers``' ``transport``): ``native`` (NCCL's, staging scratch), ``gloo``
+    (point-to-point, receive scratch) or ``shm`` (shared memory, its segment), which reproduce
+    that run's ledgers exactly."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -418,7 +370,8 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     for d in cfg_dicts:
         cfg = C.to_config(d)
         topo = Topology.build(cfg.parallel.tp)
-        model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+        # every stage is built at every N_d, DP 1 included (Table 1's first column): no warning
+        model, ckpt, strategy = build(cfg, topo, torch.device("cpu"), warn_dp1=False)
         for it in range(iterations):
             _one_step(strategy, None, ckpt, set(), cfg, it)
         ledger = strategy.memory_ledger()

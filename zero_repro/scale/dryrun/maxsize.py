@@ -1,46 +1,24 @@
 """Largest trainable model judged by the dry run (paper §10.5 Figure 6, Table 2 "measured").
 
-The question "does a model of l layers (hidden h fixed, the paper's Table 7 families) train on
-a device of C bytes" is answered by running the real runtime on fake tensors
-(``simulate.dryrun``) and replaying its allocation trace through the caching-allocator model
-with capacity C: the model fits iff that replay never runs out of memory (after releasing
-cached segments, as PyTorch does before raising "CUDA out of memory") -- in the steady state:
-two steps are traced and the replay repeats the second until the allocator's layout settles
-(``simulate.dryrun``), so a depth whose fragmentation only builds up over later steps does not
-"fit" on the strength of its first two.
+``max_layers(cfg, capacity)``: the largest depth l (hidden, heads and the rest from ``cfg``, the
+paper's Table 7 families) that trains on a device of C bytes. Depth l fits iff the steady-state
+replay of its dry run's trace (``zero_repro.scale.dryrun.dryrun``) through the caching-allocator
+model never runs out of memory at C (after releasing cached segments, as PyTorch does before
+raising); M(l), the smallest such capacity (``allocator.min_capacity``), decides: fits iff
+M(l) <= C.
 
-Search: memory per rank is affine in l to a very good approximation (model states and
-checkpoints grow linearly, working memory does not) once l is past the depth where the
-gradient buckets are full (``probe_depths``), so two cheap dry runs there give a seed
-``l* = l_b + (C - M(l_b)) / slope``, M(l) = the smallest capacity at which depth l's judged
-allocator replay does not run out of memory (``allocator.min_capacity``, found by bisecting
-over replays of the one trace: fits iff M(l) <= C, so M is the decisive quantity, fragmentation
-and the cached segments released before an OOM included); the dry run at full size then
-decides, and secant steps through the judged points close the bracket [fits, does not fit].
-Each judgement is a full dry run; with 2+ cores every round of the search judges two depths
-at once (the second in a helper process, ``_search(pairs=True)``): the seed and seed + 1, then
-pairs around each new estimate; once a bracket of at most ``ENDGAME`` open depths has both ends
-judged, ``_plan`` picks the depths that decide the answer (look-ahead included) in the fewest
-rounds, and those judgements skip the needed-capacity bisection (verdicts decide there). 2
-rounds when the seed is right (modern: the answer and the look-ahead), 3-4 under paper2020,
-whose needed capacity carries ~±0.5 GB of fragmentation near the top (Figure 6, C1-C5: 18
-rounds, 222 s on 2 cores; before the end game 23 rounds, 320 s). Results are memoised and
-shared within the process.
-
-Near the top the verdict is not monotone in depth (fragmentation: under paper2020, C1 at 59
-layers needs 29.80 GB, at 54 layers 29.91 GB; ``python -m zero_repro.scale.dryrun.maxsize --scan``
-judges a range): the answer is the largest depth judged to fit whose next ``LOOKAHEAD`` = 2
-depths were judged not to -- a depth that does not fit below one that does is passed over. The analytic model (``measure.analytic``) is
-logged next to the seed and is the fallback. Returns the largest l that fits and its parameter
-count ``flops.param_count`` (padded vocabulary, TP 1).
-
-Judged, for the ``modern`` stack, on the training trace (the allocator after ``empty_cache()``
-following the build): the runtime's build keeps the model's own fp16 parameters alive while it
-copies them into the flat buffers, a transient 2x of the fp16 weights that a real run at the
-searched depth has to keep off the device (e.g. build on the host, then move);
-``Judgement.build_peak_live`` records it. The ``paper2020`` stack (``cfg.simulate.stack``) is
-judged on the trace WITH its build (DeepSpeed 0.2's build sequence, whose cached blocks count:
-``DryRunResult.judged_with_build``) against the device less its CUDA context + NCCL bytes.
+Search: M is close to affine in l once the gradient buckets are full (``probe_depths``), so two
+probes seed l* = l_b + (C - M(l_b)) / slope; full-size dry runs then judge, secant steps close
+the bracket [fits, does not fit] (two depths per round with 2+ cores, one in a helper process),
+and once at most ``ENDGAME`` depths are open ``_plan`` picks the deciding ones. Near the top the
+verdict is not monotone in depth (fragmentation): the answer is the largest depth judged to fit
+whose next ``LOOKAHEAD`` = 2 depths do not (``scan`` judges a range). The analytic model
+(``zero_repro.scale.analytic``) is logged beside the seed and is the fallback. Returns the depth
+and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process.
+Judged trace: ``modern`` after ``empty_cache()`` following the build (the build's transient 2x of
+the fp16 weights is recorded, ``Judgement.build_peak_live``, not judged); ``paper2020`` with its
+build against the device less its CUDA context + NCCL. Rounds and timings:
+``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -108,7 +86,7 @@ class MaxSizeResult:
     seed_from: str  # "probe" (two small dry runs) | "analytic"
     judgements: list = field(default_factory=list)  # Judgement, in evaluation order
     seconds: float = 0.0
-    analytic_seed: int = 0  # the closed-form model's answer (measure.analytic)
+    analytic_seed: int = 0  # the closed-form model's answer (scale.analytic)
     probes: list = field(default_factory=list)  # [(n_layer, peak_allocated, seconds)]
     n_dry_runs: int = 0  # dry runs actually executed (probes + judgements, cache misses)
     backend: str = "meta"  # how the dry runs ran without data (dry_run's backend)
@@ -414,8 +392,8 @@ def _search(judge, seed: int, max_n: int, points: list[tuple[int, float]] | None
     second run beside the first -- next to an estimate its neighbour (the answer is a pair:
     fits, does not fit); when bisecting, the two depths that cut the bracket in thirds; once
     the judged bracket has at most ``ENDGAME`` open depths, the ones ``_plan`` picks.
-    Fragmentation makes the verdict non-monotone near the top (under paper2020 C1 fits at 53,
-    not at 54, at 55-59 again, not at 60-62): the answer is the largest depth judged to fit
+    Fragmentation makes the verdict non-monotone near the top (paper2020 C1:
+    results/fig6_max_model/notes.md): the answer is the largest depth judged to fit
     whose ``LOOKAHEAD`` depths above were judged not to (a depth that does not fit below a
     larger one that does is passed over, as "largest model that trains" asks)."""
     pts = list(points or [])

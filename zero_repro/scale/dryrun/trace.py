@@ -1,7 +1,7 @@
-"""Analysis of a dry run's allocation trace (``simulate.dryrun``): events ``(kind, sid, nbytes,
-phase, iteration)`` in program order -- which events a judge replays, where the repeatable last
-step starts, the live-byte peaks. Pure functions of the event list (split out of
-``simulate.dryrun``, which runs the runtime to produce the trace)."""
+"""Analysis of a dry run's allocation trace (``zero_repro.scale.dryrun.dryrun``): events ``(kind,
+sid, nbytes, phase, iteration)`` in program order -- which events a judge replays, where the
+repeatable last step starts, the live-byte peaks. Pure functions of the event list.
+"""
 from __future__ import annotations
 
 from zero_repro.scale.dryrun import allocator as A

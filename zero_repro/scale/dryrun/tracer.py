@@ -1,26 +1,18 @@
-"""The dry run's allocation tracer (paper §10.5 memory figures): every storage an aten op creates
-or frees, in program order (moved out of ``simulate.dryrun`` so that the software-stack modules,
-``simulate.stack``, can extend it without an import cycle).
+"""The dry run's allocation tracer (paper §10.5 memory figures): every storage an aten op creates or
+frees, in program order (used by ``zero_repro.scale.dryrun.dryrun``; extended by
+``stack.categories``).
 
-Mechanism (see ``simulate.dryrun``): a ``TorchDispatchMode`` sees every aten op; each output
-storage not seen before is an allocation and a ``weakref.finalize`` on the storage object
-records its free; storages resized in place are detected when an op touches them and polled
-afterwards.
-
-Two ways to run without data (``AllocationTracer(on_meta=...)``):
-  * ``on_meta=True`` (the dry run's default): the runtime's tensors live on PyTorch's ``meta``
-    device (shape, dtype, strides and a storage of the right size, no data). The tracer
-    redirects every placement on another device to ``meta`` (``device="cpu"``: P_a+cpu host
-    buffers; and factories that take the default device, which the autograd engine's thread
-    does not see set); as under fake tensors, the dry run identifies host storages from the
-    handles that own them (``simulate.dryrun``). It answers
-    an op whose output metadata it has computed before for the same inputs from its own cache
-    (``_OutputCache``: many meta kernels are Python reference implementations, ~100-500 us per
-    call, and a transformer repeats the same few shapes thousands of times). Meta kernels follow
-    the CUDA kernels' dtype rules, e.g. ``native_layer_norm`` of fp16 input keeps fp32 mean and
-    rstd, as ``layer_norm_kernel.cu`` does (the CPU kernel keeps them in fp16).
-  * ``on_meta=False``: the tracer sits on top of ``FakeTensorMode`` (fake CPU tensors): the
-    original mechanism, ~6x slower at paper scale, kept as the reference the meta path is tested against.
+``AllocationTracer`` is a ``TorchDispatchMode`` that sees every aten op: each output storage not
+seen before is an allocation, a ``weakref.finalize`` on the storage object records its free, and
+storages resized in place are detected when an op touches them and polled afterwards.
+``on_meta=True`` (the dry run's default): tensors live on the ``meta`` device; placements on other
+devices (``device="cpu"``: P_a+cpu host buffers; factories on the default device) are redirected
+to ``meta`` and the dry run identifies host storages from the handles that own them; an op whose
+output metadata was computed before for the same inputs is answered from ``_OutputCache``. Meta
+kernels follow the CUDA kernels' dtype rules (``native_layer_norm`` of fp16 input keeps fp32
+statistics, as ``layer_norm_kernel.cu``). ``on_meta=False``: on top of ``FakeTensorMode`` (fake
+CPU tensors), the reference the meta path is tested against. Speeds:
+``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 

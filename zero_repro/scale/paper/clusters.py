@@ -1,7 +1,7 @@
 """Cluster specs as data: ``conf/cluster/<name>.yaml`` is their one home (schema:
 ``zero_repro.config.ClusterConfig``), read here for everyone that needs them outside Hydra's
-``cluster=...`` choice: the performance model (``simulate.hardware``), the memory dry run and
-the paper-scale points (``cluster_overrides``). The paper's own cluster is ``dgx2_v100``
+``cluster=...`` choice: the performance model (``zero_repro.scale.hardware``), the memory dry run
+and the paper-scale points (``cluster_overrides``). The paper's own cluster is ``dgx2_v100``
 (§10.1: DGX-2 nodes of 16 V100-32GB, NVSwitch 300 GB/s, 800 Gbps internode).
 """
 from __future__ import annotations

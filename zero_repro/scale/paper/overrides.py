@@ -27,7 +27,7 @@ def paper_overrides(n_layer: int, hidden: int, heads: int, gpus: int, tp: int, b
 
     ``dtype=None`` leaves ``zero.dtype`` as configured; ``name`` defaults to
     ``gpt_<layers>x<hidden>``; ``nominal`` (the paper's size label) is set when given. These
-    three only label or select, but they enter the point key (``measure.records.point_key``),
+    three only label or select, but they enter the point key (``lab.records.point_key``),
     so each caller keeps the values its committed records were made with."""
     ov = {"model.name": name or f"gpt_{n_layer}x{hidden}", "model.n_layer": n_layer,
           "model.n_embd": hidden, "model.n_head": heads, "model.seq_len": seq,

@@ -10,12 +10,18 @@ shard) and N_d data-parallel ranks:
     P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
 
 The one statement of this formula: the memory model, the dry run's checks, Table 1's experiment
-and the runtime's ledger tests all call ``model_state_bytes``.
+and the runtime's ledger tests all call ``model_state_bytes``. ``STAGE_NOTATION`` is the one home
+of the stages' names in the paper's notation; Table 1's column labels (``STAGE_NAMES``) derive
+from it.
 """
 from __future__ import annotations
 
 K_ADAM = 12  # bytes of optimizer state per parameter (fp32 master + Adam m + v)
-STAGE_NAMES = {0: "baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+# the ZeRO-DP stages in the paper's notation (§5): the one home of the stage names
+STAGE_NOTATION = {0: "baseline DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+# Table 1's column labels, the keys of its rows in results/paper/reference.csv: the notation as
+# the table prints it ("Pos", "Pos+g", "Pos+g+p"; stage 0 "baseline")
+STAGE_NAMES = {k: "baseline" if k == 0 else v.replace("_", "") for k, v in STAGE_NOTATION.items()}
 TABLE1_PSI = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}  # the table's model sizes
 TABLE1_ND = (1, 4, 16, 64, 256, 1024)  # the table's DP degrees
 

@@ -1,21 +1,18 @@
 """Table 3 (paper §10.4): the ZeRO configurations C1-C5, plus the Megatron-LM baseline the
 throughput figures compare against, stated once.
 
-Table 3 pairs a ZeRO-DP stage with a set of ZeRO-R components:
-
     C1  P_os    C_B + M_D              C3  P_os+g  C_B + M_D
     C2  P_os    C_B + M_D + P_a        C4  P_os+g  C_B + M_D + P_a
                                        C5  P_os+g  C_B + M_D + P_a+cpu
 
 Activation checkpointing is on in all five (the paper's runs recompute every block; P_a
-partitions those checkpoints). The baseline is stage 0 with Megatron-LM's checkpointing and no
-ZeRO-R component.
-
-Exported four ways from this one table: ``zero_r_config(name)`` (the runtime's ZeroRConfig),
-``zero_overrides(name)`` (dotted Hydra overrides ``zero.stage`` + ``zero_r.*``), ``describe(stage, zero_r)`` (a label in the paper's notation), and the rows
-themselves, which ``measure.analytic.MemConfig.from_table3`` turns into the memory model's flags.
-``conf/zero_r/c1.yaml`` ... ``c5.yaml`` select the same settings through Hydra (a global-package
-group option also sets ``zero.stage``); tests/test_zero_r.py checks that they equal this table.
+partitions those checkpoints); the baseline is stage 0 with Megatron-LM's checkpointing and no
+ZeRO-R component. Exported from this one table: ``zero_r_config(name)`` (the runtime's
+ZeroRConfig), ``zero_overrides(name)`` (Hydra overrides ``zero.stage`` + ``zero_r.*``),
+``describe(stage, zero_r)`` (a label in the paper's notation) and the rows, which
+``zero_repro.scale.analytic.MemConfig.from_table3`` turns into the memory model's flags.
+``conf/zero_r/c1.yaml`` ... ``c5.yaml`` select the same settings through Hydra;
+tests/test_zero_r.py checks that they equal this table.
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from zero_repro.config import ZeroRConfig
+from zero_repro.scale.paper.table1 import STAGE_NOTATION
 
 
 @dataclass(frozen=True)
@@ -81,9 +79,6 @@ def zero_overrides(name: str) -> dict:
     return {"zero.stage": row(name).stage, **{f"zero_r.{k}": v for k, v in zr.items()}}
 
 
-_DP_NAMES = {0: "baseline DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-
-
 def describe(stage: int, zero_r: ZeroRConfig) -> str:
     """Label in the paper's notation, e.g. ``P_os+g | C_B+M_D+P_a+cpu``."""
     parts = []
@@ -95,4 +90,4 @@ def describe(stage: int, zero_r: ZeroRConfig) -> str:
         parts.append("P_a+cpu" if zero_r.cpu_checkpointing else "P_a")
     if zero_r.activation_checkpointing and not zero_r.partition_activations:
         parts.append("ckpt")
-    return f"{_DP_NAMES.get(stage, f'stage {stage}')} | {'+'.join(parts) or 'no ZeRO-R'}"
+    return f"{STAGE_NOTATION.get(stage, f'stage {stage}')} | {'+'.join(parts) or 'no ZeRO-R'}"

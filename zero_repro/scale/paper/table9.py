@@ -1,15 +1,12 @@
-"""Table 9 (the setups of Figure 8, paper appendix; captioned "Figure 6") carries no
-configuration names: which of its five 60B rows is C1..C5 is an assumption, made explicit here.
+"""Table 9 (Figure 8's setups, paper appendix; captioned "Figure 6") names no configurations: which
+of its five 60B rows is C1..C5 is an assumption, made explicit here (``ORDERS[name]``: the
+configuration of each CSV row, in CSV order; ``experiment.params.table9_order``).
 
-The reference CSV labels the rows in the order C1..C5 (batch per GPU 2, 4, 32, 32, 8). Table 7
-(Figure 6's setups) lists ITS rows in the order C1, C2, C4, C5, C3 (by model size); if Table 9
-follows the same order the batches are C1 2, C2 4, C4 32, C5 32, C3 8. Physical check (60B =
-75 x 8192, MP 16, s = 1024): C3 has no P_a, so its checkpoints are b·s·h·2·l = 32·1024·8192·2·75
-= 40 GB per GPU at batch 32 -- more than a V100 holds -- while at batch 8 they are 10 GB. The
-``table7`` order is therefore the only one under which every row can run: it is the default;
-``c1_to_c5`` (the CSV's labels) stays selectable (``experiment.params.table9_order``).
-
-``ORDERS[name]`` gives the configuration of each CSV row, in CSV row order (C1..C5 labels).
+The reference CSV labels the rows C1..C5 (batch per GPU 2, 4, 32, 32, 8). Table 7 lists its rows
+as C1, C2, C4, C5, C3; in that order the batches are C1 2, C2 4, C4 32, C5 32, C3 8. Physical
+check (60B = 75 x 8192, MP 16, s = 1024): C3 has no P_a, so its checkpoints b·s·h·2·l =
+32·1024·8192·2·75 = 40 GB per GPU at batch 32 exceed a V100, 10 GB at batch 8. ``table7`` is the
+only order under which every row can run: the default; ``c1_to_c5`` stays selectable.
 """
 from __future__ import annotations
 

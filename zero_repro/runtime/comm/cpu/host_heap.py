@@ -1,37 +1,14 @@
-"""Host memory of CPU ranks: a caching malloc (tcmalloc), as the CUDA caching allocator is on GPU.
+"""tcmalloc for CPU ranks: a caching malloc, as PyTorch's caching allocator is on GPU.
 
-On GPU, PyTorch's caching allocator keeps every freed block and serves the next step's tensors
-from it: a training step's steady state asks the driver for nothing. On CPU, PyTorch has no
-cache: a tensor is ``posix_memalign``-ed from the C library and freed back to it. glibc serves a
-request of more than 32 MiB (its largest ``mmap`` threshold) with a fresh ``mmap`` and returns
-it with ``munmap`` on free, so every such tensor of every step is new memory that the kernel
-faults in (and zeroes) 4 KiB at a time. GPT-20M (V = 50257, d = 512: the tied embedding, its
-gradient, the logits and their gradient are 103 MB each) took 113k minor faults per step on each
-rank, ~0.15 s of a 0.70 s step at world 2 (``resource.getrusage``), in every framework alike.
-
-What was tried (world 2, GPT-20M, stage 0 / stage 3 median step, faults per step):
-
-* glibc default: 699 / 803 ms, 113k / 141k faults;
-* ``THP_MEM_ALLOC_ENABLE=1`` (torch's 2 MiB-aligned, ``MADV_HUGEPAGE`` allocations): 588 /
-  718 ms, ~6k faults (the kernel still zeroes every page of every step);
-* glibc's heap for everything (``mallopt(M_MMAP_MAX, 0)``, large ``M_TRIM_THRESHOLD``): 528 /
-  601 ms, 0 faults, but rejected: the 64-byte ``posix_memalign`` needs slack that a freed hole
-  of the same size lacks, so a loop allocating one 100 MB tensor with small allocations between
-  grew the heap by 100 MB per round (glibc 2.36);
-* jemalloc 5.3 (also with the ``MALLOC_CONF`` of ``torch.backends.xeon.run_cpu``): no gain,
-  it purged the large extents and faulted as often as glibc;
-* **tcmalloc** (gperftools' ``libtcmalloc_minimal``): 518 / 580 ms, ~0 faults, and the same
-  loop's memory bounded (its page heap coalesces freed spans). Used.
-
-``rank_env`` is the environment a CPU (gloo) rank is started with: ``LD_PRELOAD`` gets the
-tcmalloc library when this machine has one (Debian/Ubuntu: ``apt install
-libtcmalloc-minimal4``; ``torch.backends.xeon.run_cpu --enable-tcmalloc`` does the same for a
-single process). Every launcher starts CPU ranks with it (``launch.spawn``, and torchrun / srun
-through ``worker``), so every framework sharing a rank process (the peers race and its lower
-bound) runs on the same allocator. ``ZR_HOST_HEAP=os`` keeps the C library's malloc (for an
-A/B); ``ZR_HOST_HEAP=tcmalloc`` requires it. The mode is part of a measured CPU record's
-machine signature (``harness.provenance``). GPU ranks are left alone (their tensors live in the
-CUDA caching allocator).
+glibc serves every request over 32 MiB (its largest ``mmap`` threshold) with a fresh ``mmap``, so
+each large tensor of each CPU step is new memory the kernel faults in; tcmalloc (gperftools'
+``libtcmalloc_minimal``) keeps freed spans and bounds the heap. ``rank_env()`` is a CPU (gloo)
+rank's environment: ``LD_PRELOAD`` names tcmalloc where installed (``apt install
+libtcmalloc-minimal4``); every launcher uses it (``launch.spawn``, ``zero_repro.lab.launcher``),
+so all frameworks of a rank process share one allocator. ``ZR_HOST_HEAP`` (``mode()``): ``os``
+keeps the C library's malloc (an A/B), ``tcmalloc`` requires it; it enters a measured CPU
+record's machine signature. GPU ranks are left alone. Timings and what was tried:
+``results/peers/notes.md``.
 """
 from __future__ import annotations
 

@@ -1,49 +1,26 @@
-"""Shared-memory channel: how CPU (gloo) ranks on one host move bucket chunks without sockets.
+"""Shared-memory channel: CPU (gloo) ranks on one host move bucket chunks without sockets.
 
-gloo carries every byte of a CPU collective through a loopback TCP socket: the sender's kernel
-copies it into a socket buffer, the receiver's copies it out, and on a 2-core machine gloo's
-threads take those cycles from the ranks' compute. Ranks on one host can instead read each
-other's memory (as NCCL does inside a node through its shared-memory / P2P transports): each
-rank of a group maps one segment of ``/dev/shm`` per group rank, writes what its peers need
-into its own segment and reads what it needs from theirs. Measured (world 2, 2 cores, Ψ =
-41.6M fp32 in 2M buckets, 2026-12-02, ``/work`` microbench of this design): reduce-scatter
-22 ms vs gloo point-to-point 73-85 ms, all-gather 21 ms vs 62-75 ms.
+Each rank of a group maps one ``/dev/shm`` segment per group rank (``channel_for``, built once,
+collectively; checked to be shared, then unlinked so nothing is left when a rank dies), writes
+what its peers need into its own segment and reads theirs, as NCCL does inside a node.
 
-A segment holds a header (this rank's counters) and ``SLOTS`` slots of ``SLOT_BYTES``. A
-collective is cut into *pieces* that each fit one slot; pieces get consecutive sequence
-numbers, in the order the collectives are issued (the same on every rank, as collectives
-are), and piece ``j`` lives in slot ``j % SLOTS`` of every segment. Two counters per rank,
-each written only by its rank:
+Protocol (the invariant every collective keeps): a collective is cut into *pieces* that each
+fit one of ``SLOTS`` slots of ``SLOT_BYTES``; pieces are numbered in issue order (the same on
+every rank) and piece ``j`` lives in slot ``j % SLOTS``. Each rank writes two counters, ``ready``
+(pieces published) and ``done`` (peers' pieces consumed). A rank writes piece ``j`` only once
+every rank's ``done >= j - SLOTS`` and reads it only once every peer's ``ready >= j``; a wait
+completes every earlier piece first, so all ranks move through the pieces in one order and no
+wait depends on a piece a peer cannot reach. A dead or hung peer fails the wait after the
+world's collective timeout, naming it. x86-64 only: its stores become visible in program
+order, so a counter is never seen before the data it covers (elsewhere ranks stay on gloo).
 
-* ``ready``: every piece through it is written into this rank's slots (publish),
-* ``done``: this rank has read every peer's piece through it (consume).
-
-A rank may write piece ``j`` once every rank's ``done`` is at least ``j - SLOTS`` (the slot's
-previous piece is read, by the peers and by itself: an all-reduce reads its own slot too), and may read it once every peer's ``ready`` is at least ``j``. Pieces
-are published when issued if their slot is free (the peers can start on them while this rank
-computes), else when waited; a wait completes every earlier piece first, in order, so every
-rank moves through the pieces in one order, as through blocking collectives, and nothing
-waits on a piece its peer cannot reach. Waits poll with ``sched_yield``, then with short sleeps,
-and give up after the
-world's collective timeout (a dead or hung peer fails the wait, naming it). x86-64 only: its
-stores become visible in program order, so a counter is never seen before the data it covers
-(other architectures would need fences: they stay on gloo).
-
-*Shared buffers* (``Channel.shared_buffer``) go one copy further: a buffer every peer maps (a
-stage's persistent buckets and shards) needs no slots at all: a collective on a view of it
-publishes nothing but its counter and the peers read the values in place (a piece's write is a
-no-op). Its owner may write it again only once every peer has read it: ``await_readers`` waits
-for the peers' ``done`` to pass the collective's last piece (the transport's ``wait`` does).
-An all-reduce's gather half is published only after its reduce-scatter half is read, so the
-sums it overwrites are never ones a peer still has to read.
-
-Segments are created when a group first builds a bucket transport (``channel_for``), checked
-to be shared (every rank reads every peer's magic word through its own mapping; ranks on other
-hosts see no file or another one) and unlinked at once: the mappings stay, nothing is left in
-``/dev/shm`` when a rank dies. ``ZR_CPU_TRANSPORT`` picks the mode: ``auto`` (default) uses
-shared memory when it can and gloo point-to-point otherwise, ``shm`` requires it (one error
-line when it cannot), ``pairwise`` never uses it, ``native`` runs gloo's own reduce-scatter and
-all-gather (the NCCL-shaped transport, e.g. to test it on CPU).
+*Shared buffers* (``Channel.shared_buffer``, a ``Region``) are memory every peer maps: a
+collective on a view of one publishes only its counter and the peers read in place; its owner
+writes it again only after ``await_readers`` (the peers' ``done`` past the collective's last
+piece; the transport's ``wait`` does it). ``ZR_CPU_TRANSPORT`` (``mode()``): ``auto`` (default:
+shared memory when possible, else gloo point-to-point), ``shm`` (required; one error line when
+impossible), ``pairwise`` (never), ``native`` (gloo's own reduce-scatter / all-gather: the
+NCCL-shaped transport on CPU). Timings: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -92,7 +69,9 @@ class ShmError(RuntimeError):
 
 
 class Channel:
-    """One group's mapped segments and its piece sequence (see the module docstring)."""
+    """One group's mapped segments and its piece sequence (protocol: the module docstring).
+    A piece is published when issued if its slot is free (the peers start on it while this
+    rank computes), else when waited."""
 
     def __init__(self, group: comm.Group, segments: list[torch.Tensor],
                  timeout: datetime.timedelta | None):
@@ -258,9 +237,21 @@ def _create(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _room() -> int:
+ROOM_MARGIN = 1.25  # free room a group asks for beyond its segments
+
+
+def room() -> int:
+    """Free bytes in ``SHM_DIR``."""
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def room_needed(group_size: int, groups: int = 1, nbytes: int | None = None) -> int:
+    """Free bytes ``groups`` groups of ``group_size`` ranks on one host need to map their
+    segments of ``nbytes`` (default: the slots, ``segment_bytes``) one group after another:
+    each asks for its own segments x ``ROOM_MARGIN`` while the earlier ones hold theirs."""
+    seg = group_size * (segment_bytes() if nbytes is None else nbytes)
+    return int((groups - 1) * seg + seg * ROOM_MARGIN)
 
 
 def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tensor] | None, str]:
@@ -272,7 +263,7 @@ def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tens
     token = comm.all_gather_object(secrets.token_hex(7), group)[0]
     # every rank of the host maps every segment: room for all of them, with a margin
     fits = _architecture_ok() and os.path.isdir(SHM_DIR) and \
-        _room() > group.size * nbytes * 1.25
+        room() > room_needed(group.size, nbytes=nbytes)
     paths = [os.path.join(SHM_DIR, f"zr-{token}-{group.name}-{what}-{q}")
              for q in range(group.size)]
     mine, why = None, ""
@@ -283,7 +274,8 @@ def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tens
         except OSError as e:
             why = f"{SHM_DIR}: {e}"
     else:
-        why = f"{SHM_DIR} lacks {group.size * nbytes / 2**20:.0f} MiB or not x86-64"
+        why = (f"{SHM_DIR} has less than {room_needed(group.size, nbytes=nbytes) / 2**20:.0f} "
+               f"MiB free, or not x86-64")
     created = comm.all_gather_object(mine is not None, group)
     segments: list[torch.Tensor | None] = [None] * group.size
     if all(created):

@@ -1,22 +1,19 @@
-"""Memory categories of a dry-run trace: "where did the memory go" at the peak (paper §10.5,
-Figure 7's max cached memory split into what holds it).
+"""Memory categories of a dry-run trace: where the memory went at the peak (paper §10.5, Figure 7's
+max cached memory split into what holds it).
 
-Today's trace events ``(kind, sid, nbytes, phase, iteration)`` carry no category. The minimal
-mechanism added here: ``CategoryTracer`` (an ``AllocationTracer``) keeps a current category,
-set by the ``tracer.category(name)`` context manager (or the module-level ``category`` helper,
-which is a no-op when no tracer is active), and records ``category_of[sid]`` for every storage
-allocated while it is set. The event tuples stay as they are, so the allocator replay and
-every existing consumer are unchanged. Storages allocated with no category set are
+``CategoryTracer`` (an ``AllocationTracer``) keeps a current category, set by its
+``category(name)`` context manager (or the module-level ``category``, a no-op without an active
+tracer), and records ``category_of[sid]`` for every storage allocated under it; the trace events
+are unchanged, so every consumer of the trace is too. Storages allocated with no category are
 attributed by phase (build -> build_transient, step -> step_transient, else other).
 
 ``breakdown(events, category_of, host_sids)`` replays the device trace through the caching-
-allocator model and reports, at the point where the reserved bytes peak ("max cached"), the
-live requested bytes per category (at the event where reserved bytes are at their maximum
-and, among those, the most of them are handed out) plus two allocator terms:
+allocator model and reports, at the event where the reserved bytes peak (among those, the most
+handed out), the live requested bytes per category plus two allocator terms:
     allocator_slack   = handed-out (rounded) bytes - requested bytes   (512 B rounding, unsplit
                         block remainders <= 1 MiB)
-    cached_free       = reserved - handed-out bytes                     (cached, not in use)
-so that sum(categories) + allocator_slack + cached_free == peak_reserved exactly.
+    cached_free       = reserved - handed-out bytes
+Invariant: sum(categories) + allocator_slack + cached_free == peak_reserved exactly.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
 Not a formula: ``DeepSpeed02`` runs the same sequence of tensor allocations and frees on the
 model's (fake) parameters that DeepSpeed@f2ac7eafd ran on the GPU, so the caching-allocator
-replay of ``simulate.allocator`` sees the real order (which blocks are cached when what is
+replay of ``dryrun.allocator`` sees the real order (which blocks are cached when what is
 requested). Sources, DeepSpeed@f2ac7eafd:deepspeed/pt/:
 
 build (``deepspeed_zero_optimizer.py`` __init__, stage 2):

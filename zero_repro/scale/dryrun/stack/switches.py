@@ -25,7 +25,7 @@ Sources (full hashes; read with ``git show COMMIT:PATH`` in the repository snaps
                                                    sizes that cannot fit in GPU memory in full
                                                    precision" to the public master)
 
-``modern`` is every switch off: the dry run as ``simulate.dryrun`` runs it today.
+``modern`` is every switch off: the dry run as ``zero_repro.scale.dryrun.dryrun`` runs it.
 """
 from __future__ import annotations
 
