@@ -461,7 +461,7 @@ class ZeroRepro(Runner):
         if self.cpu_transport:  # read once, when the strategy builds its transport
             os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
         try:
-            self.strategy = build_strategy(self.model, self.topo, zero, spec.train)
+            self.strategy = build_strategy(self.model, self.topo, zero, spec.train, spec.zero_r)
         finally:
             if saved is None:
                 os.environ.pop("ZR_CPU_TRANSPORT", None)
