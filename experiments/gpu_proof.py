@@ -449,7 +449,7 @@ def equivalence_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
                 diff = max(float((theta[n] - want[n].detach()).abs().max()) for n in theta)
                 configs[f"tp{tp} dp{topo.dp} stage{stage}"] = {
                     "max_abs_diff": diff, "losses": [float(v) for v in losses],
-                    "transport": strategy.transport.models_as}
+                    "transport": strategy.transport.name}
             strategy.remove_hooks()
     return {"configs": configs, "dtype": "fp32", "tf32": False, "steps": q["steps"]}
 
@@ -618,7 +618,7 @@ def node_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
                               "peak_kind": "cuda_max_allocated" if peak else "ledger_total",
                               "build_peak_bytes": peak0,
                               "model_state_bytes": ledger.model_states(),
-                              "transport": strategy.transport.models_as,
+                              "transport": strategy.transport.name,
                               **overlap_of_step(device, lambda: one(0))}
         strategy.remove_hooks()
         del model, strategy

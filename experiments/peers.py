@@ -5,19 +5,25 @@ framework's distance to a lower bound.
 Points (one record each): ``same_kernel`` (the headline: every peer's AdamW is
 ``torch.optim.AdamW(fused=True)``, the kernel ``ShardAdamW`` runs; all frameworks, the lower
 bound and the single-process reference on ``model``, gpt_20m), ``as_shipped`` (the peers'
-default optimizers) and ``size`` (stage 2 and 3 frameworks on larger models, fused kernel, no
-reference). A point runs one ``launch.spawn`` per process set (``runners.process_sets``);
+default optimizers), ``size`` (stage 2 and 3 frameworks on larger models, fused kernel, no
+reference), ``memory`` (every framework alone in processes of its own: its per-rank live-storage
+peak, ``peers.memory.LivePeak``, beside the max RSS) and ``budget`` (the largest model of a ladder
+each framework trains at world 2 within a per-rank live-peak budget: the paper's Figure 6
+question). The race's tables carry each framework's live peak over its untimed steps beside its
+step time. A point runs one ``launch.spawn`` per process set (``runners.process_sets``);
 inside a set frameworks are interleaved step by step (``runners.run_peers``) and the timed steps
 split into ``repeats`` blocks.
 
 ``summarize``: figure ``peers``, series ``<table>/<framework>/stage<k>``, x_name ``framework``,
 y_name step_time_s | ratio_to_bound | ratio_to_best_peer | ratio_to_ddp | max_abs_dparam |
-tolerance_ratio | max_abs_dloss | comm_volume_elements (``kind=measured``; extra columns table,
-model, params, stage, best_peer, repeats, detail); ``plot`` draws the ratios and writes
-``report.md``. Notes on the CPU fast path: ``results/peers/notes.md``.
+tolerance_ratio | max_abs_dloss | comm_volume_elements | live_peak_bytes | max_rss_bytes |
+rss_growth_bytes | memory_to_best_peer | max_params_in_budget (``kind=measured``; extra columns table,
+model, params, stage, best_peer, repeats, detail); ``plot`` draws the ratios (time above, memory below) and
+writes ``report.md``. Notes on the CPU fast path: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -31,15 +37,18 @@ from zero_repro.lab.points import Point
 from zero_repro.runtime.model.flops import param_count
 from zero_repro.lab.peers import report
 from zero_repro.lab.peers.frameworks import DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH
-from zero_repro.lab.peers.runners import PeerSpec, process_sets, run_peers
+from zero_repro.lab.peers.runners import PeerSpec, process_sets, run_budget, run_peers
 
 log = logging.getLogger(__name__)
 
 FIGURE = "peers"
-TABLES = ("same_kernel", "as_shipped", "size")
+TABLES = ("same_kernel", "as_shipped", "size", "memory", "budget")
 Y_UNITS = {"step_time_s": "s", "ratio_to_bound": "x", "ratio_to_best_peer": "x",
            "ratio_to_ddp": "x", "max_abs_dparam": "abs", "tolerance_ratio": "x",
-           "max_abs_dloss": "nats", "comm_volume_elements": "elements"}
+           "max_abs_dloss": "nats", "comm_volume_elements": "elements",
+           "live_peak_bytes": "bytes", "max_rss_bytes": "bytes", "rss_growth_bytes": "bytes",
+           "memory_to_best_peer": "x", "max_params_in_budget": "params"}
+RACERS = [f for f in FRAMEWORKS if f != LOWER_BOUND]  # what the memory tables measure
 
 
 def _available(wanted) -> list[str]:
@@ -69,13 +78,29 @@ def plan(cfg) -> list[Point]:
         raise ValueError(f"experiment.params.tables: unknown {unknown}; choose from {TABLES}")
     pts = []
     for table in tables:
-        if table == "size":
+        if table in ("size", "memory", "budget"):
             continue
         opt = "fused" if table == "same_kernel" else "as_shipped"
         pts.append(Point(name=f"peers_{m.name}_w{w}_{table}",
                          params={"model": m.name, "world_size": w, "frameworks": fws,
                                  "optimizer": opt, "table": table, "reference": True,
                                  "by_stage": False}, mode="measured"))
+    if "memory" in tables:
+        mem = p.get("memory") or {}
+        steps = int(mem.get("steps", cfg.train.warmup_steps + 1))
+        pts.append(Point(name=f"peers_{m.name}_w{w}_memory",
+                         params={"model": m.name, "world_size": w, "table": "memory",
+                                 "frameworks": [f for f in fws if f in RACERS],
+                                 "steps": steps},
+                         overrides={"train.steps": steps}, mode="measured"))
+    if "budget" in tables:
+        b = p.get("budget") or {}
+        ladder = [list(map(int, x)) for x in b.get("ladder") or []]
+        pts.append(Point(name=f"peers_w{w}_budget",
+                         params={"world_size": w, "table": "budget",
+                                 "frameworks": _available(b.get("frameworks") or []),
+                                 "ladder": ladder, "rank_bytes": float(b.get("rank_bytes", 1e9)),
+                                 "steps": int(b.get("steps", 2))}, mode="measured"))
     if "size" in tables:
         s = p.get("size_series") or {}
         size_fws = _available(s.get("frameworks") or [])
@@ -91,9 +116,74 @@ def plan(cfg) -> list[Point]:
     return pts
 
 
+def ladder_model(n_layer: int, n_embd: int, like) -> C.ModelConfig:
+    """One GPT shape of the budget ladder: ``n_layer`` x ``n_embd`` (heads of 64), the rest of
+    ``like`` (vocabulary, sequence)."""
+    return dataclasses.replace(like, name=f"gpt_{n_layer}x{n_embd}", n_layer=n_layer,
+                               n_embd=n_embd, n_head=max(1, n_embd // 64), nominal="")
+
+
+def _spec(cfg, **kw) -> PeerSpec:
+    return PeerSpec(cfg.model, cfg.train, cfg.zero, zero_r=cfg.zero_r, **kw)
+
+
+def _run_memory(cfg, pp: dict) -> dict:
+    """Every framework alone (its own spawn): live peak, max RSS, RSS before its build."""
+    out, load = {}, [os.getloadavg()[0]]
+    for fw in pp["frameworks"]:
+        res = spawn(run_peers, cfg.parallel.world_size,
+                    _spec(cfg, frameworks=(fw,), reference=False, optimizer="fused"),
+                    backend=cfg.cluster.backend, timeout_s=cfg.launcher.collective_timeout_s)
+        res = sorted(res, key=lambda r: r["rank"])
+        out[fw] = {"live_peak": [r["frameworks"][fw]["live_peak"] for r in res],
+                   "max_rss": [r["max_rss"] for r in res],
+                   "rss_before": [r["rss_before"] for r in res],
+                   "held": [r["frameworks"][fw]["memory"] for r in res]}
+        load.append(os.getloadavg()[0])
+    log.info("peers memory (world %d, %s, measured): %s", cfg.parallel.world_size,
+             cfg.model.name, {f: f"{max(v['live_peak']) / 2**20:.0f} MiB" for f, v in out.items()})
+    return {"metrics": {"table": "memory", "model": cfg.model.name,
+                        "params": param_count(cfg.model), "memory_peak": out,
+                        "loadavg_1min": load}}
+
+
+def _run_budget(cfg, pp: dict) -> dict:
+    """Per framework (its own spawn): the ladder climbed until a size's live peak exceeds the
+    per-rank budget on some rank."""
+    ladder = [ladder_model(n, h, cfg.model) for n, h in pp["ladder"]]
+    params = {m.name: param_count(m) for m in ladder}
+    train = dataclasses.replace(cfg.train, warmup_steps=int(pp["steps"]))
+    out, load = {}, [os.getloadavg()[0]]
+    for fw in pp["frameworks"]:
+        spec = PeerSpec(cfg.model, train, cfg.zero, frameworks=(fw,), reference=False,
+                        zero_r=cfg.zero_r)
+        res = sorted(spawn(run_budget, cfg.parallel.world_size, spec, ladder, pp["rank_bytes"],
+                           backend=cfg.cluster.backend,
+                           timeout_s=cfg.launcher.collective_timeout_s), key=lambda r: r["rank"])
+        sizes = [{"model": s0["model"], "params": params[s0["model"]],
+                  "live_peak": max(r["sizes"][i]["live_peak"] for r in res),
+                  "max_rss": max(r["sizes"][i]["max_rss"] for r in res), "fits": s0["fits"]}
+                 for i, s0 in enumerate(res[0]["sizes"])]
+        fit = [s0 for s0 in sizes if s0["fits"]]
+        out[fw] = {"sizes": sizes, "largest": fit[-1]["model"] if fit else "",
+                   "largest_params": fit[-1]["params"] if fit else 0,
+                   "rss_before": max(r["rss_before"] for r in res)}
+        load.append(os.getloadavg()[0])
+        log.info("peers budget %s: largest within %.2f GB per rank: %s", fw,
+                 pp["rank_bytes"] / 1e9, out[fw]["largest"] or "none")
+    return {"metrics": {"table": "budget", "rank_bytes": pp["rank_bytes"],
+                        "ladder": [{"model": m.name, "params": params[m.name],
+                                    "n_layer": m.n_layer, "n_embd": m.n_embd} for m in ladder],
+                        "budget": out, "loadavg_1min": load}}
+
+
 def run_point(cfg, point: Point) -> dict:
     p, pp = cfg.experiment.params, point.params
-    spec = PeerSpec(cfg.model, cfg.train, cfg.zero, optimizer=pp["optimizer"],
+    if pp["table"] == "memory":
+        return _run_memory(cfg, pp)
+    if pp["table"] == "budget":
+        return _run_budget(cfg, pp)
+    spec = _spec(cfg, optimizer=pp["optimizer"],
                     reference=bool(pp.get("reference", True)),
                     digest_every=int(p.get("digest_every", 1)),
                     param_tol_rel_lr=float(p.get("param_tol_rel_lr", 0.05)),
@@ -124,6 +214,9 @@ def run_point(cfg, point: Point) -> dict:
                         "patches_torch": {n: PATCHES_TORCH[n] for n in fw if n in PATCHES_TORCH},
                         "loadavg_1min": load, "repeats": repeats,
                         "equivalence": eq, "speed": sp,
+                        "live_peak": {n: [r["frameworks"][n]["live_peak"] for rs in results
+                                          for r in sorted(rs, key=lambda r: r["rank"])
+                                          if n in r["frameworks"]] for n in fw},
                         "build_s": {n: fw[n]["build_s"] for n in fw}},
             "memory": {n: {f"rank{r['rank']}": r["frameworks"][n]["memory"]
                            for rs in results for r in rs if n in r["frameworks"]} for n in fw},
@@ -147,6 +240,57 @@ def _spread(xs) -> str:
     return f"{min(xs):.3f}-{max(xs):.3f}" if xs else ""
 
 
+def _best_peer_memory(peaks: dict[str, float], name: str) -> tuple[float | None, str]:
+    """``name``'s peak over the smallest peak of another framework at its stage (not this
+    project's, not a hybrid), and that peer."""
+    stage = FRAMEWORKS[name][0]
+    cands = [(v, n) for n, v in peaks.items() if n != name and FRAMEWORKS[n][0] == stage
+             and FRAMEWORKS[n][1] not in ("zero_repro", "bound", "hybrid") and v]
+    if not cands or not peaks.get(name):
+        return None, ""
+    v, n = min(cands)
+    return peaks[name] / v, n
+
+
+def _row(r, table: str, name: str, y_name: str, y, load: str, **extra) -> dict:
+    m = r.metrics
+    return {"figure": FIGURE, "series": f"{table}/{name}/stage{FRAMEWORKS[name][0]}",
+            "x_name": "framework", "x_value": name, "y_name": y_name, "y_value": y,
+            "unit": Y_UNITS[y_name], "kind": r.mode, "table": table,
+            "model": m.get("model", r.params.get("model", "")), "params": m.get("params"),
+            "stage": FRAMEWORKS[name][0], "process_set": 0, "best_peer": "", "repeats": "",
+            "detail": "", "loadavg_1min": load, "measured_at": r.timestamp,
+            "split_tied_grad": False, **extra}
+
+
+def _memory_rows(r, load: str) -> list[dict]:
+    """The ``memory`` table: per framework the largest rank's live peak, max RSS and its
+    growth over the process before the build; zero_repro's peak over the best peer's."""
+    rows, mp = [], r.metrics["memory_peak"]
+    peaks = {n: max(v["live_peak"]) for n, v in mp.items()}
+    for name, v in mp.items():
+        ratio, peer = _best_peer_memory(peaks, name)
+        growth = max(a - b for a, b in zip(v["max_rss"], v["rss_before"]))
+        for y_name, y in (("live_peak_bytes", peaks[name]), ("max_rss_bytes", max(v["max_rss"])),
+                          ("rss_growth_bytes", growth), ("memory_to_best_peer", ratio)):
+            if y is not None:
+                rows.append(_row(r, "memory", name, y_name, y, load, best_peer=peer))
+    return rows
+
+
+def _budget_rows(r, load: str) -> list[dict]:
+    """The ``budget`` table: per framework the parameters of the largest ladder model whose
+    live peak fits the per-rank budget (0: none), the peaks climbed in ``detail``."""
+    rows, m = [], r.metrics
+    for name, v in m["budget"].items():
+        detail = "; ".join(f"{s['model']} {s['live_peak'] / 2**20:.0f} MiB"
+                           f"{'' if s['fits'] else ' (over)'}" for s in v["sizes"])
+        rows.append(_row(r, "budget", name, "max_params_in_budget", v["largest_params"], load,
+                         model=v["largest"] or "-", params=v["largest_params"],
+                         detail=f"budget {m['rank_bytes'] / 2**20:.0f} MiB/rank: {detail}"))
+    return rows
+
+
 def summarize(records) -> list[dict]:
     rows = []
     for r in R.newest_ok(records):  # older runs stay in points.jsonl as history
@@ -157,7 +301,14 @@ def summarize(records) -> list[dict]:
         table = m["table"]
         loads = [x for x in m.get("loadavg_1min") or [] if isinstance(x, (int, float))]
         load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else ""
+        if table == "memory":
+            rows += _memory_rows(r, load)
+            continue
+        if table == "budget":
+            rows += _budget_rows(r, load)
+            continue
         split = bool(((r.config or {}).get("zero") or {}).get("split_tied_grad", False))
+        live = {n: max(v) for n, v in (m.get("live_peak") or {}).items() if v}
         for name, s in sp.items():
             e = eq.get(name, {})
             comm = r.comm.get(name, {})
@@ -172,7 +323,9 @@ def summarize(records) -> list[dict]:
                       "max_abs_dparam": (e.get("max_abs_dparam_all"), None),
                       "tolerance_ratio": (e.get("max_tolerance_ratio"), None),
                       "max_abs_dloss": (e.get("max_abs_dloss_all"), None),
-                      "comm_volume_elements": (vol or None, None)}
+                      "comm_volume_elements": (vol or None, None),
+                      "live_peak_bytes": (live.get(name) if name != LOWER_BOUND else None,
+                                          None)}
             for y_name, (y, reps) in values.items():
                 if y is None:
                     continue
@@ -206,10 +359,13 @@ def _reps(v) -> list[float]:
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """Linear axes: (a) every framework's step time / the lower bound, same kernel; (b) the
-    project's stage k / the best peer at stage k, same kernel vs as shipped; (c) the size
-    series, step time / lower bound at stages 2 and 3 against the parameter count. Error bars:
-    min-max over the repeats. Writes report.md."""
+    """Linear axes, time above, memory below: (a) every framework's step time / the lower
+    bound, same kernel; (b) the project's stage k / the best peer at stage k, same kernel vs as
+    shipped; (c) the size series, step time / lower bound at stages 2 and 3 against the
+    parameter count; (d) every framework's per-rank live-storage peak, its max RSS growth beside
+    it; (e) the project's peak / the best peer's at each stage; (f) the largest model each
+    framework trains within the per-rank budget. Error bars: min-max over the repeats. Writes
+    report.md."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,15 +379,19 @@ def plot(table, out_dir: str) -> list[str]:
         t = (t.sort_values("measured_at", kind="stable")
              .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
     t["y"] = pd.to_numeric(t["y_value"], errors="coerce")
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1.2]})
-    _panel_bound(axes[0], t)
-    _panel_best_peer(axes[1], t)
-    _panel_size(axes[2], t)
-    fig.suptitle("ZeRO stages vs peers, measured on CPU ranks, world 2, fp32; bars: median, "
-                 "whiskers: min-max of 3 repeats\nblue torch (gloo), cyan DDP on zero_repro's "
-                 "shared-memory transport, orange DeepSpeed (gloo), green zero_repro (shared "
-                 "memory; light green: _p2p, on gloo point-to-point like the peers), grey lower "
-                 "bound", fontsize=10)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 10.4),
+                             gridspec_kw={"width_ratios": [2.2, 1, 1.2]})
+    _panel_bound(axes[0][0], t)
+    _panel_best_peer(axes[0][1], t)
+    _panel_size(axes[0][2], t)
+    _panel_memory(axes[1][0], t)
+    _panel_memory_peer(axes[1][1], t)
+    _panel_budget(axes[1][2], t)
+    fig.suptitle("ZeRO stages vs peers, measured on CPU ranks, world 2, fp32: step time (top), "
+                 "per-rank memory (bottom); bars: median, whiskers: min-max of 3 repeats\n"
+                 "blue torch (gloo), cyan DDP on zero_repro's shared-memory transport, orange "
+                 "DeepSpeed (gloo), green zero_repro (shared memory; light green: _p2p, on gloo "
+                 "point-to-point like the peers), grey lower bound", fontsize=10)
     fig.tight_layout()
     paths = save_figure(fig, out_dir, FIGURE, dpi=130)
     paths.append(_write_report(t, out_dir))
@@ -312,6 +472,87 @@ def _panel_size(ax, t) -> None:
     ax.grid(True, alpha=0.3)
 
 
+def _memory_source(t):
+    """Per-framework memory rows: the memory table's (each framework alone), else the race's
+    live peaks (same kernel)."""
+    d = t[t["table"] == "memory"]
+    return d if not d.empty else t[(t["table"] == "same_kernel")]
+
+
+def _panel_memory(ax, t) -> None:
+    d = _memory_source(t)
+    peak = d[d["y_name"] == "live_peak_bytes"].sort_values(["stage", "x_value"])
+    if peak.empty:
+        ax.text(0.5, 0.5, "memory not measured", ha="center", transform=ax.transAxes)
+        return
+    xs = range(len(peak))
+    ax.bar(xs, peak["y"] / 2**20, color=[_color(x) for x in peak["x_value"]],
+           label="live-storage peak (largest rank)")
+    growth = d[d["y_name"] == "rss_growth_bytes"].set_index("x_value")["y"]
+    if not growth.empty:
+        ax.plot(list(xs), [growth.get(x, float("nan")) / 2**20 for x in peak["x_value"]], "kD",
+                markersize=4, linestyle="none",
+                label="max RSS - RSS before the build (cross-check)")
+    ax.set_xticks(list(xs), [f"{x}\n(stage {s})" for x, s in zip(peak["x_value"], peak["stage"])],
+                  rotation=60, fontsize=7, ha="right")
+    model = peak["model"].iloc[0]
+    ax.set_ylabel("per-rank memory [MiB]")
+    ax.set_title(f"(d) per-rank peak memory ({model}; one accounting for all: live tensor "
+                 f"storages)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _panel_memory_peer(ax, t) -> None:
+    d = _memory_source(t)
+    peak = d[d["y_name"] == "live_peak_bytes"].set_index("x_value")["y"]
+    if peak.empty:
+        ax.text(0.5, 0.5, "memory not measured", ha="center", transform=ax.transAxes)
+        return
+    width = 0.35
+    for i, p2p in enumerate((False, True)):
+        ks, ys = [], []
+        for k in range(4):
+            ours = f"zero_repro_s{k}{P2P if p2p else ''}"
+            peers_k = [peak[n] for n in peak.index if FRAMEWORKS.get(n, (-1, ""))[0] == k
+                       and FRAMEWORKS[n][1] not in ("zero_repro", "bound", "hybrid")]
+            if ours in peak and peers_k:
+                ks.append(k)
+                ys.append(peak[ours] / min(peers_k))
+        if ks:
+            ax.bar([k + (i - 0.5) * width for k in ks], ys, width=width,
+                   color="#e5f5e0" if p2p else "C2", edgecolor="0.3",
+                   hatch="xx" if p2p else "",
+                   label="gloo p2p (_p2p)" if p2p else "shared memory")
+    ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1, label="the best peer's peak")
+    ax.set_xticks(range(4), [f"stage {k}" for k in range(4)])
+    ax.set_ylim(0, max(1.5, ax.get_ylim()[1]) * 1.15)
+    ax.set_ylabel("zero_repro peak / best peer's peak [x]")
+    ax.set_title("(e) memory vs the best peer (lower is less)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _panel_budget(ax, t) -> None:
+    d = t[(t["table"] == "budget") & (t["y_name"] == "max_params_in_budget")]
+    d = d.sort_values(["stage", "x_value"])
+    if d.empty:
+        ax.text(0.5, 0.5, "budget series not measured", ha="center", transform=ax.transAxes)
+        return
+    ys = range(len(d))
+    ax.barh(list(ys), d["y"] / 1e6, color=[_color(x) for x in d["x_value"]])
+    for y, (v, m) in zip(ys, zip(d["y"], d["model"])):
+        ax.text(v / 1e6, y, f" {m}", va="center", fontsize=6)
+    ax.set_yticks(list(ys), [f"{x} (stage {s})" for x, s in zip(d["x_value"], d["stage"])],
+                  fontsize=7)
+    ax.invert_yaxis()
+    budget = d["detail"].iloc[0].split(":")[0]
+    ax.set_xlabel("parameters of the largest model trained [M]")
+    ax.set_title(f"(f) largest model within a per-rank {budget.replace('budget ', '')} "
+                 f"budget (live peak)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+
+
 def pd_numeric(s):
     import pandas as pd
 
@@ -332,9 +573,9 @@ def _speed_table(t, table: str) -> list[str]:
     peer = d.drop_duplicates(["model", "x_value"]).set_index(["model", "x_value"])
     detail = d[d["y_name"] == "max_abs_dparam"].set_index(["model", "x_value"])["detail"]
     lines = ["| model | stage | framework | median step [s] (3 repeats) | / lower bound "
-             "(repeats) | / best peer (repeats) | best peer | / DDP | process set | "
-             "max abs dθ | tolerance ratio | equivalence |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(repeats) | / best peer (repeats) | best peer | / DDP | peak [MiB/rank] | "
+             "process set | max abs dθ | tolerance ratio | equivalence |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in wide.sort_values(["model", "stage", "x_value"]).iterrows():
         key = (r["model"], r["x_value"])
 
@@ -347,8 +588,44 @@ def _speed_table(t, table: str) -> list[str]:
             f"{_fmt(r.get('ratio_to_bound'), '.2f')} ({rep('ratio_to_bound')}) | "
             f"{_fmt(r.get('ratio_to_best_peer'), '.2f')} ({rep('ratio_to_best_peer')}) | "
             f"{peer.loc[key, 'best_peer'] or '-'} | {_fmt(r.get('ratio_to_ddp'), '.2f')} | "
+            f"{_fmt(_mib(r.get('live_peak_bytes')), '.0f')} | "
             f"{peer.loc[key, 'process_set']} | {_fmt(r.get('max_abs_dparam'), '.1e')} | "
             f"{_fmt(r.get('tolerance_ratio'), '.2f')} | {detail.get(key, '') or '-'} |")
+    return lines
+
+
+def _mib(v):
+    return None if v is None or v != v else v / 2**20
+
+
+def _memory_table(t) -> list[str]:
+    d = t[t["table"] == "memory"]
+    if d.empty:
+        return ["(not measured)"]
+    wide = d.pivot_table(index=["model", "stage", "x_value"], columns="y_name", values="y",
+                         aggfunc="first").reset_index()
+    peer = d[d["y_name"] == "memory_to_best_peer"].set_index("x_value")["best_peer"]
+    lines = ["| model | stage | framework | live peak [MiB/rank] | max RSS [MiB] | "
+             "RSS growth [MiB] | / best peer's peak | best peer |", "|---|---|---|---|---|---|---|---|"]
+    for _, r in wide.sort_values(["model", "stage", "x_value"]).iterrows():
+        lines.append(f"| {r['model']} | {r['stage']} | {r['x_value']} | "
+                     f"{_fmt(_mib(r.get('live_peak_bytes')), '.0f')} | "
+                     f"{_fmt(_mib(r.get('max_rss_bytes')), '.0f')} | "
+                     f"{_fmt(_mib(r.get('rss_growth_bytes')), '.0f')} | "
+                     f"{_fmt(r.get('memory_to_best_peer'), '.2f')} | "
+                     f"{peer.get(r['x_value'], '') or '-'} |")
+    return lines
+
+
+def _budget_table(t) -> list[str]:
+    d = t[(t["table"] == "budget") & (t["y_name"] == "max_params_in_budget")]
+    if d.empty:
+        return ["(not measured)"]
+    lines = ["| stage | framework | largest model within the budget | parameters [M] | "
+             "live peak per size climbed (largest rank) |", "|---|---|---|---|---|"]
+    for _, r in d.sort_values(["stage", "x_value"]).iterrows():
+        lines.append(f"| {r['stage']} | {r['x_value']} | {r['model']} | {r['y'] / 1e6:.1f} | "
+                     f"{r['detail']} |")
     return lines
 
 
@@ -381,7 +658,7 @@ def _split_line(t) -> list[str]:
 
 
 def _write_report(t, out_dir: str) -> str:
-    lines = ["# Peers: measured step time, distance to the lower bound and equivalence",
+    lines = ["# Peers: measured step time, memory, distance to the lower bound and equivalence",
              "", "World 2, fp32, CPU/gloo on a 2-core machine. Frameworks of one process set "
              "are interleaved step by step, so load from other programs hits them alike; the "
              "spread of 3 repeats (the medians of 3 consecutive blocks of the timed steps) is "
@@ -394,6 +671,10 @@ def _write_report(t, out_dir: str) -> str:
              "", *_speed_table(t, "as_shipped"), *_load_line(t, "as_shipped"), "",
              "## Size series (stages 2 and 3, fused AdamW, few steps, no reference)", "",
              *_speed_table(t, "size"), *_load_line(t, "size"), "",
+             "## Memory: every framework in a process of its own", "",
+             *_memory_table(t), *_load_line(t, "memory"), "",
+             "## The largest model each framework trains within a per-rank memory budget", "",
+             *_budget_table(t), *_load_line(t, "budget"), "",
              "## How to read it", "",
              "- `lower_bound`: the same per-rank micro-batch's forward + backward with no "
              "communication, plus the fused AdamW on Ψ/N_d elements; `/ lower bound` is every "
@@ -415,6 +696,22 @@ def _write_report(t, out_dir: str) -> str:
              "runs in a process set of its own and no other framework runs through its linear "
              "(isolated, not assumed harmless). The size series runs one set per stage (fewer "
              "model copies per process).",
+             "- Memory, one accounting for every framework: the peak of the live bytes of the "
+             "tensor storages the framework created (a TorchDispatchMode that counts each "
+             "storage an op creates until it dies and follows `UntypedStorage.resize_`; a "
+             "storage mapped from a shared file counts 1/N on each of the N ranks mapping it, "
+             "as the kernel's proportional set size does), over its build and its untimed "
+             "warm-up steps, largest rank. `max RSS` (the process's peak resident set, which "
+             "also holds Python, torch and gloo) and its growth over the process before the "
+             "build are the cross-check; they are per framework only in the memory table, "
+             "where each framework runs in a process of its own. `conf/exp/peers.yaml` runs "
+             "zero_repro with C_B (constant buffers; the zero section's bucket sizes, which "
+             "DeepSpeed is given too) and M_D; records from before the memory columns ran it "
+             "without them, and their peak column is empty (-).",
+             "- Budget: the ladder of GPT shapes (seq 64, micro-batch 4 per rank) climbed "
+             "from the smallest until a size's live peak exceeds the per-rank budget on some "
+             "rank: the paper's Figure 6 question (the largest model per configuration) "
+             "measured on this machine.",
              "- Equivalence: per element |θ_f - θ_ref| <= 0.05·lr·(s+1) + B_e(s), B_e the "
              "conditioning budget Σ_k lr·min(2, 2δ_k/(√v̂_k+eps)), δ_k = 1e-5·max|g_k| of the "
              "tensor (fp32 rounding of a gradient summed in another order). Adam divides that "

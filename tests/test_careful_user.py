@@ -104,7 +104,7 @@ BAD = {
                                 "no checkpoint in"),
     "tokens_past_256M_out_of_vocab": (["train.data=tokens", "train.data_path=@big.bin",
                                        "model.vocab_size=50257"], {}, "model.vocab_size"),
-    "shm_without_room": ([], {"ZR_CPU_TRANSPORT": "shm", "@room": "100"}, "ZR_CPU_TRANSPORT"),
+    "shm_without_room": ([], {"ZR_CPU_TRANSPORT": "shm", "@room": "8"}, "ZR_CPU_TRANSPORT"),
     "threads_bogus": ([], {"ZR_THREADS_PER_RANK": "bogus"}, "ZR_THREADS_PER_RANK"),
     "threads_zero": ([], {"ZR_THREADS_PER_RANK": "0"}, "ZR_THREADS_PER_RANK"),
     "zr_variable_typo": ([], {"ZR_CPU_TRANSPRT": "shm"}, "did you mean ZR_CPU_TRANSPORT"),

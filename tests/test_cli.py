@@ -118,6 +118,7 @@ def test_plot_action_regenerates_from_results_alone(tmp_path):
     assert p.returncode == 0, p.stderr
     table = pd.read_csv(tmp_path / "smoke" / "table.csv")
     assert list(table["y_value"]) == [6.2, 5.1, 4.0] and set(table["kind"]) == {"measured"}
+    # steps as the log numbers them: 1 = after the first update
     assert set(table["y_name"]) == {"loss"} and list(table["x_value"]) == [1, 2, 3]
     for ext in ("png", "pdf"):
         path = tmp_path / "smoke" / f"smoke.{ext}"

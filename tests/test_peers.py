@@ -89,6 +89,13 @@ def test_torch_peers_and_our_stages_match_reference():
     assert fw["fsdp2_reshard"]["memory"]["params"] == 2 * PSI
     s3 = fw["zero_repro_s3"]["memory"]
     assert s3["adam_m"] + s3["adam_v"] < 0.6 * ddp["optimizer"]
+    # one memory accounting: each framework's live-storage peak holds at least what it keeps
+    # (DDP: parameters + Adam state; zero_repro: its ledger, the transport's slots included)
+    assert fw["torch_ddp"]["live_peak"] >= ddp["params"] + ddp["optimizer"]
+    for k in range(4):
+        for tail in ("", "_p2p"):
+            t = fw[f"zero_repro_s{k}{tail}"]
+            assert t["live_peak"] >= sum(t["memory"].values()), (k, tail, t["live_peak"])
     # every timed step has a time; the comm-counted warm-up step has none
     assert all(math.isnan(t["step_times"][1]) for t in fw.values())
     sp = report.speed(results, warmup_steps=2)
@@ -102,6 +109,30 @@ def test_deepspeed_peers_match_reference():
     names = ("torch_ddp",) + DEEPSPEED_PEERS
     results = spawn(run_peers, 2, _spec(names, steps=3))
     _check_equivalent(report.equivalence(results, lr=3e-3), names)
+
+
+def test_live_peak_counts_what_a_framework_creates(tmp_path):
+    """Storages created while the tracker is active count until they die; views of storages
+    from before do not; ``resize_`` changes the count, whenever it happens; a shared file
+    mapping counts 1/N on each of the N ranks mapping it."""
+    from zero_repro.lab.peers.memory import LivePeak
+
+    before = torch.ones(1000)
+    m = LivePeak(world=2)
+    with m:
+        a = torch.empty(1000)  # 4000 bytes
+        before.view(10, 100).add_(1)  # a view and an in-place op: nothing new
+        c = a + 1  # 4000 more: the peak
+        del c
+        d = torch.zeros(10)
+        d.untyped_storage().resize_(0)
+        path = tmp_path / "segment"
+        path.write_bytes(b"\0" * 800)
+        e = torch.from_file(str(path), shared=True, size=800, dtype=torch.uint8)
+    assert (m.live, m.peak) == (4000 + 400, 8000)
+    d.untyped_storage().resize_(80)  # outside the tracker: still its storage
+    del a, e
+    assert m.live == 80
 
 
 def test_digest_names_the_diverging_tensor():
@@ -241,22 +272,35 @@ def _cfg(*overrides: str) -> C.Config:
     return C.validate(C.to_config(dcfg))
 
 
-@pytest.mark.slow  # 4 tiny spawns at world 2: ~30-60 s on 2 shared cores
+@pytest.mark.slow  # 12 tiny spawns at world 2: ~2-4 min on 2 shared cores
 def test_experiment_tables_bound_and_size_series_end_to_end(tmp_path):
     """The experiment at tiny size: same-kernel and as-shipped tables, a size series point,
-    the lower bound in every process set, ratios with the spread of the repeats, the
-    figure and report written."""
+    the memory table (each framework alone), the largest model within a budget, the lower
+    bound in every process set, ratios with the spread of the repeats, the figure and report
+    written."""
     cfg = _cfg("model=tiny", "train.steps=5", "experiment.params.digest_every=1",
                "experiment.params.frameworks=[torch_ddp,zero_repro_s0,zero_repro_s3,"
                "fsdp2_reshard,lower_bound]",
                "experiment.params.size_series.models=[small]",
                "experiment.params.size_series.steps=5",
                "experiment.params.size_series.frameworks=[fsdp2_reshard,zero_repro_s3,"
-               "lower_bound]", f"experiment.results_dir={tmp_path}")
+               "lower_bound]",
+               "experiment.params.budget.frameworks=[torch_ddp,zero_repro_s3]",
+               "experiment.params.budget.ladder=[[2,64],[2,128],[2,256]]",
+               "experiment.params.budget.rank_bytes=4000000",
+               f"experiment.results_dir={tmp_path}")
     res = sweep.run_sweep(cfg, exp, progress=False)
-    assert res.count("ok") == 3, [r.reason for r in res.records]
+    assert res.count("ok") == 5, [r.reason for r in res.records]
     by = {r.metrics["table"]: r for r in res.records}
-    assert set(by) == {"same_kernel", "as_shipped", "size"}
+    assert set(by) == {"same_kernel", "as_shipped", "size", "memory", "budget"}
+    mem = by["memory"].metrics["memory_peak"]
+    assert set(mem) == {"torch_ddp", "zero_repro_s0", "zero_repro_s3", "fsdp2_reshard"}
+    assert all(min(v["live_peak"]) > 0 and min(v["max_rss"]) > 0 for v in mem.values())
+    budget = by["budget"].metrics["budget"]
+    for v in budget.values():  # climbed until a size did not fit (or the ladder ended)
+        fits = [s["fits"] for s in v["sizes"]]
+        assert fits == sorted(fits, reverse=True) and (not all(fits) or len(fits) == 3)
+        assert v["largest_params"] == max([s["params"] for s in v["sizes"] if s["fits"]] or [0])
     assert by["same_kernel"].metrics["optimizer"] == "fused"
     assert by["as_shipped"].metrics["optimizer"] == "as_shipped"
     sp = by["same_kernel"].metrics["speed"]
@@ -273,8 +317,10 @@ def test_experiment_tables_bound_and_size_series_end_to_end(tmp_path):
     out = regenerate.regenerate("peers", str(tmp_path), experiment=exp)
     table = pd.read_csv(out["table"])
     assert {"same_kernel", "as_shipped", "size"} <= set(table["table"])
-    assert {"ratio_to_bound", "ratio_to_best_peer", "tolerance_ratio"} <= set(table["y_name"])
+    assert {"ratio_to_bound", "ratio_to_best_peer", "tolerance_ratio", "live_peak_bytes",
+            "max_rss_bytes", "max_params_in_budget"} <= set(table["y_name"])
     text = open(os.path.join(tmp_path, "peers", "report.md")).read()
     assert "Same kernel" in text and "As shipped" in text and "Size series" in text
+    assert "process of its own" in text and "within a per-rank memory budget" in text
     assert "| tiny | 3 | zero_repro_s3 |" in text and "| small | 3 | zero_repro_s3 |" in text
     assert any(p.endswith("peers.png") for p in out["figures"])

@@ -30,8 +30,7 @@ def _build(rank: int, world: int, private_dir: str) -> dict:
         return {"error": str(e)}
     left = sorted(f for f in os.listdir(shm.SHM_DIR) if f.startswith("zr-"))
     x = torch.full((8,), float(rank + 1))
-    for w in t.all_reduce(x):
-        w.wait()
+    t.all_reduce(x).wait()
     return {"kind": type(t).__name__, "left": left, "sum": x.tolist()}
 
 
@@ -66,7 +65,8 @@ def test_pairwise_mode_never_maps_segments(monkeypatch):
 
 def test_a_bad_mode_is_one_error_before_anything_starts(monkeypatch, tmp_path):
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "nccl")
-    with pytest.raises(ValueError, match="ZR_CPU_TRANSPORT='nccl': use one of auto, shm, pairwise"):
+    with pytest.raises(ValueError,
+                       match="ZR_CPU_TRANSPORT='nccl': use one of auto, shm, pairwise, native"):
         shm.mode()
 
     def refuse(*a, **k):

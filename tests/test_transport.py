@@ -1,10 +1,13 @@
-"""gloo's bucket transports in real spawned ranks, point-to-point (``PairwiseTransport``) and
+"""The bucket transports behind their one contract (``buffer``, ``reduce_scatter``,
+``all_gather``, ``all_reduce``, ``held_bytes``) in real spawned ranks: gloo point-to-point
+(``PairwiseTransport``), the native collectives (``NativeTransport``, NCCL-shaped, on gloo) and
 shared memory (``ShmTransport``, also with slots of a few bytes so that every bucket is many
-pieces and the slots wrap around while several buckets are in flight): the reduce-scatter,
-all-gather and all-reduce of a bucket give exactly the sums and the owners' chunks, for an odd
-group size (3: two peers), several buckets in flight at once, and count the bucket's §7
-volume; a peer that never answers fails the wait after the collective timeout instead of
-hanging it."""
+slot pieces and the slots wrap around while several buckets are in flight). Every collective
+gives exactly the sums and the owners' chunks, in place or into separate outputs, on buffers
+from ``buffer`` or the torch heap, for an odd group size (3: two peers), several collectives in
+flight at once, and counts the bucket's §7 volume; a buffer a collective read in place may be
+rewritten once its work is waited (the peers are done reading it); what a transport holds is
+what it allocated; a peer that never answers fails the wait after the collective timeout."""
 from __future__ import annotations
 
 import time
@@ -13,41 +16,38 @@ import pytest
 import torch
 
 from zero_repro.runtime.comm.cpu import shm
+from zero_repro.runtime.comm.cpu.shm_transport import ShmTransport
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.comm.buffers import InFlight
-from zero_repro.runtime.comm.transport import (PairwiseTransport, ShmTransport,
-                                              bucket_transport)
+from zero_repro.runtime.comm.transport import NativeTransport, PairwiseTransport, bucket_transport
 
 # ZR_CPU_TRANSPORT, the transport it gives, the slot size of the shared-memory segments
-MODES = [("pairwise", PairwiseTransport, shm.SLOT_BYTES), ("shm", ShmTransport, shm.SLOT_BYTES),
-         ("shm", ShmTransport, 16)]  # 16 bytes: one or two float64 per piece
+MODES = [("pairwise", PairwiseTransport, shm.SLOT_BYTES),
+         ("native", NativeTransport, shm.SLOT_BYTES),
+         ("shm", ShmTransport, shm.SLOT_BYTES),
+         ("shm", ShmTransport, 16)]  # 16 bytes: one or two float64 per slot piece
 
 N_BUCKETS, CHUNK = 3, 5
+STEPS = 2  # every buffer is written, reduced in place and written again
 
 
 def _rank(rank: int, world: int, slot_bytes: int) -> dict:
     shm.SLOT_BYTES = slot_bytes
     topo = Topology.build(tp=1)
-    g = topo.dp_group
-    t = bucket_transport(g)
+    t = bucket_transport(topo.dp_group)
     n = CHUNK * world
-    # bucket k on rank r: (r + 1) * (k * n + i) for i in [0, n)
-    buckets = [(rank + 1) * torch.arange(k * n, (k + 1) * n, dtype=torch.float64)
-               for k in range(N_BUCKETS)]
-    inflight, outs = InFlight(1 << 30), []
-    for b in buckets:  # every bucket launched before any is waited
-        scratch = torch.empty(t.scratch_numel(CHUNK), dtype=torch.float64)
-        works, out = t.reduce_scatter(b, scratch)
-        inflight.launch(works, lambda: None)
-        outs.append(out)
-    inflight.wait_all()
+    # heap buckets into separate outputs: bucket k on rank r holds (r + 1) * (k * n + i)
+    works, outs = [], []
+    for k in range(N_BUCKETS):
+        b = (rank + 1) * torch.arange(k * n, (k + 1) * n, dtype=torch.float64)
+        outs.append(torch.full((CHUNK,), -1.0, dtype=torch.float64))
+        works.append(t.reduce_scatter(outs[-1], b))
+    for w in works:  # every bucket started before any is waited
+        w.wait()
     reduced = [o.clone() for o in outs]
-    # all-gather: each rank's chunk k of a bucket holds 100 * rank + k
     full = [torch.full((n,), -1.0, dtype=torch.float64) for _ in range(N_BUCKETS)]
-    works = []
-    for k, f in enumerate(full):
-        works += t.all_gather(f, torch.full((CHUNK,), 100.0 * rank + k, dtype=torch.float64))
+    works = [t.all_gather(f, torch.full((CHUNK,), 100.0 * rank + k, dtype=torch.float64))
+             for k, f in enumerate(full)]
     for w in works:
         w.wait()
     # all-reduce of random fp32 buckets (not a multiple of the group size), waited in reverse
@@ -56,32 +56,33 @@ def _rank(rank: int, world: int, slot_bytes: int) -> dict:
     parts = [s.clone() for s in summed]
     works = [t.all_reduce(s) for s in summed]
     for w in reversed(works):
-        for h in w:
-            h.wait()
+        w.wait()
     ledger = topo.ledger.as_dict()
-    # the same on a buffer the peers read in place (shared memory only): two steps, each
-    # rank rewriting its buffer after the fence, every bucket all-reduced or reduce-scattered
-    shared, steps = t.shared_buffer(3 * 7 + 3 * n, torch.float32), []
-    for step in range(2 if shared is not None else 0):
-        t.fence(shared)
-        shared.copy_(torch.arange(shared.numel(), dtype=torch.float32) * (rank + 1) + step)
-        ar = [shared[:10], shared[10:21]]  # 10 and 11 elements: tails at world 3
-        rs = [shared[21:21 + n], shared[21 + n:21 + 2 * n]]
-        ag = shared[21 + 2 * n:21 + 3 * n]  # the own chunk is this rank's: read in place
-        ag[rank * CHUNK:(rank + 1) * CHUNK] = 100.0 * rank + step
-        works = [w for b in ar for w in t.all_reduce(b)]
-        outs = []
-        for b in rs:
-            w, out = t.reduce_scatter(b)
-            works += w
-            outs.append(out)
-        works += t.all_gather_in_place(ag)
+    held = t.held_bytes()
+    # the same in place, on one buffer from ``buffer`` (shared memory on one host: read in
+    # place by the peers), rewritten every step once the last step's works are waited
+    buf, steps = t.buffer(21 + 3 * n, torch.float32), []
+    for step in range(STEPS):
+        buf.copy_(torch.arange(buf.numel(), dtype=torch.float32) * (rank + 1) + step)
+        ar = [buf[:10], buf[10:21]]  # 10 and 11 elements: tails at world 3
+        rs = [buf[21:21 + n], buf[21 + n:21 + 2 * n]]
+        ag = buf[21 + 2 * n:21 + 3 * n]
+        mine = ag[rank * CHUNK:(rank + 1) * CHUNK]
+        mine.fill_(100.0 * rank + step)
+        works = [t.all_reduce(b) for b in ar]
+        works += [t.reduce_scatter(b[rank * CHUNK:(rank + 1) * CHUNK], b) for b in rs]
+        works.append(t.all_gather(ag, mine))
+        if rank == world - 1 and step == 0:
+            time.sleep(0.5)  # the last rank reads late: its peers must not run ahead
         for w in works:
             w.wait()
-        steps.append({"ar": [b.clone() for b in ar], "rs": [o.clone() for o in outs],
+        steps.append({"ar": [b.clone() for b in ar],
+                      "rs": [b[rank * CHUNK:(rank + 1) * CHUNK].clone() for b in rs],
                       "ag": ag.clone()})
     return {"kind": type(t).__name__, "reduced": reduced, "gathered": full,
-            "summed": summed, "parts": parts, "ledger": ledger, "shared_steps": steps}
+            "summed": summed, "parts": parts, "ledger": ledger, "steps": steps, "held": held,
+            "shared": getattr(t, "channel", None) is not None and
+            t.channel.region_of(buf) is not None}
 
 
 @pytest.mark.parametrize("mode,kind,slot_bytes", MODES)
@@ -95,11 +96,10 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
         want = sum(r["parts"][k].double() for r in res)
         assert torch.allclose(res[0]["summed"][k].double(), want, rtol=1e-6, atol=1e-6)
         assert all(torch.equal(r["summed"][k], res[0]["summed"][k]) for r in res)
-    total_w = sum(q + 1 for q in range(world))
-    for step in range(2 if kind is ShmTransport else 0):  # the shared buffer's steps
-        full = torch.arange(21 + 2 * n, dtype=torch.float32) * total_w + world * step
+    for step in range(STEPS):  # in place, on a buffer rewritten every step
+        full = torch.arange(21 + 2 * n, dtype=torch.float32) * total + world * step
         for rank, r in enumerate(res):
-            got = r["shared_steps"][step]
+            got = r["steps"][step]
             assert torch.equal(got["ar"][0], full[:10]) and torch.equal(got["ar"][1], full[10:21])
             for k, o in enumerate(got["rs"]):
                 lo = 21 + k * n + rank * CHUNK
@@ -108,6 +108,7 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
             assert torch.equal(got["ag"], gathered), (step, rank)
     for rank, r in enumerate(res):
         assert r["kind"] == kind.__name__
+        assert r["shared"] == (kind is ShmTransport)  # shared memory: buffers the peers map
         for k in range(N_BUCKETS):
             own = torch.arange(k * n + rank * CHUNK, k * n + (rank + 1) * CHUNK,
                                dtype=torch.float64)
@@ -119,6 +120,40 @@ def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_b
         counts = {key: v for key, v in r["ledger"].items() if key.endswith("/dp")}
         assert counts["reduce_scatter/dp"]["elements"] == N_BUCKETS * n, counts
         assert counts["all_gather/dp"]["elements"] == N_BUCKETS * n, counts
+        # what the transport holds: the slots (shared memory), the receive scratch of at most
+        # 2 reduce-scatters in flight (pairwise into separate outputs: the first peer's part
+        # lands in the output, (N - 2) chunks each), nothing else (native: separate outputs
+        # need no staging)
+        want_held = {ShmTransport: shm.HEADER_BYTES + shm.SLOTS * slot_bytes,
+                     PairwiseTransport: 2 * (world - 2) * CHUNK * 8, NativeTransport: 0}[kind]
+        assert r["held"] == want_held, (kind, r["held"])
+
+
+def _in_place_native(rank: int, world: int) -> dict:
+    """Native requests whose output aliases the input: staged through at most 2 scratch
+    chunks, the third collective waits for the oldest one's."""
+    t = bucket_transport(Topology.build(tp=1).dp_group)
+    n = CHUNK * world
+    bufs = [(rank + 1) * torch.arange(n, dtype=torch.float32) + k for k in range(3)]
+    works = [t.reduce_scatter(b[rank * CHUNK:(rank + 1) * CHUNK], b) for b in bufs]
+    first_done = works[0].done  # the third had to wait for the first one's scratch
+    for w in works:
+        w.wait()
+    return {"own": [b[rank * CHUNK:(rank + 1) * CHUNK].clone() for b in bufs],
+            "held": t.held_bytes(), "first_done": first_done}
+
+
+def test_native_in_place_requests_hold_at_most_two_chunks_of_scratch(monkeypatch):
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "native")
+    world = 2
+    res = spawn(_in_place_native, world)
+    total = sum(q + 1 for q in range(world))
+    for rank, r in enumerate(res):
+        for k, own in enumerate(r["own"]):
+            want = total * torch.arange(rank * CHUNK, (rank + 1) * CHUNK,
+                                        dtype=torch.float32) + world * k
+            assert torch.equal(own, want), (rank, k)
+        assert r["held"] == 2 * CHUNK * 4 and r["first_done"]
 
 
 def _peer_never_sends(rank: int, world: int) -> str:
@@ -130,8 +165,7 @@ def _peer_never_sends(rank: int, world: int) -> str:
     full = torch.zeros(2 * CHUNK)
     t0 = time.monotonic()
     try:
-        for w in t.all_gather_in_place(full):
-            w.wait()
+        t.all_gather(full, full[:CHUNK]).wait()
     except RuntimeError as e:
         return f"raised after {time.monotonic() - t0:.1f} s: {e}"
     return "returned"
@@ -146,66 +180,32 @@ def test_a_silent_peer_fails_the_wait_after_the_collective_timeout(monkeypatch, 
     assert 1.5 <= waited <= 6.0, res[0]
 
 
-def _slow_reader(rank: int, world: int, fence: bool) -> list:
-    if not fence:
-        shm.Channel.fence = lambda self, buf: None  # to show the test can fail
+def _slow_reader(rank: int, world: int, wait_readers: bool) -> list:
+    if not wait_readers:
+        shm.Channel.await_readers = lambda self, through: None  # to show the test can fail
     t = bucket_transport(Topology.build(tp=1).dp_group)
     n = CHUNK * world
-    shared, outs = t.shared_buffer(n, torch.float32), []
+    buf, outs = t.buffer(n, torch.float32), []
     for step in range(2):
-        t.fence(shared)  # the peers have read the last step's values: overwrite them
-        shared.copy_(torch.full((n,), 10.0 * step + rank))
-        works, out = t.reduce_scatter(shared)
+        buf.copy_(torch.full((n,), 10.0 * step + rank))  # the last step's readers are done
+        out = torch.empty(CHUNK)
+        work = t.reduce_scatter(out, buf)
         if rank == world - 1 and step == 0:
             time.sleep(0.5)  # the last rank reads late: its peers are a step ahead
-        for w in works:
-            w.wait()
-        outs.append(out.clone())
+        work.wait()
+        outs.append(out)
     return outs
 
 
-@pytest.mark.parametrize("fence", [True, False])
-def test_a_shared_buffer_is_not_rewritten_before_its_readers_are_done(monkeypatch, fence):
+@pytest.mark.parametrize("wait_readers", [True, False])
+def test_a_shared_buffer_is_not_rewritten_before_its_readers_are_done(monkeypatch,
+                                                                      wait_readers):
+    """On shared memory the peers read this rank's buffer in place: ``wait`` returns only
+    once they have (without that the late reader sums the next step's values)."""
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
     world = 3
-    res = spawn(_slow_reader, world, fence)
+    res = spawn(_slow_reader, world, wait_readers)
     want = [torch.full((CHUNK,), float(sum(10 * step + q for q in range(world))))
             for step in range(2)]
     ok = all(torch.equal(o, w) for r in res for o, w in zip(r, want))
-    assert ok == fence, res  # without the fence the late reader sums the next step's values
-
-
-def _late_view_reader(rank: int, world: int, release: bool) -> list:
-    if not release:
-        shm.Channel.release = lambda self, buf: None  # to show the test can fail
-    t = bucket_transport(Topology.build(tp=1).dp_group)
-    n = 2 * world + 1  # a tail of one element: summed by every rank in place
-    shared, got = t.shared_buffer(n, torch.float32), []
-    for step in range(2):
-        t.fence(shared)
-        shared.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1) + 10.0 * step)
-        works, views = t.all_reduce_views(shared)
-        for w in works:
-            w.wait()
-        if rank == world - 1 and step == 0:
-            time.sleep(0.5)  # reads the peers' sums late, in place: they are a step ahead
-        got.append((len(views), torch.cat([v.clone() for v in views])))
-        t.release(shared)  # done with the peers' sums: they may write their buffers again
-    return got
-
-
-@pytest.mark.parametrize("release", [True, False])
-def test_all_reduce_views_read_the_peers_sums_in_place_until_released(monkeypatch, release):
-    """Stage 0's all-reduce on shared memory: only the reduce-scatter half runs, each rank's
-    sums are read in its own buffer by the peers; the owner writes again only after every
-    reader's ``release`` (without it the late reader sees the next step's raw values)."""
-    monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
-    world = 3
-    res = spawn(_late_view_reader, world, release)
-    n = 2 * world + 1
-    total = sum(q + 1 for q in range(world))
-    want = [torch.arange(n, dtype=torch.float32) * total + 10.0 * world * step
-            for step in range(2)]
-    ok = all(torch.equal(v, w) for r in res for (_, v), w in zip(r, want))
-    assert ok == release, res
-    assert all(k == world + 1 for r in res for k, _ in r)  # one view per rank + the tail
+    assert ok == wait_readers, res

@@ -28,7 +28,6 @@ from zero_repro.runtime.model.gpt import GPT, gather_full_state
 from zero_repro.runtime.model.llama import Llama
 from zero_repro.scale.paper.table1 import model_state_bytes
 from zero_repro.runtime.zero import build_strategy
-from zero_repro.runtime.zero.flat_buffer import Pieces
 
 CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
                   vocab_pad_multiple=8)
@@ -58,8 +57,7 @@ def make(c: dict):
                       reduce_bucket_size=c.get("bucket", 6000),
                       allgather_bucket_size=c.get("bucket", 6000),
                       prefetch_blocks=c.get("prefetch", 1),
-                      initial_scale_power=c.get("scale_power", 12), hysteresis=1,
-                      split_tied_grad=c.get("split", False))
+                      initial_scale_power=c.get("scale_power", 12), hysteresis=1)
     train = TrainConfig(micro_batch_size=MICRO, grad_accum=c.get("accum", 1),
                         lr=c.get("lr", 1e-3), eps=1e-6, weight_decay=0.1)
     zr = c.get("zero_r")
@@ -126,9 +124,6 @@ def run_config(c: dict, rank: int) -> dict:
             _, loss = strat(idx[r0:r0 + MICRO], tgt[r0:r0 + MICRO])
             strat.backward(loss)
             losses.append(loss.item())
-        if c["stage"] == 0:  # on shared memory the peers' sums are read in place
-            out.setdefault("in_place", []).append(
-                any(isinstance(g, Pieces) for g in strat._grad_chunks()))
         info = strat.step()
         strat.zero_grad()
         out["comm"].append({"dp": topo.ledger.volume("dp"), "world": topo.ledger.volume("world")})
@@ -148,11 +143,7 @@ def run_config(c: dict, rank: int) -> dict:
             out["max_diff"].append(worst)
             if worst > TOL and out["first_bad"] is None:
                 out["first_bad"] = (step, name, worst)
-    ch = getattr(getattr(strat, "transport", None), "channel", None)
-    if ch is not None and c["stage"] in (1, 2):  # CPU ranks on one host: read in place
-        out["in_place"] = [ch.region_of(strat.flat.flat) is not None]  # parameter gathers
-        if c["stage"] == 2:  # ... and reduce-scatters of the fused buckets
-            out["in_place"] += [ch.region_of(b[:1]) is not None for b in strat.pool._free]
+    out["transport"] = strat.transport.name
     out["ledger"] = strat.memory_ledger().as_dict()
     out["topo"] = (topo.dp, topo.tp)
     strat.remove_hooks()
@@ -172,11 +163,7 @@ def layouts(world: int) -> list[int]:
 def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
     tps = layouts(world) if (full or world == 4) else [1]
     cs = [{"stage": s, "tp": tp, "steps": steps} for tp in tps for s in range(4)]
-    # the tied embedding's gradient split (stages 0-1: into the full gradient; stage 2: head
-    # GEMM into the buckets, lookup rows exchanged sparse): bucket 6000 cuts rows of 64
-    cs += [{"stage": s, "tp": tp, "steps": steps, "split": True} for tp in tps
-           for s in (0, 1, 2)]
-    # the Llama-shaped model (untied head: split_tied_grad has nothing to split) at every stage:
+    # the Llama-shaped model at every stage:
     # TP 1 at worlds 2-3, TP 2 at world 4 (every layout in the slow suite)
     llama_tps = tps if full else ([2] if world == 4 else [1])
     cs += [{"stage": s, "tp": tp, "steps": steps, "model": "llama"} for tp in llama_tps
@@ -189,10 +176,8 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
         cs.append({"stage": 0, "tp": 1, "steps": steps, "accum": 2, "clip": 0.5})
         cs.append({"stage": 2, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
-        cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2, "split": True,
+        cs.append({"stage": 2, "tp": 1, "steps": steps, "accum": 2,
                    "zero_r": {"constant_buffers": True, "contiguous_memory": False}})
-        cs.append({"stage": 0, "tp": 1, "steps": steps, "accum": 2, "split": True})
-        cs.append({"stage": 1, "tp": 1, "steps": steps, "accum": 2, "split": True})
         cs.append({"stage": 3, "tp": 1, "steps": steps,
                    "zero_r": {"constant_buffers": False, "contiguous_memory": False}})
     return cs
@@ -201,9 +186,7 @@ def equivalence_configs(world: int, steps: int, full: bool) -> list[dict]:
 def ledger_configs() -> list[dict]:
     """fp16 runs of one step for the Table 1 ledger and §7 communication checks."""
     return [{"stage": s, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
-             "ledger_check": True} for s in range(4)] + \
-        [{"stage": s, "tp": 1, "steps": 1, "dtype": "fp16", "compare": False,
-          "ledger_check": True, "split": True} for s in (0, 1, 2)]
+             "ledger_check": True} for s in range(4)]
 
 
 def check_ledgers(results: list[dict], configs: list[dict]) -> None:
@@ -221,9 +204,7 @@ def check_ledgers(results: list[dict], configs: list[dict]) -> None:
             assert not r["infos"][0][0], f"stage {stage}: fp16 step skipped"
             if n_d > 1:
                 want = (3 if stage == 3 else 2) * psi
-                # split tied gradient: + the all-gather of every rank's looked-up rows and ids
-                got = r["comm"][0]["dp"] - (n_d * MICRO * CFG.seq_len * (CFG.n_embd + 1)
-                                            if c.get("split") and stage == 2 else 0)
+                got = r["comm"][0]["dp"]
                 assert abs(got / want - 1) <= 0.02, (f"stage {stage} N_d={n_d}: {got} elements"
                                                      f" per step vs {want} (§7)")
                 assert r["comm"][0]["world"] == 4  # the one (norm, overflow) all-reduce
@@ -237,21 +218,20 @@ def check_equivalence(results: list[dict], configs: list[dict]) -> None:
             f"{label}: first diverging step {r['first_bad'][0]}, tensor {r['first_bad'][1]}, "
             f"max |Δ| = {r['first_bad'][2]:.3g} > {TOL}")
         assert not any(i[0] for i in r["infos"]), f"{label}: a fp32 step was skipped"
-        if c["stage"] in (0, 1, 2) and r["topo"][0] > 1:  # the in-place paths were the ones
-            # that ran (stage 0: the peers' sums; 1-2: their parameter chunks; 2: buckets)
-            assert r.get("in_place") and all(r["in_place"]), \
-                f"{label}: not read in place {r.get('in_place')}"
 
 
-def run_world(world: int, steps: int, full: bool) -> None:
-    configs = equivalence_configs(world, steps, full) + ledger_configs()
+def run_world(world: int, steps: int, full: bool, configs: list[dict] | None = None) -> list:
+    """Train ``configs`` (default: the equivalence and ledger ones) at ``world`` on the DP
+    transport ``ZR_CPU_TRANSPORT`` picks; check equivalence and ledgers; return the results."""
+    eq = equivalence_configs(world, steps, full) if configs is None else configs
+    configs = eq + ledger_configs()
     if world == 1:
         results = [worker(0, 1, configs)]
     else:
         results = spawn(worker, world, configs)
-    n = len(configs) - len(ledger_configs())
-    check_equivalence(results, configs[:n])
+    check_equivalence(results, eq)
     check_ledgers(results, configs)
+    return results
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -261,7 +241,23 @@ def test_stages_match_adamw_reference(world):
     run_world(world, steps=3, full=False)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_native_transport_matches_adamw_reference(monkeypatch, world):
+    """The NCCL-shaped transport (native reduce-scatter / all-gather into separate outputs,
+    in-place requests staged through scratch) forced onto gloo: stages 0-3 (× tp 2 at world 4)
+    vs the AdamW reference, plus the fp16 ledger and §7 checks."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "native")
+    configs = [{"stage": s, "tp": tp, "steps": 3} for tp in layouts(world) for s in range(4)]
+    results = run_world(world, steps=3, full=False, configs=configs)
+    assert {r["transport"] for rank in results for r in rank} == {"native"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_stages_match_adamw_reference_20_steps(world):
+@pytest.mark.parametrize("world,transport", [(1, "")] + [(w, t) for w in (2, 3, 4)
+                                                          for t in ("", "pairwise", "native")])
+def test_stages_match_adamw_reference_20_steps(monkeypatch, world, transport):
+    """20 steps, every configuration, on each CPU transport (``""``: the default, shared
+    memory on one host)."""
+    if transport:
+        monkeypatch.setenv("ZR_CPU_TRANSPORT", transport)
     run_world(world, steps=20, full=True)

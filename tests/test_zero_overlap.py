@@ -90,17 +90,17 @@ def _inflight_worker(rank: int, world: int) -> dict:
         _, loss = s(idx, idx)
         s.backward(loss)
         s.step()
-        n_buckets = len(s.flat.partition.buckets)
-        pending_after_step = len(s.param_gather.inflight)
+        n_buckets = len(s.flat.partition.gather_buckets)
+        pending_after_step = len(s.params.inflight)
         s.zero_grad()
         _, loss = s(idx, idx)  # the forward hooks wait, bucket by bucket
-        pending_after_forward = len(s.param_gather.inflight)
+        pending_after_forward = len(s.params.inflight)
         s.backward(loss)
         s.step()
-        sd_pending = len(s.param_gather.inflight)
+        sd_pending = len(s.params.inflight)
         s.state_dict()
         out[stage] = (n_buckets, pending_after_step, pending_after_forward, sd_pending,
-                      len(s.param_gather.inflight))
+                      len(s.params.inflight))
         s.remove_hooks()
     return out
 
@@ -116,27 +116,30 @@ def test_stage12_param_gather_in_flight_after_step_and_waited_by_its_readers():
 
 def test_stage3_keeps_the_turn_and_prefetches_the_next_step():
     _, s = _make({"stage": 3}, True)
+    units = s.params
     idx = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     _, loss = s(idx, idx)
-    states = [u.state for u in s.units]
-    assert s.root.state is UnitState.GATHERED and s.block_units[-1].state is UnitState.GATHERED
-    assert all(st is UnitState.SHARDED for st in states[1:-1])  # only root and last block kept
+    roots = {u.name for u in units.roots}
+    assert roots == {"wte", "wpe", "ln_f"}  # one root unit per top-level module
+    kept = roots | {units.block_units[-1].name}  # only the root and the last block kept
+    assert {u.name for u in units.units if u.state is UnitState.GATHERED} == kept
+    assert all(u.state in (UnitState.GATHERED, UnitState.SHARDED) for u in units.units)
     s.backward(loss)
-    assert all(u.state is UnitState.SHARDED for u in s.units)
+    assert all(u.state is UnitState.SHARDED for u in units.units)
     s.step()
-    first = {s.root.name, s.block_units[0].name}
-    assert {u.name for u in s.units if u.state is not UnitState.SHARDED} == first
+    first = roots | {units.block_units[0].name}
+    assert {u.name for u in units.units if u.state is not UnitState.SHARDED} == first
     with torch.no_grad():  # an evaluation forward keeps nothing across its end
         s(idx, idx)
-    assert all(u.state is UnitState.SHARDED for u in s.units)
-    s.zero = dataclasses.replace(s.zero, keep_gathered_turn=False)
+    assert all(u.state is UnitState.SHARDED for u in units.units)
+    s.zero.keep_gathered_turn = False  # read afresh at every forward
     _, loss = s(idx, idx)
-    assert all(u.state is UnitState.SHARDED for u in s.units)  # knob off: released as before
+    assert all(u.state is UnitState.SHARDED for u in units.units)  # knob off: freed as before
     s.backward(loss)
     s.step()
-    # a step that changes the shards first releases the prefetched (soon stale) units
+    # a step that changes the shards frees the prefetched (now stale) units and gathers anew
     s.step()
-    assert {u.name for u in s.units if u.state is not UnitState.SHARDED} == first
+    assert {u.name for u in units.units if u.state is not UnitState.SHARDED} == first
     s.remove_hooks()
 
 
@@ -170,7 +173,7 @@ def test_overlap_param_gather_defaults_to_the_devices_schedule():
         topo = Topology.build(1)
         model = GPT(CFG, topo.tp_group)
         s = build_strategy(model, topo, ZeroConfig(stage=stage), TrainConfig(micro_batch_size=2))
-        assert s._chunk_publisher() is None  # CPU tensors: the all-gather completes in step()
+        assert not s.params.overlapped()  # CPU tensors: the all-gather completes in step()
         s.remove_hooks()
         cfg = C.Config()
         cfg.model = CFG
@@ -179,5 +182,5 @@ def test_overlap_param_gather_defaults_to_the_devices_schedule():
             cfg.cluster = dataclasses.replace(cfg.cluster, device=device)
             _, _, s = build(cfg, Topology.build(1), torch.device("cpu"))
             assert s.zero.overlap_param_gather is on
-            assert (s._chunk_publisher() is not None) is on
+            assert s.params.overlapped() is on
             s.remove_hooks()

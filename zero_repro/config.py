@@ -89,7 +89,9 @@ class ParallelConfig:
 class ZeroConfig:
     stage: int = 0  # 0 baseline DP, 1 P_os, 2 P_os+g, 3 P_os+g+p
     dtype: str = "fp32"  # parameter/gradient precision; master + Adam states are fp32
-    # C_B: constant-size fused buffers, in elements (independent of the model size)
+    # C_B (zero_r.constant_buffers), in elements, independent of the model size: a gradient
+    # bucket (filled, then all-reduced / reduce-scattered at once) and a parameter all-gather
+    # bucket; without C_B one bucket of the whole model each
     reduce_bucket_size: int = 2_000_000
     allgather_bucket_size: int = 2_000_000
     prefetch_blocks: int = 1  # stage 3: how many blocks ahead to gather
@@ -109,15 +111,6 @@ class ZeroConfig:
     # params_gathered peak is unchanged (forward already holds root + 1 + prefetch_blocks
     # blocks), the root is held while the loss is computed
     keep_gathered_turn: bool = True
-    # stages 0-2: the GPT's tied embedding gradient taken as its two parts instead of
-    # autograd's dense V×h sum of them: the LM head's weight GEMM written straight where the
-    # stage keeps gradients, the lookup's B·s rows added after it (stages 0-1: into the full
-    # local gradient, the same 2Ψ reduced; stage 2: the GEMM into the fused buckets, which are
-    # reduce-scattered as soon as the head's backward ran, and the rows of every rank exchanged
-    # sparse at the end of backward, an all-gather of N_d·B·s·(h+1) elements beyond the 2Ψ).
-    # Off (default): the paper's schedule. Read at every forward (``Strategy.takes_tied_grad``);
-    # stage 3 ignores it
-    split_tied_grad: bool = False
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16

@@ -8,20 +8,17 @@ nothing about GPU clusters.
 
 ``--ab KNOB [KNOB ...] [--model gpt_20m] [--steps 6] [--repeats 3]`` (``ab_main``): each knob of
 ``KNOBS`` (``overlap_param_gather`` stages 1-2, ``prefetch_next_step`` and ``keep_gathered_turn``
-stage 3, ``split_tied_grad`` stages 0-2, ``all``) off (A) against on (B), on one strategy whose
-``zero`` config is flipped between steps, so A and B alternate (A B B A …) on one model, data
-stream and machine load; knobs acting across the step boundary (``CROSS_STEP``) alternate in
-blocks of two steps and only the second is timed. A step (``train.step.train_step``) takes the
-slowest rank's time; per repeat the medians of A and B and their ratio B/A; printed: the median
-ratio over repeats with its min-max spread. Invariant: the §7 volumes are equal either way and
-the overlap knobs are bit-identical (``tests/test_zero_overlap.py``), so a ratio < 1 is time the
-overlap saved; ``split_tied_grad`` changes the tied gradient's rounding and the work itself
-(``tests/test_tied_grad.py``).
+stage 3, ``all``) off (A) against on (B), on one strategy whose ``zero`` config is flipped
+between steps, so A and B alternate (A B B A …) on one model, data stream and machine load; knobs
+acting across the step boundary (``CROSS_STEP``) alternate in blocks of two steps and only the
+second is timed. A step (``train.step.train_step``) takes the slowest rank's time; per repeat the
+medians of A and B and their ratio B/A; printed: the median ratio over repeats with its min-max
+spread. Invariant: the §7 volumes are equal either way and the knobs are bit-identical
+(``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -79,13 +76,15 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
 
 
 KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
-               "keep_gathered_turn": (3,), "split_tied_grad": (0, 1, 2), "all": (0, 1, 2, 3)}
-KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn", "split_tied_grad")
+               "keep_gathered_turn": (3,), "all": (1, 2, 3)}
+KNOBS = ("overlap_param_gather", "prefetch_next_step", "keep_gathered_turn")
 
 
-def _variant(zero: ZeroConfig, knob: str, on: bool) -> ZeroConfig:
-    names = KNOBS if knob == "all" else (knob,)
-    return dataclasses.replace(zero, **{n: on for n in names})
+def _flip(zero: ZeroConfig, knob: str, on: bool) -> None:
+    """Set ``knob`` (every knob for ``all``) on ``zero`` in place: the strategy and its stores
+    hold this one config and read the knobs afresh every step."""
+    for n in KNOBS if knob == "all" else (knob,):
+        setattr(zero, n, on)
 
 
 def _order(steps: int) -> list[bool]:
@@ -120,7 +119,7 @@ def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, 
         g = torch.Generator().manual_seed(rank)
 
         def one_step(on: bool) -> float:
-            strat.zero = _variant(base, knob, on)
+            _flip(strat.zero, knob, on)
             idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
             t0 = time.perf_counter()
             train_step(strat, [(idx, idx)])

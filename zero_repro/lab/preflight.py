@@ -63,7 +63,8 @@ def estimate_rank_bytes(cfg: C.Config) -> float:
         m.n_layer, m.n_embd, m.n_head, p.tp, p.world_size // p.tp, t.micro_batch_size,
         config=mem, seq=m.seq_len, vocab=C.padded_vocab(m, p.tp),
         reduce_bucket=z.reduce_bucket_size, allgather_bucket=z.allgather_bucket_size,
-        dropout=m.dropout > 0)
+        dropout=m.dropout > 0, buffer_lp_bytes=4 if z.dtype == "fp32" else 2,
+        transport="native" if cfg.cluster.device == "cuda" else "gloo")
     # the closed form counts 2-byte activations; fp32 runs keep 4-byte ones (model states are
     # 16 bytes/parameter either way: fp32 params+grads+m+v = fp16 params+grads + K=12)
     act = 2.0 if z.dtype == "fp32" else 1.0

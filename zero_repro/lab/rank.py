@@ -469,7 +469,7 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": {**hardware_info(device), **where,
                         # how the DP buckets travelled (gloo on one host: shared memory)
-                        "dp_transport": strategy.transport.models_as}}
+                        "dp_transport": strategy.transport.name}}
     if device.type == "cuda":
         # the training steps' peaks (reset after the build); the build's own beside them
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)

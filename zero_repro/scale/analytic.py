@@ -6,11 +6,13 @@ Residual states (§3.2, §6): activations without checkpointing (the paper's foo
 elements, fp16: GPT-2 1.5B, s = 1K, b = 32 -> 60 GB, ``activation_elements_footnote``;
 ``activation_bytes_per_layer`` counts one Megatron block per op on one TP rank); checkpoints
 b·s·h elements per layer (P_a: 1/tp of them; P_a+cpu: none on the device); working memory of one
-block's recompute and backward plus the LM-head logits; fused buffers (Ψ fp32 elements without
-C_B, 1.5B -> 6 GB; the constant bucket sizes with it). Bytes everywhere, ``GB`` = 1e9 bytes as in
-the paper's tables. The paper's §6.1 example (100B, b = 32, s = 1024, MP 16, "≈33 GB -> ≈2 GB")
-matches the *element* count b·s·h·l = 33.5e9 of Table 5's 100B shape (125 x 8192); in fp16 bytes
-that is 67 GB (§3.2's "≈60 GB"): we compute bytes, the tests document the gap.
+block's recompute and backward plus the LM-head logits; fused buffers by the runtime's formula
+(``zero_repro.runtime.zero.comm_buffer_bytes``: with C_B two gradient buckets of R elements at
+stages 2-3 plus the transport's scratch; without it one fused buffer of the model, the paper's
+32-bit one: 1.5B -> 6 GB). Bytes everywhere, ``GB`` = 1e9 bytes as in the paper's tables. The
+paper's §6.1 example (100B, b = 32, s = 1024, MP 16, "≈33 GB -> ≈2 GB") matches the *element*
+count b·s·h·l = 33.5e9 of Table 5's 100B shape (125 x 8192); in fp16 bytes that is 67 GB (§3.2's
+"≈60 GB"): we compute bytes, the tests document the gap.
 Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Callable
 
 from zero_repro.runtime.model.flops import param_count_formula
+from zero_repro.runtime.zero import comm_buffer_bytes
 from zero_repro.scale.paper.table1 import (
     K_ADAM,
     STAGE_NAMES,
@@ -132,11 +135,18 @@ def logits_bytes(batch: int, seq: int, vocab: int, tp: int = 1, lp_bytes: int = 
 
 
 def buffer_bytes(psi: float, constant_buffers: bool, reduce_bucket: int = 2_000_000,
-                 allgather_bucket: int = 2_000_000, lp_bytes: int = 2) -> float:
-    """Fused communication buffers: C_B -> fixed bucket sizes; else one fp32 buffer of Ψ."""
-    if constant_buffers:
-        return float(reduce_bucket + allgather_bucket) * lp_bytes
-    return 4.0 * psi
+                 allgather_bucket: int = 2_000_000, lp_bytes: int = 2, stage: int = 2,
+                 n_d: int = 1, groups: list[int] | None = None,
+                 transport: str = "native") -> float:
+    """Per-rank communication buffers of ``stage``: the runtime's formula (the stage table of
+    ``runtime.zero``, ``comm_buffer_bytes``) for ``groups`` (default: one flat group of Ψ;
+    stage 3: its units), ``lp_bytes`` per fused-buffer element, ``transport`` the DP one (the
+    paper's GPUs: ``native``). C_B: constant in Ψ; without it stage 3 holds one of its largest
+    unit, and stage 2's one buffer of Ψ is its gradient store (``memory_breakdown``'s
+    ``lp_grads``: the paper's 32-bit fused buffer, 6 GB for 1.5B), reduced in place."""
+    return float(comm_buffer_bytes(stage, groups or [int(psi)], n_d, lp_bytes,
+                                   (reduce_bucket, allgather_bucket) if constant_buffers
+                                   else None, transport))
 
 
 # ------------------------------------------------------------------------ configurations
@@ -177,12 +187,16 @@ def as_mem_config(config: str | MemConfig | tuple) -> MemConfig:
 def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
                      batch_per_gpu: int, config: str | MemConfig | tuple = "C4",
                      seq: int = 1024, vocab: int = 50257, reduce_bucket: int = 2_000_000,
-                     allgather_bucket: int = 2_000_000, dropout: bool = True
+                     allgather_bucket: int = 2_000_000, dropout: bool = True,
+                     buffer_lp_bytes: int = 2, transport: str = "native"
                      ) -> dict[str, float]:
-    """Per-GPU bytes by category for one training step at its peak (closed form)."""
+    """Per-GPU bytes by category for one training step at its peak (closed form); the buffers
+    in ``buffer_lp_bytes`` per element over the DP ``transport`` (``buffer_bytes``)."""
     c = as_mem_config(config)
     psi = param_count_formula(n_layer, hidden, vocab, seq) / tp
     out = model_state_breakdown(psi, c.stage, n_d)
+    if c.stage == 2 and not c.c_b:  # one fused buffer of Ψ, the shard in it (the runtime's)
+        out["lp_grads"] = buffer_lp_bytes * psi
     layer = activation_bytes_per_layer(batch_per_gpu, seq, hidden, heads, tp, dropout)
     if c.checkpointing:
         out["activation_checkpoints"] = checkpoint_bytes(batch_per_gpu, seq, hidden, n_layer,
@@ -194,7 +208,13 @@ def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
         out["activation_checkpoints"] = 0.0
         out["activation_working"] = layer * n_layer
     out["logits"] = logits_bytes(batch_per_gpu, seq, vocab, tp)
-    out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket)
+    groups = None
+    if c.stage == 3:  # its flat groups: the root, then one unit per block
+        root = param_count_formula(0, hidden, vocab, seq) / tp
+        block = param_count_formula(1, hidden, vocab, seq) / tp - root
+        groups = [int(root)] + [int(block)] * n_layer
+    out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket, buffer_lp_bytes,
+                                  c.stage, n_d, groups, transport)
     return out
 
 

@@ -287,8 +287,7 @@ class TorchDDPShm(TorchDDP):
     def _all_reduce(self, state, bucket):
         buf = bucket.buffer()
         buf.div_(self.topo.dp)
-        for w in self.transport.all_reduce(buf):
-            w.wait()
+        self.transport.all_reduce(buf).wait()
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -462,7 +461,7 @@ class ZeroRepro(Runner):
         if self.cpu_transport:  # read once, when the strategy builds its transport
             os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
         try:
-            self.strategy = build_strategy(self.model, self.topo, zero, spec.train)
+            self.strategy = build_strategy(self.model, self.topo, zero, spec.train, spec.zero_r)
         finally:
             if saved is None:
                 os.environ.pop("ZR_CPU_TRANSPORT", None)

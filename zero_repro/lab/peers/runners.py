@@ -13,11 +13,15 @@ rank's. ``optimizer="fused"`` gives every peer ``torch.optim.AdamW(fused=True)``
 forward + backward without communication plus the fused AdamW on Ψ/N_d. A framework that patches
 torch for the whole process (``PATCHES_TORCH``) runs in a process set of its own
 (``process_sets``); the lower bound runs in every set. One untimed step per framework is counted
-under ``CommCounter`` in a ``comm.CommLedger`` (§7 convention); memory is the distinct storages
-of parameters, gradients and optimizer state after a step.
+under ``CommCounter`` in a ``comm.CommLedger`` (§7 convention). Memory, one accounting for every
+framework (``memory.LivePeak``): the peak live bytes of the storages a framework created over its
+build and untimed steps, the distinct storages of its parameters, gradients and optimizer state
+after the last step, and the process's max RSS (a cross-check where a framework runs alone).
+``run_budget``: the largest model of a ladder a framework trains within a per-rank budget.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -25,11 +29,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
+from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.train.data import make_source, rank_batch
 from zero_repro.lab.peers.frameworks import (FRAMEWORKS, LOWER_BOUND, OPTIMIZERS, PATCHES_TORCH,
                                          RUNNERS, CommCounter, Reference, Runner)
+from zero_repro.lab.peers.memory import LivePeak, max_rss, rss
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,10 @@ class PeerSpec:
     # fp32 rounding of a gradient, relative to the largest gradient of its tensor, that the
     # conditioning budget assumes (report.py: principled parameter tolerance)
     grad_rounding_rel: float = 1e-5
+    # the project's ZeRO-R knobs (C_B with the zero section's bucket sizes, as DeepSpeed is
+    # given them; M_D): the memory regime zero_repro races in
+    zero_r: ZeroRConfig = field(default_factory=lambda: ZeroRConfig(
+        name="custom", constant_buffers=True, contiguous_memory=True))
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.frameworks if f not in FRAMEWORKS]
@@ -95,6 +104,8 @@ class Trace:
     dparam: list = field(default_factory=list)  # per step: (max |Δ|, tensor) or None
     comm: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
+    # the live-storage peak (``memory.LivePeak``) over build + untimed steps, bytes
+    live_peak: int = 0
     build_s: float = 0.0
 
 
@@ -160,9 +171,12 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
     ref = Reference(spec, rank, world_size) if spec.reference else None
     runners: dict[str, Runner] = {}
     traces: dict[str, Trace] = {}
+    trackers: dict[str, LivePeak] = {}
+    rss_before = rss()
     for name in spec.frameworks:
         t0 = time.perf_counter()
-        runners[name] = RUNNERS[name](spec, rank, world_size)
+        with trackers.setdefault(name, LivePeak(world_size)):
+            runners[name] = RUNNERS[name](spec, rank, world_size)
         traces[name] = Trace(build_s=time.perf_counter() - t0)
     comm_step = spec.comm_step if spec.comm_step >= 0 else max(0, t.warmup_steps - 1)
     ref_losses = []
@@ -178,9 +192,16 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
         last = step == t.steps - 1
         for name in names[k:] + names[:k]:  # rotate: no framework always runs first
             r, tr = runners[name], traces[name]
-            if step == comm_step:
-                tr.losses.append(_counted_step(r, tr, x, y))
-                tr.step_times.append(float("nan"))
+            if step < t.warmup_steps:  # untimed: its memory is tracked
+                with trackers[name]:
+                    if step == comm_step:
+                        tr.losses.append(_counted_step(r, tr, x, y))
+                        tr.step_times.append(float("nan"))
+                    else:
+                        loss, dt = _timed_step(r, x, y, world)
+                        tr.losses.append(loss)
+                        tr.step_times.append(dt)
+                tr.live_peak = trackers[name].peak
             else:
                 loss, dt = _timed_step(r, x, y, world)
                 tr.losses.append(loss)
@@ -192,7 +213,40 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
             if last:
                 tr.memory = r.memory()
     return {"rank": rank, "reference_losses": ref_losses,
-            "frameworks": {n: vars(tr) for n, tr in traces.items()}}
+            "frameworks": {n: vars(tr) for n, tr in traces.items()},
+            "max_rss": max_rss(), "rss_before": rss_before}
+
+
+def run_budget(rank: int, world_size: int, spec: PeerSpec, ladder: list[ModelConfig],
+               budget: float) -> dict:
+    """The ladder's models (smallest first) trained by ``spec.frameworks[0]`` alone, each for
+    ``spec.train.warmup_steps`` steps under its own ``LivePeak``, until one's peak exceeds
+    ``budget`` bytes on some rank (every rank agrees: the largest peak over ranks decides).
+    Returns ``{"rank", "sizes": [{"model", "live_peak", "max_rss", "fits"}, ...]}``; the max
+    RSS after a size is the process's peak so far (sizes grow, so it is that size's)."""
+    name = spec.frameworks[0]
+    t = spec.train
+    world = comm.new_group("world", range(world_size), comm.CommLedger(), rank)
+    sizes, rss_before = [], rss()
+    for m in ladder:
+        s = replace(spec, model=m)
+        source = make_source(t.data, m.seq_len, m.vocab_size, t.seed)
+        tracker = LivePeak(world_size)
+        with tracker:
+            runner = RUNNERS[name](s, rank, world_size)
+            for step in range(t.warmup_steps):
+                x, y = rank_batch(source, step, t.micro_batch_size, world_size, rank)
+                runner.step(x, y)
+        peak = torch.tensor([float(tracker.peak)])
+        comm.all_reduce(peak, world, op="max")
+        fits = bool(peak.item() <= budget)
+        sizes.append({"model": m.name, "live_peak": tracker.peak, "max_rss": max_rss(),
+                      "fits": fits})
+        del runner
+        gc.collect()
+        if not fits:
+            break
+    return {"rank": rank, "sizes": sizes, "rss_before": rss_before}
 
 
 def _counted_step(runner: Runner, trace: Trace, x, y) -> float:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,44 +102,6 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
-class TiedGradSink(Protocol):
-    """Where a runtime takes the tied embedding's gradient when it asks for it
-    (``GPT.tied_grad_sink``; ``zero.stage2_g``): as the two parts autograd would sum into a
-    dense (V/tp × h) tensor, the LM head's ``grad_logits.T @ x`` and the lookup's rows.
-    Megatron-LM fuses weight-gradient GEMMs into its gradient buffers the same way
-    (``gradient_accumulation_fusion``, megatron/core/tensor_parallel/layers.py)."""
-
-    def takes_tied_grad(self) -> bool:
-        """Read at every forward with gradients on: False = plain autograd this step."""
-
-    def head(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        """In backward, after the head: the weight gradient is ``grad_logits.T @ x``
-        ((N, V/tp) and (N, h)); nothing reaches the weight through autograd."""
-
-    def lookup(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """At the end of backward: the lookup's gradient is ``grads[i]`` added to row
-        ``rows[i]`` (local rows, duplicates summed; rows of other TP ranks' ids carry zeros)."""
-
-
-class _HeadIntoSink(torch.autograd.Function):
-    """The tied LM head ``x @ W.T`` whose weight gradient ``grad_logits.T @ x`` goes to a
-    ``TiedGradSink`` (which writes it where it is wanted, e.g. the fused buckets) instead of
-    into a fresh (V × h) tensor for autograd to sum with the lookup's."""
-
-    @staticmethod
-    def forward(ctx, x, weight, sink):
-        ctx.save_for_backward(x, weight)
-        ctx.sink = sink
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        ctx.sink.head(g2, x.reshape(-1, x.shape[-1]))
-        return grad @ weight, None, None
-
-
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: comm.Group | None = None, device=None,
                  dtype=None, seed: int = 0, init_on: str = "cpu"):
@@ -162,8 +123,6 @@ class GPT(nn.Module):
                   cfg.n_embd, group.size, self.vocab_padded)
         if torch.device(device or "cpu").type != "meta":
             self.init_weights(seed, on=init_on)
-        # a runtime that takes the tied embedding's gradient in its two parts (``TiedGradSink``)
-        self.tied_grad_sink: TiedGradSink | None = None
 
     # ---------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -172,18 +131,13 @@ class GPT(nn.Module):
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds model.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        sink = self.tied_grad_sink
-        if sink is not None and not (torch.is_grad_enabled() and sink.takes_tied_grad()):
-            sink = None
-        tok = self.wte(idx) if sink is None else self.wte.forward_into(idx, sink)
-        x = self.drop(tok + self.wpe(pos))  # (B, T, h)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, h)
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
         # tied LM head = column-parallel linear with the embedding's vocabulary slice
         x = copy_to_tp(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight) if sink is None else \
-            _HeadIntoSink.apply(x, self.wte.weight.detach(), sink)  # (B, T, V_pad/tp)
+        logits = F.linear(x, self.wte.weight)  # (B, T, V_pad/tp)
         if targets is None:
             return logits, None
         loss = vocab_parallel_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t),

@@ -193,23 +193,6 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
 
-    def forward_into(self, ids: torch.Tensor, sink) -> torch.Tensor:
-        """``forward`` whose weight gradient goes to ``sink.lookup(rows, grads)`` (a
-        ``gpt.TiedGradSink``) instead of autograd: the dense (V/tp × h) tensor of it that
-        ``F.embedding``'s backward makes (zeros plus B·s rows) is never formed."""
-        local, outside = ids, None
-        if self.group.size > 1:
-            local = ids - self.vocab_start
-            outside = (local < 0) | (local >= self.local_rows)
-            local = local.masked_fill(outside, 0)
-        out = F.embedding(local, self.weight.detach()).requires_grad_()
-        rows = local.reshape(-1)
-        # the masked_fill below makes the rows of other ranks' ids arrive as zeros
-        out.register_hook(lambda g: sink.lookup(rows, g.reshape(-1, g.shape[-1])))
-        if outside is None:
-            return out
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
-
 
 # ------------------------------------------------------------------------- cross entropy
 class _VocabParallelCE(torch.autograd.Function):

@@ -14,10 +14,12 @@ params (training dtype)    full           full            full                sh
 grads                      full (flat)    full (flat)     shard               shard
 optimizer (master, m, v)   full           shard           shard               shard
 memory                     (2+2+K)Ψ       4Ψ + KΨ/N_d     2Ψ + (2+K)Ψ/N_d     (2+2+K)Ψ/N_d
-a gradient goes            into the flat  into the flat   into a fused C_B    into its unit's
-                           grad buffer    grad buffer     bucket -> reduce-   buffer -> reduce-
-                                                          scattered, added    scattered, added
-                                                          to the shard        to the shard
+gradient store             FullGrads      FullGrads       FusedGrads          FusedGrads
+parameter store            Replicated     Gathered        Gathered            Units
+a gradient goes            into the flat  into the flat   into a fused        into a fused
+                           grad buffer    grad buffer     buffer -> reduce-   buffer -> reduce-
+                                                          scattered into      scattered into
+                                                          the shard           the shard
 reduced when               last micro-    last micro-     every micro-batch   every micro-batch
                            batch          batch
 bucket collective          all-reduce     reduce-scatter  reduce-scatter      reduce-scatter
@@ -25,33 +27,58 @@ step publishes             nothing        all-gather of   all-gather of       no
                            (full update)  updated chunks  updated chunks      forward gathers)
 comm volume                2Ψ             2Ψ              2Ψ                  3Ψ (- root -
                                                                               last block, kept)
+fused buffers F            0              0               min(D, n_R)·C_R·b   min(D, n_R)·C_R·b
+                                                          (C_B off: 0)
 overlap knobs              -              overlap_param_  overlap_param_      prefetch_next_
                                           gather          gather              step, keep_
                                                                               gathered_turn
 =========================  =============  ==============  ==================  ==============
 
-Shared machinery: ``strategy`` (step, clipping, optimizer, state dict), ``buckets`` (bucket
-pieces and arrivals, stage 0/1 full gradients, the stage 1/2 parameter all-gather),
-``flat_buffer`` (flat parameters, gradient shards). How a bucket travels over the DP group is
-the group's transport (``zero_repro.runtime.comm.transport``), chosen once per group. The
-overlap knobs (``ZeroConfig``, on by default, bit-identical on or off) are described in
-``strategy``; ``python -m zero_repro.lab.bench --ab KNOB`` races each off against on.
+Buffers (``comm_buffers`` of the ledger, per rank, ``comm_buffer_bytes``) = F + T. The bucket
+knobs: ``zero.reduce_bucket_size`` R = elements per gradient bucket, ``zero.allgather_bucket_size``
+A = elements per parameter all-gather bucket; one collective moves one bucket of the grid
+G = min(R, A) (``partition``). F, the fused gradient buffers of stages 2-3 (b bytes per
+element): D = 2 with C_B (one filling, one on the wire) of C_R, the largest gradient bucket
+(<= R), never more than the n_R buckets there are; without C_B stage 3 keeps D = 1 of its largest
+unit, and stage 2 none: it reduces its one model-size bucket in place in its full gradient
+buffer, as stages 0-1 do (counted as ``grads``; the shard lies in it: stage 1's memory, the
+paper's baseline of one fused buffer of Ψ). T, what the DP transport holds itself
+(``zero_repro.runtime.comm.transport.held_bytes_of``; c the largest chunk G/N_d, n_G the number
+of buckets): native min(2, n_G)·c·b where a stage's collectives alias their inputs (in-place
+reduce-scatters of a full gradient buffer, the gathers of stages 1-2), else 0; pairwise gloo
+min(2, n_G)·(N_d - 1)·c·b for in-place reduce-scatters, min(2, n_G, D)·(N_d - 2)·c·b where
+fused buffers reduce into the shard, 0 at stage 0; the CPU channel of one host its constant
+segment of slots; the dry run's rooted one 0. (With gradient accumulation, later micro-batches
+of stages 2-3 reduce in place: one more chunk per reduce-scatter in flight.) Invariant: no
+stage holds more than the one before it, C_B on or off.
+
+Shared machinery: ``strategy`` (the step's lifecycle, clipping, optimizer, state dict),
+``grads`` (gradient stores), ``params`` (parameter stores of stages 0-2), ``flat_buffer`` (flat
+parameters, gradient shards), ``partition`` (bucket arithmetic). How a bucket travels over the
+DP group is the group's transport (``zero_repro.runtime.comm.transport``), chosen once per
+strategy. The overlap knobs (``ZeroConfig``, on by default, bit-identical on or off) are
+described in ``strategy``; ``python -m zero_repro.lab.bench --ab KNOB`` races each off against on.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from torch import nn
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.comm.transport import held_bytes_of
+from zero_repro.runtime.zero.partition import geometry
 from zero_repro.runtime.zero.stage0_ddp import Stage0DDP
 from zero_repro.runtime.zero.stage1_os import Stage1Os
 from zero_repro.runtime.zero.stage2_g import Stage2G
 from zero_repro.runtime.zero.stage3_p import Stage3P
 from zero_repro.runtime.zero.strategy import StepInfo, Strategy
 
-__all__ = ["STAGES", "StepInfo", "Strategy", "build_strategy"]
+__all__ = ["STAGES", "StepInfo", "Strategy", "build_strategy", "comm_buffer_bytes"]
 
 STAGES: dict[int, type[Strategy]] = {0: Stage0DDP, 1: Stage1Os, 2: Stage2G, 3: Stage3P}
+UNBOUNDED = 1 << 62  # a bucket knob without C_B: one bucket per flat group
 
 
 def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
@@ -61,3 +88,30 @@ def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: Tr
     if zero.stage not in STAGES:
         raise ValueError(f"zero.stage={zero.stage} is not one of {sorted(STAGES)}")
     return STAGES[zero.stage](model, topo, zero, train, zero_r)
+
+
+def comm_buffer_bytes(stage: int, groups: Sequence[int], n_d: int, elt: int,
+                      buckets: tuple[int, int] | None, transport: str = "native") -> int:
+    """The stage table's buffers F + T per rank, in bytes: ``groups`` the elements of every flat
+    group (stages 0-2: [Ψ]; stage 3: every unit's), ``elt`` bytes per training-dtype element,
+    ``buckets`` (R, A) with C_B or None without, ``transport`` the DP transport's ``name``."""
+    r, a = buckets or (UNBOUNDED, UNBOUNDED)
+    if stage == 0:  # one shard, gradient buckets only
+        parts = [geometry(n, 1, r) for n in groups if n]
+    else:
+        parts = [geometry(n, n_d, r, a) for n in groups if n]
+    depth = 2 if buckets else 1
+    full_store = stage < 2 or (stage == 2 and buckets is None)  # reduced in place, no F
+    fused = 0
+    if not full_store and parts:
+        n_r = sum(p.grad_buckets for p in parts)
+        fused = min(depth, n_r) * max(p.capacity for p in parts) * elt
+    n_g = sum(p.buckets for p in parts)
+    c = max((p.chunk for p in parts), default=0)
+    # collectives in flight at once: a full gradient buffer starts every bucket's before
+    # waiting any, stages 1-2 every gather bucket's (in place); fused buffers reduce as many
+    # buckets as are in use, into the shard
+    staged = n_g if stage in (1, 2) else 0
+    reduce_scatters = 0 if stage == 0 else n_g if full_store else min(n_g, depth)
+    return fused + held_bytes_of(transport, n_d, c, elt, staged, reduce_scatters,
+                                 rs_in_place=full_store)

@@ -21,19 +21,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from zero_repro.runtime.zero.flat_buffer import Pieces
-
 
 def fused_available() -> bool:
     return hasattr(torch, "_fused_adamw_")
-
-
-def _pieces(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor | Pieces | None):
-    """(p, m, v, g) of one chunk, cut where its gradient is cut when it is ``Pieces`` (the
-    update is element-wise: the same values either way)."""
-    if not isinstance(g, Pieces):
-        return [(p, m, v, g)]
-    return list(zip(g.split(p), g.split(m), g.split(v), g.parts))
 
 
 class ShardAdamW:
@@ -72,12 +62,11 @@ class ShardAdamW:
 
     @torch.no_grad()
     def step(self, lp_chunks: Sequence[torch.Tensor],
-             grads: Sequence[torch.Tensor | Pieces | None],
+             grads: Sequence[torch.Tensor | None],
              grad_mult: float, lr: float, betas: tuple[float, float], eps: float,
              weight_decay: float, on_chunk: Callable[[int], None] | None = None) -> None:
         """One AdamW step; gradients are multiplied by ``grad_mult`` (unscale × clip) first.
-        A missing gradient (None) counts as zero; a gradient in ``Pieces`` is stepped piece by piece.
-        ``on_chunk(i)``: called once chunk i of
+        A missing gradient (None) counts as zero. ``on_chunk(i)``: called once chunk i of
         ``lp_chunks`` holds its updated value (see the module docstring)."""
         self.step_count += 1
         b1, b2 = betas
@@ -89,10 +78,9 @@ class ShardAdamW:
             kw = dict(lr=lr, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
                       amsgrad=False, maximize=False)
             for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
-                for pp, mm, vv, gg in _pieces(p, m, v, g):
-                    g32 = self._grad32(pp, gg, grad_mult)  # one fp32 gradient copy at a time
-                    torch._fused_adamw_([pp], [g32], [mm], [vv], [], [self._step_t], **kw)
-                    del g32
+                g32 = self._grad32(p, g, grad_mult)  # one fp32 gradient copy at a time
+                torch._fused_adamw_([p], [g32], [m], [v], [], [self._step_t], **kw)
+                del g32
                 if on_chunk is not None:
                     self._chunk_done(i, lp_chunks, ps, on_chunk)
         else:
@@ -100,14 +88,13 @@ class ShardAdamW:
             bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
             step_size = lr / bc1
             for i, (p, m, v, g) in enumerate(zip(ps, ms, vs, grads)):
-                for pp, mm, vv, gg in _pieces(p, m, v, g):
-                    g32 = self._grad32(pp, gg, grad_mult)
-                    pp.mul_(1 - lr * weight_decay)
-                    mm.lerp_(g32, 1 - b1)
-                    vv.mul_(b2).addcmul_(g32, g32, value=1 - b2)
-                    del g32  # before the next chunk's copy is made
-                    denom = vv.sqrt().div_(bc2_sqrt).add_(eps)
-                    pp.addcdiv_(mm, denom, value=-step_size)
+                g32 = self._grad32(p, g, grad_mult)
+                p.mul_(1 - lr * weight_decay)
+                m.lerp_(g32, 1 - b1)
+                v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+                del g32  # before the next chunk's copy is made
+                denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+                p.addcdiv_(m, denom, value=-step_size)
                 if on_chunk is not None:
                     self._chunk_done(i, lp_chunks, ps, on_chunk)
         if on_chunk is not None:

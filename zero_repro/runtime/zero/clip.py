@@ -18,7 +18,6 @@ from typing import Sequence
 import torch
 
 from zero_repro.runtime.comm import comm
-from zero_repro.runtime.zero.flat_buffer import Pieces, ranges_of
 
 
 def _segments(n: int, ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, int]],
@@ -34,7 +33,7 @@ def _segments(n: int, ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, in
     return list(ranges), gaps
 
 
-def local_stats(grads: Sequence[torch.Tensor | Pieces | None], counted: Sequence[list[tuple[int, int]]],
+def local_stats(grads: Sequence[torch.Tensor | None], counted: Sequence[list[tuple[int, int]]],
                 inv_scale: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """(2,) fp64 tensor: [sum of squares of the counted, unscaled elements; 1.0 if any owned
     element is non-finite else 0.0]. No host synchronisation."""
@@ -42,9 +41,10 @@ def local_stats(grads: Sequence[torch.Tensor | Pieces | None], counted: Sequence
     for g, ranges in zip(grads, counted):
         if g is None:
             continue
-        cnt, gaps = _segments(g.numel(), ranges)
-        counted_views += [v for a, b in cnt for v in ranges_of(g, a, b)]
-        other_views += [v for a, b in gaps for v in ranges_of(g, a, b)]
+        flat = g.reshape(-1)
+        cnt, gaps = _segments(flat.numel(), ranges)
+        counted_views += [flat[a:b] for a, b in cnt]
+        other_views += [flat[a:b] for a, b in gaps]
     views = counted_views + other_views
     if not views:
         return torch.zeros(2, dtype=torch.float64, device=device)  # no gradient here

@@ -5,7 +5,7 @@ Model-state categories (``MODEL_STATE_CATEGORIES``; Table 1, mixed-precision Ada
 = 16Ψ bytes for baseline DP, divided by N_d where a stage partitions them): ``params_lp``
 (fp16/bf16 parameters; fp32 in fp32 mode), ``grads`` (persistent gradient storage; stages 2-3:
 the shard), ``master_fp32`` (0 in fp32 mode: the parameters are the master), ``adam_m``,
-``adam_v``. Others: ``comm_buffers`` (fused bucket / gather buffers at capacity),
+``adam_v``. Others: ``comm_buffers`` (the fused gradient buffers allocated and the transport's own),
 ``params_gathered`` (stage 3's gathered units, peak) and what other modules add (ZeRO-R:
 ``ckpt_device``, ``ckpt_cpu``, ``arena_capacity``, ``arena_used``, ``fused_buffers``).
 """

@@ -15,22 +15,34 @@ Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``s
 micro-batch into the shard; k micro-batches equal one batch k times larger
 (``backward(loss, is_last_micro_batch=...)`` overrides the micro-batch count).
 
+The lifecycle, the same for every stage (``backward`` and ``step`` below), over the two stores a
+stage composes: a gradient store (``grads.FullGrads`` or ``grads.FusedGrads``) and a parameter
+store (``params.ReplicatedParams``, ``params.GatheredParams`` or ``stage3_p.Units``), with
+Megatron-LM's start/finish pairs:
+
+    backward  params.pre_backward()        stage 3: the root gathered, the last blocks prefetched
+              loss.backward()              hooks: grads.add(p); a complete bucket's sync starts
+              grads.start_grad_sync(last)  the buckets backward left incomplete
+              params.post_backward()       stage 3: every unit back to its shard
+    step      params.finish_param_sync()   the last update's gathers landed
+              grads.finish_grad_sync()     every bucket reduced: the owned gradients final
+              norm, overflow, clip; AdamW  chunk by chunk, params.start_param_sync(i)
+              params.start_param_sync()    what the update did not start (stages 1-2: the
+                                           gathers, waited here unless overlap_param_gather)
+
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
 (``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
 (``zero.overlap_param_gather``, ``prefetch_next_step``, ``keep_gathered_turn``) are bit-identical
 on or off: whatever reads parameters outside forward waits first (``wait_params``), whatever
 writes shards first settles what still reads them. Not overlapped, because it cannot be exact:
-Adam per bucket as its reduction lands (the clip and the overflow skip need every bucket), and,
-by default, the tied embedding's head gradient (autograd sums head and lookup first;
-``zero.split_tied_grad`` splits them at a rounding difference, hence opt-in).
+Adam per bucket as its reduction lands (the clip and the overflow skip need every bucket).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -38,6 +50,7 @@ from torch import nn
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.comm.transport import bucket_transport
 from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.zero import clip, precision
 from zero_repro.runtime.zero.adam import ShardAdamW
@@ -54,15 +67,43 @@ class StepInfo:
     loss_scale: float  # the scale used for this step's gradients
 
 
+class GradStore(Protocol):
+    def add(self, p: nn.Parameter, last: bool) -> None: ...
+
+    def start_grad_sync(self, last: bool) -> None: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def chunks(self) -> list[torch.Tensor | None]: ...
+
+    def zero(self) -> None: ...
+
+
+class ParamStore(Protocol):
+    def chunks(self) -> list[torch.Tensor]: ...
+
+    def pre_backward(self) -> None: ...
+
+    def post_backward(self) -> None: ...
+
+    def start_param_sync(self, chunk: int | None = None) -> None: ...
+
+    def finish_param_sync(self) -> None: ...
+
+    def remove_hooks(self) -> None: ...
+
+
 class Strategy:
-    """Base class: shared step logic. Subclasses provide storage and communication."""
+    """What every stage shares: the step's lifecycle over the stage's two stores."""
 
     stage: int = -1
+    grads: GradStore
+    params: ParamStore
 
     def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
                  zero_r: ZeroRConfig | None = None):
-        """The parts every stage shares; a stage's own ``__init__`` then builds its storage
-        and finishes with ``_attach``."""
+        """The parts every stage shares; a stage's own ``__init__`` then builds its stores
+        and finishes with ``_compose``."""
         self.module = model
         self.topo, self.zero, self.train = topo, zero, train
         # None = the C_B and M_D behaviour ZeRO recommends (constant buffers, contiguous grads)
@@ -79,127 +120,61 @@ class Strategy:
         self.names = [n for n, _ in self.named]
         # the ranks' device (every buffer the strategy makes goes there: GPU runs, meta dry runs)
         self.device = self.named[0][1].device if self.named else torch.device("cpu")
+        self.transport = bucket_transport(self.dp_group, self.device)
+        # C_B (§6.3): (R, A) elements per gradient / gather bucket; off: one bucket per group
+        # (the fused buffer grows with the model, the parameters gathered un-bucketed)
+        self.buckets = ((zero.reduce_bucket_size, zero.allgather_bucket_size)
+                        if self.zero_r.constant_buffers else (1 << 62, 1 << 62))
+        # fused gradient buffers a stage keeps: one filling + one on the wire (C_B off: one)
+        self.fused_depth = 2 if self.zero_r.constant_buffers else 1
         self._micro = 0
         self._is_last = True
-        self._no_sync = False
 
-    def _attach(self, groups: list[FlatParams], shard_rank: int, counts_norm: bool) -> None:
-        """Shared end of every stage's ``__init__``: the fp32 optimizer state over the owned
-        chunks (one per bucket, ``_param_chunks``), the gradient-norm ranges, the gradient hooks.
+    def _compose(self, params: ParamStore, grads: GradStore, groups: list[FlatParams],
+                 shard_rank: int, counts_norm: bool) -> None:
+        """Shared end of every stage's ``__init__``: its two stores, the fp32 optimizer state
+        over the owned chunks (one per bucket), the gradient-norm ranges, the gradient hooks.
 
         ``shard_rank``: which chunk of each bucket this rank owns (0 when nothing is sharded);
         ``counts_norm``: whether this DP rank's gradient elements enter the global norm."""
-        self.groups = groups
+        self.params, self.grads, self.groups = params, grads, groups
         self.shard_rank = shard_rank
         self._counted = self._counted_ranges(self.module, counts_norm)
         chunks, base = [], 0
         for g in self.groups:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
-        self.opt = ShardAdamW(chunks, self._param_chunks(),
-                              precision.needs_master(self.zero.dtype))
+        self.opt = ShardAdamW(chunks, params.chunks(), precision.needs_master(self.zero.dtype))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
 
-    def _tied_weight(self, flat) -> torch.nn.Parameter | None:
-        """The model's tied embedding weight, when the model can hand its gradient over in
-        two parts (``GPT.tied_grad_sink``, used under ``zero.split_tied_grad``) and it lies in
-        ``flat``: this strategy becomes the sink (``takes_tied_grad``, ``head``, ``lookup``)."""
-        w = getattr(getattr(self.module, "wte", None), "weight", None)
-        if not hasattr(self.module, "tied_grad_sink") or w is None or id(w) not in flat.slot_of:
-            return None
-        self.module.tied_grad_sink = self
-        return w
-
-    def takes_tied_grad(self) -> bool:
-        """Read by the model at every forward: the tied gradient in two parts this step."""
-        return self.zero.split_tied_grad
-
-    # ------------------------------------------------------------------ stage interface
-    def _bucket_capacity(self) -> int:
-        """C_B: constant fused-buffer elements, or the whole model (paper's baseline)."""
-        if self.zero_r.constant_buffers:
-            return min(self.zero.reduce_bucket_size, self.zero.allgather_bucket_size)
-        return 1 << 62  # one bucket per group: the fused buffer grows with the model
-
-    def _param_chunks(self) -> list[torch.Tensor]:
-        """Training-dtype tensors holding this rank's owned elements, one per bucket."""
-        raise NotImplementedError
-
-    def _grad_chunks(self) -> list[torch.Tensor | None]:
-        """Reduced (summed/N_d, still loss-scaled) gradients of the owned elements."""
-        raise NotImplementedError
-
     def _on_grad(self, p: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _begin_backward(self) -> None:
-        return None
-
-    def _finish_backward(self) -> None:
-        return None
-
-    def _wait_reductions(self) -> None:
-        raise NotImplementedError
-
-    def _publish(self) -> None:
-        """Make updated shards visible in the module's parameters (complete on return)."""
-        return None
-
-    def _chunk_publisher(self) -> Callable[[int], None] | None:
-        """Called with chunk i as soon as Adam finished it, instead of ``_publish`` after the
-        whole step (``zero.overlap_param_gather``); None: publish after the step."""
-        return None
-
-    def wait_params(self) -> None:
-        """Block until the module's parameters hold the current values (an overlapped
-        all-gather launched by the last step has landed). Forward waits by itself."""
-        return None
-
-    def _before_update(self) -> None:
-        """Before the shards are written (step, load): nothing may still read or hold them."""
-        self.wait_params()
-
-    def _after_step(self) -> None:
-        """After the step (taken or skipped): e.g. start the next step's first gather."""
-        return None
-
-    def _zero_grads(self) -> None:
-        raise NotImplementedError
+        self.grads.add(p, self._is_last)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ the lifecycle
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     __call__ = forward
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Within this context backward never counts as the last micro-batch."""
-        old, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = old
-
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool | None = None) -> None:
-        self.wait_params()  # forward waited already, unless parameters were read outside it
         self._micro += 1
         if is_last_micro_batch is None:
-            is_last_micro_batch = self._micro >= self.train.grad_accum and not self._no_sync
+            is_last_micro_batch = self._micro >= self.train.grad_accum
         self._is_last = is_last_micro_batch
-        self._begin_backward()
+        self.params.pre_backward()
         # fp32 product: an fp16 loss times 2^16 would overflow before backward even starts
         (loss.float() * (self.scaler.scale / self.train.grad_accum)).backward()
-        self._finish_backward()
+        self.grads.start_grad_sync(self._is_last)
+        self.params.post_backward()
 
     def step(self) -> StepInfo:
-        self._before_update()
-        self._wait_reductions()
+        self.params.finish_param_sync()
+        self.grads.finish_grad_sync()
         scale = self.scaler.scale
-        grads = self._grad_chunks()
+        grads = self.grads.chunks()
         if self.measure_grad_norm or self.zero.grad_clip > 0 or \
                 isinstance(self.scaler, precision.DynamicLossScaler):
             stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
@@ -215,30 +190,34 @@ class Strategy:
         else:
             coef = clip.clip_coef(norm, self.zero.grad_clip)
             t = self.train
-            publish_chunk = self._chunk_publisher()
-            self.opt.step(self._param_chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
-                          t.eps, t.weight_decay, on_chunk=publish_chunk)
-            if publish_chunk is None:
-                self._publish()
-        self._after_step()
+            self.opt.step(self.params.chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
+                          t.eps, t.weight_decay, on_chunk=self.params.start_param_sync)
+            self.params.start_param_sync()
         self._micro = 0
         return StepInfo(skipped=overflow, grad_norm=norm, loss_scale=scale)
 
     def zero_grad(self) -> None:
-        self._zero_grads()
+        self.grads.zero()
+
+    def wait_params(self) -> None:
+        """Block until the module's parameters hold the current values (an overlapped
+        all-gather of the last step has landed). Forward waits by itself."""
+        self.params.finish_param_sync()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if getattr(self.module, "tied_grad_sink", None) is self:
-            self.module.tied_grad_sink = None
+        self.params.remove_hooks()
 
     def memory_ledger(self) -> MemoryLedger:
+        """Bytes this rank holds per category: what is allocated (transient categories: their
+        peak), including the transport's own (``comm_buffers``)."""
         ledger = MemoryLedger()
         for k, v in self.opt.nbytes().items():
             ledger.add(k, v)
         self._ledger(ledger)
+        ledger.add("comm_buffers", self.transport.held_bytes())
         return ledger
 
     @torch.no_grad()
@@ -246,7 +225,7 @@ class Strategy:
         """This TP rank's parameters, unsharded over DP, in fp32 (from the master shard)."""
         self.wait_params()  # the gathers below are issued after the step's, in the same order
         out, i = {}, 0
-        lp_chunks = self._param_chunks()
+        lp_chunks = self.params.chunks()
         enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
         try:
             for g in self.groups:
@@ -271,7 +250,7 @@ class Strategy:
         covers (``shard_ranges``: (flat_start, shard_start, length)), enough to reshard."""
         self.wait_params()  # a checkpoint never races the step's all-gather
         groups, base, i = [], 0, 0
-        lp_chunks = self._param_chunks()
+        lp_chunks = self.params.chunks()
         for g in self.groups:
             n = g.partition.shard_numel
             nb = len(g.partition.buckets)
@@ -294,9 +273,9 @@ class Strategy:
         """Load a state from ``state_dict`` of the same stage, layout and DP size."""
         if len(state["groups"]) != len(self.groups):
             raise ValueError("state_dict has a different number of flat groups; reshard first")
-        self._before_update()
+        self.params.finish_param_sync()
         base, i = 0, 0
-        lp_chunks = self._param_chunks()
+        lp_chunks = self.params.chunks()
         for g, gs in zip(self.groups, state["groups"]):
             n = g.partition.shard_numel
             if gs["master"].numel() != n:
@@ -312,7 +291,7 @@ class Strategy:
             base += n
         self.opt.step_count = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
-        self._publish()
+        self.params.start_param_sync()
 
     # ------------------------------------------------------------------ helpers
     def _counted_ranges(self, model: nn.Module,

@@ -224,9 +224,10 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     needs only the judged replay.
     ``transport_of``: whose bucket transport the ranks' buffers follow (``runtime.comm.transport``):
     ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
-    it under-counts only constant-size scratch -- or the transport a CPU run used (its
-    ``models_as``, ``real_ledgers``' ``transport``): ``gloo`` (point-to-point, with receive
-    scratch) or ``shm`` (shared memory, none), which reproduce that run's ledgers exactly."""
+    it under-counts only constant-size scratch -- or the transport a run used (its ``name``,
+    ``real_ledgers``' ``transport``): ``native`` (NCCL's, staging scratch), ``gloo``
+    (point-to-point, receive scratch) or ``shm`` (shared memory, its segment), which reproduce
+    that run's ledgers exactly."""
     C.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
@@ -394,7 +395,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
                     "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
                     "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
-                    "transport": strategy.transport.models_as})
+                    "transport": strategy.transport.name})
         strategy.remove_hooks()
     return out
 

@@ -256,12 +256,13 @@ def _analytic_seed(cfg: C.Config, capacity: float) -> int:
 
 
 def probe_depths(cfg: C.Config, analytic_seed: int) -> tuple[int, int]:
-    """Two small depths past the point where the gradient buckets are full: below it the
-    peak also grows by the not-yet-bucketed gradients (2 bytes/parameter), above it only by
-    model states and checkpoints, so a slope measured there extrapolates."""
+    """Two small depths past the point where the two fused gradient buffers (2·R elements,
+    ``zero.reduce_bucket_size``) are full: below it the peak also grows by the not-yet-bucketed
+    gradients (2 bytes/parameter), above it only by model states and checkpoints, so a slope
+    measured there extrapolates."""
     m, z = cfg.model, cfg.zero
     per_layer = 12 * m.n_embd * m.n_embd / cfg.parallel.tp  # this rank's block parameters
-    full = int(2 * max(z.reduce_bucket_size, z.allgather_bucket_size) // per_layer) + 2
+    full = int(2 * z.reduce_bucket_size // per_layer) + 2
     a = max(4, min(full, analytic_seed // 4))
     b = max(a + 4, min(2 * a, analytic_seed // 2))
     return a, b

@@ -15,11 +15,12 @@ world's collective timeout, naming it. x86-64 only: its stores become visible in
 order, so a counter is never seen before the data it covers (elsewhere ranks stay on gloo).
 
 *Shared buffers* (``Channel.shared_buffer``, a ``Region``) are memory every peer maps: a
-collective on a view of one publishes only its counter and the peers read in place. Its owner
-``fence``s it before writing it again (waits for the peers' ``done`` and their ``release``).
-``ZR_CPU_TRANSPORT`` (``mode()``): ``auto`` (default: shared memory when possible, else gloo
-point-to-point), ``shm`` (required; one error line when impossible), ``pairwise`` (never).
-Timings: ``results/peers/notes.md``.
+collective on a view of one publishes only its counter and the peers read in place; its owner
+writes it again only after ``await_readers`` (the peers' ``done`` past the collective's last
+piece; the transport's ``wait`` does it). ``ZR_CPU_TRANSPORT`` (``mode()``): ``auto`` (default:
+shared memory when possible, else gloo point-to-point), ``shm`` (required; one error line when
+impossible), ``pairwise`` (never), ``native`` (gloo's own reduce-scatter / all-gather: the
+NCCL-shaped transport on CPU). Timings: ``results/peers/notes.md``.
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ import torch
 
 from zero_repro.runtime.comm import comm
 
-MODES = ("auto", "shm", "pairwise")
+MODES = ("auto", "shm", "pairwise", "native")
 SLOTS = 4
-SLOT_BYTES = 16 << 20
+SLOT_BYTES = 1 << 20
 HEADER_BYTES = 64  # int64 words: magic, ready, done
 _MAGIC, _READY, _DONE = 0, 1, 2
 SHM_DIR = "/dev/shm"
@@ -103,7 +104,7 @@ class Channel:
         """Collectively: a zeroed tensor of ``numel`` elements in shared memory that every
         peer maps too (``Region``), or None (no room: the same answer on every rank). A
         collective on a view of it moves nothing through the slots: the peers read it in
-        place (``region_of``); before this rank writes it again, ``fence`` it."""
+        place (``region_of``); this rank writes it again only after ``await_readers``."""
         esize = torch.empty(0, dtype=dtype).element_size()
         segs, _ = _map_all(self.group, HEADER_BYTES + numel * esize, f"buf{len(self.regions)}")
         if segs is None:
@@ -124,27 +125,10 @@ class Channel:
                 return r, off
         return None
 
-    def fence(self, buf: torch.Tensor) -> None:
-        """Wait until every peer has read what it was to read of shared buffer ``buf`` (every
-        piece issued on it so far, and whatever the peers read of it in place after those
-        pieces, up to their ``release``): after this, this rank may write it."""
-        for r in self.regions:
-            if r.tensors[self.me].data_ptr() != buf.data_ptr():
-                continue
-            if r.last_seq:
-                self._await(_DONE, r.last_seq, "a shared buffer's last reader")
-            if r.release_seq:  # this rank's own release first (it may still be pending)
-                self.complete(r.release_seq)  # ... then every peer's (its ``ready``)
-
-    def release(self, buf: torch.Tensor) -> None:
-        """Collectively (every rank at the same point): this rank has finished reading the
-        peers' parts of shared buffer ``buf`` in place, after the collectives on it (e.g. a
-        gradient all-reduce whose gather half is read straight from the peers' buffers). One
-        empty piece: its ``ready`` is the signal, and each owner's ``fence`` waits for it."""
-        for r in self.regions:
-            if r.tensors[self.me].data_ptr() == buf.data_ptr():
-                self.issue([(_nothing, _nothing)])
-                r.release_seq = self.assigned
+    def await_readers(self, through: int) -> None:
+        """Until every peer has read every piece through ``through`` (e.g. this rank's shared
+        buffer, read in place by the collectives issued so far): then this rank may write it."""
+        self._await(_DONE, through, "the peers' reads of a shared buffer")
 
     # ------------------------------------------------------------------ pieces
     def issue(self, pieces: list[tuple[Callable[[int], None], Callable[[int], None]]],
@@ -219,17 +203,10 @@ class Channel:
 
 class Region:
     """A shared buffer: every rank's tensor of it (this rank's is written by it alone; the
-    peers' are read in place) and the last piece issued on it (what ``Channel.fence`` awaits)."""
+    peers' are read in place)."""
 
     def __init__(self, tensors: list[torch.Tensor], me: int):
         self.tensors, self.me = tensors, me
-        self.last_seq = 0
-        self.release_seq = 0  # the last ``Channel.release`` of it (its readers are done then)
-
-
-def _nothing(seq: int) -> None:
-    """The write and the read of a release piece: its counters are the message."""
-    return None
 
 
 class _Work:
@@ -334,7 +311,7 @@ def channel_for(group: comm.Group) -> Channel | None:
     if group.channel is not None:
         return group.channel
     want = mode()
-    if want == "pairwise" or group.size == 1 or group.backend != "gloo":
+    if want in ("pairwise", "native") or group.size == 1 or group.backend != "gloo":
         return None
     segments, why = _map_all(group, segment_bytes(), "slots")
     if segments is None:
