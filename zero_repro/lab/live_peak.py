@@ -83,7 +83,7 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
             for it in range(iterations):
                 train_step(strategy, _batches(cfg, it),
                            phase=lambda name, it=it: tracer.in_phase(name, it))
-            transport = strategy.transport.models_as
+            transport = strategy.transport.name
             strategy.remove_hooks()
             del model, ckpt, strategy
         _, _, by_iter = live_peaks(tracer.events)

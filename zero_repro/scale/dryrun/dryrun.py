@@ -423,7 +423,7 @@ def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iteration
                 K.tag_strategy(tracer, strategy)
             for h in hooks:
                 h.remove()
-            transport = strategy.transport.models_as
+            transport = strategy.transport.name
             strategy.remove_hooks()
             del model, ckpt, strategy
         events = without_teardown(tracer.events)

@@ -113,7 +113,13 @@ class AllocationTracer(TorchDispatchMode):
         return out
 
     def _poll(self) -> None:
-        for sid, ref in list(self._resizable.items()):
+        while True:
+            try:
+                items = list(self._resizable.items())
+                break
+            except RuntimeError:  # a storage's finalizer (run by the collector) dropped an entry
+                continue
+        for sid, ref in items:
             st = ref()
             if st is not None:
                 self._check_size(sid, st)
