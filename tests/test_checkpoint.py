@@ -148,6 +148,7 @@ def test_reshard_subset_and_tp(tmp_path):
 LLAMA_SUBSET = [(0, 2, 3, 4), (1, 4, 2, 1), (2, 1, 0, 2), (3, 2, 3, 2), (3, 2, 1, 4)]
 
 
+@pytest.mark.slow  # a lighter sibling of this test stays in the default suite
 def test_reshard_llama(tmp_path):
     res = _run_matrix(tmp_path, LLAMA_SUBSET, with_tp=True, kind="llama")
     for r in (0, 1):

@@ -45,6 +45,7 @@ def test_estimate_matches_real_cpu_runs_world2():
     check(rows)
 
 
+@pytest.mark.slow  # a lighter sibling of this test stays in the default suite
 def test_estimate_matches_real_cpu_runs_tp2():
     rows = LP.compare(configs(["llama_tiny"], 4, 2, stages=(1, 3)))
     check(rows)

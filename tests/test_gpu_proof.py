@@ -137,6 +137,7 @@ def test_cpu_path_one_gpu_parts(tmp_path):
     assert report and "| equivalence |" in open(report[0]).read()
 
 
+@pytest.mark.slow  # a lighter sibling of this test stays in the default suite
 def test_cpu_path_node_parts_world_4(tmp_path):
     """The node proof's code at world 4 on gloo: DP 4 and TP 2 x DP 2 equivalence with the NCCL
     ranks' transport, the collectives of the probe, stages 0-3 with falling model states."""

@@ -82,7 +82,7 @@ def _worker(rank: int, world: int) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_matches_tp1(world):
     assert spawn(_worker, world) == ["ok"] * world
 
