@@ -282,7 +282,9 @@ def conclude(table: pd.DataFrame) -> list[str]:
             out.append(f"simulated, {label}: TFLOPs/GPU "
                        + " ".join(f"{float(r.y_value):.1f}" for r in per.itertuples())
                        + f" at {' '.join(str(int(float(x))) for x in per['x_value'])} GPUs"
-                       + (f" (|error| vs the paper: median {100 * err.median():.0f}%, largest "
+                       + ("; paper " + " ".join(f"{float(v):.2f}" for v in per["paper_value"])
+                          if not tag else "")
+                       + (f" (|error| median {100 * err.median():.0f}%, largest "
                           f"{100 * err.max():.0f}%)" if len(err) else ""))
         sp = own[own["y_name"] == "speedup"]
         if len(sp):

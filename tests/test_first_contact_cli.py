@@ -331,13 +331,17 @@ def test_fig3_concludes_speedups_against_the_paper_and_the_ideal():
     table = pd.read_csv(paths.RESULTS_DIR / "fig3_scaling" / "table.csv")
     lines = fig3.conclude(table)
     sim = table[(table["kind"] == "simulated") & (table["y_name"] == "speedup")]
-    first = sim.iloc[0]
+    predicted = sim[~sim["series"].str.contains("(paper batch)", regex=False)]
+    first = predicted.iloc[0]
+    assert lines[0].startswith("simulated, predicted batch: TFLOPs/GPU")
+    assert "paper 25.65 37.55 39.04 36.59" in lines[0]
+    assert lines[1].startswith("aggregate speed-up, predicted batch / paper (ideal):")
     assert (f"{first['x_value']} {first['y_value']:.2f}x / {first['paper_value']:.2f}x (2)"
             in lines[1])
-    assert "paper 25.65 37.55 39.04 36.59" in lines[0]
+    assert lines[2].startswith("simulated, paper batch:") and "paper batch / paper" in lines[3]
     ups = table[(table["kind"] == "measured") & (table["y_name"] == "speedup")]
-    assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[2]
-    assert len(lines) == 3 and all(len(line) < 200 for line in lines)
+    assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[4]
+    assert len(lines) == 5 and all(len(line) < 200 for line in lines)
 
 
 def test_a_plan_of_many_points_gives_one_sbatch_line_per_shape(tmp_path, capsys):
