@@ -185,7 +185,7 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
         if payload[0] == "ok":
             result = payload = None
             gc.collect()  # cycles (hooks -> strategy -> module) that still hold group handles
-            comm.destroy_process_group()
+            _teardown()
             code = 0
     finally:
         # no interpreter teardown: nothing of gloo may be destroyed after this point; a
@@ -194,6 +194,20 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
         sys.stderr.flush()
         logging.shutdown()
         os._exit(code)
+
+
+
+# torch before 2.8 (the floor, 2.7.1): gloo's shutdown in destroy_process_group waits, holding
+# the GIL, for an asynchronous operation still posted (seen with the native bucket transport:
+# both ranks hang after reporting); the rank then exits without it and the OS closes its sockets
+GLOO_SHUTDOWN_WAITS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+
+
+def _teardown() -> None:
+    """``comm.destroy_process_group``, except on gloo where its shutdown can hang."""
+    if GLOO_SHUTDOWN_WAITS and comm.is_initialized() and comm.backend() == "gloo":
+        return
+    comm.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
