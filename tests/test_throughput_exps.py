@@ -260,8 +260,9 @@ def test_local_measured_point_end_to_end(tmp_path):
     (pp,) = [pp for pp in orchestrate.plan(cfg, exp)
              if pp.point.params.get("role") == "measured_local"]
     assert pp.cfg.zero.stage == 2 and pp.cfg.zero_r.activation_checkpointing
-    # the largest batch that fits the budget world 1 needs at the base batch: that batch
-    assert pp.cfg.train.micro_batch_size == 4
+    # the largest batch that fits the budget world 1 needs at the base batch: at least that
+    # batch (a tiny model's larger batches can fit inside the allocator's rounding)
+    assert pp.cfg.train.micro_batch_size >= 4
     rec = orchestrate.run_and_record(exp, pp, "test")
     assert rec.status == "ok", rec.reason
     assert rec.metrics["tflops_per_gpu"] > 0
