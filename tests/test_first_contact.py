@@ -193,8 +193,14 @@ def test_replot_is_byte_identical(tmp_path):
 
 
 # ------------------------------------------------------------------------ launcher, --help
+def _torchrun() -> str:
+    """The torchrun of the interpreter running the tests (a second venv need not be on PATH)."""
+    own = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return own if os.path.exists(own) else "torchrun"
+
+
 def test_run_py_under_torchrun_refuses_instead_of_nesting(tmp_path):
-    p = subprocess.run(["torchrun", "--nproc_per_node", "2", os.path.join(REPO, "run.py"),
+    p = subprocess.run([_torchrun(), "--nproc_per_node", "2", os.path.join(REPO, "run.py"),
                         "+exp=smoke", f"experiment.results_dir={tmp_path}"],
                        cwd=REPO, capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0
@@ -215,7 +221,7 @@ def test_help_lists_experiments_with_a_line_each():
 
 def test_example_runs_under_torchrun_at_world_2(tmp_path):
     ck = tmp_path / "ckpt"
-    p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m",
+    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node", "2", "-m",
                         "zero_repro.examples.minimal", "--steps", "3", "--ckpt-dir", str(ck)],
                        cwd=REPO, capture_output=True, text=True, timeout=240, env=_env())
     assert p.returncode == 0, p.stderr[-3000:]

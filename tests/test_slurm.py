@@ -205,7 +205,8 @@ def test_point_file_runner(tmp_path, fake_slurm):
     # a point already done gets none either
     assert len(orchestrate.write_point_files(planned, module, "manual", str(tmp_path / "p2"),
                                              done={keys["w16"]})) == 1
-    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="fakenode")
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="fakenode",
+               PYTHON=sys.executable)  # the interpreter running the tests, not PATH's
     p = subprocess.run(["bash", os.path.join(REPO, "slurm", "run_point.sh"), target],
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
