@@ -46,6 +46,13 @@ def _spec(frameworks, steps=4) -> PeerSpec:
     return PeerSpec(TINY, train, zero, frameworks=tuple(frameworks))
 
 
+# torch 2.7's FSDP2 (the floor) is not the FSDP2 these checks describe: it moves a LayerNorm weight
+# by ~lr more than the reference at the first step (Adam's first update is ~lr·sign(g): a
+# near-zero gradient computed differently shows at full size) and all-gathers 0.87 Ψ per step
+# where 2.8+ gathers 2 Ψ with resharding; there only our stages and the other peers are checked
+FSDP2_DRIFTS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+
+
 def _check_equivalent(eq: dict, names) -> None:
     assert set(eq) == set(names)
     for name, e in eq.items():
@@ -65,14 +72,17 @@ def test_torch_peers_and_our_stages_match_reference():
     names = TORCH_PEERS + ("torch_ddp_shm",) + OURS
     results = spawn(run_peers, 2, _spec(names))
     eq = report.equivalence(results, lr=3e-3)
-    _check_equivalent(eq, names)
+    if FSDP2_DRIFTS:  # the floor torch: FSDP2 behaves differently (below)
+        eq = {k: v for k, v in eq.items() if not k.startswith("fsdp2")}
+    _check_equivalent(eq, [n for n in names if n in eq])
     fw = min(results, key=lambda r: r["rank"])["frameworks"]
     # communication of one step (paper §7 volumes, comm.py convention: all-reduce counts 2n)
     assert _dp_volume(fw["torch_ddp"]["comm"], "all_reduce") == 2 * PSI
     assert _dp_volume(fw["torch_ddp_shm"]["comm"], "all_reduce") == 2 * PSI  # the comm hook
-    assert _dp_volume(fw["fsdp2_reshard"]["comm"], "all_gather") == 2 * PSI
-    assert _dp_volume(fw["fsdp2_reshard"]["comm"], "reduce_scatter") == PSI
-    assert _dp_volume(fw["fsdp2_no_reshard"]["comm"], "all_gather") == PSI
+    if not FSDP2_DRIFTS:
+        assert _dp_volume(fw["fsdp2_reshard"]["comm"], "all_gather") == 2 * PSI
+        assert _dp_volume(fw["fsdp2_reshard"]["comm"], "reduce_scatter") == PSI
+        assert _dp_volume(fw["fsdp2_no_reshard"]["comm"], "all_gather") == PSI
     # stage 3 keeps the root unit and the last block gathered across the forward->backward
     # turn (zero.keep_gathered_turn, default): they are not gathered a second time
     root = TINY.vocab_size * TINY.n_embd + TINY.seq_len * TINY.n_embd + 2 * TINY.n_embd
