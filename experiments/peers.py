@@ -479,11 +479,18 @@ def _memory_source(t):
     return d if not d.empty else t[(t["table"] == "same_kernel")]
 
 
+def _not_measured(ax, what: str) -> None:
+    """A panel whose records do not exist yet: said in words, no empty axes."""
+    ax.text(0.5, 0.5, f"{what}: not measured in these records\n(python run.py +exp=peers "
+            "experiment.force=true)", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
 def _panel_memory(ax, t) -> None:
     d = _memory_source(t)
     peak = d[d["y_name"] == "live_peak_bytes"].sort_values(["stage", "x_value"])
     if peak.empty:
-        ax.text(0.5, 0.5, "memory not measured", ha="center", transform=ax.transAxes)
+        _not_measured(ax, "memory")
         return
     xs = range(len(peak))
     ax.bar(xs, peak["y"] / 2**20, color=[_color(x) for x in peak["x_value"]],
@@ -507,7 +514,7 @@ def _panel_memory_peer(ax, t) -> None:
     d = _memory_source(t)
     peak = d[d["y_name"] == "live_peak_bytes"].set_index("x_value")["y"]
     if peak.empty:
-        ax.text(0.5, 0.5, "memory not measured", ha="center", transform=ax.transAxes)
+        _not_measured(ax, "memory")
         return
     width = 0.35
     for i, p2p in enumerate((False, True)):
@@ -537,7 +544,7 @@ def _panel_budget(ax, t) -> None:
     d = t[(t["table"] == "budget") & (t["y_name"] == "max_params_in_budget")]
     d = d.sort_values(["stage", "x_value"])
     if d.empty:
-        ax.text(0.5, 0.5, "budget series not measured", ha="center", transform=ax.transAxes)
+        _not_measured(ax, "largest model in a per-rank budget")
         return
     ys = range(len(d))
     ax.barh(list(ys), d["y"] / 1e6, color=[_color(x) for x in d["x_value"]])
