@@ -1,8 +1,8 @@
 """Tables and figures regenerated from ``results/`` alone.
 
-``python -m experiments.plot NAME`` (= ``python -m zero_repro.lab.figures.regenerate NAME``, or
-``python run.py +exp=NAME experiment.action=plot``)
-reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writes
+``python -m experiments.plot NAME`` (or ``python run.py +exp=NAME experiment.action=plot``; both
+then print the experiment's result lines; ``python -m zero_repro.lab.figures.regenerate NAME``
+writes the same files without them) reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writes
 
 * ``results/NAME/table.csv``: the experiment's ``summarize`` rows (newest record per point) in
   the long format of the reference CSV (figure, series, x_name, x_value, y_name, y_value, unit,
