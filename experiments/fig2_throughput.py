@@ -24,6 +24,7 @@ from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
+from zero_repro.lab.figures.wording import mean_max, num
 
 PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
@@ -115,6 +116,57 @@ def error_lines(table) -> list[str]:
             f"{_errors(table, SPEEDUP + pb, 'speedup')}",
             f"predicted batch (memory dry run): ZeRO {_errors(table, ZERO)}; baseline "
             f"{_errors(base_mf, 'b')}; speed-up {_errors(table, SPEEDUP, 'speedup')}"]
+
+
+def _by_size(rows, series: tuple, y_name: str = T.Y_NAME) -> dict:
+    """{model size B: y} of ``series`` (the baseline's two series are one line)."""
+    g = rows[rows["series"].isin(series) & (rows["y_name"] == y_name)]
+    return {float(x): float(y) for x, y in zip(pd.to_numeric(g["x_value"], errors="coerce"),
+                                               pd.to_numeric(g["y_value"], errors="coerce"))
+            if x == x}
+
+
+def conclude(table: pd.DataFrame) -> list[str]:
+    """The figure in words, per model size: ZeRO's and the baseline's TFLOPs/GPU and the
+    speed-up bars at the batch the memory dry run fits, each beside the paper's; the mean/max
+    |error| of the fitted series (ZeRO at the paper's batch) apart from the unfitted ones; the
+    local measured speed-ups."""
+    big, local = TP.split(table)
+    paper = big[big["kind"] == "paper"]
+    out = []
+    for kind in [k for k in dict.fromkeys(big["kind"]) if k != "paper"]:
+        mine = big[big["kind"] == kind]
+        sizes = sorted(_by_size(mine, (ZERO, BASE_IN, BASE_OUT)))
+        if not sizes:
+            continue
+        out.append(f"{kind}, 400 V100, batch the memory dry run fits; model sizes [B]: "
+                   + " ".join(num(x) for x in sizes))
+        for label, series, y_name in (("ZeRO TFLOPs/GPU", (ZERO,), T.Y_NAME),
+                                      ("baseline TFLOPs/GPU", (BASE_IN, BASE_OUT), T.Y_NAME),
+                                      ("speed-up", (SPEEDUP,), "speedup")):
+            ours, theirs = _by_size(mine, series, y_name), _by_size(paper, series, y_name)
+            out.append(f"{label} " + " ".join(num(ours.get(x)) for x in sizes)
+                       + (", paper " + " ".join(num(theirs.get(x)) for x in sizes)
+                          if theirs else ""))
+        if kind == "simulated" and "rel_error_vs_paper" in mine:
+            def err(series, y_name=T.Y_NAME):
+                return mine.loc[mine["series"].isin(series) & (mine["y_name"] == y_name),
+                                "rel_error_vs_paper"]
+            pb = T.PAPER_BATCH
+            out.append(f"|error| mean/max: fitted (ZeRO, paper's batch) {mean_max(err((ZERO + pb,)))}"
+                       f"; unfitted: ZeRO {mean_max(err((ZERO,)))}, baseline "
+                       f"{mean_max(err((BASE_IN, BASE_OUT)))}, speed-up "
+                       f"{mean_max(err((SPEEDUP,), 'speedup'))}")
+    up = local[local["y_name"] == "speedup"]
+    up = up.assign(_x=pd.to_numeric(up["x_value"], errors="coerce")).sort_values("_x")
+    for series, g in up.groupby("series", sort=False):  # one per source (this machine, reference)
+        src = str(series).split(" · ", 1)[1].split(":")[0] + ", " if " · " in str(series) else ""
+        ranks = pd.to_numeric(g.get("num_gpus"), errors="coerce").max() if "num_gpus" in g else 0
+        out.append(f"measured ({src}local{f', {int(ranks)} CPU ranks' if ranks == ranks and ranks else ''})"
+                   " speed-up ZeRO/baseline: " + ", ".join(
+                       f"{num(y)} at {num(x * 1e3)}M" for x, y in zip(g["_x"], g["y_value"]))
+                   + " params")
+    return out
 
 
 def _speedup_panel(ax, table) -> None:

@@ -20,12 +20,15 @@ model fits a 32 GB V100 without MP, where baseline DP (16Ψ) stops near 1.4B.
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
+from zero_repro.lab.figures.wording import column, num
 
 PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
@@ -85,6 +88,47 @@ def summarize(records) -> list[dict]:
             f"b{q['batch']}"), budget_MB=round(q["budget_bytes"] / 1e6, 1))
         local.append(row)
     return rows + TS.repeated(local)
+
+
+def conclude(table: pd.DataFrame) -> list[str]:
+    """The figure in words (the paper's values are withheld: nothing to compare): the largest
+    model each series reaches, per model size the TFLOPs/GPU and the batch per GPU at the batch
+    the memory dry run fits, the TFLOPs/GPU at Table 10's batch, and the local measured pair
+    (one per-rank memory budget, the deepest model of each that fits it)."""
+    big, local = TP.split(table)
+    big = big[(big["y_name"] == T.Y_NAME) & (big["kind"] != "paper")]
+    out = []
+    for kind, rows in big.groupby("kind", sort=False):
+        rows = rows.assign(_x=column(rows, "x_value")).sort_values("_x", kind="stable")
+
+        def of(series):
+            return rows[rows["series"] == series]
+
+        z, b = of(ZERO), of(BASE)
+        fit = [(label, g[g["fits"].astype(str) != "False"] if "fits" in g else g)
+               for label, g in (("ZeRO-DP", z), ("baseline", b))]
+        out.append(f"{kind}, 128 V100, no MP (paper values withheld); largest model that fits: "
+                   + " vs ".join(f"{label} {num(g['_x'].max())}B" for label, g in fit if len(g)))
+        for label, g in (("ZeRO-DP (P_os+g)", z), ("baseline DP (DDP)", b)):
+            if len(g):
+                out.append(f"{label} TFLOPs/GPU at {' '.join(num(x) for x in g['_x'])}B: "
+                           + " ".join(num(y) for y in g["y_value"]))
+        out.append("their batch per GPU (largest that fits, memory dry run): " + ", ".join(
+            f"{label} " + " ".join(num(v) for v in column(g, "batch_per_gpu"))
+            for label, g in (("ZeRO-DP", z), ("baseline", b)) if len(g)))
+        pz, pb = of(ZERO + T.PAPER_BATCH), of(BASE + T.PAPER_BATCH)
+        if len(pz) or len(pb):
+            out.append("at Table 10's batch: ZeRO-DP " + " ".join(num(y) for y in pz["y_value"])
+                       + ", baseline " + " ".join(num(y) for y in pb["y_value"]) + " TFLOPs/GPU")
+    loc = local[local["y_name"] == T.Y_NAME]
+    for series, g in loc.groupby("series", sort=False):
+        size = [re.search(r"([\d.]+M) param", str(v)) for v in g.get("bar_label", [""] * len(g))]
+        budget = column(g, "budget_MB").max()
+        what = [f"{str(x).split(' (')[0]} {m.group(1) + ' ' if m else ''}{num(y)}"
+                for x, m, y in zip(g["x_value"], size, g["y_value"])]
+        out.append(f"measured ({series}" + (f", {num(budget, 4)} MB/rank" if budget == budget
+                                            else "") + "): " + ", ".join(what) + " TFLOPs/GPU")
+    return out
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:

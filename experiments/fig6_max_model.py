@@ -24,6 +24,7 @@ import time
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import num, pct
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import maxsize
@@ -167,6 +168,34 @@ def _b(r, n: int) -> float:
     h = r.params["hidden"]
     per_layer = 12 * h * h + 13 * h  # one GPT-2 block (flops.param_count)
     return (m["max_params"] - per_layer * (m["max_n_layer"] - n)) / 1e9
+
+
+def conclude(table) -> list[str]:
+    """The figure in words: the paper's largest model per configuration C1-C5, then per stack the
+    dry-run judged one with its signed error against the paper, and whether each stack
+    reproduces the paper's ascending order of the five."""
+    t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_model_size")]
+    paper = t[t["kind"] == "paper"]
+    out = []
+    if len(paper):
+        out.append("paper (measured, 400 V100-32GB), largest model [B params]: " + ", ".join(
+            f"{r.x_value} {num(r.y_value, 4)}" for r in paper.sort_values("x_value").itertuples()))
+    ours = t[t["kind"] != "paper"]
+    stacks = ours["stack"] if "stack" in ours else ours["series"]
+    rank = {k: i for i, k in enumerate(STACKS)}
+    for stack, g in sorted(ours.groupby(stacks, sort=False), key=lambda kv: rank.get(kv[0], 9)):
+        g = g.sort_values("x_value")
+        err = g["rel_error_vs_paper"] if "rel_error_vs_paper" in g else [None] * len(g)
+        out.append(f"{g['kind'].iloc[0]}, {stack} [B]: " + ", ".join(
+            f"{r.x_value} {num(r.y_value, 6)}" + (f" {pct(e)}" if pct(e) != "-" else "")
+            for r, e in zip(g.itertuples(), err)))
+    order = table[table["figure"] == f"{FIGURE}_order"]
+    if len(order):
+        out.append(f"the paper's ascending order {' < '.join(PAPER_ORDER)}: " + ", ".join(
+            f"{getattr(r, 'stack', r.series)} " + (
+                "reproduces it" if float(r.y_value) == 1.0 else f"DIFFERS ({r.x_value})")
+            for r in order.itertuples()))
+    return out
 
 
 def plot(table, out_dir: str) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import column, num
 from zero_repro.lab.points import Point
 import dataclasses
 
@@ -132,6 +133,35 @@ def summarize(records) -> list[dict]:
                          "y_name": "c4_to_c5_GiB", "y_value": round(c5 - c4, 3), "unit": "GiB",
                          "kind": "simulated", "stack": series.split(", ")[-1]})
     return rows
+
+
+def conclude(table) -> list[str]:
+    """The figure in words (the paper's values are withheld: nothing to compare): per model and
+    stack the predicted max cached memory of each configuration, the allocator capacity it was
+    judged at and any out-of-memory verdict; the C4 -> C5 change against §10.5's statement."""
+    t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_cached_memory")]
+    out = []
+    for kind in dict.fromkeys(t["kind"]):
+        out.append(f"{kind} max cached memory [GiB = 2^30 B] per configuration (paper values "
+                   "withheld):")
+        for series, g in t[t["kind"] == kind].groupby("series", sort=False):
+            g = g.sort_values("x_value", key=lambda x: x.astype(str))
+            oom = [str(x) for x, o in zip(g["x_value"], g.get("oom_judged", [False] * len(g)))
+                   if str(o) == "True"]
+            cap = column(g, "capacity_GiB").max()
+            out.append(f"{series}: " + ", ".join(f"{x} {num(y, 4)}" for x, y in
+                                                  zip(g["x_value"], g["y_value"]))
+                       + (f" (capacity {num(cap, 5)}" if cap == cap else " (")
+                       + (f"; OUT OF MEMORY: {' '.join(oom)})" if oom else ", all fit)"))
+    claims = table[table["figure"] == f"{FIGURE}_claims"]
+    if len(claims):
+        by_stack: dict = {}
+        for r in claims.itertuples():
+            model, _, stack = str(r.series).rpartition(", ")
+            by_stack.setdefault(stack, []).append(f"{model} {num(r.y_value, 4)}")
+        out.append("C4->C5 [GiB] (§10.5: none at 40B, a drop at 100B): "
+                   + "; ".join(f"{k} {', '.join(v)}" for k, v in by_stack.items()))
+    return out
 
 
 def plot(table, out_dir: str) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import column, num
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
@@ -147,6 +148,43 @@ def summarize(records) -> list[dict]:
                      "category": meta["category"], "capacity_change_GiB": -extra / GIB,
                      "oom": m["oom"], "source": meta["source"]})
     return rows
+
+
+PEAK = "peak_reserved (max cached)"
+
+
+def conclude(table, most: int = 4) -> list[str]:
+    """The table in words: per setup and stack the max cached memory and the ``most`` largest
+    categories that hold it (the rest summed), the bytes outside the allocator per stack (the
+    bracket's low .. high end), and the ``paper2020`` switches that cost the most alone."""
+    t = table[(table["figure"] == FIGURE) & (table["y_name"] == "bytes_at_peak")]
+    out = []
+    if len(t):
+        outside = {}
+        for series, g in t.groupby("series", sort=False):
+            stack = str(series).rpartition(", ")[2]
+            lo = column(g[g["x_value"] == S.OUTSIDE], "y_value").sum()
+            hi = lo + column(g[g["x_value"] == f"{S.OUTSIDE} (to high end)"], "y_value").sum()
+            outside.setdefault(stack, f"{num(lo)}..{num(hi)}" if hi > lo else num(lo))
+        out.append(f"{t['kind'].iloc[0]} (dry run): max cached [GiB] by category; outside the "
+                   "allocator: " + ", ".join(f"{k} {v}" for k, v in outside.items()))
+    for series, g in t.groupby("series", sort=False):
+        peak = column(g[g["x_value"] == PEAK], "y_value")
+        cats = g[~g["x_value"].astype(str).isin([PEAK, S.OUTSIDE, f"{S.OUTSIDE} (to high end)"])]
+        cats = cats.assign(_y=column(cats, "y_value")).sort_values("_y", ascending=False)
+        top, rest = cats.head(most), cats["_y"].iloc[most:].sum()
+        out.append(f"{series} {num(peak.max())}: " + ", ".join(
+            f"{x} {num(y)}" for x, y in zip(top["x_value"], top["_y"]))
+            + (f", rest {num(rest)}" if rest > 0 else ""))
+    sw = table[table["figure"] == f"{FIGURE}_switches"]
+    for series, g in sw.groupby("series", sort=False):
+        g = g.assign(_y=column(g, "y_value")).sort_values("_y", ascending=False)
+        costs = g[(g["_y"] != 0) | (column(g, "capacity_change_GiB").fillna(0) != 0)]
+        out.append(f"switches, {series} [GiB]: " + ", ".join(
+            f"{x} {y:+.3g}" for x, y in zip(costs["x_value"].head(2), costs["_y"].head(2)))
+            + (f", +{len(costs) - 2} more" if len(costs) > 2 else "")
+            + f"; {len(g) - len(costs)} of {len(g)} change nothing")
+    return out
 
 
 def plot(table, out_dir: str) -> list[str]:

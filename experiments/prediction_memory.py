@@ -22,6 +22,7 @@ from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.setups import setups
 from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import column, num
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides, load_cluster
@@ -139,6 +140,37 @@ def _dedup(label: str) -> str:
     """'1.5B ZeRO ZeRO' (setup + series) -> '1.5B ZeRO'."""
     words = str(label).split()
     return " ".join(words[:-1]) if len(words) > 1 and words[-1] == words[-2] else str(label)
+
+
+def conclude(table) -> list[str]:
+    """The table in words (the paper reports none of these numbers: nothing to compare): per
+    stack how many of the paper's setups fit a V100-32GB at the paper's batch (at the judged
+    capacity and at both ends of the outside-allocator bracket), the range of what they need
+    per figure, and the setup with the least headroom."""
+    t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_cached_memory")]
+    out = []
+    for kind in dict.fromkeys(t["kind"]):
+        out.append(f"{kind}: each run the paper reports, one dry run at its batch per stack: "
+                   "does it fit a V100-32GB?")
+        rows = t[t["kind"] == kind]
+        stacks = rows["stack"] if "stack" in rows else rows["series"].str.split(", ").str[-1]
+        for stack, g in rows.groupby(stacks, sort=False):
+            def n_fit(col):
+                return int((g[col].astype(str) == "True").sum()) if col in g else 0
+            cap, need = column(g, "capacity_GiB"), column(g, "needs_GiB")
+            fig = g["paper_figure"] if "paper_figure" in g else g["series"].str.split(",").str[0]
+            ends = (f", {n_fit('fits_low')}/{n_fit('fits_high')} at the bracket's low/high end"
+                    if "fits_low" in g and "fits_high" in g else "")
+            line = f"{stack}: {n_fit('fits_judged')} of {len(g)} fit at {num(cap.max(), 5)} GiB{ends}"
+            if (cap - need).notna().any():
+                i = (cap - need).idxmin()
+                line += (f"; tightest: {fig[i]} {_dedup(g.loc[i, 'x_value'])} needs "
+                         f"{num(need[i], 4)}")
+            out.append(line)
+            out.append(f"{stack}, needs per figure [GiB]: " + ", ".join(
+                f"{f} {num(need[h.index].min())}..{num(need[h.index].max())}"
+                for f, h in sorted(g.groupby(fig, sort=False), key=lambda kv: str(kv[0]))))
+    return out
 
 
 def plot(table, out_dir: str) -> list[str]:

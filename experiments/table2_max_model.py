@@ -24,8 +24,11 @@ from __future__ import annotations
 import itertools
 import textwrap
 
+import pandas as pd
+
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import column, num, pct
 from zero_repro.lab.points import Point
 from zero_repro.scale.analytic import max_params
 from zero_repro.scale.paper.buckets import PAPER_BUCKETS
@@ -153,6 +156,46 @@ def summarize(records) -> list[dict]:
                          "rel_error_vs_paper_printed": None if pv is None else (val - pv) / pv,
                          **extra})
     return rows
+
+
+def conclude(table) -> list[str]:
+    """The table in words: per MP degree (N_d = 64) the paper's measured largest model, the
+    dry-run judged one per stack with its error range against the paper, and the theoretical
+    columns (analytic) against the paper's printed ones."""
+    t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_model_size")]
+    t = t.assign(_x=pd.to_numeric(t["x_value"], errors="coerce")).sort_values("_x", kind="stable")
+    err_col = "rel_error_vs_paper_printed"
+
+    def scheme(series: str) -> str:  # "measured ZeRO-DP(Pos) [dry run, modern]" -> "Pos"
+        name = str(series).split(" [")[0].split(" · ")[0]
+        name = name.removeprefix("measured ").removeprefix("theoretical ")
+        return name.removeprefix("ZeRO-DP(").removesuffix(")")
+
+    def errs(g) -> str:
+        e = column(g, err_col).dropna()
+        return f" ({pct(e.min())[:-1]}..{pct(e.max())})" if len(e) else ""
+
+    out = []
+    sim = t[t["kind"] != "analytic"]
+    mps = " ".join(num(x) for x in dict.fromkeys(t["_x"]))
+    paper = [f"{scheme(s)} " + " ".join(num(v) for v in column(g, "paper_B"))
+             for s, g in sim[sim["stack"] == sim["stack"].iloc[0]].groupby("series", sort=False)
+             if column(g, "paper_B").notna().any()] if len(sim) else []
+    out.append(f"largest model [B params] at N_d 64, MP {mps} (GPUs = 64 x MP)")
+    if paper:
+        out.append("paper (measured): " + ", ".join(paper))
+    for stack, g in sim.groupby("stack", sort=False):
+        out.append(f"{g['kind'].iloc[0]}, {stack}: " + ", ".join(
+            f"{scheme(s)} " + " ".join(num(v) for v in h["y_value"]) + errs(h)
+            for s, h in g.groupby("series", sort=False)))
+    th = t[t["kind"] == "analytic"]
+    if len(th):
+        e = column(th, err_col).abs().dropna()
+        out.append("analytic: " + ", ".join(
+            f"{scheme(s)} {num(h['y_value'].min())}..{num(h['y_value'].max(), 4)}"
+            for s, h in th.groupby("series", sort=False))
+            + (f"; |error| vs the paper's <= {100 * e.max():.1f}%" if len(e) else ""))
+    return out
 
 
 def plot(table, out_dir: str) -> list[str]:

@@ -127,6 +127,7 @@ def test_plot_action_regenerates_from_results_alone(tmp_path):
     q = subprocess.run([sys.executable, "-m", "experiments.plot", "smoke", "--results-dir",
                         str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr
+    assert "\nresult:\n  " in q.stdout  # the experiment's conclude lines, as run.py prints them
     assert (tmp_path / "smoke" / "smoke.png").exists()
     assert json.loads((tmp_path / "smoke" / "points.jsonl").read_text())["key"] == "k1"
 

@@ -596,10 +596,15 @@ def record_line(rec) -> str:
 
 
 def print_outputs(out: dict, experiment=None) -> None:
-    """Where the table and figures are, then what they show (``conclusion``)."""
+    """Where the table and figures are, then what they show (``print_result``)."""
     print(f"table:   {out['table']} ({out['rows']} rows from {out['records']} records)")
     for p in out["figures"]:
         print(f"figure:  {p}")
+    print_result(out, experiment)
+
+
+def print_result(out: dict, experiment=None) -> None:
+    """The ``result:`` lines of a regenerated table (``conclusion``); none for an empty one."""
     table = pd.read_csv(out["table"]) if out["rows"] else None
     lines = conclusion(experiment, table) if table is not None else []
     if lines:

@@ -170,7 +170,9 @@ def fit(cluster: str = "dgx2_v100", use_fig3: bool = False,
         best_z, best_f = nelder_mead(objective, best_z, step=0.1)
     p = _to_params(best_z)
     res = [r for fig, pts in sets for r in _residuals(p, hw, pts, fig)]
-    log.info("calibrated %s: %s, objective %.4g", cluster, p, best_f)
+    log.info("calibrated %s on %d points: e_max %.4g (of the tensor-core peak), comm_eff %.4g "
+             "(of the link bandwidth), objective %.4g (sum of log(sim/paper)^2)", cluster,
+             len(res), p.e_max, p.comm_eff, best_f)
     return Calibration(params=p, cluster=cluster,
                        targets=["fig2 ZeRO"] + (["fig3"] if use_fig3 else []),
                        residuals=res, objective=best_f)

@@ -1,8 +1,8 @@
 """Tables and figures regenerated from ``results/`` alone.
 
-``python -m experiments.plot NAME`` (= ``python -m zero_repro.lab.figures.regenerate NAME``, or
-``python run.py +exp=NAME experiment.action=plot``)
-reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writes
+``python -m experiments.plot NAME`` (or ``python run.py +exp=NAME experiment.action=plot``; both
+then print the experiment's result lines; ``python -m zero_repro.lab.figures.regenerate NAME``
+writes the same files without them) reads ``results/NAME/points.jsonl`` and ``results/paper/reference.csv`` and writes
 
 * ``results/NAME/table.csv``: the experiment's ``summarize`` rows (newest record per point) in
   the long format of the reference CSV (figure, series, x_name, x_value, y_name, y_value, unit,
@@ -224,7 +224,9 @@ def _draw_panel(ax, df: pd.DataFrame, figure: str, y_name: str) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-def main(argv=None) -> int:
+def main(argv=None, report=None) -> int:
+    """``report(out, experiment)``, if given, runs after a table is written (``experiments.plot``
+    passes ``lab.cli.print_result``: the result lines)."""
     ap = argparse.ArgumentParser(description="Regenerate results/NAME/table.csv and NAME.png/"
                                              ".pdf from results/NAME/points.jsonl alone.")
     ap.add_argument("name", nargs="?")
@@ -245,6 +247,8 @@ def main(argv=None) -> int:
         return 2
     print(f"{out['records']} records -> {out['table']} ({out['rows']} rows)"
           + "".join(f"\n  {p}" for p in out["figures"]))
+    if report is not None:
+        report(out, registry.get(args.name))
     return 0
 
 
