@@ -268,6 +268,7 @@ def run_cli(*args, env=None, cwd=REPO):
                           capture_output=True, text=True, timeout=180, env=e)
 
 
+@pytest.mark.slow
 def test_real_cli(tmp_path, files):
     """The same through ``python run.py``: one ``error:`` line and exit 2, or for the valid
     forms exit 0 (``experiment.action=plan``: nothing runs)."""

@@ -134,6 +134,7 @@ SUBSET = [(0, 2, 0, 2), (0, 2, 3, 4), (0, 2, 2, 1),
           (3, 2, 3, 2), (3, 2, 1, 1)]
 
 
+@pytest.mark.slow
 def test_reshard_subset_and_tp(tmp_path):
     """Plus, in the same spawn: a TP=2 checkpoint loads at TP=2 with another stage and DP
     size, and is refused with a clear message at TP=1."""

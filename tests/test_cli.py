@@ -27,7 +27,13 @@ def run_cli(*args, cwd=REPO, env=None):
                           capture_output=True, text=True, timeout=120, env=e)
 
 
-@pytest.mark.parametrize("name", EXPS)
+# these plan paper-scale points through memory dry runs (a minute each on 2 cores): -m slow
+PLANS_DRY_RUNS = {"fig2_throughput", "fig3_scaling", "fig4_dp_only", "memory_breakdown",
+                  "prediction_memory"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in PLANS_DRY_RUNS
+                                  else n for n in EXPS])
 def test_every_experiment_overlay_composes_and_validates(name):
     from zero_repro.lab import registry as base
     from zero_repro.lab import sweep as orchestrate
@@ -64,6 +70,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow
 def test_user_errors_exit_2_with_one_line_and_start_nothing(tmp_path):
     results = tmp_path / "results"
 

@@ -85,6 +85,7 @@ def test_checkpoints_partitioned_and_offloaded():
     assert c3.ledger["ckpt_device"] == b * s * h * l * 2  # no P_a: full checkpoints
 
 
+@pytest.mark.slow
 def test_dry_run_matches_real_gloo_run():
     cfgs = [tiny_cfg(2, 1, st) for st in (0, 1, 2, 3)] + [tiny_cfg(2, 2, 2, "c4"),
                                                           tiny_cfg(2, 2, 1, "c1")]

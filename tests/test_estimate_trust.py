@@ -39,6 +39,7 @@ def check(rows) -> None:
                               f"measured {r['measured']:,} B ({r['ratio']:.3f})" for r in bad)
 
 
+@pytest.mark.slow
 def test_estimate_matches_real_cpu_runs_world2():
     rows = LP.compare(configs(["llama_tiny", "tiny"], 2, 1))
     assert len(rows) == 16

@@ -91,6 +91,7 @@ def test_raise_or_hang_ends_all_ranks_in_bounded_time(tmp_path, mode):
         assert elapsed < 90, f"the collective timeout did not fire ({elapsed:.0f}s)"
 
 
+@pytest.mark.slow
 def test_preempted_run_resumes_on_another_stage_with_same_trajectory(tmp_path):
     """Uninterrupted stage-1 run vs. a run killed after its step-2 checkpoint and resumed at
     stage 3 (same 2 ranks): the losses of steps 2 and 3 agree."""

@@ -208,6 +208,7 @@ def test_run_py_under_torchrun_refuses_instead_of_nesting(tmp_path):
     assert not any(tmp_path.iterdir()), "a nested launch ran something"
 
 
+@pytest.mark.slow
 def test_help_lists_experiments_with_a_line_each():
     p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=_env())

@@ -69,6 +69,7 @@ def test_run_without_cuda_is_refused_before_anything_runs():
         G.plan(_cfg())  # action=run, device=cuda, and this machine shows no CUDA device
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_estimate(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=gpu_proof",
                         "experiment.action=plan", f"hydra.run.dir={tmp_path}"], cwd=REPO,
@@ -105,6 +106,7 @@ def _records(path: str) -> dict:
     return {r.point: r for r in RecordStore.for_experiment(path, "gpu_proof").load()}
 
 
+@pytest.mark.slow
 def test_cpu_path_one_gpu_parts(tmp_path):
     cfg = _cfg("experiment.params.device=cpu", "experiment.params.offload.steps=2",
                f"experiment.results_dir={tmp_path}")

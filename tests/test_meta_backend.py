@@ -56,7 +56,8 @@ def test_output_cache_is_exact(zc, stack, stage):
     assert cached.breakdown == uncached.breakdown
 
 
-@pytest.mark.parametrize("zc,stack", [("c1", "paper2020"), ("c4", "modern")])
+@pytest.mark.parametrize("zc,stack", [("c1", "paper2020"),
+                                      pytest.param("c4", "modern", marks=pytest.mark.slow)])
 def test_meta_and_fake_tensors_differ_only_in_the_cuda_dtype_rules(zc, stack):
     """Meta kernels follow CUDA's dtype rules; the CPU fake tensors of the original mechanism
     did not. The traces differ in exactly two ways, everything else event for event:

@@ -66,7 +66,8 @@ def by_role(planned, role):
     return [pp for pp in planned if pp.point.params.get("role") == role]
 
 
-@pytest.mark.parametrize("name", sorted(EXPS))
+@pytest.mark.parametrize("name", [n if n == "fig8_configs" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(EXPS)])  # one in the default suite
 def test_plans_local_and_paper_cluster(name, results_dir):
     fig = EXPS[name]
     n = len(setups(fig))
@@ -239,6 +240,7 @@ def test_max_fit_batches_grow_with_dp():
     assert T.largest_true(lambda b: b <= 37) == 37 and T.largest_true(lambda b: False) == 0
 
 
+@pytest.mark.slow
 def test_cli_plan_paper_cluster_prints_real_points(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=fig3_scaling",
                            "cluster=dgx2_v100", "launcher=slurm", "experiment.action=plan"],

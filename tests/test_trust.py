@@ -72,7 +72,9 @@ def _noop(rank, world):
     return rank
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
 def test_signalled_cli_leaves_no_rank_and_no_temp_file(tmp_path, sig):
     tag = uuid.uuid4().hex
     results = tmp_path / "results"
@@ -204,6 +206,7 @@ def _table(results: str, steps: int) -> list[tuple]:
     return [(row["x_value"], row["y_value"]) for row in smoke.summarize(recs)]
 
 
+@pytest.mark.slow
 def test_extended_run_continues_its_checkpoint_and_gives_the_uninterrupted_table(tmp_path):
     """steps=6 uninterrupted == steps=4 (checkpoint every 2) then steps=6 resume=auto."""
     def cfg(results, **over):
