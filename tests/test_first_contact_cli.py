@@ -368,11 +368,23 @@ def test_peers_concludes_per_stage_ratios_and_equivalence():
 
     table = pd.read_csv(paths.RESULTS_DIR / "peers" / "table.csv")
     lines = peers.conclude(table)
+    newest = (table.sort_values("measured_at", kind="stable")
+              .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
+
+    def value(tbl: str, framework: str, y_name: str) -> float:
+        r = newest[(newest["table"] == tbl) & (newest["x_value"] == framework)
+                   & (newest["y_name"] == y_name)]["y_value"]
+        assert len(r) == 1
+        return float(r.iloc[0])
+
     same = next(line for line in lines if line.startswith("same_kernel, gpt_20m: "))
-    t = table[(table["table"] == "same_kernel") & (table["x_value"] == "zero_repro_s3")
-              & (table["y_name"] == "ratio_to_best_peer")]["y_value"]
-    assert f"s3 {t.min():.2f}" in same and "zero_repro / lower bound" in same
-    tol = table[table["y_name"] == "tolerance_ratio"]["y_value"].max()
+    assert f"s3 {value('same_kernel', 'zero_repro_s3', 'ratio_to_best_peer'):.2f} " in same
+    assert "zero_repro / lower bound" in same
+    mem = next(line for line in lines if line.startswith("memory, gpt_20m: "))
+    assert f"s2 {value('memory', 'zero_repro_s2', 'memory_to_best_peer'):.2f} (" in mem
+    budget = next(line for line in lines if line.startswith("budget: "))
+    assert f"s3 {value('budget', 'zero_repro_s3', 'max_params_in_budget') / 1e6:.1f}M" in budget
+    tol = newest[newest["y_name"] == "tolerance_ratio"]["y_value"].max()
     assert lines[-1].startswith(f"equivalence: largest tolerance ratio {tol:.3f}")
     assert len(lines) <= 6 and all(len(line) < 240 for line in lines)
 
