@@ -112,20 +112,25 @@ DEEP = ModelConfig(n_layer=8, n_embd=64, n_head=4, seq_len=16, vocab_size=256,
                   vocab_pad_multiple=8)
 
 
-def _totals(rank: int, world: int, bucket: int) -> dict:
-    """Ledger total per (C_B, stage) after two steps of a model whose unit is small beside Ψ."""
+# the tied embedding 4096 x 32 is 84% of Ψ (gpt_20m's is 62%): one unit dominates the model
+WIDE_VOCAB = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=4096,
+                         vocab_pad_multiple=8)
+
+
+def _totals(rank: int, world: int, bucket: int, model_cfg: ModelConfig = DEEP) -> dict:
+    """Ledger total per (C_B, stage) after two steps (``DEEP``: every unit small beside Ψ)."""
     out = {}
     for constant in (True, False):
         for stage in range(4):
             topo = Topology.build(1)
-            model = GPT(DEEP, topo.tp_group)
+            model = GPT(model_cfg, topo.tp_group)
             model.init_weights(1)
             zero = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
             zr = ZeroRConfig(name="custom", constant_buffers=constant, contiguous_memory=True)
             s = build_strategy(model, topo, zero, TrainConfig(micro_batch_size=2, lr=1e-3), zr)
             g = torch.Generator().manual_seed(rank)
             for _ in range(2):
-                idx = torch.randint(0, DEEP.vocab_size, (2, DEEP.seq_len), generator=g)
+                idx = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len), generator=g)
                 _, loss = s(idx, idx)
                 s.backward(loss)
                 s.step()
@@ -144,6 +149,15 @@ def test_no_stage_holds_more_than_the_one_before(monkeypatch, mode):
         for constant in (True, False):
             t = [res[(constant, k)] for k in range(4)]
             assert t == sorted(t, reverse=True), (mode, constant, t)
+
+
+@pytest.mark.xfail(strict=True, reason="stage 3 gathers the tied embedding whole: at N_d = 2 a "
+                   "unit of 84% of Ψ outweighs the Ψ/N_d of parameters stage 3 saves; a "
+                   "vocabulary-sliced gather of the embedding would fix it")
+def test_stage3_holds_no_more_than_stage2_when_the_tied_embedding_dominates():
+    for res in spawn(_totals, 2, 20_000, WIDE_VOCAB):
+        for constant in (True, False):
+            assert res[(constant, 3)] <= res[(constant, 2)], (constant, res)
 
 
 def test_stages_see_only_the_transport_contract():
