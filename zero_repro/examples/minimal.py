@@ -27,7 +27,7 @@ import tempfile
 
 from zero_repro.runtime.train import checkpoint
 from zero_repro.config import Config, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.build import device_for
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
         strategy.remove_hooks()
         return {"loss": float(loss.detach()), "ledger": ledger, "checkpoint": path}
     finally:
-        comm.destroy_process_group()
+        launch.teardown()
 
 
 if __name__ == "__main__":

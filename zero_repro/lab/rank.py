@@ -521,7 +521,7 @@ def main(argv=None) -> None:
     try:
         result = rank_main(rank, world, args.config, local)
     finally:
-        comm.destroy_process_group()
+        launch.teardown()
     if rank == 0 and args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:

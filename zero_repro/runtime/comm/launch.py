@@ -185,7 +185,7 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
         if payload[0] == "ok":
             result = payload = None
             gc.collect()  # cycles (hooks -> strategy -> module) that still hold group handles
-            _teardown()
+            teardown()
             code = 0
     finally:
         # no interpreter teardown: nothing of gloo may be destroyed after this point; a
@@ -203,8 +203,10 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
 GLOO_SHUTDOWN_WAITS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
 
 
-def _teardown() -> None:
-    """``comm.destroy_process_group``, except on gloo where its shutdown can hang."""
+def teardown() -> None:
+    """The end of a rank's process group: ``comm.destroy_process_group``, except on gloo before
+    torch 2.8, where its shutdown can hang (the process exits without it; every rank program
+    ends with this, not with ``destroy_process_group``)."""
     if GLOO_SHUTDOWN_WAITS and comm.is_initialized() and comm.backend() == "gloo":
         return
     comm.destroy_process_group()
