@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
-from zero_repro.lab.figures.wording import column, num
+from zero_repro.lab.figures.wording import by_kind_and_series, column, num
 from zero_repro.lab.points import Point
 import dataclasses
 
@@ -141,18 +141,17 @@ def conclude(table) -> list[str]:
     judged at and any out-of-memory verdict; the C4 -> C5 change against §10.5's statement."""
     t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_cached_memory")]
     out = []
-    for kind in dict.fromkeys(t["kind"]):
-        out.append(f"{kind} max cached memory [GiB = 2^30 B] per configuration (paper values "
-                   "withheld):")
-        for series, g in t[t["kind"] == kind].groupby("series", sort=False):
-            g = g.sort_values("x_value", key=lambda x: x.astype(str))
-            oom = [str(x) for x, o in zip(g["x_value"], g.get("oom_judged", [False] * len(g)))
-                   if str(o) == "True"]
-            cap = column(g, "capacity_GiB").max()
-            out.append(f"{series}: " + ", ".join(f"{x} {num(y, 4)}" for x, y in
-                                                  zip(g["x_value"], g["y_value"]))
-                       + (f" (capacity {num(cap, 5)}" if cap == cap else " (")
-                       + (f"; OUT OF MEMORY: {' '.join(oom)})" if oom else ", all fit)"))
+    for kind, series, g, first in by_kind_and_series(t):
+        if first:
+            out.append(f"{kind} max cached memory [GiB = 2^30 B] per configuration (paper values "
+                       "withheld):")
+        oom = [str(x) for x, o in zip(g["x_value"], g.get("oom_judged", [False] * len(g)))
+               if str(o) == "True"]
+        cap = column(g, "capacity_GiB").max()
+        out.append(f"{series}: " + ", ".join(f"{x} {num(y, 4)}" for x, y in
+                                              zip(g["x_value"], g["y_value"]))
+                   + (f" (capacity {num(cap, 5)}" if cap == cap else " (")
+                   + (f"; OUT OF MEMORY: {' '.join(oom)})" if oom else ", all fit)"))
     claims = table[table["figure"] == f"{FIGURE}_claims"]
     if len(claims):
         by_stack: dict = {}

@@ -31,7 +31,7 @@ from zero_repro.lab.figures import throughput as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
-from zero_repro.lab.figures.wording import column, num
+from zero_repro.lab.figures.wording import by_kind_and_series, column, num
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.setups import setups
 
@@ -120,20 +120,19 @@ def conclude(table: pd.DataFrame) -> list[str]:
     dry run fits and at Table 9's batch; a calibration point (in-sample) is marked."""
     rows = table[(table["y_name"] == T.Y_NAME) & (table["kind"] != "paper")]
     out = []
-    for kind in dict.fromkeys(rows["kind"]):
-        out.append(f"{kind}, TFLOPs/GPU per configuration (b = batch per GPU; paper values "
-                   "withheld):")
-        for series, g in rows[rows["kind"] == kind].groupby("series", sort=False):
-            g = g.sort_values("x_value", key=lambda x: x.astype(str))
-            name = str(series).removesuffix(T.PAPER_BATCH)
-            how = ("Table 9's batch" if str(series).endswith(T.PAPER_BATCH) else
-                   "largest batch that fits" if kind == "simulated" else "measured batch")
-            fitted = (g["in_sample"].fillna("").astype(str) != "" if "in_sample" in g
-                      else pd.Series(False, index=g.index))
-            out.append(f"{name}, {how}: " + ", ".join(
-                f"{x} {num(y)} b{num(b)}" + (" (in-sample)" if f else "")
-                for x, y, b, f in zip(g["x_value"], g["y_value"], column(g, "batch_per_gpu"),
-                                      fitted)))
+    for kind, series, g, first in by_kind_and_series(rows):
+        if first:
+            out.append(f"{kind}, TFLOPs/GPU per configuration (b = batch per GPU; paper values "
+                       "withheld):")
+        name = str(series).removesuffix(T.PAPER_BATCH)
+        how = ("Table 9's batch" if str(series).endswith(T.PAPER_BATCH) else
+               "largest batch that fits" if kind == "simulated" else "measured batch")
+        fitted = (g["in_sample"].fillna("").astype(str) != "" if "in_sample" in g
+                  else pd.Series(False, index=g.index))
+        out.append(f"{name}, {how}: " + ", ".join(
+            f"{x} {num(y)} b{num(b)}" + (" (in-sample)" if f else "")
+            for x, y, b, f in zip(g["x_value"], g["y_value"], column(g, "batch_per_gpu"),
+                                  fitted)))
     return out
 
 

@@ -38,3 +38,13 @@ def mean_max(errors) -> str:
     """'mean/max' of the absolute relative errors ('8%/18%'), '-' without any."""
     e = pd.to_numeric(pd.Series(errors), errors="coerce").abs().dropna()
     return f"{100 * e.mean():.0f}%/{100 * e.max():.0f}%" if len(e) else "-"
+
+
+def by_kind_and_series(rows: pd.DataFrame):
+    """``(kind, series, rows, first)`` in the table's order, each series' rows sorted by
+    ``x_value`` as text (C1 .. C5), ``first`` on a kind's first series: the walk of a result
+    paragraph per kind (its heading where ``first``), a line per series."""
+    for kind in dict.fromkeys(rows["kind"]):
+        groups = rows[rows["kind"] == kind].groupby("series", sort=False)
+        for i, (series, g) in enumerate(groups):
+            yield kind, series, g.sort_values("x_value", key=lambda x: x.astype(str)), i == 0
