@@ -103,40 +103,53 @@ def test_dry_run_matches_real_gloo_run():
         assert r["model_state_bytes"] == model_state_bytes(r["psi_padded"], as_stage, n_d)
 
 
-def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch):
+def _world4_cfg(name: str) -> C.Config:
+    """fp32 configs of ``test_dry_run_live_peak_matches_real_run_at_world_4``: ``sK`` stage K of
+    the tiny model, ``wide-s3`` stage 3 of the tiny model with a vocabulary of 1024 (a tied
+    table larger than a block: read in row slices, ``zero.slice_vocab_gather``), ``wide-s3-tp2-
+    c4`` the same at TP 2 with C4 (P_a, C_B, M_D)."""
+    wide = name.startswith("wide")
+    stage, tp, zr = int(name.split("s")[-1][0]), 2 if "tp2" in name else 1, "c4" if "c4" in name \
+        else "off"
+    cfg = tiny_cfg(4, tp, stage, zr)
+    cfg.zero = dataclasses.replace(cfg.zero, dtype="fp32")
+    if wide:
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=1024)
+    return C.validate(cfg)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ("s0", "s1", "s2", "s3")] + ["wide-s3", "wide-s3-tp2-c4"])
+def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch, name):
     """The dry run's live bytes (meta tensors, fake group, the strategy's flat buffers watched
     for in-place resizes) against a real gloo run of the same config at world 4 measured with
     no shortcut (real tensors and collectives, every storage polled before every allocating
     op): the live peak of each step and the live bytes per category at the last step's peak,
-    stages 0-3 and stage 3 with TP 2 + P_a. Stage 3 releases its gathered units by resizing
-    their storage to 0 bytes, which no dispatch mode sees: a dry run blind to it keeps every
-    unit alive (fp16_params = the whole model). Tolerance: 64 B (a 0-dim tensor's storage);
-    stage 3: 0.2% (see below)."""
+    stages 0-3 (``-m slow``) and stage 3 with a table read in row slices, alone and with TP 2 +
+    P_a. Stage 3 releases its gathered units and slices by resizing their storage to 0 bytes,
+    which no dispatch mode sees: a dry run blind to it keeps every unit alive (fp16_params =
+    the whole model). Tolerance: 64 B (a 0-dim tensor's storage); stage 3: 0.2% (see below)."""
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")  # gloo: peers' segments are not ours
-    cfgs = [dataclasses.replace(tiny_cfg(4, 1, st), zero=dataclasses.replace(
-        tiny_cfg(4, 1, st).zero, dtype="fp32")) for st in (0, 1, 2, 3)]
-    c4 = tiny_cfg(4, 2, 3, "c4")
-    cfgs.append(dataclasses.replace(c4, zero=dataclasses.replace(c4.zero, dtype="fp32")))
-    for cfg in cfgs:
-        # fresh ranks per config, as a training run has: storages an earlier config's run
-        # leaves in the process (the polling tracer counts them once a later op touches them)
-        # are not this config's
-        (r,) = spawn(real_live_peaks, 4, [OmegaConf.to_container(OmegaConf.structured(cfg))])[0]
-        what = (cfg.zero.stage, cfg.parallel.tp, cfg.zero_r.name)
-        dry = dry_run(cfg, transport_of=r["transport"])
-        dev = device_events(dry.trace, set(dry.host_sids))
-        cats = last_step_peak_categories(dev, dry.category_of)
-        by_iter = dry.live_peak_by_iteration
-        # stage 3's second step on the dry side varies from run to run by up to 0.15 MB of
-        # working-layer bytes (120.70-120.85 MB; the real run does not vary): storages freed
-        # when the collector breaks a reference cycle, not when the step drops them. Known gap
-        tol = 64 if cfg.zero.stage < 3 else 2e-3 * max(r["by_iteration"].values())
-        assert set(by_iter) == set(r["by_iteration"]) == {0, 1}, what
-        for it, peak in r["by_iteration"].items():
-            assert abs(by_iter[it] - peak) <= tol, (what, it)
-        assert set(cats) == set(r["categories"]), what
-        for cat, nbytes in r["categories"].items():
-            assert abs(cats[cat] - nbytes) <= tol, (what, cat, cats[cat], nbytes)
+    cfg = _world4_cfg(name)
+    # fresh ranks per config, as a training run has: storages an earlier config's run leaves
+    # in the process (the polling tracer counts them once a later op touches them) are not
+    # this config's
+    (r,) = spawn(real_live_peaks, 4, [OmegaConf.to_container(OmegaConf.structured(cfg))])[0]
+    what = (cfg.zero.stage, cfg.parallel.tp, cfg.zero_r.name, cfg.model.vocab_size)
+    dry = dry_run(cfg, transport_of=r["transport"])
+    dev = device_events(dry.trace, set(dry.host_sids))
+    cats = last_step_peak_categories(dev, dry.category_of)
+    by_iter = dry.live_peak_by_iteration
+    # stage 3's second step on the dry side varies from run to run by up to 0.15 MB of
+    # working-layer bytes (120.70-120.85 MB; the real run does not vary): storages freed when
+    # the collector breaks a reference cycle, not when the step drops them. Known gap
+    tol = 64 if cfg.zero.stage < 3 else 2e-3 * max(r["by_iteration"].values())
+    assert set(by_iter) == set(r["by_iteration"]) == {0, 1}, what
+    for it, peak in r["by_iteration"].items():
+        assert abs(by_iter[it] - peak) <= tol, (what, it)
+    assert set(cats) == set(r["categories"]), what
+    for cat, nbytes in r["categories"].items():
+        assert abs(cats[cat] - nbytes) <= tol, (what, cat, cats[cat], nbytes)
 
 
 def test_stage3_live_peak_grows_by_the_shards_only():

@@ -34,16 +34,19 @@ CFG = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=512,
 LLAMA = ModelConfig(family="llama", n_layer=2, n_embd=64, n_head=8, n_kv_head=2,
                     ffn_hidden=160, seq_len=32, vocab_size=512, vocab_pad_multiple=8,
                     bias=False)
-MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}  # same vocabulary and sequence
+# a tied table larger than a block (64,000 vs 49,984 elements): stage 3 reads it in row slices
+WIDE = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=1000,
+                   vocab_pad_multiple=8)
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA), "gpt_wide": (GPT, WIDE)}  # same sequence
 SEED = 7
 MICRO = 2  # sequences per DP rank per micro-batch
 TOL = 1e-5
 
 
-def batch(step: int, rows: int):
+def batch(step: int, rows: int, vocab: int = CFG.vocab_size):
     g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len), generator=g)
-    tgt = torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len), generator=g)
+    idx = torch.randint(0, vocab, (rows, CFG.seq_len), generator=g)
+    tgt = torch.randint(0, vocab, (rows, CFG.seq_len), generator=g)
     return idx, tgt
 
 
@@ -57,7 +60,8 @@ def make(c: dict):
                       reduce_bucket_size=c.get("bucket", 6000),
                       allgather_bucket_size=c.get("bucket", 6000),
                       prefetch_blocks=c.get("prefetch", 1),
-                      initial_scale_power=c.get("scale_power", 12), hysteresis=1)
+                      initial_scale_power=c.get("scale_power", 12), hysteresis=1,
+                      slice_vocab_gather=c.get("sliced", True))
     train = TrainConfig(micro_batch_size=MICRO, grad_accum=c.get("accum", 1),
                         lr=c.get("lr", 1e-3), eps=1e-6, weight_decay=0.1)
     zr = c.get("zero_r")
@@ -111,7 +115,8 @@ def run_config(c: dict, rank: int) -> dict:
            "psi": sum(p.numel() for p in model.parameters())}
     inject = c.get("inject_step")
     for step in range(c["steps"]):
-        idx, tgt = batch(0 if c.get("fixed_batch") else step, dp * k * MICRO)
+        idx, tgt = batch(0 if c.get("fixed_batch") else step, dp * k * MICRO,
+                         MODELS[kind][1].vocab_size)
         handle = None
         if inject == step and topo.rank == topo.world_size - 1:
             p = next(iter(model.blocks[0].parameters()))  # one rank's gradient becomes inf

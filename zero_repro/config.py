@@ -111,6 +111,12 @@ class ZeroConfig:
     # params_gathered peak is unchanged (forward already holds root + 1 + prefetch_blocks
     # blocks), the root is held while the loss is computed
     keep_gathered_turn: bool = True
+    # stage 3: a vocabulary table (the token embedding, GPT's tied head) larger than a block is
+    # never gathered whole: its lookup and the head read it a row slice at a time (slices of at
+    # most a block's elements and of A), so the gathered working set stays a block's; it costs
+    # the table's gather twice more per step (lookup, head forward, head backward). Off: the
+    # table is a root unit gathered whole. Records made before the knob existed ran it off
+    slice_vocab_gather: bool = field(default=True, metadata={ABSENT: False})
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16

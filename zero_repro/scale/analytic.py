@@ -23,7 +23,8 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Callable
 
 from zero_repro.runtime.model.flops import param_count_formula
-from zero_repro.runtime.zero import comm_buffer_bytes
+from zero_repro.runtime.zero import UNBOUNDED, comm_buffer_bytes
+from zero_repro.runtime.zero.partition import row_grid
 from zero_repro.scale.paper.table1 import (
     K_ADAM,
     STAGE_NAMES,
@@ -136,7 +137,7 @@ def logits_bytes(batch: int, seq: int, vocab: int, tp: int = 1, lp_bytes: int = 
 
 def buffer_bytes(psi: float, constant_buffers: bool, reduce_bucket: int = 2_000_000,
                  allgather_bucket: int = 2_000_000, lp_bytes: int = 2, stage: int = 2,
-                 n_d: int = 1, groups: list[int] | None = None,
+                 n_d: int = 1, groups: list[int | tuple[int, int]] | None = None,
                  transport: str = "native") -> float:
     """Per-rank communication buffers of ``stage``: the runtime's formula (the stage table of
     ``runtime.zero``, ``comm_buffer_bytes``) for ``groups`` (default: one flat group of Ψ;
@@ -211,8 +212,12 @@ def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
     groups = None
     if c.stage == 3:  # its flat groups: the root, then one unit per block
         root = param_count_formula(0, hidden, vocab, seq) / tp
-        block = param_count_formula(1, hidden, vocab, seq) / tp - root
-        groups = [int(root)] + [int(block)] * n_layer
+        block = int(param_count_formula(1, hidden, vocab, seq) / tp - root)
+        groups = [int(root)] + [block] * n_layer
+        table = vocab * hidden // tp
+        if table > block:  # the runtime's zero.slice_vocab_gather: a unit of row slices
+            r, a = (reduce_bucket, allgather_bucket) if c.c_b else (UNBOUNDED, UNBOUNDED)
+            groups[:1] = [(table, row_grid(hidden, n_d, r, a, block)), int(root) - table]
     out["buffers"] = buffer_bytes(psi, c.c_b, reduce_bucket, allgather_bucket, buffer_lp_bytes,
                                   c.stage, n_d, groups, transport)
     return out

@@ -137,7 +137,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         # tied LM head = column-parallel linear with the embedding's vocabulary slice
         x = copy_to_tp(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight)  # (B, T, V_pad/tp)
+        logits = self.wte.head(x)  # (B, T, V_pad/tp)
         if targets is None:
             return logits, None
         loss = vocab_parallel_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t),

@@ -4,8 +4,10 @@ with MP"; Shoeybi et al. 2019).
 Megatron-LM's two conjugate autograd regions, ``copy_to_tp`` ("f": forward identity, backward
 all-reduce) and ``reduce_from_tp`` ("g": forward all-reduce, backward identity), plus
 ``scatter_to_tp`` / ``gather_from_tp``, and the layers built from them: ``ColumnParallelLinear``,
-``RowParallelLinear`` (one all-reduce of the output), ``VocabParallelEmbedding`` and
-``vocab_parallel_cross_entropy`` (softmax over a vocabulary no rank holds whole).
+``RowParallelLinear`` (one all-reduce of the output), ``VocabParallelEmbedding`` (its lookup and
+the tied head it serves; with a ``RowSource`` both read the table a row slice at a time, for a
+store that keeps it sharded) and ``vocab_parallel_cross_entropy`` (softmax over a vocabulary no
+rank holds whole).
 
 Communication it must satisfy: per block and step 4 all-reduces of B·s·h (2 forward, 2
 backward), 6 with activation recompute: 6 × 2·s·h = 12·s·h elements per sample and block in the
@@ -184,14 +186,94 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device,
                                                dtype=dtype))
 
+    # a parameter store that keeps ``weight`` sharded sets a ``RowSource`` here (ZeRO stage 3):
+    # the lookup and the tied head then read the table a row slice at a time
+    row_source: "RowSource | None" = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.row_source is None:
+            return F.embedding(ids, self.weight)
+        return _SlicedLookup.apply(ids, self.weight, self.row_source)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., h)
+        out = self._lookup(local.masked_fill(outside, 0))  # (..., h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head, column-parallel over this rank's vocabulary rows:
+        ``x @ weight^T`` (..., h) -> (..., V/tp); ``x`` already passed ``copy_to_tp``."""
+        if self.row_source is None:
+            return F.linear(x, self.weight)
+        return _SlicedHead.apply(x, self.weight, self.row_source)
+
+
+# ------------------------------------------------------------- a table read in row slices
+class RowSource:
+    """What a vocabulary table's rows come from when its ``weight`` holds no data (ZeRO stage 3
+    keeps the table sharded and gathers it a slice at a time, ``zero.slice_vocab_gather``).
+
+    ``slices(reverse)`` yields ``(r0, r1, rows)``: the table's rows [r0, r1) as a (r1 - r0, h)
+    tensor, valid until the next slice is asked for; the slices cover every row once, in order
+    (``reverse``: last first)."""
+
+    def slices(self, reverse: bool = False):
+        raise NotImplementedError
+
+
+class _SlicedLookup(torch.autograd.Function):
+    """``F.embedding(ids, W)`` with W read a row slice at a time; no slice is kept for
+    backward: dW is the embedding backward of the ids alone (the same op as ``F.embedding``'s,
+    so the same values)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, source):
+        out = weight.new_zeros(*ids.shape, weight.shape[1])
+        for r0, r1, rows in source.slices():
+            inside = ((ids >= r0) & (ids < r1)).unsqueeze(-1)
+            out = torch.where(inside, F.embedding((ids - r0).clamp(0, r1 - r0 - 1), rows), out)
+        ctx.save_for_backward(ids)
+        ctx.rows = weight.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        dw = torch.ops.aten.embedding_dense_backward(grad.contiguous(), ids, ctx.rows, -1, False)
+        return None, dw, None
+
+
+class _SlicedHead(torch.autograd.Function):
+    """logits = x W^T with W (V, h) read a row slice at a time, in forward and again (last
+    slice first) in backward: dx = Σ_k g_k W_k, dW_k = g_k^T x. Only x is kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, source):
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for r0, r1, rows in source.slices():
+            out[..., r0:r1] = F.linear(x, rows)
+        ctx.save_for_backward(x)
+        ctx.source, ctx.shape = source, weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+        dw = g.new_empty(ctx.shape) if ctx.needs_input_grad[1] else None
+        for r0, r1, rows in ctx.source.slices(reverse=True):
+            gk = g[:, r0:r1]
+            if dx is not None:
+                dx.addmm_(gk, rows)
+            if dw is not None:
+                torch.mm(gk.t(), x2, out=dw[r0:r1])
+        return None if dx is None else dx.view_as(x), dw, None
 
 
 # ------------------------------------------------------------------------- cross entropy

@@ -26,7 +26,9 @@ bucket collective          all-reduce     reduce-scatter  reduce-scatter      re
 step publishes             nothing        all-gather of   all-gather of       nothing (next
                            (full update)  updated chunks  updated chunks      forward gathers)
 comm volume                2Ψ             2Ψ              2Ψ                  3Ψ (- root -
-                                                                              last block, kept)
+                                                                              last block, kept;
+                                                                              + 2Ψ_V, a table
+                                                                              read in slices)
 fused buffers F            0              0               min(D, n_R)·C_R·b   min(D, n_R)·C_R·b
                                                           (C_B off: 0)
 overlap knobs              -              overlap_param_  overlap_param_      prefetch_next_
@@ -90,16 +92,18 @@ def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: Tr
     return STAGES[zero.stage](model, topo, zero, train, zero_r)
 
 
-def comm_buffer_bytes(stage: int, groups: Sequence[int], n_d: int, elt: int,
+def comm_buffer_bytes(stage: int, groups: Sequence[int | tuple[int, int]], n_d: int, elt: int,
                       buckets: tuple[int, int] | None, transport: str = "native") -> int:
     """The stage table's buffers F + T per rank, in bytes: ``groups`` the elements of every flat
-    group (stages 0-2: [Ψ]; stage 3: every unit's), ``elt`` bytes per training-dtype element,
+    group (stages 0-2: [Ψ]; stage 3: every unit's; a unit with a bucket grid of its own, stage
+    3's sliced vocabulary table, as (elements, grid)), ``elt`` bytes per training-dtype element,
     ``buckets`` (R, A) with C_B or None without, ``transport`` the DP transport's ``name``."""
     r, a = buckets or (UNBOUNDED, UNBOUNDED)
+    sized = [(g, UNBOUNDED) if isinstance(g, int) else g for g in groups]
     if stage == 0:  # one shard, gradient buckets only
-        parts = [geometry(n, 1, r) for n in groups if n]
+        parts = [geometry(n, 1, min(r, g)) for n, g in sized if n]
     else:
-        parts = [geometry(n, n_d, r, a) for n in groups if n]
+        parts = [geometry(n, n_d, min(r, g), min(a, g)) for n, g in sized if n]
     depth = 2 if buckets else 1
     full_store = stage < 2 or (stage == 2 and buckets is None)  # reduced in place, no F
     fused = 0

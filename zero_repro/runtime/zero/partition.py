@@ -16,6 +16,7 @@ so its optimizer state is 12·Ψ/N_d bytes (+ < 12·N_d bytes of padding per gro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 from typing import Iterable, Sequence
 
 
@@ -107,7 +108,7 @@ class Partition:
                              f"bucket_capacity={bucket_capacity} "
                              f"gather_capacity={gather_capacity}")
         self.numel, self.world = int(numel), int(world)
-        grid = min(bucket_capacity, gather_capacity)
+        self.grid = grid = min(bucket_capacity, gather_capacity)
         chunk = max(1, min(grid // world, ceil_div(max(numel, 1), world)))
         full = chunk * world
         buckets, start = [], 0
@@ -186,6 +187,16 @@ def geometry(numel: int, world: int, bucket_capacity: int,
             runs += 1
             cap = max(cap, left * full + last)
     return Geometry(f + (1 if last else 0), c, runs, cap)
+
+
+def row_grid(cols: int, world: int, bucket_capacity: int, gather_capacity: int,
+             limit: int) -> int:
+    """The bucket grid of a table of rows of ``cols`` elements gathered a row slice at a time
+    (stage 3's vocabulary table): min(R, A, ``limit``) rounded down to a multiple of
+    lcm(cols, world), at least that: every full bucket is whole rows and splits into equal
+    chunks."""
+    step = cols * world // gcd(cols, world)
+    return max(step, min(bucket_capacity, gather_capacity, limit) // step * step)
 
 
 def _runs(buckets: list[Bucket], capacity: int) -> list[Span]:

@@ -21,6 +21,17 @@ the next forward's first gathers start inside ``step`` as each unit's shard is u
 Each unit is a state machine (SHARDED -> GATHERING -> GATHERED -> SHARDED); a hook that fires in
 the wrong state raises an error naming the unit (e.g. ``loss.backward()`` instead of
 ``strategy.backward(loss)``).
+
+Vocabulary tables (``zero.slice_vocab_gather``, default on): a root unit that is the one weight of
+a module reading it through a ``RowSource`` (``runtime.model.tp.VocabParallelEmbedding``: the
+token lookup and GPT's tied head) and larger than the largest block is never gathered whole. Its
+bucket grid is G = min(R, A, Ψ_block) in whole rows (``partition.row_grid``); the lookup, the
+head's forward and the head's backward each gather it bucket by bucket into two slice buffers
+(the next on the wire while one is used), so the gathered working set is at most a block
++ prefetch + 2G instead of the whole table Ψ_V: at N_d = 2 a table of 62% of Ψ (gpt_20m) gathered
+whole outweighs the Ψ/N_d of parameters stage 3 saves over stage 2. The price: the table is
+gathered three times per step instead of once (kept from forward into backward), 3Ψ - Ψ_kept
++ 2Ψ_V elements; without C_B its fused gradient buffer is a block's, not the table's.
 """
 from __future__ import annotations
 
@@ -33,9 +44,11 @@ from torch import nn
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import Transport
+from zero_repro.runtime.model.tp import RowSource
 from zero_repro.runtime.zero.flat_buffer import FlatParams, PeakBytes
 from zero_repro.runtime.zero.grads import FusedGrads
 from zero_repro.runtime.zero.ledger import MemoryLedger
+from zero_repro.runtime.zero.partition import row_grid
 from zero_repro.runtime.zero.strategy import Strategy
 
 
@@ -51,6 +64,7 @@ class _Unit:
         self.first_chunk = first_chunk  # index of this unit's first chunk in the shard lists
         self.state = UnitState.SHARDED
         self.works: list = []
+        self.sliced = False  # a vocabulary table gathered a row slice at a time
 
     @property
     def last_chunk(self) -> int:
@@ -86,6 +100,76 @@ def _unit_params(module: nn.Module, named: list) -> tuple[list[nn.Module], list[
     return block_list, [(u, per_unit[u]) for u in roots + block_names if u in per_unit]
 
 
+def _vocab_tables(module: nn.Module, per_unit: list[tuple[str, list]], n_d: int,
+                  buckets: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    """Root units to gather in row slices, each with its bucket grid (G, G): a unit that is the
+    one 2-D weight of a module reading it through a ``RowSource`` (the vocabulary table) and
+    larger than the largest block unit. G = min(R, A, the largest block's elements) rounded
+    down to whole rows and a multiple of N_d (at least lcm(h, N_d)): every bucket is whole rows,
+    one gather each, and no slice is larger than a block."""
+    block = max((sum(p.numel() for _, p in params) for name, params in per_unit
+                 if name.startswith("blocks.")), default=0)
+    out = {}
+    for name, params in per_unit:
+        mod = getattr(module, name, None)
+        if (block == 0 or name.startswith("blocks.") or not hasattr(mod, "row_source")
+                or len(params) != 1 or params[0][1] is not getattr(mod, "weight", None)
+                or params[0][1].dim() != 2 or params[0][1].numel() <= block):
+            continue
+        grid = row_grid(params[0][1].shape[1], n_d, *buckets, block)
+        out[name] = (grid, grid)
+    return out
+
+
+class _RowSlices(RowSource):
+    """A sliced unit's table for its module: bucket by bucket all-gathered into one of two
+    buffers of the grid's size (the next bucket's gather starts before the current slice is
+    used), each storage freed once the reader moves on (resized, not replaced, as
+    ``FlatParams`` does: two storages for the run); counted in ``params_gathered``."""
+
+    def __init__(self, units: "Units", u: _Unit):
+        self.units, self.u = units, u
+        self.cols = u.group.params[0].shape[1]
+        grid = max(b.size for b in u.group.partition.buckets)
+        self.buffers = [torch.empty(grid, dtype=u.shard.dtype, device=u.shard.device)
+                        for _ in range(2)]
+        for buf in self.buffers:
+            buf.untyped_storage().resize_(0)
+
+    def _start(self, b, slot: int):
+        u, units = self.u, self.units
+        buf = self.buffers[slot]
+        nbytes = buf.numel() * buf.element_size()
+        buf.untyped_storage().resize_(nbytes)
+        units.gathered_peak.alloc(nbytes)
+        out = buf[:b.size]
+        work = units.transport.all_gather(out, u.shard[b.shard_offset:b.shard_offset + b.chunk])
+        return b, out, work, slot
+
+    def _drop(self, slot: int) -> None:
+        buf = self.buffers[slot]
+        buf.untyped_storage().resize_(0)
+        self.units.gathered_peak.free(buf.numel() * buf.element_size())
+
+    def slices(self, reverse: bool = False):
+        part = self.u.group.partition
+        order = part.buckets[::-1] if reverse else part.buckets
+        ahead = [self._start(order[0], 0)] if order else []
+        try:
+            for i in range(len(order)):
+                if i + 1 < len(order):
+                    ahead.append(self._start(order[i + 1], (i + 1) % 2))
+                b, out, work, slot = ahead.pop(0)
+                work.wait()
+                r0, r1 = b.start // self.cols, min(b.end, part.numel) // self.cols
+                yield r0, r1, out[:(r1 - r0) * self.cols].view(r1 - r0, self.cols)
+                self._drop(slot)
+        finally:  # a reader that stopped early: nothing stays on the wire
+            for _, _, work, slot in ahead:
+                work.wait()
+                self._drop(slot)
+
+
 class Units:
     """Stage 3's parameter store: the units, their shards and gathers, the module hooks."""
 
@@ -96,7 +180,9 @@ class Units:
         self._phase = "idle"
         self._fresh: set[int] = set()  # units gathered since the last update started
         block_list, per_unit = _unit_params(module, named)
-        flats = [FlatParams(name, params, dtype, n_d, buckets) for name, params in per_unit]
+        tables = _vocab_tables(module, per_unit, n_d, buckets) if zero.slice_vocab_gather else {}
+        flats = [FlatParams(name, params, dtype, n_d, tables.get(name, buckets))
+                 for name, params in per_unit]
         # every unit's shard in one store, where the transport wants it (its peers may read it)
         total = sum(g.partition.shard_numel for g in flats)
         store = transport.buffer(total, dtype)
@@ -117,7 +203,16 @@ class Units:
         by_name = {u.name: u for u in self.units}
         self.block_units: list[_Unit | None] = [by_name.get(f"blocks.{i}")
                                                 for i in range(len(block_list))]
-        self.roots = [u for u in self.units if not u.name.startswith("blocks.")]
+        # a vocabulary table cut into row slices is never gathered whole: its module reads it
+        # through a RowSource; the other root units are gathered around the forward
+        self.tables = {by_name[n]: getattr(module, n) for n in tables}
+        self.row_buffers: list[torch.Tensor] = []  # the tables' two slice buffers each
+        for u, mod in self.tables.items():
+            u.sliced = True
+            mod.row_source = _RowSlices(self, u)
+            self.row_buffers += mod.row_source.buffers
+        self.roots = [u for u in self.units
+                      if not u.name.startswith("blocks.") and u not in self.tables]
         present = [i for i, u in enumerate(self.block_units) if u is not None]
         self._last_block = present[-1] if present else None
         self.hooks = self._register_module_hooks(block_list)
@@ -125,6 +220,11 @@ class Units:
     @property
     def groups(self) -> list[FlatParams]:
         return [u.group for u in self.units]
+
+    def formula_groups(self) -> list[int | tuple[int, int]]:
+        """Every unit for ``comm_buffer_bytes``: its elements, with its own grid if sliced."""
+        return [(u.group.numel, u.group.partition.grid) if u.sliced else u.group.numel
+                for u in self.units]
 
     def chunks(self) -> list[torch.Tensor]:
         return [u.shard[b.shard_offset:b.shard_offset + b.chunk]
@@ -168,6 +268,8 @@ class Units:
     def free_unit(self, index: int) -> None:
         """Every gradient of unit ``index`` is in the fused buffers: its parameters go."""
         u = self.units[index]
+        if u.sliced:
+            return  # never gathered whole
         u.expect(UnitState.GATHERED, event="its last gradient arrived")
         self._free(u)
 
@@ -186,6 +288,8 @@ class Units:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        for mod in self.tables.values():
+            mod.row_source = None
 
     def _root_pre(self, module, args) -> None:
         self._gather_first()

@@ -334,14 +334,18 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
 
 
 def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
-    """The strategy's flat parameter buffers are the storages it may resize in place (stage 3
-    releases a gathered unit with ``untyped_storage().resize_(0)``, ``zero.flat_buffer``),
+    """The strategy's flat parameter buffers (and stage 3's slice buffers) are the storages it
+    may resize in place (stage 3 releases a gathered unit with ``untyped_storage().resize_(0)``,
+    ``zero.flat_buffer``),
     which no dispatch mode sees: the tracer polls them (``AllocationTracer.watch``); the
     build's own releases are recorded here, at the end of the build."""
     for g in getattr(strategy, "groups", ()):
         flat = getattr(g, "flat", None)
         if isinstance(flat, torch.Tensor):
             tracer.watch(flat)
+    # stage 3's vocabulary table read a row slice at a time: two slice buffers, resized alike
+    for buf in getattr(getattr(strategy, "params", None), "row_buffers", ()):
+        tracer.watch(buf)
 
 
 def _geometry(strategy) -> tuple[int, int]:

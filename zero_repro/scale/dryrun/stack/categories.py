@@ -85,6 +85,8 @@ def tag_strategy(tracer: "CategoryTracer", strategy) -> None:
         tag(tracer, (opt.master, opt.exp_avg, opt.exp_avg_sq), S.MASTER_ADAM)
     for g in getattr(strategy, "groups", ()):
         tag(tracer, (g.flat,), S.FP16_PARAMS)
+    # stage 3's vocabulary table gathered a row slice at a time: its two slice buffers
+    tag(tracer, getattr(getattr(strategy, "params", None), "row_buffers", ()), S.FP16_PARAMS)
     grads = getattr(strategy, "grads", None)
     if grads is not None and not isinstance(grads, dict):
         tag(tracer, [getattr(grads, "buffer", None)] + list(getattr(grads, "pieces", ())),
