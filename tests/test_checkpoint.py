@@ -33,7 +33,10 @@ CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
 # the Llama-shaped model (untied head, grouped-query attention), same vocabulary and sequence
 LLAMA = ModelConfig(family="llama", n_layer=2, n_embd=32, n_head=4, n_kv_head=2,
                     ffn_hidden=64, seq_len=16, vocab_size=128, vocab_pad_multiple=8, bias=False)
-MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}
+# a tied table (512 x 32) larger than a block (12,704): stage 3 keeps it in row slices
+WIDE = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=512,
+                   vocab_pad_multiple=8)
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA), "gpt_wide": (GPT, WIDE)}
 ROWS, SEED, TOL = 4, 11, 1e-6
 K, STEPS = 1, 3  # save after K steps (Adam m, v and step count are live), continue to STEPS
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (sub-world size, tp)
@@ -106,6 +109,7 @@ def _matrix_worker(rank, world, root, cells, with_tp, kind="gpt"):
             got = strat.full_parameters()
             if rank == 0:
                 out[(s, a, t, b)] = _max_diff(refs[(s, a)], got)
+                out[("sliced", t, b)] = strat.module.wte.row_source is not None
             strat.remove_hooks()
         comm.barrier(everyone)
     if with_tp:
@@ -147,6 +151,18 @@ def test_reshard_subset_and_tp(tmp_path):
 
 # Llama: every stage saved and loaded, DP grown and shrunk, plus the TP part
 LLAMA_SUBSET = [(0, 2, 3, 4), (1, 4, 2, 1), (2, 1, 0, 2), (3, 2, 3, 2), (3, 2, 1, 4)]
+
+
+# stage 3 with its vocabulary table in row slices (its own bucket grid) as source and target
+WIDE_SUBSET = [(3, 2, 3, 2), (3, 2, 1, 1), (0, 2, 3, 4), (3, 2, 2, 4)]
+
+
+@pytest.mark.slow
+def test_reshard_a_table_read_in_row_slices(tmp_path):
+    res = _run_matrix(tmp_path, WIDE_SUBSET, kind="gpt_wide")
+    # every stage-3 target really read its table in slices, no other stage did
+    assert {k: v for k, v in res[0].items() if k[0] == "sliced"} == {
+        ("sliced", t, b): t == 3 for _, _, t, b in WIDE_SUBSET}
 
 
 @pytest.mark.slow  # a lighter sibling of this test stays in the default suite
