@@ -375,7 +375,7 @@ def test_local_point_past_its_time_limit_is_recorded_timeout(tmp_path):
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke",
                         "parallel.tp=1", "train.steps=100000", "train.progress=false",
-                        "launcher.timeout_min=0.25", f"experiment.results_dir={tmp_path}",
+                        "launcher.timeout_min=0.15", f"experiment.results_dir={tmp_path}",
                         f"hydra.run.dir={tmp_path / 'hydra'}"],
                        cwd=REPO, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, ZR_TEST_TAG=tag))
@@ -384,7 +384,7 @@ def test_local_point_past_its_time_limit_is_recorded_timeout(tmp_path):
     assert "Traceback" not in p.stdout + p.stderr, p.stderr[-3000:]
     (rec,) = R.RecordStore.for_experiment(str(tmp_path), "smoke").load()
     assert rec.status == "timeout" and "launcher.timeout_min" in rec.reason, rec.reason
-    assert 15 <= rec.duration_s < 60, rec.duration_s
+    assert 9 <= rec.duration_s < 60, rec.duration_s
     deadline = time.monotonic() + 10
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
