@@ -209,3 +209,35 @@ def test_a_shared_buffer_is_not_rewritten_before_its_readers_are_done(monkeypatc
             for step in range(2)]
     ok = all(torch.equal(o, w) for r in res for o, w in zip(r, want))
     assert ok == wait_readers, res
+
+
+def test_a_waited_collective_holds_nothing_past_its_owner():
+    """``Scratch.run``'s completion names its own ``Work``; once waited, the pair must not stay
+    in a reference cycle with the scratch and the collective's tensors (they would live until
+    the collector runs: a peak that depends on the collector's timing). With the collector off,
+    the tensors the completion used die with their last owner."""
+    import gc
+    import weakref
+
+    from zero_repro.runtime.comm.work import Scratch
+
+    scratch = Scratch(depth=1, device="cpu")
+    out, ran = torch.zeros(8), []
+
+    def start(buf):
+        buf.fill_(1.0)
+        return [], lambda: (torch.add(out, buf, out=out), ran.append(True))
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        work = scratch.run(8, torch.float32, start)
+        gone, lent = weakref.ref(out), weakref.ref(work)
+        work.wait()
+        assert ran == [True] and torch.equal(out, torch.ones(8))
+        assert not scratch.lent and scratch.nbytes == 8 * 4  # the buffer is back in the pool
+        del work, out
+        assert lent() is None and gone() is None
+    finally:
+        if was:
+            gc.enable()

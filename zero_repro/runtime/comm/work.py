@@ -25,10 +25,11 @@ class Work:
         if self.done:
             return
         self.done = True
-        for h in self._handles:
+        handles, then, self._handles, self._then = self._handles, self._then, [], None
+        for h in handles:
             h.wait()
-        if self._then is not None:
-            self._then()
+        if then is not None:  # dropped once run: a ``then`` that names this Work (``Scratch``)
+            then()  # would otherwise hold its buffers in a cycle until the collector runs
 
 
 DONE = Work()
