@@ -23,6 +23,7 @@ build against the device less its CUDA context + NCCL. Rounds and timings:
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures as cf
 import dataclasses
 import functools
@@ -222,13 +223,15 @@ def _helper() -> cf.ProcessPoolExecutor:
     global _HELPER
     if _HELPER is None:
         _HELPER = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        atexit.unregister(_drop_helper)  # once: ended before the interpreter tears down
+        atexit.register(_drop_helper, wait=True)
     return _HELPER
 
 
-def _drop_helper() -> None:
+def _drop_helper(wait: bool = False) -> None:
     global _HELPER
     if _HELPER is not None:
-        _HELPER.shutdown(wait=False, cancel_futures=True)
+        _HELPER.shutdown(wait=wait, cancel_futures=True)
         _HELPER = None
 
 
