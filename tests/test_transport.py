@@ -222,22 +222,24 @@ def test_a_waited_collective_holds_nothing_past_its_owner():
     from zero_repro.runtime.comm.work import Scratch
 
     scratch = Scratch(depth=1, device="cpu")
-    out, ran = torch.zeros(8), []
+    ran, outs = [], []
 
     def start(buf):
         buf.fill_(1.0)
-        return [], lambda: (torch.add(out, buf, out=out), ran.append(True))
+        out = torch.zeros(8)  # the collective's output, held by its completion only
+        outs.append(weakref.ref(out))
+        return [], lambda: (torch.add(out, buf, out=out), ran.append(float(out.sum())))
 
     was = gc.isenabled()
     gc.disable()
     try:
         work = scratch.run(8, torch.float32, start)
-        gone, lent = weakref.ref(out), weakref.ref(work)
+        lent = weakref.ref(work)
         work.wait()
-        assert ran == [True] and torch.equal(out, torch.ones(8))
+        assert ran == [8.0]
         assert not scratch.lent and scratch.nbytes == 8 * 4  # the buffer is back in the pool
-        del work, out
-        assert lent() is None and gone() is None
+        del work
+        assert lent() is None and outs[0]() is None
     finally:
         if was:
             gc.enable()
