@@ -148,12 +148,15 @@ def test_time_limit_signal_arrives_during_training_and_point_still_ok(smoke, tmp
     """Slurm warns with SIGUSR2 ``signal_delay_s`` before the limit. It checks limits every
     30 s (and sends the warning up to 30 s early), so with a 3-minute limit and a 135 s delay
     the signal comes 15-45 s after the start: the point trains for ~55 s (steps from the smoke
-    point's step time; a loaded machine has 2x slack before the limit) and must end ok."""
+    point's step time; a loaded machine has 2x slack before the limit) and must end ok. A log
+    line every 1000 steps: a line per step (the default) costs more than the tiny model's step
+    and stretched the ~55 s to ~130 s, close to the limit."""
     (first,) = records(smoke[0])
     step_s = max(first.metrics["step_time_s"], 0.005)
     steps = int(min(max(55.0 / step_s, 50), 20000))
     results = str(tmp_path)
-    out = finish(cli([*POINT, f"train.steps={steps}", "launcher.timeout_min=3",
+    out = finish(cli([*POINT, f"train.steps={steps}", "train.log_every=1000",
+                      "launcher.timeout_min=3",
                       "launcher.signal_delay_s=135", f"experiment.results_dir={results}",
                       f"hydra.run.dir={results}/hydra"]), 300)
     (rec,) = records(results)
