@@ -10,7 +10,9 @@ rewritten once its work is waited (the peers are done reading it); what a transp
 what it allocated; a peer that never answers fails the wait after the collective timeout."""
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from zero_repro.runtime.comm.cpu.shm_transport import ShmTransport
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import NativeTransport, PairwiseTransport, bucket_transport
+from zero_repro.runtime.comm.work import Scratch
 
 # ZR_CPU_TRANSPORT, the transport it gives, the slot size of the shared-memory segments
 MODES = [("pairwise", PairwiseTransport, shm.SLOT_BYTES),
@@ -216,11 +219,6 @@ def test_a_waited_collective_holds_nothing_past_its_owner():
     in a reference cycle with the scratch and the collective's tensors (they would live until
     the collector runs: a peak that depends on the collector's timing). With the collector off,
     the tensors the completion used die with their last owner."""
-    import gc
-    import weakref
-
-    from zero_repro.runtime.comm.work import Scratch
-
     scratch = Scratch(depth=1, device="cpu")
     ran, outs = [], []
 

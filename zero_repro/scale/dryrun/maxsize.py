@@ -223,8 +223,6 @@ def _helper() -> cf.ProcessPoolExecutor:
     global _HELPER
     if _HELPER is None:
         _HELPER = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        atexit.unregister(_drop_helper)  # once: ended before the interpreter tears down
-        atexit.register(_drop_helper, wait=True)
     return _HELPER
 
 
@@ -233,6 +231,9 @@ def _drop_helper(wait: bool = False) -> None:
     if _HELPER is not None:
         _HELPER.shutdown(wait=wait, cancel_futures=True)
         _HELPER = None
+
+
+atexit.register(_drop_helper, wait=True)  # ended before the interpreter tears down
 
 
 def _child_dry_run(cfg_dict: dict, iterations: int, capacity: bool = True):
