@@ -161,3 +161,18 @@ def test_gpu_clusters_default_to_low_precision_and_buckets(cluster, dtype):
 
 def _model(name: str) -> dict:
     return C.model_conf(name)
+
+
+def test_gpu_count_check_yields_to_oversubscribe(monkeypatch, tmp_path):
+    """More local ranks than GPUs is refused before anything starts, unless the point says it
+    starts fewer processes than its world has ranks (``launcher.oversubscribe``: the GPU
+    proof's paper points play rank 0 of 400 in one process)."""
+    from zero_repro.lab import launcher
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = _compose("cluster=h100", "parallel.world_size=4")
+    with pytest.raises(ValueError, match="needs 4 GPUs on this machine, which has 1.*"
+                                         "launcher.oversubscribe=true"):
+        launcher.check_runnable(cfg, str(tmp_path))
+    cfg.launcher.oversubscribe = True
+    assert launcher.check_runnable(cfg, str(tmp_path)) is None

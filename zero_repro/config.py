@@ -186,8 +186,8 @@ class LauncherConfig:
     collective_timeout_s: float = 300.0
     # launcher=slurm: Slurm sends SIGUSR2 this long before the time limit (submitit's --signal)
     signal_delay_s: int = 120
-    # run even when the local ranks outnumber the CPU cores (x RANKS_PER_CORE) or the analytic
-    # memory estimate exceeds this machine's memory (zero_repro.lab.preflight)
+    # run even when the local ranks outnumber the GPUs or the CPU cores (x RANKS_PER_CORE) or
+    # the analytic memory estimate exceeds this machine's memory (zero_repro.lab.preflight)
     oversubscribe: bool = False
 
 

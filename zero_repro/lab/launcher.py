@@ -168,10 +168,14 @@ def _check_device(cfg: C.Config) -> None:
     if n == 0:
         raise ValueError(f"{what} but this machine has no CUDA device: use cluster=local "
                          f"(cluster.device=cpu, cluster.backend=gloo)")
-    if local_ranks(cfg) > n:
+    # launcher.oversubscribe: the point starts fewer processes than its world has ranks (the
+    # GPU proof's paper points: one process plays rank 0 of 400 on the fake group), or the user
+    # forces it -- NCCL itself refuses two ranks on one GPU, so nothing silent follows
+    if local_ranks(cfg) > n and not cfg.launcher.oversubscribe:
         raise ValueError(f"parallel.world_size={cfg.parallel.world_size} needs "
                          f"{local_ranks(cfg)} GPUs on this machine, which has {n}: lower "
-                         f"parallel.world_size or use launcher=slurm")
+                         f"parallel.world_size or use launcher=slurm (or force it with "
+                         f"launcher.oversubscribe=true)")
 
 
 def check_writable(path: str, key: str) -> None:

@@ -6,7 +6,9 @@ files and devices (``launcher.check_runnable``); cores (more local ranks than ``
 x the usable cores is refused: gloo ranks spin in their collectives); memory
 (``estimate_rank_bytes``: the closed-form estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``,
 plus a process per rank, summed over this machine's ranks, against the memory available now or
-each device's). ``launcher.oversubscribe=true`` skips the resource checks. Applies to points that
+each device's). ``launcher.oversubscribe=true`` skips the resource checks (and
+``launcher.check_runnable``'s GPU count: a point that starts fewer processes than its world has
+ranks, as the GPU proof's paper points, one process playing rank 0). Applies to points that
 start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm in an allocation).
 """
 from __future__ import annotations
