@@ -1,26 +1,57 @@
 """The GPU proof (experiments/gpu_proof.py): its plan for one GPU and for a node (equivalence
 first, a time estimate within the 10-minute budget, the paper points at full depth built on the
-device), and its CPU dry path at world 1 and world 4 (every part runs, every check holds, the
-NCCL ranks' bucket transport on gloo, records + report written). The CUDA run itself is the
-``gpu``-marked test at the end (skipped without CUDA)."""
+device), the plan through the command line's pre-flight on a machine with CUDA mocked as one
+H100 and as eight (the GPU model read from the device), and its CPU dry path at world 1 and
+world 4 (every part runs, every check holds, the NCCL ranks' bucket transport on gloo, records +
+report written). The CUDA run itself is the ``gpu``-marked test at the end (skipped without
+CUDA)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import types
 
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
 from zero_repro import config as C
-from zero_repro.lab import sweep
+from zero_repro.lab import cli, sweep
 from zero_repro.lab.cli import conf_dir
 from zero_repro.lab.figures import regenerate
 from zero_repro.lab.records import RecordStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = ("NVIDIA H100 80GB HBM3", 81559 * 2**20)  # torch.cuda's name and total memory (SXM5)
+# CUDA as seen by the host-side code, for a subprocess: N devices named NAME of MEM bytes
+MOCK_CUDA = """
+import sys, types, torch
+n, name, mem = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+props = types.SimpleNamespace(name=name, total_memory=mem)
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: n
+torch.cuda.get_device_name = lambda d=None: name
+torch.cuda.get_device_properties = lambda d=None: props
+sys.argv = ["run.py"] + sys.argv[4:]
+from zero_repro.lab import cli
+cli.main()
+"""
+
+
+def _mock_cuda(monkeypatch, n: int, name: str = H100[0], mem: int = H100[1]) -> None:
+    props = types.SimpleNamespace(name=name, total_memory=mem)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _cfg(*overrides: str) -> C.Config:
@@ -31,9 +62,10 @@ def _cfg(*overrides: str) -> C.Config:
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
-def test_plan_for_gpus_equivalence_first_within_the_budget(gpus):
-    """The plan of the CUDA run is made on any machine (no GPU needed to plan)."""
-    cfg = _cfg("experiment.action=plan", f"experiment.params.gpus={gpus}")
+def test_plan_for_gpus_equivalence_first_within_the_budget(gpus, no_cuda):
+    """The plan of the CUDA run is made on any machine (no GPU needed to plan: the GPU named)."""
+    cfg = _cfg("experiment.action=plan", f"experiment.params.gpus={gpus}",
+               "experiment.params.cluster=h200")
     pts = G.plan(cfg)
     names = [p.name for p in pts]
     assert names[:2] == ["probe", "equivalence fp32"]
@@ -63,17 +95,76 @@ def test_plan_for_gpus_equivalence_first_within_the_budget(gpus):
     assert "WARNING" not in note
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA present")
-def test_run_without_cuda_is_refused_before_anything_runs():
+def test_run_without_cuda_is_refused_before_anything_runs(no_cuda):
     with pytest.raises(ValueError, match="device=cpu"):
         G.plan(_cfg())  # action=run, device=cuda, and this machine shows no CUDA device
+    with pytest.raises(ValueError, match="experiment.params.cluster=h100"):
+        G.plan(_cfg("experiment.action=plan"))  # auto: no GPU to read the model from
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatch, tmp_path):
+    """``python run.py +exp=gpu_proof`` on one H100 (and on eight): the command line's
+    pre-flight (every point that starts ranks here, GPU count and memory included) accepts the
+    plan -- the paper points play rank 0 of 400 in one process -- and every point is an h100
+    one: the cluster is read from the device, not fixed."""
+    _mock_cuda(monkeypatch, gpus)
+    C.register_configs()
+    ((cfg, _, plan),) = cli.check_args(
+        ["+exp=gpu_proof", f"experiment.params.gpus={gpus}",
+         f"experiment.results_dir={tmp_path}/r", f"hydra.run.dir={tmp_path}/h"])
+    assert plan.checked and len(plan.todo) == (7 if gpus == 1 else 3)
+    for pp in plan.points:
+        c = pp.cfg.cluster
+        assert (c.name, c.device, c.device_memory_mib, c.peak_tflops) == ("h100", "cuda",
+                                                                            81559, 989)
+    if gpus == 1:
+        paper = [pp for pp in plan.points if pp.point.params["part"] == "paper"]
+        assert [pp.cfg.parallel.world_size for pp in paper] == [400, 400]
+        assert all(pp.cfg.launcher.oversubscribe for pp in paper)
+
+
+@pytest.mark.parametrize("gpus,minutes", [(1, 4.4), (8, 2.5)])
+def test_plan_command_on_a_mocked_h100_machine_prints_the_estimate(gpus, minutes, tmp_path):
+    """The plan as printed (``experiment.action=plan``) with CUDA mocked in the subprocess."""
+    p = subprocess.run([sys.executable, "-c", MOCK_CUDA, str(gpus), *map(str, H100),
+                        "+exp=gpu_proof", "experiment.action=plan",
+                        f"experiment.params.gpus={gpus}", f"hydra.run.dir={tmp_path}",
+                        f"experiment.results_dir={tmp_path}/r"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (est,) = [ln for ln in p.stdout.splitlines() if ln.startswith("time estimate on")]
+    assert est.startswith(f"time estimate on {gpus} x h100 GPU(s): {minutes} min of the 10 min")
+
+
+@pytest.mark.parametrize("name,gib,cluster", [
+    ("NVIDIA H100 80GB HBM3", 79.2, "h100"), ("NVIDIA H200", 140.4, "h200"),
+    ("NVIDIA A100-SXM4-80GB", 79.3, "dgx_a100_80g"), ("NVIDIA A100-SXM4-40GB", 39.4,
+                                                     "dgx_a100_40g"),
+    ("Tesla V100-SXM3-32GB", 31.7, "dgx2_v100"), ("NVIDIA L40S", 44.4, "l40s_pcie"),
+    ("NVIDIA H100 PCIe", 79.2, None), ("NVIDIA H100 NVL", 93.1, None),
+    ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 39.2, None), ("NVIDIA GeForce RTX 4090", 23.6, None)])
+def test_gpu_cluster_from_name_and_memory(name, gib, cluster):
+    assert G.gpu_cluster(name, int(gib * 2**30)) == cluster
+
+
+def test_named_cluster_must_be_this_gpu(monkeypatch):
+    _mock_cuda(monkeypatch, 1)
+    with pytest.raises(ValueError, match="experiment.params.cluster=h100 \\(or auto\\)"):
+        G.plan(_cfg("experiment.params.cluster=h200"))
+    with pytest.raises(ValueError, match="is not a GPU cluster"):
+        G.plan(_cfg("experiment.params.cluster=local"))
+    _mock_cuda(monkeypatch, 1, "NVIDIA H100 PCIe")
+    with pytest.raises(ValueError, match="matches no GPU of conf/cluster"):
+        G.plan(_cfg())
 
 
 @pytest.mark.slow
 def test_plan_command_prints_the_estimate(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=gpu_proof",
-                        "experiment.action=plan", f"hydra.run.dir={tmp_path}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+                        "experiment.action=plan", "experiment.params.cluster=h200",
+                        f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
     first = [ln for ln in lines if "todo" in ln][:2]
