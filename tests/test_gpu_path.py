@@ -2,7 +2,9 @@
 cannot be avoided): the rank's GPU chosen and made current before the NCCL group exists, with
 ``device_id``, on sites that show each task one GPU; the training loop's windowed timing (one
 host synchronisation per window, callbacks in step order, same losses); honest MFU/HFU; the GPU
-clusters' defaults (bf16, C_B buckets in DeepSpeed's range)."""
+clusters' defaults (bf16, C_B buckets in DeepSpeed's range); one process group per distinct set
+of ranks however often a topology is rebuilt (on NCCL each is a communicator); the GPU count
+pre-flight."""
 from __future__ import annotations
 
 import time
@@ -14,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from zero_repro import config as C
 from zero_repro.lab.cli import conf_dir
 from zero_repro.runtime.comm import comm, launch
+from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model import flops
 from zero_repro.runtime.model.gpt import GPT
@@ -176,3 +179,34 @@ def test_gpu_count_check_yields_to_oversubscribe(monkeypatch, tmp_path):
         launcher.check_runnable(cfg, str(tmp_path))
     cfg.launcher.oversubscribe = True
     assert launcher.check_runnable(cfg, str(tmp_path)) is None
+
+
+def _groups_rank(rank: int, world: int) -> dict:
+    """The GPU proof's topologies at world 4: TP 1 and TP 2 x DP 2 for each of four stages, and
+    five more TP 1 ones (node part, probe); the process groups this rank is in afterwards."""
+    from torch.distributed import distributed_c10d as c10d
+    before = len(c10d._world.pg_map)
+    topos = [Topology.build(tp) for tp in (1, 2) for _stage in range(4)]
+    topos += [Topology.build(1) for _ in range(5)]
+    sums = []
+    for t in (topos[-1], topos[4]):  # a reused group still carries collectives
+        for g in (t.world, t.tp_group, t.dp_group):
+            x = torch.ones(1)
+            comm.all_reduce(x, g)
+            sums.append(float(x))
+    default = c10d._get_default_group()
+    return {"before": before, "after": len(c10d._world.pg_map), "sums": sums,
+            "world_is_default": all(t.world.pg is default for t in topos),
+            "dp_is_default_at_tp1": topos[0].dp_group.pg is default,
+            "tp_shared": topos[4].tp_group.pg is topos[7].tp_group.pg}
+
+
+def test_one_process_group_per_set_of_ranks():
+    """13 topologies (the proof's equivalence and node parts at world 4) leave each rank in 3
+    process groups -- the default one (the world, and DP at TP 1), its TP pair, its DP pair --
+    not one more per topology: on NCCL with ``device_id`` each group is an eagerly made
+    communicator with its device memory, never destroyed before the process ends."""
+    for r in spawn(_groups_rank, 4):
+        assert (r["before"], r["after"]) == (1, 3), r
+        assert r["world_is_default"] and r["dp_is_default_at_tp1"] and r["tp_shared"]
+        assert r["sums"] == [4.0, 1.0, 4.0, 4.0, 2.0, 2.0]

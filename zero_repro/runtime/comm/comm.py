@@ -147,6 +147,7 @@ def default_timeout() -> datetime.timedelta | None:
 
 
 def destroy_process_group() -> None:
+    _made.clear()
     if is_initialized():
         tdist.destroy_process_group()
 
@@ -168,16 +169,40 @@ def group_backend(pg) -> str:
     return str(tdist.get_backend(pg)) if pg is not None else backend()
 
 
-def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int) -> Group:
-    """Create a group. Every process must call this for every group (torch requirement);
-    processes outside ``ranks`` get ``None`` back."""
-    ranks = tuple(int(r) for r in ranks)
-    pg = None
-    if is_initialized() and len(ranks) > 1:
+# the process groups ``new_group`` made, by their ranks, for the default group under "default"
+# (a rank outside a group keeps torch's non-member marker: every rank skips the same calls);
+# emptied by ``destroy_process_group``, and when the default group it belongs to is gone
+_made: dict = {}
+
+
+def _process_group(ranks: tuple[int, ...]):
+    """The torch process group of ``ranks``: the default group for the whole world, else one
+    made once per default group and reused. On NCCL bound to a device every group is an
+    eagerly created communicator holding device memory and seconds of set-up; a topology
+    rebuilt per layout and stage would otherwise add a communicator per group each time."""
+    default = tdist.distributed_c10d._get_default_group()
+    if _made.get("default") is not default or default not in tdist.distributed_c10d._world.pg_map:
+        _made.clear()
+        _made["default"] = default
+    if ranks == tuple(range(tdist.get_world_size())):
+        return default
+    if ranks not in _made:
         # torch gives a new group its backend's *default* timeout (30 min on gloo), not the one
         # the world was initialised with: a dead peer would then hang DP/TP collectives for
         # half an hour. Every group inherits the world's timeout instead.
-        pg = tdist.new_group(list(ranks), timeout=default_timeout())
+        _made[ranks] = tdist.new_group(list(ranks), timeout=default_timeout())
+    return _made[ranks]
+
+
+def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int) -> Group:
+    """A group of ``ranks`` (its torch process group shared with every earlier group of the
+    same ranks, the default group for the whole world: ``_process_group``). Every process must
+    call this for every group, in the same order (torch requirement); processes outside
+    ``ranks`` get ``None`` back."""
+    ranks = tuple(int(r) for r in ranks)
+    pg = None
+    if is_initialized() and len(ranks) > 1:
+        pg = _process_group(ranks)
     if my_rank not in ranks:
         return None  # type: ignore[return-value]
     return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger,
