@@ -35,6 +35,8 @@ from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.model.gpt import GPT, gather_full_state
 from zero_repro.scale.paper.table3 import TABLE3, zero_overrides, zero_r_config
 from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.zero_r import arena as arena_module
+from zero_repro.runtime.zero_r.arena import pinned_layout
 from zero_repro.runtime.zero_r import (
     CheckpointArena,
     apply_activation_checkpointing,
@@ -279,6 +281,44 @@ def test_arena_errors_on_shape_change_and_overflow():
     assert arena.take(4, torch.float32, "cpu").data_ptr() == a.data_ptr()
     if not torch.cuda.is_available():
         assert fragmentation_stats() == {}  # allocator stats exist only on CUDA
+
+
+@pytest.mark.parametrize("n,slot", [(125, int(4.2 * 2**30) // 125), (50, 3 * 2**20 + 512),
+                                    (7, 2**20), (1000, 12345), (3, 3), (1, 1000)])
+def test_pinned_layout_is_power_of_two_blocks(n, slot):
+    """A pinned arena's blocks are exactly powers of two (the pinned allocator rounds a request
+    up to one, arena.py), hold every slot whole, and pin no more than one rounded allocation."""
+    layout = pinned_layout(n, slot)
+    assert sum(k for k, _ in layout) == n and len(layout) <= n.bit_length()
+    assert all(b & (b - 1) == 0 and k >= 1 and k * slot <= b for k, b in layout)
+    rounded = 1 << (n * slot - 1).bit_length()
+    assert sum(b for _, b in layout) <= min(rounded, n * slot + len(layout) * slot)
+    if (n, slot) == (125, int(4.2 * 2**30) // 125):  # 4.2 GiB: one allocation pins 8 GiB
+        assert rounded / (n * slot) > 1.9 and sum(b for _, b in layout) / (n * slot) < 1.02
+
+
+def test_pinned_arena_pins_power_of_two_blocks(monkeypatch):
+    """P_a+cpu's arena on a CUDA machine: pinned requests of power-of-two bytes only (none
+    rounded up), together less than the one request of n x slot bytes would pin; slots in
+    distinct, non-overlapping places, the same ones again after ``reset``."""
+    asked = []
+
+    def host_block(numel, dtype, device, pin):
+        asked.append((numel * dtype.itemsize, pin))
+        return torch.empty(numel, dtype=dtype, device=device)  # no pinning without CUDA
+
+    monkeypatch.setattr(arena_module, "_empty", host_block)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    n, numel = 7, 3 * 1024 + 5  # fp16 slots of 6154 bytes: 43078 bytes, 65536 if rounded
+    arena = CheckpointArena(n, pin_memory=True)
+    views = [arena.take(numel, torch.float16, "cpu") for _ in range(n)]
+    assert asked and all(pin and b & (b - 1) == 0 for b, pin in asked), asked
+    assert arena.capacity_bytes == sum(b for b, _ in asked) < 65536
+    spans = sorted((v.data_ptr(), v.data_ptr() + 2 * v.numel()) for v in views)
+    assert all(v.numel() == numel for v in views)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    arena.reset()
+    assert arena.take(numel, torch.float16, "cpu").data_ptr() == views[0].data_ptr()
 
 
 def test_names_state_dict_and_eval():

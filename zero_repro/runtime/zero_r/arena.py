@@ -7,9 +7,21 @@ for all checkpoints and hands out views in order. Memory it must satisfy (per ra
     capacity = n_slots * slot_numel,     slot_numel = B*S*H            (no P_a)
                                          slot_numel = ceil(B*S*H / m)  (P_a, m = TP degree)
 
-for ``n_slots`` checkpointed blocks: allocated at the first forward, reused every step (``reset``),
-never grown (a changed shape or an overflow raises ``ValueError`` with the fix).
+for ``n_slots`` checkpointed blocks (a pinned arena's blocks, below, hold a little more):
+allocated at the first forward, reused every step (``reset``), never grown (a changed shape or an
+overflow raises ``ValueError`` with the fix).
 ``fragmentation_stats()`` reads the CUDA caching allocator (``{}`` without CUDA).
+
+Pinned host arenas (P_a+cpu, paper §6.1): PyTorch's pinned-memory allocator rounds every request
+up to a power of two and pins the rounded size (torch 2.13 ``aten/src/ATen/core/
+CachingHostAllocator.h``, ``CachingHostAllocatorImpl::allocate``: ``roundSize =
+c10::llvm::PowerOf2Ceil(size)`` unless the size exceeds ``pinned_max_round_threshold_mb`` /
+``pinned_max_cached_size_mb`` of the allocator config, unset by default and missing in older
+releases; ``allocate_host_memory(roundSize)`` then pins that, by ``cudaHostAlloc`` or
+``cudaHostRegister``; pytorch/pytorch issues 95823, 150517). An arena of 4.2 GiB would pin 8 GiB. So a pinned arena is
+``pinned_layout(n_slots, slot_bytes)``: blocks of exactly 2^k bytes (rounding leaves them as they
+are), each holding whole slots: less than one slot spare per block, ~log2(n_slots) blocks at
+most, never more than the one rounded allocation. A device arena is one buffer.
 """
 from __future__ import annotations
 
@@ -18,6 +30,26 @@ import logging
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def pinned_layout(n_slots: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """(slots, bytes) per pinned block, every block exactly a power of two bytes holding whole
+    slots: of the slots left, either all in one block (the power of two above them) or as many
+    as the power of two below them holds and the rest laid out alike, whichever pins less. Never
+    more than the one rounded allocation would pin; less than one slot spare per block."""
+    need = n_slots * slot_bytes
+    up = 1 << (need - 1).bit_length()  # the power of two the allocator would round to
+    down = 1 << (need.bit_length() - 1)
+    k = down // slot_bytes
+    if k == 0 or k >= n_slots:
+        return [(n_slots, up)]
+    split = [(k, down)] + pinned_layout(n_slots - k, slot_bytes)
+    return split if sum(b for _, b in split) < up else [(n_slots, up)]
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """One arena block (the allocation tests observe)."""
+    return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 class CheckpointArena:
@@ -34,7 +66,10 @@ class CheckpointArena:
         self.n_slots = n_slots
         self.pin_memory = pin_memory
         self.name = name
-        self.buffer: torch.Tensor | None = None  # [n_slots * slot_numel], allocated lazily
+        # [n_slots * slot_numel] as one block (device), or power-of-two pinned blocks
+        # (``pinned_layout``), allocated lazily; slot i is blocks[b][offset:offset + slot_numel]
+        self.blocks: list[torch.Tensor] = []
+        self._slot_at: list[tuple[int, int]] = []  # slot -> (block, element offset)
         self.slot_numel = 0
         self.next_slot = 0  # slots [0, next_slot) are in use this step
         self.high_water = 0  # most slots in use at once since the last reset
@@ -42,18 +77,27 @@ class CheckpointArena:
     # ------------------------------------------------------------------ geometry
     @property
     def allocated(self) -> bool:
-        return self.buffer is not None
+        return bool(self.blocks)
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The first block (the whole arena unless pinned in several blocks)."""
+        return self.blocks[0] if self.blocks else None
 
     def _allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
-        # one allocation for the whole run: this is the point of M_D
-        self.buffer = torch.empty(self.n_slots * numel, dtype=dtype, device=device,
-                                  pin_memory=pin)
+        # allocated once for the whole run: this is the point of M_D
+        size = dtype.itemsize
+        layout = pinned_layout(self.n_slots, numel * size) if pin else [
+            (self.n_slots, self.n_slots * numel * size)]
+        for b, (k, nbytes) in enumerate(layout):
+            self.blocks.append(_empty(nbytes // size, dtype, device, pin))
+            self._slot_at += [(b, i * numel) for i in range(k)]
         self.slot_numel = numel
         self._asked = device  # as asked (a dry run on meta tensors places the buffer on meta)
         log.info("M_D arena %r: %d slots x %d elements of %s on %s (%.2f MB%s)", self.name,
                  self.n_slots, numel, dtype, device, self.capacity_bytes / 2**20,
-                 ", pinned" if pin else "")
+                 f", pinned in {len(layout)} power-of-two blocks" if pin else "")
 
     def _check(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         buf = self.buffer
@@ -79,14 +123,13 @@ class CheckpointArena:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.buffer is None:
+        if not self.blocks:
             self._allocate(numel, dtype, device)
         self._check(numel, dtype, device)
-        start = self.next_slot * self.slot_numel
+        b, start = self._slot_at[self.next_slot]
         self.next_slot += 1
         self.high_water = max(self.high_water, self.next_slot)
-        assert self.buffer is not None
-        return self.buffer[start:start + numel]
+        return self.blocks[b][start:start + numel]
 
     def reset(self) -> None:
         """All slots free again (start of a step). The storage is kept."""
@@ -96,9 +139,8 @@ class CheckpointArena:
     # ------------------------------------------------------------------ accounting
     @property
     def capacity_bytes(self) -> int:
-        if self.buffer is None:
-            return 0
-        return self.buffer.numel() * self.buffer.element_size()
+        """Bytes the arena holds (pinned: the blocks, rounding-free)."""
+        return sum(t.numel() * t.element_size() for t in self.blocks)
 
     @property
     def used_bytes(self) -> int:

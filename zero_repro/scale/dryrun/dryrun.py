@@ -143,8 +143,8 @@ def _host_sids(tracer: AllocationTracer, ckpt, host: set[int]) -> None:
     if ckpt is None or not getattr(ckpt, "cpu", False):
         return
     arena = getattr(ckpt, "arena", None)
-    if arena is not None and arena.buffer is not None:
-        sid = tracer.sid_of(arena.buffer)
+    for block in getattr(arena, "blocks", ()):  # one, or pinned power-of-two blocks
+        sid = tracer.sid_of(block)
         if sid is not None:
             host.add(sid)
     for ref in list(getattr(ckpt, "_live_cpu", {}).values()):  # M_D off: per-block copies
