@@ -4,7 +4,8 @@ cannot be avoided): the rank's GPU chosen and made current before the NCCL group
 host synchronisation per window, callbacks in step order, same losses); honest MFU/HFU; the GPU
 clusters' defaults (bf16, C_B buckets in DeepSpeed's range); one process group per distinct set
 of ranks however often a topology is rebuilt (on NCCL each is a communicator); the GPU count
-pre-flight."""
+pre-flight; no host read of a device value inside the optimizer step (the overflow skip, the
+clip and the fp16 loss-scale decision stay on the device until asked)."""
 from __future__ import annotations
 
 import time
@@ -210,3 +211,69 @@ def test_one_process_group_per_set_of_ranks():
         assert (r["before"], r["after"]) == (1, 3), r
         assert r["world_is_default"] and r["dp_is_default_at_tp1"] and r["tp_shared"]
         assert r["sums"] == [4.0, 1.0, 4.0, 4.0, 2.0, 2.0]
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that hand a tensor's value to the host (on CUDA: a synchronisation)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.equal.default}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,clip,inf", [("fp32", 1.0, False), ("fp16", 1.0, False),
+                                            ("bf16", 0.0, False), ("fp16", 1.0, True)])
+def test_step_reads_nothing_from_the_device(dtype, clip, inf, monkeypatch):
+    """``strategy.step()`` queues the norm all-reduce, the clip, the skip and Adam without
+    reading a device value on the host (on CUDA: without waiting for the GPU), also for an
+    overflowing fp16 step; ``StepInfo`` and the loss scale read the agreed flag afterwards and
+    give the values of a host decision: the skip, the halved scale, unchanged parameters. On
+    CPU ranks the numbers are read at once (gloo's all-reduce has waited already): the CUDA
+    order is taken here (``clip.deferred``)."""
+    from zero_repro.runtime.zero import clip as clip_module
+    monkeypatch.setattr(clip_module, "deferred", lambda t: True)
+    topo = Topology.build(1)
+    model = GPT(C.ModelConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16, vocab_size=64,
+                              vocab_pad_multiple=8), topo.tp_group, seed=1)
+    zero = C.ZeroConfig(stage=2, dtype=dtype, grad_clip=clip, hysteresis=1,
+                        reduce_bucket_size=500, allgather_bucket_size=500)
+    strategy = build_strategy(model, topo, zero, C.TrainConfig(micro_batch_size=2))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [c.clone() for c in strategy.params.chunks()]
+    scale = strategy.scaler.scale
+    _, loss = strategy(x, torch.roll(x, 1, 1))
+    strategy.backward(loss * (float("inf") if inf else 1.0))
+    reads = _HostReads()
+    with reads:
+        info = strategy.step()
+    assert reads.n == 0
+    assert info.skipped is inf and (info.grad_norm == float("inf")) is inf
+    assert (info.grad_norm > 0) and info.loss_scale == scale
+    assert strategy.opt.step_count == (0 if inf else 1)
+    moved = [not torch.equal(a, b) for a, b in zip(before, strategy.params.chunks())]
+    assert not any(moved) if inf else any(moved)
+    assert strategy.scaler.scale == (scale / 2 if inf else scale)  # fp16 with hysteresis 1
+    strategy.remove_hooks()
+
+
+def test_loss_scale_decided_when_read():
+    """The fp16 scaler takes the step's agreed flag and applies it when the scale is next read:
+    the scales of a run of bools."""
+    from types import SimpleNamespace
+    from zero_repro.runtime.zero.precision import DynamicLossScaler
+    flags = [True, True, False, False, False, True, True, True]
+    a, b = (DynamicLossScaler(2.0 ** 8, window=3, min_scale=1.0, hysteresis=2)
+            for _ in range(2))
+    for f in flags:
+        a.update(f)
+        b.update(SimpleNamespace(overflow=f))
+        assert b._pending is not None
+        assert a.scale == b.scale and b._pending is None
+    assert a.state_dict() == b.state_dict()

@@ -5,7 +5,8 @@ One optimizer step is ``train.step.train_step``; the first ``warmup_steps`` run 
 step, as the paper reports: on CPU ``time.perf_counter``; on CUDA the interval between events
 recorded on the compute stream, the host synchronising once per window of ``CUDA_WINDOW`` steps
 (and at warm-up end, checkpoint steps, the last step), so nothing waits for the NCCL stream
-between steps and a step's trailing collectives overlap the next forward. Measurement has no
+between steps and a step's trailing collectives overlap the next forward; a step's skip flag and
+gradient norm (``StepInfo``, on the device) are read there too. Measurement has no
 side effects: losses are gathered once, at the end, by an object all-gather the ledger does not
 count. ``start_step`` resumes at a checkpoint's data position (batches are a function of (seed,
 step), so a resumed run sees the uninterrupted run's data). fp16 overflow skips are counted and
@@ -54,6 +55,17 @@ def _check_divergence(step: int, loss: float, info, cfg: Config, floor_run: int)
         raise Diverged(f"diverged at step {step}: {floor_run} consecutive steps skipped and "
                        f"{what}; lower train.lr")
     return floor_run
+
+
+def _note_skip(res: "LoopResult", step: int, info, cfg: Config, topo: Topology) -> None:
+    res.skipped_steps += 1
+    res.skipped_at.append(step)
+    if topo.rank == 0 and cfg.zero.dtype == "fp16":
+        log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so far); loss "
+                    "scale was %g", step, res.skipped_steps, info.loss_scale)
+    elif topo.rank == 0:  # fp32/bf16: no loss scale
+        log.warning("step %d: non-finite gradient (%s), optimizer step skipped (%d so far)",
+                    step, cfg.zero.dtype, res.skipped_steps)
 
 
 @dataclass
@@ -122,15 +134,6 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
                           before_update=None if before_step is None
                           else functools.partial(before_step, step))
         pending.append((step, losses, info))
-        if info.skipped:
-            res.skipped_steps += 1
-            res.skipped_at.append(step)
-            if topo.rank == 0 and cfg.zero.dtype == "fp16":
-                log.warning("step %d: fp16 gradient overflow, optimizer step skipped (%d so "
-                            "far); loss scale was %g", step, res.skipped_steps, info.loss_scale)
-            elif topo.rank == 0:  # fp32/bf16: no loss scale
-                log.warning("step %d: non-finite gradient (%s), optimizer step skipped (%d so "
-                            "far)", step, cfg.zero.dtype, res.skipped_steps)
         ends = (len(pending) >= window or step == t.steps - 1
                 or step == start_step + t.warmup_steps - 1 or (every and (step + 1) % every == 0))
         if not ends:
@@ -143,6 +146,8 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
             if k >= start_step + t.warmup_steps or k == t.steps - 1:
                 res.step_times.append(dt)
             local_losses.append(step_loss)
+            if inf.skipped:  # read here, once the window's steps are queued (StepInfo)
+                _note_skip(res, k, inf, cfg, topo)
             floor_run = _check_divergence(k, step_loss, inf, cfg, floor_run)
             res.grad_norms.append(float(inf.grad_norm))
             res.loss_scales.append(float(inf.loss_scale))

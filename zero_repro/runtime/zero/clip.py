@@ -7,8 +7,13 @@ exactly once (stage 0: DP rank 0 only; TP-replicated parameters: TP rank 0 only)
 element enters the overflow check (inf/nan propagate into its norm). Coefficient as
 ``torch.nn.utils.clip_grad_norm_``: min(1, max_norm / (norm + 1e-6)). Norms by
 ``torch._foreach_norm`` in fp32 (an fp16 2-norm would overflow at 65504), squared and summed in
-fp64; a finite gradient whose norm exceeds the fp32 range counts as overflow. The only host
-reads are the two agreed numbers. Entry points: ``local_stats``, ``agree``, ``clip_coef``.
+fp64; a finite gradient whose norm exceeds the fp32 range counts as overflow.
+
+No host synchronisation in the step: ``agree`` returns an ``Agreed`` whose device scalars
+(``norm_t``, ``found_inf``) feed the clip multiplier (``grad_multiplier``) and the optimizer's
+skip; the host reads the two numbers only when asked (``Agreed.norm`` / ``overflow``: on CUDA a
+wait for an event recorded after the all-reduce, not for the step's update). Entry points:
+``local_stats``, ``agree``, ``grad_multiplier``, ``clip_coef``.
 """
 from __future__ import annotations
 
@@ -56,14 +61,80 @@ def local_stats(grads: Sequence[torch.Tensor | None], counted: Sequence[list[tup
     return torch.stack([sumsq, bad])
 
 
-def agree(stats: torch.Tensor, world: comm.Group) -> tuple[float, bool]:
-    """World all-reduce of ``local_stats`` (sumsq, overflow): (global norm, overflow on any
-    rank). The one host synchronisation of the step's norm computation."""
+class Agreed:
+    """The world's agreed (norm, overflow) of one step: device scalars for the step, host
+    values on demand.
+
+    ``norm_t``: fp64 global norm of the unscaled gradients (inf when some rank overflowed);
+    ``found_inf``: fp32 1.0 on overflow else 0.0 (``torch._fused_adamw_``'s skip flag); both
+    dropped by ``release`` once the step has queued its last use of them. On CUDA the two
+    numbers are copied to pinned host memory behind an event as they are agreed; ``norm`` /
+    ``overflow`` wait for that event only (the update, the parameter gathers and the next
+    forward stay queued). Elsewhere they are read at once: gloo's all-reduce has already made
+    the host wait, and a dry run's tracer answers the read (``deferred`` says which)."""
+
+    def __init__(self, t: torch.Tensor):
+        # t: (2,) fp64 [sum of squares (0 if any rank overflowed), overflow count]
+        bad = t[1] > 0
+        self.norm_t = torch.where(bad, torch.full_like(t[0], math.inf), t[0].sqrt())
+        self.found_inf = bad.float()
+        self._ready, self._host, self._values = None, None, None
+        if not deferred(t):
+            self._values = _values(float(t[0]), float(t[1]))
+        elif t.is_cuda:
+            self._host = torch.empty(2, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = t  # read when asked, as on CUDA
+
+    def release(self) -> None:
+        """Drop the device scalars (queued kernels keep what they read: stream order)."""
+        self.norm_t = self.found_inf = None
+
+    def _read(self) -> tuple[float, bool]:
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._values = _values(float(self._host[0]), float(self._host[1]))
+            self._host = self._ready = None
+        return self._values
+
+    @property
+    def norm(self) -> float:
+        return self._read()[0]
+
+    @property
+    def overflow(self) -> bool:
+        return self._read()[1]
+
+
+def deferred(t: torch.Tensor) -> bool:
+    """Whether ``Agreed`` reads the agreed numbers of ``t`` when asked (CUDA) or at once."""
+    return t.is_cuda
+
+
+def _values(sumsq: float, bad: float) -> tuple[float, bool]:
+    overflow = bad > 0
+    return (float("inf") if overflow else math.sqrt(sumsq)), overflow
+
+
+def agree(stats: torch.Tensor, world: comm.Group) -> Agreed:
+    """World all-reduce of ``local_stats`` (sumsq, overflow) -> ``Agreed`` (no host read)."""
     # a rank with a non-finite element contributes 0 to the sum: the norm is reported as inf
     t = torch.stack([torch.where(stats[1] > 0, torch.zeros_like(stats[0]), stats[0]), stats[1]])
     comm.all_reduce(t, world, op="sum")
-    overflow = bool(t[1].item() > 0)
-    return (math.sqrt(t[0].item()) if not overflow else float("inf")), overflow
+    return Agreed(t)
+
+
+def grad_multiplier(agreed: Agreed, max_norm: float, scale: float) -> float | torch.Tensor:
+    """The factor every gradient is multiplied by before Adam: unscale (1 / ``scale``) ×
+    ``clip_coef`` of the agreed norm -- with clipping on a device scalar (fp64, the host's
+    arithmetic; 0 on overflow, a step skipped anyway), else the float 1 / ``scale``."""
+    if max_norm <= 0:
+        return 1.0 / scale
+    return (max_norm / (agreed.norm_t + 1e-6)).clamp_(max=1.0).div_(scale)
 
 
 def clip_coef(norm: float, max_norm: float) -> float:

@@ -9,7 +9,9 @@ A ``Strategy`` wraps an ``nn.Module`` the way DDP does: ``strategy.module(...)``
   step()          waits for the collectives; unscales; agrees the overflow flag and the norm
                   over the world (DP × TP) in one all-reduce; skips on overflow (every rank),
                   else clips by the global norm, runs AdamW on this rank's fp32 shard, casts it
-                  into the training dtype and publishes the parameters (stage-specific).
+                  into the training dtype and publishes the parameters (stage-specific). The
+                  skip and the clip are decided on the device (``clip.Agreed``): no host read
+                  in the step; ``StepInfo`` reads the flag and the norm when asked.
 Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``step()``; stages
 0-1 reduce on the last micro-batch only (DDP's no_sync), stages 2-3 reduce-scatter every
 micro-batch into the shard; k micro-batches equal one batch k times larger
@@ -41,7 +43,6 @@ Adam per bucket as its reduction lands (the clip and the overflow skip need ever
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -60,11 +61,29 @@ from zero_repro.runtime.zero.partition import counted_subranges
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class StepInfo:
-    skipped: bool
-    grad_norm: float
-    loss_scale: float  # the scale used for this step's gradients
+    """What a step did: ``skipped`` (by every rank: a non-finite gradient somewhere),
+    ``grad_norm`` (global, unscaled; inf on overflow, nan when not measured), ``loss_scale``
+    (the scale this step's gradients carried). With ``agreed`` (the step's ``clip.Agreed``)
+    the first two are read from the device when first asked: a caller that reads them once per
+    window of steps lets the host run ahead of the GPU."""
+
+    def __init__(self, skipped: bool = False, grad_norm: float = float("nan"),
+                 loss_scale: float = 1.0, agreed: clip.Agreed | None = None):
+        self._skipped, self._grad_norm, self.loss_scale = skipped, grad_norm, loss_scale
+        self.agreed = agreed
+
+    @property
+    def skipped(self) -> bool:
+        return self.agreed.overflow if self.agreed is not None else self._skipped
+
+    @property
+    def grad_norm(self) -> float:
+        return self.agreed.norm if self.agreed is not None else self._grad_norm
+
+    def __repr__(self) -> str:
+        return (f"StepInfo(skipped={self.skipped}, grad_norm={self.grad_norm}, "
+                f"loss_scale={self.loss_scale})")
 
 
 class GradStore(Protocol):
@@ -175,26 +194,25 @@ class Strategy:
         self.grads.finish_grad_sync()
         scale = self.scaler.scale
         grads = self.grads.chunks()
+        agreed, mult = None, 1.0 / scale
         if self.measure_grad_norm or self.zero.grad_clip > 0 or \
                 isinstance(self.scaler, precision.DynamicLossScaler):
             stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
-            norm, overflow = clip.agree(stats, self.topo.world)
-        else:
-            norm, overflow = float("nan"), False
-        self.scaler.update(overflow)
-        if overflow and isinstance(self.scaler, precision.DynamicLossScaler):
-            log.info("stage %d: gradient overflow, step skipped, loss scale %g -> %g",
-                     self.stage, scale, self.scaler.scale)
-        elif overflow:  # fp32/bf16: no loss scale to speak of
-            log.info("stage %d: non-finite gradient, step skipped", self.stage)
-        else:
-            coef = clip.clip_coef(norm, self.zero.grad_clip)
-            t = self.train
-            self.opt.step(self.params.chunks(), grads, coef / scale, t.lr, (t.beta1, t.beta2),
-                          t.eps, t.weight_decay, on_chunk=self.params.start_param_sync)
-            self.params.start_param_sync()
+            agreed = clip.agree(stats, self.topo.world)  # device values: no host read here
+            mult = clip.grad_multiplier(agreed, self.zero.grad_clip, scale)
+        # dynamic scaling: decided when the next backward reads the scale
+        self.scaler.update(agreed if agreed is not None else False)
+        t = self.train
+        # an overflow (agreed by every rank) skips the update on the device: parameters, Adam
+        # state and step count unchanged, the publish below moves the unchanged values
+        self.opt.step(self.params.chunks(), grads, mult, t.lr, (t.beta1, t.beta2), t.eps,
+                      t.weight_decay, on_chunk=self.params.start_param_sync,
+                      found_inf=None if agreed is None else agreed.found_inf)
+        self.params.start_param_sync()
+        if agreed is not None:
+            agreed.release()  # nothing of the step's device scalars outlives it
         self._micro = 0
-        return StepInfo(skipped=overflow, grad_norm=norm, loss_scale=scale)
+        return StepInfo(loss_scale=scale, agreed=agreed)
 
     def zero_grad(self) -> None:
         self.grads.zero()
