@@ -16,13 +16,18 @@ figure. Parts, in this order (equivalence first: a wrong runtime makes every lat
   stage 3's extra cost is bookkeeping (its gathers are local copies). ``paper``: rank 0 of the
   paper's 40B C4 and 100B C5 (400 GPUs, MP 16) built on the device at full depth under the
   ``fake`` process group, NCCL's bucket transport modelled in the real rank and in the dry run
-  it is compared with: real / predicted peak allocated.
+  it is compared with: real / predicted peak allocated, and both peaks by category
+  (``lab.cuda_memory``: the ledger's held bytes, ``torch.cuda.memory_stats``' peaks) so a miss
+  of the band names the category and its known reasons.
 * a node -- ``node``: the 1.5B GPT in bf16 at DP 8, stages 0-3: step time over a window of CUDA
   events, NCCL kernels' overlap with compute from one profiled step, peak memory per stage
   (must fall stage 0 > 1 > 2 > 3).
 
 World 1 is DP 1: no collective moves data and no NCCL communicator carries a bucket; its
-records say so (``nccl_exercised``). ``device: cpu`` is the dry path CI runs
+records say so (``nccl_exercised``). The GPU's peak and memory come from ``conf/cluster``:
+``experiment.params.cluster=auto`` finds it from ``torch.cuda.get_device_name`` and the device
+memory (``gpu_cluster``). Table, figure, ``report.md`` and result lines:
+``zero_repro.lab.figures.gpu_proof``. ``device: cpu`` is the dry path CI runs
 (tests/test_gpu_proof.py): the same code at tiny sizes on gloo ranks (world 1, or 4 for
 ``gpus: 8``: DP 4 and TP 2 x DP 2) with the NCCL ranks' bucket transport forced onto gloo, the
 ledger for CUDA memory, no targets.
@@ -35,15 +40,15 @@ ledger for CUDA memory, no targets.
 from __future__ import annotations
 
 import gc
-import math
-import os
 import platform
 import time
 
-import matplotlib
 import torch
 
 from zero_repro import config as C
+from zero_repro.lab import cuda_memory
+from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
+    FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
 from zero_repro.lab.launcher import run_training
 from zero_repro.lab.points import Point
 from zero_repro.lab.sweep import point_config
@@ -59,9 +64,6 @@ from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
 from zero_repro.scale.hardware import device_bytes, load_cluster
 from zero_repro.scale.paper.setups import setups
 
-matplotlib.use("Agg")
-
-FIGURE = "gpu_proof"
 GB = 1e9
 SEED = 7
 MICRO = 2  # sequences per DP rank in the equivalence part
@@ -70,7 +72,6 @@ CPU_WORLD = {1: 1, 8: 4}  # gloo ranks of the CPU dry path per ``gpus``
 SPAWN_S = 20.0  # a spawned point: interpreter + torch import + CUDA context + NCCL init
 DEVICE_INIT_PER_S = 5e9  # the same on a GPU (conservative)
 EAGER_EFFICIENCY = 0.35  # fraction of the bf16 peak an eager 1.5B step reaches (estimate)
-MFU_TARGET = 0.40  # one GPU, eager bf16 1.5B (no torch.compile, unfused LayerNorm/GELU)
 DRY_RUN_S_PER_LAYER = 0.3  # paper-scale dry run, 2 iterations (0.23 s/layer on 2 cores)
 
 
@@ -599,11 +600,22 @@ def _run_paper(cfg, point: Point) -> dict:
     checks = {"model_states": m["model_states_ratio"] == 1.0,
               "same_transport_buffers": m["comm_buffers"] == m["predicted_comm_buffers"],
               "no_skipped_steps": real["skipped_steps"] == 0}
+    # peak device memory by category, measured (ledger + torch.cuda.memory_stats) and predicted
+    # (ledger + allocator replay): a miss of the band says which category and why
+    cpu_ckpt = cfg.zero_r.cpu_checkpointing
+    m["memory_by_category"] = {
+        "measured": cuda_memory.measured(real["ledger"], real.get("cuda_memory_stats"), cpu_ckpt),
+        "dry_run": cuda_memory.predicted(pred.ledger, pred.allocator, cpu_ckpt)}
+    m["ratio_range"] = list(q["ratio_range"])
+    m["memory_miss"] = ""
     if q["device"] == "cuda":
         m["allocated_ratio"] = real["cuda_max_allocated"] / pred.allocator["peak_allocated"]
         m["reserved_ratio"] = real["cuda_max_reserved"] / pred.allocator["peak_reserved"]
         lo, hi = q["ratio_range"]
         checks["allocated_ratio"] = lo <= m["allocated_ratio"] <= hi
+        m["memory_miss"] = cuda_memory.miss(m["memory_by_category"]["measured"],
+                                            m["memory_by_category"]["dry_run"],
+                                            m["allocated_ratio"], (lo, hi))
     return {"metrics": {**m, "checks": checks, "passed": all(checks.values())},
             "memory": pred.ledger}
 
@@ -646,6 +658,7 @@ def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
             torch.cuda.synchronize()
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
             out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+            out["cuda_memory_stats"] = cuda_memory.memory_stats(device)
         strategy.remove_hooks()
         del model, ckpt, strategy
     finally:
@@ -765,104 +778,3 @@ def overlap_stats(kernels: list[tuple[str, float, float]]) -> dict:
     under = sum(max(0.0, min(b, d) - max(a, c)) for a, b in nccl for c, d in compute)
     return {"nccl_s": total, "nccl_overlapped_share": under / total if total else None,
             "nccl_exposed_s": total - under}
-
-
-# ------------------------------------------------------------------------------ summaries
-def summarize(records) -> list[dict]:
-    newest: dict = {}
-    for r in records:
-        if r.status == "ok" and (r.point not in newest
-                                 or r.timestamp >= newest[r.point].timestamp):
-            newest[r.point] = r
-    rows = []
-
-    def row(r, series, x, y_name, y, unit):
-        rows.append({"figure": FIGURE, "series": series, "x_name": "point", "x_value": x,
-                     "y_name": y_name, "y_value": y, "unit": unit, "kind": r.mode,
-                     "device_name": r.metrics.get("device_name", "")})
-
-    thr = {}
-    for r in newest.values():
-        m = r.metrics
-        part = m.get("part")
-        row(r, part, r.point, "wall_s", m.get("wall_s"), "s")
-        if "passed" in m:
-            row(r, part, r.point, "passed", float(m["passed"]), "bool")
-        if part == "equivalence":
-            for k, c in m["configs"].items():
-                row(r, part, k, "max_abs_diff", c["max_abs_diff"], "abs")
-        elif part == "throughput":
-            thr[m["stage"]] = r
-            for y, unit in (("step_time_s", "s"), ("mfu", "fraction"), ("hfu", "fraction"),
-                            ("model_tflops_per_gpu", "TFLOPs")):
-                if m.get(y) is not None:
-                    row(r, part, r.point, y, m[y], unit)
-        elif part == "paper":
-            for y in ("cuda_max_allocated", "predicted_peak_allocated", "model_state_bytes",
-                      "predicted_model_state_bytes"):
-                if m.get(y) is not None:
-                    row(r, part, m["point"], f"{y}_GB", m[y] / GB, "GB")
-            for y in ("model_states_ratio", "allocated_ratio", "reserved_ratio"):
-                if m.get(y) is not None:
-                    row(r, part, m["point"], y, m[y], "x")
-        elif part == "node":
-            for k, s in m["stages"].items():
-                row(r, part, f"stage{k}", "step_s", s["step_s"], "s")
-                row(r, part, f"stage{k}", "peak_GB", s["peak_bytes"] / GB, "GB")
-                if s.get("nccl_overlapped_share") is not None:
-                    row(r, part, f"stage{k}", "nccl_overlapped_share",
-                        s["nccl_overlapped_share"], "fraction")
-    if 0 in thr and 3 in thr:
-        ratio = thr[3].metrics["step_time_s"] / thr[0].metrics["step_time_s"]
-        row(thr[3], "throughput", "stage3/stage0", "step_time_ratio", ratio, "x")
-        if thr[0].metrics.get("device") == "cuda":  # targets: a miss is a result, not a failure
-            row(thr[3], "throughput", "targets", "stage3_over_stage0<=1.10", float(ratio <= 1.10),
-                "bool")
-            if thr[0].metrics.get("mfu") is not None:
-                row(thr[0], "throughput", "targets", f"mfu_stage0>={MFU_TARGET}",
-                    float(thr[0].metrics["mfu"] >= MFU_TARGET), "bool")
-    return rows
-
-
-def plot(table, out_dir: str) -> list[str]:
-    """A bar per part (wall time, passed or not) and ``report.md``: the proof's short report."""
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
-    ours = table[table["kind"] != "paper"]
-    walls = ours[ours["y_name"] == "wall_s"]
-    passed = {(r.series, r.x_value): r.y_value for r in ours[ours["y_name"] == "passed"]
-              .itertuples()}
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    colors = ["tab:green" if passed.get((r.series, r.x_value), 1.0) else "tab:red"
-              for r in walls.itertuples()]
-    ax.barh([str(x) for x in walls["x_value"]], walls["y_value"], color=colors)
-    ax.set_xlabel("wall time (s); red = a check failed")
-    ax.set_title("GPU proof: parts in order (" + ", ".join(sorted(
-        {str(d) for d in ours["device_name"].dropna().unique() if d})) + ")", fontsize=9)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    paths = []
-    for ext in ("png", "pdf"):
-        path = os.path.join(out_dir, f"{FIGURE}.{ext}")
-        fig.savefig(path, dpi=110)
-        paths.append(path)
-    plt.close(fig)
-    report = os.path.join(out_dir, "report.md")
-    with open(report, "w") as f:
-        f.write(report_text(ours))
-    return paths + [report]
-
-
-def report_text(ours) -> str:
-    """The proof's short report from the table's rows (measured; device names as recorded)."""
-    lines = ["# GPU proof report", "",
-             "Generated from the records (`python -m experiments.plot gpu_proof`). Measured on: "
-             + (", ".join(sorted({str(d) for d in ours["device_name"].dropna().unique() if d}))
-                or "?") + ". World 1 = DP 1: no NCCL communicator carries a bucket there.", "",
-             "| part | point | y | value | unit |", "|---|---|---|---|---|"]
-    for r in ours.itertuples():
-        v = r.y_value
-        txt = f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
-        lines.append(f"| {r.series} | {r.x_value} | {r.y_name} | {txt} | {r.unit} |")
-    return "\n".join(lines) + "\n"

@@ -193,6 +193,58 @@ def test_node_targets():
                                   "stage2_overlap>=0.6": True, "stage3_step<=1.25x": True}
 
 
+LEDGER = {"params_lp": 4e9, "grads": 4e9, "master_fp32": 0, "adam_m": 8e9, "adam_v": 8e9,
+          "comm_buffers": 0.4e9, "ckpt_device": 1.0e9, "arena_capacity": 1.2e9}
+STATS = {"requested_bytes.all.peak": 40e9, "allocated_bytes.all.peak": 40.5e9,
+         "reserved_bytes.all.peak": 44e9}
+
+
+def test_memory_by_category_adds_up_and_names_the_miss(monkeypatch):
+    """held (ledger) + working + rounding = peak allocated, + cached = peak reserved, on both
+    sides; a ratio inside the band says nothing, outside it names the category that differs
+    most and its known reasons."""
+    from zero_repro.lab import cuda_memory as M
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: {**STATS, "num_ooms": 0})
+    stats = M.memory_stats(torch.device("cuda", 0))
+    assert stats["allocated_bytes.all.peak"] == 40.5e9 and stats["num_alloc_retries"] == 0
+    real = M.measured(LEDGER, stats, cpu_checkpoints=False)
+    assert real["model_states"] == 24e9 and real["checkpoints"] == 1.2e9  # the device arena
+    assert real["working"] == 40e9 - (24e9 + 0.4e9 + 1.2e9)
+    assert sum(real[c] for c in M.ALLOCATED) == 40.5e9
+    assert sum(real.values()) == 44e9
+    assert M.measured(LEDGER, None, cpu_checkpoints=True)["checkpoints"] == 0  # on the host
+    pred = M.predicted(LEDGER, {"peak_requested": 36e9, "peak_allocated": 36.4e9,
+                                "peak_reserved": 37e9}, cpu_checkpoints=False)
+    assert M.miss(real, pred, 40.5 / 36.4, (0.95, 1.15)) == ""
+    why = M.miss(real, pred, 40.5 / 36.4, (0.95, 1.10))
+    assert why.startswith("peak allocated 1.113x") and "working differs most (+4.00 GB" in why
+    assert "flash attention" in why and "cuBLAS" in why
+    assert M.table(real, pred)[2] == "| model_states | 24.000 | 24.000 | +0.000 |"
+
+
+def test_report_and_result_lines_show_the_paper_memory_by_category():
+    from types import SimpleNamespace
+    from zero_repro.lab import cuda_memory as M
+    real = M.measured(LEDGER, STATS, cpu_checkpoints=False)
+    pred = M.predicted(LEDGER, {"peak_requested": 36e9, "peak_allocated": 36.4e9,
+                                "peak_reserved": 37e9}, cpu_checkpoints=False)
+    metrics = {"part": "paper", "point": "40B C4", "device": "cuda", "device_name": "H100",
+               "wall_s": 60.0, "passed": False, "allocated_ratio": 40.5 / 36.4,
+               "ratio_range": [0.95, 1.10], "memory_by_category": {"measured": real,
+                                                                   "dry_run": pred}}
+    rec = SimpleNamespace(status="ok", point="paper 40B C4", timestamp=1.0, mode="measured",
+                          metrics=metrics)
+    table = pd.DataFrame(G.summarize([rec]))
+    text = G.report_text(table)
+    assert "### paper 40B C4: peak device memory by category" in text
+    assert "| working | 14.400 | 10.400 | +4.000 |" in text
+    assert "Peak allocated 1.113x the dry run's, outside [0.95, 1.1]: working differs" in text
+    lines = G.conclude(table)
+    assert lines[0] == "paper 40B C4: FAILED"
+    assert lines[-1].startswith("paper 40B C4: peak allocated 1.113x the dry run's -- peak "
+                                "allocated 1.113x") and "working differs most" in lines[-1]
+
+
 def _records(path: str) -> dict:
     return {r.point: r for r in RecordStore.for_experiment(path, "gpu_proof").load()}
 
@@ -221,13 +273,16 @@ def test_cpu_path_one_gpu_parts(tmp_path):
         assert m["model_state_bytes"] == m["predicted_model_state_bytes"] > 0
         assert m["comm_buffers"] == m["predicted_comm_buffers"] > 0
         assert m["skipped_steps"] == 0
+        real, pred = m["memory_by_category"]["measured"], m["memory_by_category"]["dry_run"]
+        assert real["model_states"] == pred["model_states"] and real["working"] is None
     assert "mfu" not in recs["throughput stage0"].metrics  # no peak on the CPU
     rows = pd.DataFrame(G.summarize(list(recs.values())))
     assert len(rows[rows["y_name"] == "step_time_ratio"]) == 1
     assert not any(str(y).startswith("mfu_stage0") for y in rows["y_name"])  # CUDA targets
     out = regenerate.regenerate("gpu_proof", str(tmp_path), experiment=G)
     report = [p for p in out["figures"] if p.endswith("report.md")]
-    assert report and "| equivalence |" in open(report[0]).read()
+    text = open(report[0]).read()
+    assert "| equivalence |" in text and "### paper 100B C5: peak device memory by category" in text
 
 
 @pytest.mark.slow  # a lighter sibling of this test stays in the default suite
