@@ -67,7 +67,7 @@ class Agreed:
 
     ``norm_t``: fp64 global norm of the unscaled gradients (inf when some rank overflowed);
     ``found_inf``: fp32 1.0 on overflow else 0.0 (``torch._fused_adamw_``'s skip flag); both
-    dropped by ``release`` once the step has queued its last use of them. On CUDA the two
+    dropped by ``forget_device`` once the step has queued its last use of them. On CUDA the two
     numbers are copied to pinned host memory behind an event as they are agreed; ``norm`` /
     ``overflow`` wait for that event only (the update, the parameter gathers and the next
     forward stay queued). Elsewhere they are read at once: gloo's all-reduce has already made
@@ -89,7 +89,7 @@ class Agreed:
         else:
             self._host = t  # read when asked, as on CUDA
 
-    def release(self) -> None:
+    def forget_device(self) -> None:
         """Drop the device scalars (queued kernels keep what they read: stream order)."""
         self.norm_t = self.found_inf = None
 

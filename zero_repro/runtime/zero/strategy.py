@@ -210,7 +210,7 @@ class Strategy:
                       found_inf=None if agreed is None else agreed.found_inf)
         self.params.start_param_sync()
         if agreed is not None:
-            agreed.release()  # nothing of the step's device scalars outlives it
+            agreed.forget_device()  # nothing of the step's device scalars outlives it
         self._micro = 0
         return StepInfo(loss_scale=scale, agreed=agreed)
 
