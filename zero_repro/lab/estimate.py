@@ -200,10 +200,13 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                       [s.allocator_extra / GB for s in st]))
     lines.append(_row("= peak reserved (caching allocator)", [s.peak_reserved / GB for s in st]))
     cap = st[0].capacity / GB
-    lines.append(_row(f"verdict at {cap:.1f} GB", ["fits" if s.fits else "OOM" for s in st]))
+    lines.append(_row("live peak while building", [s.build_live_peak / GB for s in st]))
+    lines.append(_row("  build: peak reserved (judged)",
+                      [s.build_peak_reserved / GB for s in st]))
+    lines.append(_row(f"verdict at {cap:.1f} GB (build and steps)",
+                      ["fits" if s.fits else "OOM" + ("" if s.build_fits else " build")
+                       for s in st]))
     lines.append(_row("largest micro-batch that fits", [str(s.max_batch) for s in st]))
-    lines.append(_row("live peak while building (not judged)",
-                      [s.build_live_peak / GB for s in st]))
     if any(s.perf for s in st):
         lines += ["", f"Time per step at micro-batch {est.batch} (performance model, "
                   f"calibrated on the paper's Fig 2: e_max {est.perf_params['e_max']:.2f}, "

@@ -79,7 +79,8 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
         tracer = LiveStorageTracer()
         with tracer:
             topo = Topology.build(cfg.parallel.tp)
-            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
+                                          skeleton_scope=tracer.untracked)
             for it in range(iterations):
                 train_step(strategy, _batches(cfg, it),
                            phase=lambda name, it=it: tracer.in_phase(name, it))

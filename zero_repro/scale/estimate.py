@@ -11,7 +11,8 @@ For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per r
     other (step transients); they sum to the live peak;
   * the allocator's extra: the judged caching-allocator replay's peak reserved minus the live
     peak (rounding, fragmentation, cached blocks; steady state, ``dryrun.judged_events``), and
-    the verdict: the judged replay at the device capacity runs out of memory or not;
+    the verdict: neither the build (replayed on its own: partitioned construction holds the
+    largest unit + the shards) nor the judged steps run out of memory at the device capacity;
   * the largest micro-batch that fits (``largest_batch``);
   * time from ``perf_model.step_time`` (compute + TP + exposed DP communication over the
     cluster's links) with the calibrated parameters, tokens/s, MFU = model FLOPs without
@@ -55,7 +56,7 @@ from zero_repro import config as C
 from zero_repro.runtime.model import flops
 from zero_repro.scale import calibrate, perf_model
 from zero_repro.scale.dryrun import allocator as A
-from zero_repro.scale.dryrun.dryrun import dry_run
+from zero_repro.scale.dryrun.dryrun import build_events, dry_run
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import repeat_start
@@ -268,7 +269,7 @@ class StageEstimate:
     parts: dict  # PARTS -> bytes at the live peak
     live_peak: int
     peak_reserved: int  # judged replay, steady state, no capacity
-    build_live_peak: int  # not judged: the build's transient (lp model + flat copy)
+    build_live_peak: int  # the build's live peak (stage 3: the largest unit + the shards)
     capacity: float  # bytes the allocator may use
     fits: bool  # the judged replay at the capacity does not run out of memory
     max_batch: int = 0  # largest micro-batch that fits (0: not even 1)
@@ -278,6 +279,8 @@ class StageEstimate:
     seconds: dict = field(default_factory=dict)
     categories: dict = field(default_factory=dict)  # dry-run categories at the live peak
     gathered_ledger: int = 0  # stage 3: the runtime's own peak of gathered units (ledger)
+    build_peak_reserved: int = 0  # the build's own replay (judged: ``fits`` covers it)
+    build_fits: bool = True
 
     @property
     def allocator_extra(self) -> int:
@@ -311,10 +314,13 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
     pic = memory_picture(ev, bt.rep, r.category_of, r.ledger, cfg.zero.stage)
     free = A.replay(ev, capacity=None, repeat_from=bt.rep)
     cap = r.capacity or None
-    fits0 = cap is None or not A.replay(ev, capacity=cap, repeat_from=bt.rep,
-                                        stop_at_oom=True).oom
+    # the build judged on its own (it holds no activations: the same at every micro-batch);
+    # a model whose build does not fit fits at no micro-batch
+    build = A.replay(build_events(r.trace, r.host_sids), capacity=cap)
+    fits0 = cap is None or not build.oom and not A.replay(ev, capacity=cap, repeat_from=bt.rep,
+                                                          stop_at_oom=True).oom
     best, n = 0, 0
-    if search and cap is not None:
+    if search and cap is not None and not build.oom:
         # seed: the live peak is affine in b (model states + b x activations)
         slope = max(1, memory_picture(bt.events(b0 + 1), bt.rep, r.category_of, r.ledger,
                                       cfg.zero.stage)["live_peak"] - pic["live_peak"])
@@ -324,6 +330,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
             "ledger": {k: v for k, v in r.ledger.items()}, "capacity": r.capacity, **pic,
             "peak_reserved": free.peak_reserved, "fits": fits0, "max_batch": best,
             "judgements": n, "build_live_peak": r.live_peak_by_phase.get("build", 0),
+            "build_peak_reserved": build.peak_reserved, "build_fits": not build.oom,
             "seconds": {"dry_run_s": t1 - t0, "search_s": time.perf_counter() - t1,
                         "cpu_s": time.process_time() - cpu0, "pid": os.getpid(),
                         "n_events": len(ev), "n_ops": r.n_ops}}
@@ -344,6 +351,7 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
         table1=model_state_bytes(psi_tp, cfg.zero.stage, n_d),
         model_states=mem["model_states"], parts=mem["parts"], live_peak=mem["live_peak"],
         peak_reserved=mem["peak_reserved"], build_live_peak=mem["build_live_peak"],
+        build_peak_reserved=mem["build_peak_reserved"], build_fits=mem["build_fits"],
         capacity=mem["capacity"], fits=mem["fits"], max_batch=mem["max_batch"],
         max_batch_method=(f"judged replays of the dry run's trace written at each micro-batch "
                           f"(one dry run per stage at b = {PRIME_BATCH})" if search

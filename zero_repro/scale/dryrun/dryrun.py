@@ -17,6 +17,10 @@ peak allocated, peak reserved ("max cached", Figure 7), fragmentation, and ``liv
 replays run to the steady state: the last traced step (2 steps by default; the first also
 creates the lazy state) is repeated until the allocator's layout stops changing
 (``allocator.replay(repeat_from=...)``); a last step that is not closed is judged as traced.
+A model fits when neither its build nor its training steps run out: where the judged trace
+starts after the build (``modern``: as after ``empty_cache()``), the build is replayed on its
+own (the runtime's partitioned construction: stage 3 holds one unit whole + its shards) and
+``allocator["oom"]`` is the verdict over both (``judge``); ``oom_training`` the steps' alone.
 
 ``cfg.simulate.stack`` (``stack``): ``modern`` runs this runtime as it is; ``paper2020`` swaps
 in the 2019 Megatron layer and checkpointing and DeepSpeed 0.2's stage 1-2 allocation sequence,
@@ -57,7 +61,8 @@ from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import (  # noqa: F401 (re-exported)
-    device_events, judged_trace, live_peaks, repeat_start, steady_peak, without_teardown)
+    build_events, device_events, judged_trace, live_peaks, repeat_start, steady_peak,
+    without_teardown)
 from zero_repro.scale.dryrun.tracer import ALLOC, FREE, AllocationTracer  # noqa: F401 (re-exported)
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.step import train_step
@@ -120,21 +125,47 @@ class DryRunResult:
             raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
         return judged_trace(self.trace, self.host_sids, self.judged_with_build)
 
+    def build_judged_apart(self) -> bool:
+        """Whether the build is judged by its own replay (the judged trace starts after it)."""
+        return not self.judged_with_build
+
     def replay(self, capacity: float | None) -> dict:
         """The judged allocator replay again (to the steady state), with another capacity
-        (needs the trace: ``keep_trace=True``); e.g. one dry run both probes and judges."""
+        (needs the trace: ``keep_trace=True``); e.g. one dry run both probes and judges.
+        ``oom``: the build or the training steps ran out (``judge``)."""
         ev = self.judged_events()
-        return A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
+        train = A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
+        build = None
+        if self.build_judged_apart():
+            build = A.replay(build_events(self.trace, self.host_sids), capacity=capacity)
+        return judge(train, build)
 
     def min_capacity(self, compute: bool = True) -> int | None:
-        """Smallest device capacity (bytes, allocator's share) at which the judged replay does
-        not run out of memory in the steady state (``allocator.min_capacity``; needs the
-        trace). Computed once; ``compute=False``: None unless computed before."""
+        """Smallest device capacity (bytes, allocator's share) at which neither the judged
+        replay (in the steady state) nor, where judged apart, the build's runs out of memory
+        (``allocator.min_capacity``; needs the trace). Computed once; ``compute=False``: None
+        unless computed before."""
         if self._min_capacity is None and compute:
             ev = self.judged_events()
-            known = (self.capacity, not self.allocator["oom"]) if self.capacity else None
-            self._min_capacity = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
+            known = ((self.capacity, not self.allocator["oom_training"])
+                     if self.capacity else None)
+            need = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
+            if self.build_judged_apart():
+                need = max(need, A.min_capacity(build_events(self.trace, self.host_sids)))
+            self._min_capacity = need
         return self._min_capacity
+
+
+def judge(train: dict, build) -> dict:
+    """The judged replay's result (``train``, ``ReplayResult.as_dict()``) with the build's
+    replay (``build``, a ``ReplayResult`` or None where the build is part of ``train``):
+    ``oom`` is the verdict over both -- the larger peak decides -- ``oom_training`` the
+    training steps' alone; ``build_peak_reserved`` / ``build_oom`` the build's."""
+    out = dict(train, oom_training=train["oom"])
+    if build is not None:
+        out.update(build_peak_reserved=build.peak_reserved, build_oom=build.oom,
+                   oom=train["oom"] or build.oom)
+    return out
 
 
 # ------------------------------------------------------------------------------ the run
@@ -175,7 +206,9 @@ def changes_layer(stack: S.Stack) -> bool:
 def builders(stack: S.Stack, cfg: C.Config) -> dict:
     """``train.build.build`` keyword arguments that put ``stack``'s parts in (empty: the
     runtime as it is)."""
-    kw: dict = {}
+    # the 2020 build made the whole model before DeepSpeed flattened it (no partitioned
+    # construction): where the stack models that build, so does the dry run
+    kw: dict = {"partitioned": not stack.build_sequence}
     if changes_layer(stack):
         kw["make_model"] = lambda c, topo, device, dtype: megatron2019.GPT2019(
             c.model, stack, topo.tp_group, device=device, dtype=dtype)
@@ -252,9 +285,12 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             if transport_of != "fake":
                 topo.model_transport(transport_of)
             t0 = time.perf_counter()
-            with tracer.category(S.FP16_PARAMS):
+            # partitioned construction resizes each unit's buffer as it goes: every storage
+            # is polled during the build (few ops), none of the skeleton's is recorded
+            with tracer.category(S.FP16_PARAMS), tracer.polling_all():
                 model, ckpt, strategy = build(cfg, topo, torch.device(
-                    "meta" if on_meta else "cpu"), **builders(stack, cfg))
+                    "meta" if on_meta else "cpu"), skeleton_scope=tracer.untracked,
+                    **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
@@ -285,7 +321,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if rep is None and iterations > 1:
         log.warning("dry run: the last step is not closed (it keeps a storage into the next "
                     "or frees an older one): judged as traced, without the steady state")
-    alloc_judged = A.replay(judged, capacity=cap, repeat_from=rep).as_dict()
+    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep).as_dict(),
+                         None if with_build else A.replay([e for e in dev if e[3] == "build"],
+                                                          capacity=cap))
     alloc_all, brk = (alloc_judged if with_build else {}), {}
     if details:
         if not with_build:
@@ -420,7 +458,8 @@ def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iteration
         with tracer:
             topo = Topology.build(cfg.parallel.tp)
             with tracer.category(S.FP16_PARAMS):
-                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
+                                              skeleton_scope=tracer.untracked)
             hooks = K.tag_model(tracer, model)
             for it in range(iterations):
                 _one_step(strategy, tracer, ckpt, set(), cfg, it)
