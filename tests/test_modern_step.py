@@ -80,7 +80,7 @@ def test_activation_checkpointing_recomputes_the_blocks_forward():
     fwd = sum(K.gemm_seconds(dk, hw.peak_flops, hw.hbm_bw, m, n, k)
               for m, n, k, ps in block if ps == "fwd")
     attn = M.attention_time(W, hw, dk, M.Modern(), "mid")["fwd"]
-    mem = K.memory_seconds(dk, hw.hbm_bw, M.layer_bytes(W)[0])
+    mem = K.memory_seconds(dk, hw.hbm_bw, M.layer_bytes(W, "eager")[0])
     assert full["recompute"] == pytest.approx(W.n_layer * (fwd + attn + mem))
     assert sel["recompute"] == pytest.approx(full["recompute"] / 2)  # every 2nd block
     assert _run(ac="selective", every=4)["recompute"] == pytest.approx(full["recompute"] / 4)
@@ -120,6 +120,20 @@ def test_dp_overlap_limits():
     s1 = M.dp_terms(dataclasses.replace(w, stage=1), hw, dk, windows, "mid")
     assert s1["dp_exposed"] == s1["dp_total"]
     assert M.dp_terms(dataclasses.replace(w, gpus=1), hw, dk, windows, "mid")["dp_total"] == 0
+
+
+def test_memory_bound_kernels_eager_in_the_middle_fused_at_the_high_edge():
+    b, s, h, f, kv = 1, 8192, 4096, 14336, 1024
+    eager, fused = M.layer_bytes(W, "eager"), M.layer_bytes(W, "fused")
+    assert eager == (b * s * (h * 84 + (h + kv) * 20 + 2 * h * 2 + f * 10),
+                     b * s * (h * 212 + (h + kv) * 20 + 2 * h * 2 + f * 26))
+    assert fused[0] < eager[0] and fused[1] < eager[1]
+    mid, high = _run(), M.step_terms(W, hardware("h100"), K.device_kernels("h100_sxm"),
+                                     M.Modern(), "high")
+    assert high["memory_bound_bwd"] < mid["memory_bound_bwd"]
+    # GPT's layers have no eager / fused difference (aten's fused LayerNorm and GELU)
+    g = dataclasses.replace(W, ffn=0, kv_heads=0, vocab=50304)
+    assert M.layer_bytes(g, "eager") == M.layer_bytes(g, "fused")
 
 
 def test_switches_are_validated():

@@ -282,11 +282,10 @@ def _band(lo: float, hi: float, fmt: str) -> str:
 
 
 def _kband(lo: float, hi: float) -> str:
-    """A band of counts in a 10-character cell: 950-990, 1.49-1.66k, 10.2-11.4k."""
-    if hi < 1000:
+    """A band of counts in a 10-character cell, a space before it: 922-1071, 40-44k."""
+    if hi < 1e4:
         return _band(lo, hi, "{:.0f}")
-    fmt = "{:.2f}" if hi < 1e4 else "{:.1f}" if hi < 1e5 else "{:.0f}"
-    return _band(lo / 1e3, hi / 1e3, fmt) + "k"
+    return _band(lo / 1e3, hi / 1e3, "{:.0f}") + "k"
 
 
 def _time_modern(est: E.Estimate, st: list) -> list[str]:
@@ -299,7 +298,7 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
              f"model from sourced benchmarks, nothing fitted; {tm['attention']} attention, "
              f"causal; activation checkpointing {ac}; band = the spread of the kernel inputs)"]
     lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
-    lines.append(_row("  band (s)", [_band(*s.perf["step_s_band"], "{:.2f}") for s in st]))
+    lines.append(_row("  band (s)", [_band(*s.perf["step_s_band"], "{:.3g}") for s in st]))
     top = []
     for s in st:
         top += [k for k, _, _ in s.perf["largest"] if k not in top]

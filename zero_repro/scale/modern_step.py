@@ -15,7 +15,9 @@ over the cluster's links with their overlap. The paper's 2020 stack is ``scale.p
   s x s (masked products computed) plus the scores' traffic at the memory roof
   (``SCORE_BYTES``).
 * Memory-bound kernels (``LAYER_BYTES``): bytes per element counted op by op from this
-  runtime's layers (``runtime.model.llama`` / ``gpt``, no dropout), at e_hbm of the HBM roof.
+  runtime's layers (``runtime.model.llama`` / ``gpt``, no dropout) as eager PyTorch runs them
+  (the band's low and middle), or one fused kernel per operation (torch.compile, fused norms:
+  the band's high edge), at e_hbm of the HBM roof.
 * Recompute: the blocks' forward (GEMMs, attention, memory-bound) once more for the fraction
   of blocks checkpointed (``recompute_fraction``): full 1, none 0, selective 1/k --
   torchtitan's layer-level selective AC, every k-th block checkpointed (default k = 2), the
@@ -49,18 +51,27 @@ from zero_repro.scale.hardware import Hardware
 
 AC_MODES = ("none", "selective", "full")
 ATTENTION = ("flash", "unfused")
-# bytes per element of the memory-bound kernels (bf16 = 2 B; an elementwise op reads its inputs,
-# writes its output), forward and backward, counted from this runtime's layers without dropout:
-#   llama  hidden b·s·h: 2 RMSNorms 4+4, 2 residual adds 6+6 = 20; bwd 2 RMSNorm 6+6, 2 residual
-#          gradient sums 6+6 = 24 | rope b·s·(h+k)/t: q and k rotated 4; bwd 4 | mlp b·s·f/t:
-#          silu 4 + mul 6 - 2 (read once) = 8; bwd mul 6 + 4, silu 6 = 16
-#   gpt    hidden: 2 LayerNorms 4+4, 2 row-parallel bias adds 4+4, 2 residual adds 6+6 = 28; bwd
-#          LayerNorm 6+6, bias grads 2+2, residual sums 6+6 = 28 | qkv b·s·3h/t: bias 4; bwd 2 |
-#          mlp b·s·4h/t: bias 4 + GELU 4 = 8; bwd bias grad 2 + GELU 6 = 8
-#   logits b·s·V/t (once): fp32 upcast 6, log-softmax 8 = 14; bwd softmax grad 8, downcast 6
-LAYER_BYTES = {"llama": {"hidden": (20, 24), "rope": (4, 4), "mlp": (8, 16)},
-               "gpt": {"hidden": (28, 28), "qkv": (4, 2), "mlp": (8, 8)}}
-LOGIT_BYTES = (14, 14)
+# bytes per element of the memory-bound kernels (bf16 = 2 B, fp32 = 4 B; an op reads its inputs
+# and writes its output), forward and backward, per group of elements of one block on one GPU:
+# hidden b·s·h, rope b·s·(h+k)/t, kv b·s·2h/t (the key/value heads repeated to the query heads
+# before the kernel, GQA only), mlp b·s·f/t (GPT: qkv b·s·3h/t, mlp b·s·4h/t).
+#   llama, eager (runtime.model.llama op by op): RMSNorm fwd x.float 6, pow 8, mean 4, ·rstd 8,
+#     .to 6, ·w 4 = 36; its bwd (the autograd Function's 13 ops) 100; residual add 6 / grad sum 6
+#     -> hidden (2·36 + 2·6, 2·100 + 2·6) = (84, 212) | rope x·cos 4, -x2 2, cat 4, ·sin 4, add 6
+#     = 20, bwd 20 | kv repeat write 2, bwd sum 2 | mlp silu 4, mul 6 = 10; bwd 2 muls 6 + 6,
+#     silu 6, the fused gate|up gradient's copy 8 = 26
+#   llama, fused (one kernel per op): RMSNorm 4 / 6, residual 6 / 6 -> hidden (20, 24) | rope
+#     (4, 4) | kv (2, 2) | mlp silu·mul read 4 write 2 = 6, bwd read 6 write 4 = 10
+#   gpt (aten's fused LayerNorm and GELU even in eager): hidden 2 LayerNorms 4+4, 2 row-parallel
+#     bias adds 4+4, 2 residual adds 6+6 = 28; bwd LayerNorm 6+6, bias grads 2+2, residual
+#     sums 6+6 = 28 | qkv bias 4; bwd 2 | mlp bias 4 + GELU 4 = 8; bwd bias grad 2 + GELU 6 = 8
+#   logits b·s·V/t (once), eager: .float 6, max 4, sub 8, exp 8, sum 4 = 30; bwd softmax grad 8,
+#     ·grad 8, .to 6 = 22; fused: (14, 14) (upcast 6 + log-softmax 8; grad 8 + downcast 6)
+_LLAMA = {"eager": {"hidden": (84, 212), "rope": (20, 20), "kv": (2, 2), "mlp": (10, 26)},
+          "fused": {"hidden": (20, 24), "rope": (4, 4), "kv": (2, 2), "mlp": (6, 10)}}
+_GPT = {"hidden": (28, 28), "qkv": (4, 2), "mlp": (8, 8)}
+LAYER_BYTES = {"llama": _LLAMA, "gpt": {"eager": _GPT, "fused": _GPT}}
+LOGIT_BYTES = {"eager": (30, 22), "fused": (14, 14)}
 # unfused attention, per score element b·(a/t)·s²: the 2019 layer's traffic (perf_model.MEM_BYTES
 # "scores") less its dropout (5 B forward, 5 B backward)
 SCORE_BYTES = (P.MEM_BYTES["scores"][0] - 5, P.MEM_BYTES["scores"][1] - 5)
@@ -131,16 +142,22 @@ def attention_time(w: P.Workload, hw: Hardware, dk, m: Modern, point: str) -> di
             "bwd": 4 * one + K.memory_seconds(dk, hbm, scores * SCORE_BYTES[1], point)}
 
 
-def layer_bytes(w: P.Workload) -> tuple[float, float]:
-    """(forward, backward) bytes of one block's memory-bound kernels on one GPU."""
+def kernels_of(point: str) -> str:
+    """eager at the band's low edge and middle, fused at its high edge (module doc)."""
+    return "fused" if point == "high" else "eager"
+
+
+def layer_bytes(w: P.Workload, kind: str = "eager") -> tuple[float, float]:
+    """(forward, backward) bytes of one block's memory-bound kernels on one GPU, ``kind``
+    eager | fused (``LAYER_BYTES``)."""
     b, s, h, t = float(w.batch_per_gpu), w.seq, w.hidden, w.tp
     if w.ffn:
         elems = {"hidden": b * s * h, "rope": b * s * (h + w.kv_width) / t,
-                 "mlp": b * s * w.ffn / t}
-        table = LAYER_BYTES["llama"]
+                 "kv": b * s * 2 * h / t if w.kv_width < h else 0.0, "mlp": b * s * w.ffn / t}
+        table = LAYER_BYTES["llama"][kind]
     else:
         elems = {"hidden": b * s * h, "qkv": b * s * 3 * h / t, "mlp": b * s * 4 * h / t}
-        table = LAYER_BYTES["gpt"]
+        table = LAYER_BYTES["gpt"][kind]
     return (sum(n * table[k][0] for k, n in elems.items()),
             sum(n * table[k][1] for k, n in elems.items()))
 
@@ -152,17 +169,17 @@ def compute_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid"
     block, head = gemm_shapes(w)
     gb, gh = _gemms(block, hw, dk, point), _gemms(head, hw, dk, point)
     at = attention_time(w, hw, dk, m, point)
-    lf, lb = layer_bytes(w)
+    kind = kernels_of(point)
+    lf, lb = layer_bytes(w, kind)
+    lgf, lgb = LOGIT_BYTES[kind]
     logits = float(w.batch_per_gpu) * w.seq * w.vocab / w.tp
     mem_f = K.memory_seconds(dk, hbm, lf, point)
     block_fwd = gb["fwd"] + at["fwd"] + mem_f
     shard = w.params / w.tp / (w.dp if w.stage >= 1 else 1)
     return {"gemm_fwd": l * gb["fwd"] + gh["fwd"], "gemm_bwd": l * gb["bwd"] + gh["bwd"],
             "attention_fwd": l * at["fwd"], "attention_bwd": l * at["bwd"],
-            "memory_bound_fwd": l * mem_f + K.memory_seconds(dk, hbm, logits * LOGIT_BYTES[0],
-                                                             point),
-            "memory_bound_bwd": K.memory_seconds(dk, hbm, l * lb + logits * LOGIT_BYTES[1],
-                                                 point),
+            "memory_bound_fwd": l * mem_f + K.memory_seconds(dk, hbm, logits * lgf, point),
+            "memory_bound_bwd": K.memory_seconds(dk, hbm, l * lb + logits * lgb, point),
             "recompute": recompute_fraction(m) * l * block_fwd,
             "optimizer": K.memory_seconds(dk, hbm, shard * ADAM_BYTES, point)}
 
