@@ -47,7 +47,7 @@ strategy = build_strategy(
         lr=1e-3))
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(strategy.optimizer, T_max=100)
 gen = torch.Generator().manual_seed(topo.dp_rank)  # each DP rank its own data
-for step in range(20):
+for _ in range(20):
     x = torch.randint(0, 256, (8, 32), generator=gen)
     loss = F.cross_entropy(strategy(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
     strategy.backward(loss)
