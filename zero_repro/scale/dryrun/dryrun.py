@@ -539,12 +539,17 @@ def setup_overrides(s: PaperSetup, cluster: str = PAPER_CLUSTER, **kw) -> dict:
     return {**paper_setup_overrides(s, **kw), **cluster_overrides(cluster, DRYRUN_FIELDS)}
 
 
-def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = PAPER_CLUSTER):
+def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = PAPER_CLUSTER,
+                 **shape):
     """The paper's 100B setup (Table 8: 125 x 8192, 64 heads, batch 32/GPU, 400 GPUs, MP 16)
-    under ``zero_config`` with the paper harness's buckets."""
+    under ``zero_config`` with the paper harness's buckets; ``shape`` (hidden, heads, gpus,
+    tp, batch) replaces what is given (e.g. the 1T model: 25600, 160 heads, 1024 GPUs)."""
     s = next(s for s in setups("fig7") if s.size_label == "100B")
     ov = setup_overrides(s, cluster)
-    ov.update(paper_overrides(n_layer, s.hidden, s.heads, s.gpus, s.tp, s.batch_per_gpu,
+    given = {k: v for k, v in shape.items() if v is not None}
+    ov.update(paper_overrides(n_layer, given.get("hidden", s.hidden),
+                              given.get("heads", s.heads), given.get("gpus", s.gpus),
+                              given.get("tp", s.tp), given.get("batch", s.batch_per_gpu),
                               zero_config))
     return apply_overrides(C.Config(), ov)
 
@@ -563,10 +568,18 @@ def main(argv=None) -> int:
                     help="software stack (simulate.stack)")
     ap.add_argument("--backend", default="meta", choices=(*BACKENDS, "both"),
                     help="how to run without data (both: meta and fake, side by side)")
+    for name in ("hidden", "heads", "gpus", "tp", "batch", "stage"):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help=f"{name} (default: the 100B setup's; stage: the config's)")
+    ap.add_argument("--cluster", default=PAPER_CLUSTER, help="conf/cluster/NAME")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cfg = apply_overrides(bench_config(args.layers, args.config),
-                          {"simulate.stack": args.stack})
+    extra = {"simulate.stack": args.stack}
+    if args.stage is not None:
+        extra["zero.stage"] = args.stage
+    cfg = apply_overrides(bench_config(args.layers, args.config, args.cluster,
+                                       hidden=args.hidden, heads=args.heads, gpus=args.gpus,
+                                       tp=args.tp, batch=args.batch), extra)
     walls = {}
     for backend in (("meta", "fake") if args.backend == "both" else (args.backend,)):
         t0 = time.perf_counter()
@@ -575,15 +588,19 @@ def main(argv=None) -> int:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                        if k.startswith("iteration"))
-        print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} {backend} "
-              f"world {cfg.parallel.world_size} "
+        print(f"dry-run bench: {cfg.model.name} {args.config} stage {cfg.zero.stage} "
+              f"{args.stack} {backend} world {cfg.parallel.world_size} "
               f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
               f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops ({r.cached_ops} "
               f"cached), {r.n_events} events, {r.n_buckets} buckets; steady after "
               f"{r.allocator['repeats']} repeats) "
               f"peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
               f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
-              f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, "
+              f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; build: peak live "
+              f"{r.live_peak_by_phase.get('build', 0) / 1e9:.2f} GB, reserved "
+              f"{r.allocator.get('build_peak_reserved', 0) / 1e9:.2f} GB; "
+              f"{'OOM' if r.allocator['oom'] else 'fits'} at {r.capacity / 1e9:.1f} GB; "
+              f"{os.cpu_count()} cpus, "
               f"load {load:.1f}", flush=True)
     if len(walls) == 2:
         print(f"dry-run bench: fake / meta wall time = {walls['fake'] / walls['meta']:.1f}")
