@@ -334,3 +334,45 @@ def test_stage3_gathers_per_layer_as_much_as_fsdp2_per_block():
     p = spawn(gathered_worker, 2)[0]
     assert p["zero3"] == p["fsdp2"] == p["ledger_elements"], p
     assert p["fsdp2"] < 0.45 * p["total"], p
+
+
+def resume_worker(rank: int, world: int, root: str, phase: str, stage: int) -> dict | None:
+    """``phase`` "save": 3 steps of SGD (momentum) at ``stage`` and a DCP checkpoint; "load":
+    resume it (any stage / DP size) and train 2 more steps; the export of rank 0."""
+    from zero_repro.runtime.train import checkpoint
+
+    topo = Topology.build(1)
+    model = made()
+    zero = ZeroConfig(stage=stage, grad_clip=0.0, reduce_bucket_size=1500,
+                      allgather_bucket_size=1500)
+    strategy = build_strategy(model, topo, zero, TrainConfig(), ZeroRConfig(),
+                              optimizer=OPTIMIZERS["sgd"])
+    steps = range(3) if phase == "save" else range(3, 5)
+    if phase == "load":
+        checkpoint.load(checkpoint.latest(root), strategy, topo)
+    for step in steps:
+        x, y = batch(step, MICRO * world)
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        strategy.backward(strategy(x[mine], y[mine])[1])
+        strategy.step()
+        strategy.zero_grad()
+    if phase == "save":
+        checkpoint.save(root, strategy, topo, 3)
+        return None
+    return strategy.full_state_dict()
+
+
+def test_a_torch_optimizer_checkpoint_reshards_to_another_stage_and_dp_size(tmp_path):
+    """SGD's momentum is a per-element state: saved at stage 3 on DP 2, resumed at stage 1 on
+    DP 3, training goes on as one process whose batch grows from 2 to 3 micro-batches."""
+    spawn(resume_worker, 2, str(tmp_path), "save", 3)
+    full = spawn(resume_worker, 3, str(tmp_path), "load", 1)[0]
+    model = made()
+    opt = OPTIMIZERS["sgd"]([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    for step in range(5):
+        x, y = batch(step, MICRO * (2 if step < 3 else 3))
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert (full[k] - v).abs().max().item() <= TOL, k
