@@ -4,7 +4,8 @@ and what it leaves out), its figure, and the estimate held to real CPU runs.
 * simulated (one point): ``zero_repro.lab.estimate.run`` -- per ZeRO stage the per-rank memory
   from the dry run (model states vs Table 1, gathered parameters, buffers, activations, the
   allocator's extra), the verdict at the device, the largest micro-batch, step time / tokens/s /
-  MFU from the performance model, a recommendation; DeepSpeed's own estimator beside it when
+  MFU (``scale.estimate_time``: the modern stack on the cluster's GPU, its band and every
+  term), a recommendation; DeepSpeed's own estimator beside it when
   installed (analytic). Plus step time per stage against the inter-node bandwidth
   (``experiment.params.bandwidths_gbps``, Gbit/s per node; memory does not depend on it).
 * measured (``experiment.params.trust``: one point per (world, TP) layout): the same configs at

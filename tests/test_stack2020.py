@@ -279,7 +279,7 @@ def _alloc_totals(r, phases=("build", "forward", "backward", "step")):
 def test_modern_stack_is_the_runtime_unchanged():
     """simulate.stack=modern builds exactly what train.build builds (no stack part used)."""
     cfg = _tiny_cfg()
-    assert DR.builders(DR.stack_of(cfg), cfg) == {}
+    assert DR.builders(DR.stack_of(cfg), cfg) == {"partitioned": True}
     assert not DR.judges_with_build(DR.stack_of(cfg), cfg)
     r = DR.dry_run(cfg)
     assert r.stack == "modern" and r.capacity == 1e9 and "stack" not in r.config
@@ -350,7 +350,9 @@ def test_pa_per_layer_checkpoints_keep_one_tensor_per_layer_and_zeroed_full_inpu
 def test_paper2020_stage2_uses_deepspeed02_and_judges_with_build():
     cfg = _tiny_cfg("C4", stack="paper2020")
     st = DR.stack_of(cfg)
-    assert set(DR.builders(st, cfg)) == {"make_model", "make_ckpt", "make_strategy"}
+    assert DR.builders(st, cfg)["partitioned"] is False  # the 2020 build made the whole model
+    assert set(DR.builders(st, cfg)) == {"make_model", "make_ckpt", "make_strategy",
+                                         "partitioned"}
     r = DR.dry_run(cfg)
     assert r.judged_with_build and r.stack == "paper2020"
     assert r.capacity == 1e9 - st.outside_bytes(cfg.simulate.outside_point)

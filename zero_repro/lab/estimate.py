@@ -7,7 +7,12 @@ model-state estimator beside it where DeepSpeed is installed).
         --device-memory 48GB --peak-tflops 362 --intra-gbps 64 --inter-gbps 100 --batch 1
     python -m zero_repro.lab.estimate --model llama2_70b --cluster h100 --gpus 64 --tp 8
     python -m zero_repro.lab.estimate --shape layers=32,hidden=4096,heads=32,kv_heads=8,\\
-        ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8
+        ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8 --ac selective
+    ... --time-model paper2020    (the paper's Fig 2-calibrated V100 model, as before)
+
+Time: today's stack on the cluster's GPU by default (``--gpu`` names it for a custom cluster;
+``--ac none|selective|full``, ``--attention flash|unfused``), with a band; the text shows the
+three largest terms of the step, ``--json`` every term.
 
 Bad input: one ``error:`` line, exit status 2, before anything runs.
 """
@@ -26,6 +31,8 @@ from zero_repro import config as C
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
+from zero_repro.scale import estimate_time as T
+from zero_repro.scale import kernel_sources
 from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
 GB = 1e9
@@ -200,32 +207,18 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                       [s.allocator_extra / GB for s in st]))
     lines.append(_row("= peak reserved (caching allocator)", [s.peak_reserved / GB for s in st]))
     cap = st[0].capacity / GB
-    lines.append(_row(f"verdict at {cap:.1f} GB", ["fits" if s.fits else "OOM" for s in st]))
+    lines.append(_row("live peak while building", [s.build_live_peak / GB for s in st]))
+    lines.append(_row("  build: peak reserved (judged)",
+                      [s.build_peak_reserved / GB for s in st]))
+    out = (st[0].device_capacity - st[0].capacity) / GB if st[0].device_capacity else 0.0
+    lines.append(_row(f"verdict at {cap:.1f} GB" + (f" ({cap + out:.1f} less {out:.1f} outside)"
+                                                   if out > 0 else "") + ", build and steps",
+                      ["fits" if s.fits else "OOM" + ("" if s.build_fits else " build")
+                       for s in st]))
     lines.append(_row("largest micro-batch that fits", [str(s.max_batch) for s in st]))
-    lines.append(_row("live peak while building (not judged)",
-                      [s.build_live_peak / GB for s in st]))
     if any(s.perf for s in st):
-        lines += ["", f"Time per step at micro-batch {est.batch} (performance model, "
-                  f"calibrated on the paper's Fig 2: e_max {est.perf_params['e_max']:.2f}, "
-                  f"comm_eff {est.perf_params['comm_eff']:.2f})"]
-        lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
-        for key, label in (("compute_s", "  compute"), ("tp_s", "  TP communication"),
-                           ("dp_s", "  exposed DP communication"),
-                           ("pa_s", "  P_a all-gathers"), ("offload_s", "  P_a+cpu copies")):
-            if any(s.perf[key] for s in st) or key in ("compute_s", "dp_s"):
-                lines.append(_row(label, [s.perf[key] for s in st], "{:>10.3f}"))
-        lines.append(_row("tokens/s (cluster)", [s.perf["tokens_per_s"] for s in st],
-                          "{:>10,.0f}"))
-        lines.append(_row("MFU (model FLOPs, no recompute)", [s.perf["mfu"] for s in st],
-                          "{:>10.1%}"))
-        lines.append(_row("DP traffic per rank and step (GB)", [s.perf["dp_bytes"] / GB
-                                                               for s in st]))
-        lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
-                                                               for s in st]))
-        lines.append(_row("tokens/s at the largest micro-batch",
-                          [s.perf_max.get("tokens_per_s", "-") for s in st], "{:>10,.0f}"))
-        lines.append(_row("MFU at the largest micro-batch",
-                          [s.perf_max.get("mfu", "-") for s in st], "{:>10.1%}"))
+        lines += [""] + (_time_modern(est, st) if st[0].perf.get("model") == "modern"
+                         else _time_paper2020(est, st))
     stage, why = est.recommendation
     lines += ["", "Recommendation: " + (f"stage {stage} ({STAGE_NAMES[stage]})" if stage is
                                          not None else "none") + f" -- {why}."]
@@ -239,6 +232,16 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                              f"{s.parts['buffers'] / GB:.2f}, gathered parameters "
                              f"{s.parts['gathered_params'] / GB:.2f} and the allocator's "
                              f"{s.allocator_extra / GB:.2f} GB")
+    if est.outside:
+        o = est.outside
+        lines.append(f"  Outside the caching allocator (modern stack, per GPU): {o['mid'] / GB:.2f}"
+                     f" GB taken off the device, the middle of {o['low'] / GB:.2f}-"
+                     f"{o['high'] / GB:.2f} GB ({', '.join(o['parts'])}; "
+                     f"scale/outside_modern.py)")
+    if est.zero_r == "selective":
+        lines.append(f"  Selective checkpointing (every {est.timing['every']} blocks): memory "
+                     f"interpolated between dry runs with every block and with no block "
+                     f"checkpointed")
     judged = sum(s.seconds.get("search_judgements", 0) for s in st)
     cpu = est.cpu or {}
     lines.append(f"  ({len(st)} stages, {judged} batch judgements; largest micro-batch: "
@@ -249,7 +252,98 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def _time_paper2020(est: E.Estimate, st: list) -> list[str]:
+    """The time rows of the paper's Fig 2-calibrated model (``--time-model paper2020``)."""
+    note = st[0].perf.get("note", "")
+    lines = [f"Time per step at micro-batch {est.batch} (paper2020: the paper's V100 model "
+             f"calibrated on its Fig 2, e_max {est.perf_params.get('e_max', 0):.2f}, comm_eff "
+             f"{est.perf_params.get('comm_eff', 0):.2f}" + (f"; {note}" if note else "") + ")"]
+    lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
+    for key, label in (("compute_s", "  compute"), ("tp_s", "  TP communication"),
+                       ("dp_s", "  exposed DP communication"),
+                       ("pa_s", "  P_a all-gathers"), ("offload_s", "  P_a+cpu copies")):
+        if any(s.perf[key] for s in st) or key in ("compute_s", "dp_s"):
+            lines.append(_row(label, [s.perf[key] for s in st], "{:>10.3f}"))
+    lines.append(_row("tokens/s (cluster)", [s.perf["tokens_per_s"] for s in st],
+                      "{:>10,.0f}"))
+    lines.append(_row("MFU (model FLOPs, no recompute)", [s.perf["mfu"] for s in st],
+                      "{:>10.1%}"))
+    lines.append(_row("DP traffic per rank and step (GB)", [s.perf["dp_bytes"] / GB
+                                                           for s in st]))
+    lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
+                                                           for s in st]))
+    lines.append(_row("tokens/s at the largest micro-batch",
+                      [s.perf_max.get("tokens_per_s", "-") for s in st], "{:>10,.0f}"))
+    lines.append(_row("MFU at the largest micro-batch",
+                      [s.perf_max.get("mfu", "-") for s in st], "{:>10.1%}"))
+    return lines
+
+
+def _band(lo: float, hi: float, fmt: str) -> str:
+    return f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def _kband(lo: float, hi: float) -> str:
+    """A band of counts in a 10-character cell, a space before it: 922-1071, 40-44k."""
+    if hi < 1e4:
+        return _band(lo, hi, "{:.0f}")
+    return _band(lo / 1e3, hi / 1e3, "{:.0f}") + "k"
+
+
+def _time_modern(est: E.Estimate, st: list) -> list[str]:
+    """The time rows of the modern stack's model: step time with its band, the three largest
+    terms of every stage, tokens/s and MFU / HFU with their bands (``scale.modern_step``)."""
+    p0, tm = st[0].perf, est.timing
+    spec = kernel_sources.SPECS[p0["gpu"]]
+    ac = p0["ac"] + (f" (every {p0['every']} blocks)" if p0["ac"] == "selective" else "")
+    lines = [f"Time per step at micro-batch {est.batch} (modern stack on {spec.name}: kernel "
+             f"model from sourced benchmarks, nothing fitted; {tm['attention']} attention, "
+             f"causal; activation checkpointing {ac}; band = the spread of the kernel inputs)"]
+    lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
+    lines.append(_row("  band (s)", [_band(*s.perf["step_s_band"], "{:.3g}") for s in st]))
+    top = []
+    for s in st:
+        top += [k for k, _, _ in s.perf["largest"] if k not in top]
+    for k in top + [k for k in ("dp_exposed",) if k not in top]:
+        lines.append(_row(f"  {_TERM_LABEL.get(k, k)}",
+                          [f"{s.perf['terms'][k]:.2f} {s.perf['terms'][k] / s.perf['step_s']:>3.0%}"
+                           for s in st]))
+    lines.append(_row("tokens/s (cluster)", [s.perf["tokens_per_s"] for s in st],
+                      "{:>10,.0f}"))
+    lines.append(_row("tokens/s per GPU", [s.perf["tokens_per_s_gpu"] for s in st],
+                      "{:>10,.0f}"))
+    n = est.world_size
+    lines.append(_row("  band", [_kband(s.perf["band"]["low"]["tokens_per_s"] / n,
+                                        s.perf["band"]["high"]["tokens_per_s"] / n)
+                                 for s in st]))
+    lines.append(_row("MFU (6N + 12·l·h·s per token)", [s.perf["mfu"] for s in st],
+                      "{:>10.1%}"))
+    lines.append(_row("  band", [_band(100 * s.perf["band"]["low"]["mfu"],
+                                       100 * s.perf["band"]["high"]["mfu"], "{:.0f}") + "%"
+                                 for s in st]))
+    lines.append(_row("HFU (with the recompute)", [s.perf["hfu"] for s in st], "{:>10.1%}"))
+    lines.append(_row("DP traffic per rank and step (GB)", [s.perf["dp_bytes"] / GB
+                                                           for s in st]))
+    lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
+                                                           for s in st]))
+    lines.append(_row("tokens/s per GPU at the largest batch",
+                      [s.perf_max.get("tokens_per_s_gpu", "-") for s in st], "{:>10,.0f}"))
+    lines.append(_row("MFU at the largest micro-batch",
+                      [s.perf_max.get("mfu", "-") for s in st], "{:>10.1%}"))
+    return lines
+
+
+_TERM_LABEL = {"gemm_fwd": "GEMMs forward", "gemm_bwd": "GEMMs backward",
+               "attention_fwd": "attention forward", "attention_bwd": "attention backward",
+               "memory_bound_fwd": "memory-bound forward",
+               "memory_bound_bwd": "memory-bound backward", "recompute": "recompute",
+               "optimizer": "optimizer step", "tp_comm": "TP communication",
+               "dp_exposed": "exposed DP communication", "pa_comm": "P_a all-gathers",
+               "cpu_offload": "P_a+cpu copies"}
+
+
 _ZR_LABEL = {"ckpt": "activation checkpointing + C_B + M_D",
+             "selective": "selective activation checkpointing (every k-th block) + C_B + M_D",
              "pa": "activation checkpointing + P_a + C_B + M_D",
              "pa_cpu": "activation checkpointing + P_a+cpu + C_B + M_D",
              "none": "no activation checkpointing, C_B + M_D"}
@@ -261,9 +355,11 @@ def _nominal(text: str) -> float:
 
 
 def run(cfg: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
-        workers: int | None = None) -> tuple[E.Estimate, dict]:
+        workers: int | None = None, timing: T.Timing | None = None
+        ) -> tuple[E.Estimate, dict]:
     """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg``."""
-    est = E.estimate(cfg, stages, zero_r, search=search, workers=workers)
+    est = E.estimate(cfg, stages, zero_r, search=search, workers=workers,
+                     timing=timing or T.Timing())
     m, p = cfg.model, cfg.parallel
     ds = deepspeed_figures(est.stages[0].psi_rank, p.world_size // p.tp,
                            cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp))
@@ -276,7 +372,7 @@ def as_json(est: E.Estimate, ds: dict) -> dict:
     return d
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m zero_repro.lab.estimate",
         description="Will it fit, which ZeRO stage, how fast: per-rank memory of stages 0-3 "
@@ -293,33 +389,62 @@ def main(argv=None) -> int:
     ap.add_argument("--intra-gbps", type=float, help="GB/s per GPU in a node (both directions)")
     ap.add_argument("--inter-gbps", type=float, help="Gbit/s per node between nodes")
     ap.add_argument("--pcie-gbps", type=float, help="GB/s host <-> device")
+    ap.add_argument("--gpu", help=f"the GPU, for the time model ({', '.join(kernel_sources.SPECS)}"
+                                  "; default: the cluster's)")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (TP x DP)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--zero-r", default="auto",
                     help=f"auto | {' | '.join(E.ZERO_R)}, or several, comma-separated")
+    ap.add_argument("--ac", choices=("none", "selective", "full"),
+                    help="activation checkpointing (default: full, or none with --zero-r none)")
+    ap.add_argument("--every", type=int, default=2,
+                    help="--ac selective: every k-th block checkpointed (default 2)")
+    ap.add_argument("--attention", default="flash", choices=("flash", "unfused"))
+    ap.add_argument("--time-model", default="modern", choices=T.MODELS,
+                    help="modern (today's stack, kernel model) or paper2020 (the paper's "
+                         "Fig 2-calibrated V100 model)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     ap.add_argument("--workers", type=int, help="helper processes (default: 2 on 2+ cores)")
-    ap.add_argument("--json", help="also write the estimate as JSON here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--json", help="also write the estimate as JSON here (every time term)")
+    return ap
+
+
+def settings_of(args, tp: int) -> list[str]:
+    """The ZeRO-R settings of ``--zero-r`` and ``--ac`` (``--ac none`` is ZeRO-R none,
+    ``selective`` the selective setting, ``full`` any checkpointing one), validated."""
+    zrs = [z.strip() for z in args.zero_r.split(",") if z.strip()]
+    if args.ac in ("none", "selective"):
+        if any(z not in ("auto", args.ac) for z in zrs):
+            raise ValueError(f"--ac {args.ac} with --zero-r {args.zero_r}: give one of them")
+        zrs = [args.ac]
+    elif args.ac == "full" and any(z in ("none", "selective") for z in zrs):
+        raise ValueError(f"--ac full with --zero-r {args.zero_r}: give one of them")
+    for zr in zrs or ["?"]:
+        E.zero_r_name(zr, tp)
+    return zrs
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     try:
         stages = tuple(sorted({int(s) for s in args.stages.split(",")}))
         if not set(stages) <= {0, 1, 2, 3}:
             raise ValueError(f"--stages {args.stages!r}: stages are 0..3")
         cfg = config_from_args(args)
-        settings = [z.strip() for z in args.zero_r.split(",") if z.strip()]
-        for zr in settings or ["?"]:
-            E.zero_r_name(zr, cfg.parallel.tp)
+        settings = settings_of(args, cfg.parallel.tp)
+        timing = T.Timing(model=args.time_model, gpu=args.gpu or "", attention=args.attention,
+                          every=args.every)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
     done = []
     for zr in settings:
-        est, ds = run(cfg, stages, zr, not args.no_search, args.workers)
+        est, ds = run(cfg, stages, zr, not args.no_search, args.workers, timing)
         print(report(est, ds) + ("\n" if len(settings) > 1 else ""))
         done.append((est, ds))
     if len(done) > 1:

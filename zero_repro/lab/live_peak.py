@@ -71,7 +71,7 @@ def _batches(cfg: C.Config, step: int):
 def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
     """On an initialised gloo group (``launch.spawn``): for each config, build and train
     ``iterations`` steps under ``LiveStorageTracer``; per config {"live_peak" (bytes, training
-    steps), "by_iteration", "transport"}. Module level, for ``launch.spawn``."""
+    steps), "by_iteration", "build_peak" (the build's own live peak), "transport"}. Module level, for ``launch.spawn``."""
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
@@ -79,15 +79,17 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
         tracer = LiveStorageTracer()
         with tracer:
             topo = Topology.build(cfg.parallel.tp)
-            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
+                                          skeleton_scope=tracer.untracked)
             for it in range(iterations):
                 train_step(strategy, _batches(cfg, it),
                            phase=lambda name, it=it: tracer.in_phase(name, it))
             transport = strategy.transport.name
             strategy.remove_hooks()
             del model, ckpt, strategy
-        _, _, by_iter = live_peaks(tracer.events)
+        _, by_phase, by_iter = live_peaks(tracer.events)
         out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
+                    "build_peak": by_phase.get("build", 0),
                     "transport": transport, "n_ops": tracer.n_ops})
     return out
 

@@ -11,13 +11,23 @@ For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per r
     other (step transients); they sum to the live peak;
   * the allocator's extra: the judged caching-allocator replay's peak reserved minus the live
     peak (rounding, fragmentation, cached blocks; steady state, ``dryrun.judged_events``), and
-    the verdict: the judged replay at the device capacity runs out of memory or not;
+    the verdict: neither the build (replayed on its own: partitioned construction holds the
+    largest unit + the shards) nor the judged steps run out of memory at the device capacity;
   * the largest micro-batch that fits (``largest_batch``);
-  * time from ``perf_model.step_time`` (compute + TP + exposed DP communication over the
-    cluster's links) with the calibrated parameters, tokens/s, MFU = model FLOPs without
-    recompute / (GPUs · peak · step time), and the communication per rank and step: DP 2Ψ
-    (stages 0-2) or 3Ψ (stage 3) elements (§7), TP (6l + 2) all-reduces of b·s·h with
-    recompute (counted 2n each, ``comm``'s convention).
+  * time, tokens/s, MFU / HFU and the traffic per rank and step (``scale.estimate_time``): by
+    default today's stack on the cluster's GPU (``scale.modern_step``: every term and a band
+    from the kernel inputs' spread), or the paper's Fig 2-calibrated V100 model (paper2020);
+  * the modern stack's bytes outside the caching allocator (CUDA context, NCCL;
+    ``scale.outside_modern``, the middle of its bracket) are taken off the device before every
+    verdict; the paper2020 time model keeps the estimate as it was (the whole device);
+  * selective activation checkpointing (every k-th block checkpointed): one dry run with every
+    block checkpointed and one with none, each picture and peak reserved interpolated at the
+    checkpointed fraction c = 1/k (first order: a block holds either its checkpoint or all its
+    activations), judged by the interpolated peak reserved;
+  * unfused attention (the modern time model's ``attention=unfused``): the dry run runs the
+    fused kernel, so the s x s probabilities are added per sample, b·(a/t)·s²·(2·l·(1 - c) + 6)
+    bytes (each block not checkpointed keeps its bf16 probabilities; the working layer holds
+    scores, probabilities and their gradient), to the activations and every judgement.
 ``recommend``: the smallest stage that fits at the requested micro-batch, unless the next one
 fits a larger micro-batch that runs faster (tokens/s, each at its largest micro-batch).
 
@@ -53,9 +63,10 @@ from omegaconf import OmegaConf
 
 from zero_repro import config as C
 from zero_repro.runtime.model import flops
-from zero_repro.scale import calibrate, perf_model
+from zero_repro.scale import calibrate, kernel_sources, modern_step, outside_modern, perf_model
+from zero_repro.scale import estimate_time as T
 from zero_repro.scale.dryrun import allocator as A
-from zero_repro.scale.dryrun.dryrun import dry_run
+from zero_repro.scale.dryrun.dryrun import build_events, dry_run
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import repeat_start
@@ -92,8 +103,10 @@ def zero_r_name(name: str, tp: int) -> str:
     checkpointing with C_B and M_D."""
     if name == "auto":
         return "pa" if tp > 1 else "ckpt"
+    if name == "selective":  # every k-th block checkpointed (module doc)
+        return name
     if name not in ZERO_R:
-        raise ValueError(f"zero_r={name!r}: choose auto or one of {sorted(ZERO_R)}")
+        raise ValueError(f"zero_r={name!r}: choose auto, selective or one of {sorted(ZERO_R)}")
     if name in ("pa", "pa_cpu") and tp == 1:
         raise ValueError(f"zero_r={name} partitions checkpoints over TP ranks: it needs tp > 1")
     return name
@@ -217,41 +230,8 @@ def memory_picture(events: list, rep: int | None, category_of: dict, ledger: dic
 
 
 # ------------------------------------------------------------------------------ time
-def workload(cfg: C.Config) -> perf_model.Workload:
-    """The performance model's view of ``cfg`` (the runtime reduces each bucket as backward
-    fills it: ``overlap_comm``)."""
-    m, p, zr = cfg.model, cfg.parallel, cfg.zero_r
-    llama = m.family == "llama"
-    return perf_model.Workload(
-        n_layer=m.n_layer, hidden=m.n_embd, heads=m.n_head, gpus=p.world_size, tp=p.tp,
-        batch_per_gpu=cfg.train.micro_batch_size, seq=m.seq_len,
-        vocab=C.padded_vocab(m, p.tp), stage=cfg.zero.stage,
-        checkpointing=zr.activation_checkpointing, p_a=zr.partition_activations,
-        p_a_cpu=zr.cpu_checkpointing, overlap_comm=True,
-        lp_bytes=4 if cfg.zero.dtype == "fp32" else 2, dropout=m.dropout > 0,
-        bucket_elems=float(cfg.zero.reduce_bucket_size),
-        ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0)
-
-
-def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams) -> dict:
-    """Step time by component, tokens/s, MFU and communication per rank and step of ``cfg``
-    (``perf_model``). Empty when the cluster has no peak FLOP/s."""
-    if hw.peak_flops <= 0:
-        return {}
-    w = workload(cfg)
-    t = perf_model.step_time(w, hw, params)
-    m, b, lp = cfg.model, w.batch_per_gpu, w.lp_bytes
-    psi = w.params / w.tp
-    dp_elems = (3 if w.stage == 3 else 2) * psi if w.dp > 1 else 0.0
-    n_tp = (m.n_layer * (6 if w.checkpointing else 4) + 2) if w.tp > 1 else 0
-    tp_elems = n_tp * 2.0 * b * m.seq_len * m.n_embd
-    model_flops = flops.flops_per_iteration_cfg(m, b * w.dp, recompute=False, tp=w.tp)
-    return {"step_s": t["total"], "compute_s": t["compute"], "tp_s": t["tp_comm"],
-            "dp_s": t["dp_comm"], "pa_s": t["pa_comm"], "offload_s": t["cpu_offload"],
-            "tokens_per_s": b * m.seq_len * w.dp / t["total"],
-            "mfu": model_flops / (w.gpus * hw.peak_flops * t["total"]),
-            "tflops_per_gpu": t["tflops_per_gpu"], "dp_bytes": dp_elems * lp,
-            "tp_bytes": tp_elems * lp, "batch": b}
+workload = T.workload  # the performance models' view of a config (``estimate_time``)
+performance = T.performance
 
 
 # ------------------------------------------------------------------------------ one stage
@@ -268,8 +248,8 @@ class StageEstimate:
     parts: dict  # PARTS -> bytes at the live peak
     live_peak: int
     peak_reserved: int  # judged replay, steady state, no capacity
-    build_live_peak: int  # not judged: the build's transient (lp model + flat copy)
-    capacity: float  # bytes the allocator may use
+    build_live_peak: int  # the build's live peak (stage 3: the largest unit + the shards)
+    capacity: float  # bytes the allocator may use (the device less what sits outside it)
     fits: bool  # the judged replay at the capacity does not run out of memory
     max_batch: int = 0  # largest micro-batch that fits (0: not even 1)
     max_batch_method: str = ""
@@ -278,6 +258,9 @@ class StageEstimate:
     seconds: dict = field(default_factory=dict)
     categories: dict = field(default_factory=dict)  # dry-run categories at the live peak
     gathered_ledger: int = 0  # stage 3: the runtime's own peak of gathered units (ledger)
+    build_peak_reserved: int = 0  # the build's own replay (judged: ``fits`` covers it)
+    build_fits: bool = True
+    device_capacity: float = 0.0  # bytes of the device as it reports itself
 
     @property
     def allocator_extra(self) -> int:
@@ -297,36 +280,95 @@ def prime_trace(cfg: C.Config, rank: int = 0, transport_of: str = "fake"
 
 
 def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
-                  transport_of: str = "fake") -> dict:
+                  transport_of: str = "fake", judge: dict | None = None) -> dict:
     """One stage's memory at ``cfg``'s micro-batch b0 (module level: runs in a helper
     process): the judged trace written at b0 (picture, verdict, peak reserved) from one dry
     run (``prime_trace``) and the largest micro-batch that fits (judged replays of the trace
-    written at each candidate)."""
+    written at each candidate). ``judge`` (module doc): ``outside`` bytes off the device,
+    ``extra`` bytes per sample (unfused attention), ``none_cfg`` and ``frac`` (selective
+    checkpointing: a second dry run, interpolated)."""
+    judge = judge or {}
     cfg = C.to_config(cfg_dict)
     b0 = cfg.train.micro_batch_size
     t0, cpu0 = time.perf_counter(), time.process_time()
     bt, r = prime_trace(cfg, rank, transport_of)
+    alt = (prime_trace(C.to_config(judge["none_cfg"]), rank, transport_of)
+           if judge.get("none_cfg") else None)
     t1 = time.perf_counter()
     ev = bt.events(b0)
-    pic = memory_picture(ev, bt.rep, r.category_of, r.ledger, cfg.zero.stage)
-    free = A.replay(ev, capacity=None, repeat_from=bt.rep)
-    cap = r.capacity or None
-    fits0 = cap is None or not A.replay(ev, capacity=cap, repeat_from=bt.rep,
-                                        stop_at_oom=True).oom
+    pic = _picture(bt, r, cfg.zero.stage, b0, alt, judge)
+    reserved = _reserved(bt, b0, alt, judge)
+    cap = r.capacity - judge.get("outside", 0) if r.capacity else None
+    # the build judged on its own (it holds no activations: the same at every micro-batch);
+    # a model whose build does not fit fits at no micro-batch
+    build = A.replay(build_events(r.trace, r.host_sids), capacity=cap)
+    fits_steps = _fits(bt, alt, cap, judge)
+
+    def fits(b: int) -> bool:
+        return not build.oom and fits_steps(b)
+
+    fits0 = cap is None or fits(b0)
     best, n = 0, 0
-    if search and cap is not None:
+    if search and cap is not None and not build.oom:
         # seed: the live peak is affine in b (model states + b x activations)
-        slope = max(1, memory_picture(bt.events(b0 + 1), bt.rep, r.category_of, r.ledger,
-                                      cfg.zero.stage)["live_peak"] - pic["live_peak"])
-        seed = b0 + int((cap - free.peak_reserved) // slope)
-        best, n = largest_batch(lambda b: bt.fits(b, cap), b0, fits0, seed)
+        slope = max(1, _picture(bt, r, cfg.zero.stage, b0 + 1, alt, judge)["live_peak"]
+                    - pic["live_peak"])
+        seed = b0 + int((cap - reserved) // slope)
+        best, n = largest_batch(fits, b0, fits0, seed)
     return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes,
-            "ledger": {k: v for k, v in r.ledger.items()}, "capacity": r.capacity, **pic,
-            "peak_reserved": free.peak_reserved, "fits": fits0, "max_batch": best,
+            "ledger": {k: v for k, v in r.ledger.items()}, "capacity": cap or 0.0,
+            "device_capacity": r.capacity, **pic,
+            "peak_reserved": reserved, "fits": fits0, "max_batch": best,
             "judgements": n, "build_live_peak": r.live_peak_by_phase.get("build", 0),
+            "build_peak_reserved": build.peak_reserved, "build_fits": not build.oom,
             "seconds": {"dry_run_s": t1 - t0, "search_s": time.perf_counter() - t1,
                         "cpu_s": time.process_time() - cpu0, "pid": os.getpid(),
                         "n_events": len(ev), "n_ops": r.n_ops}}
+
+
+def _interp(every: float, none: float, frac: float) -> float:
+    """The value with a fraction ``frac`` of the blocks checkpointed (module doc)."""
+    return frac * every + (1.0 - frac) * none
+
+
+def _picture(bt: BatchTraces, r, stage: int, b: int, alt, judge: dict) -> dict:
+    """``memory_picture`` at micro-batch b: interpolated with the no-checkpoint dry run
+    ``alt`` (selective), plus the unfused attention's bytes (``judge``, module doc)."""
+    pic = memory_picture(bt.events(b), bt.rep, r.category_of, r.ledger, stage)
+    if alt is not None:
+        p2 = memory_picture(alt[0].events(b), alt[0].rep, alt[1].category_of, alt[1].ledger,
+                            stage)
+        f = judge["frac"]
+        cats = set(pic["categories"]) | set(p2["categories"])
+        pic = {"parts": {k: int(_interp(pic["parts"][k], p2["parts"][k], f)) for k in PARTS},
+               "categories": {k: int(_interp(pic["categories"].get(k, 0),
+                                             p2["categories"].get(k, 0), f)) for k in cats}}
+        pic["live_peak"] = sum(pic["parts"].values())
+    extra = int(judge.get("extra", 0) * b)
+    if extra:
+        pic["parts"]["activations"] += extra
+        pic["live_peak"] += extra
+    return pic
+
+
+def _reserved(bt: BatchTraces, b: int, alt, judge: dict) -> int:
+    """Peak reserved of the judged replay at micro-batch b, steady state, no capacity
+    (interpolated and with the unfused attention's bytes as ``_picture``)."""
+    res = A.replay(bt.events(b), capacity=None, repeat_from=bt.rep).peak_reserved
+    if alt is not None:
+        other = A.replay(alt[0].events(b), capacity=None, repeat_from=alt[0].rep).peak_reserved
+        res = int(_interp(res, other, judge["frac"]))
+    return res + int(judge.get("extra", 0) * b)
+
+
+def _fits(bt: BatchTraces, alt, cap: float | None, judge: dict):
+    """b -> whether micro-batch b fits: the judged replay at the capacity less the unfused
+    attention's bytes; selective: the interpolated peak reserved within the capacity."""
+    if cap is None:
+        return lambda b: True
+    if alt is None:
+        return lambda b: bt.fits(b, cap - judge.get("extra", 0) * b)
+    return lambda b: _reserved(bt, b, alt, judge) <= cap
 
 
 def _cfg_dict(cfg: C.Config) -> dict:
@@ -334,7 +376,7 @@ def _cfg_dict(cfg: C.Config) -> dict:
 
 
 def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
-                  params) -> StageEstimate:
+                  params, timing: T.Timing) -> StageEstimate:
     p = cfg.parallel
     n_d = p.world_size // p.tp
     psi_tp = flops.param_count(cfg.model, p.tp) / p.tp
@@ -344,17 +386,19 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
         table1=model_state_bytes(psi_tp, cfg.zero.stage, n_d),
         model_states=mem["model_states"], parts=mem["parts"], live_peak=mem["live_peak"],
         peak_reserved=mem["peak_reserved"], build_live_peak=mem["build_live_peak"],
+        build_peak_reserved=mem["build_peak_reserved"], build_fits=mem["build_fits"],
         capacity=mem["capacity"], fits=mem["fits"], max_batch=mem["max_batch"],
         max_batch_method=(f"judged replays of the dry run's trace written at each micro-batch "
                           f"(one dry run per stage at b = {PRIME_BATCH})" if search
                           else "not searched"),
         seconds={**mem["seconds"], "search_judgements": mem["judgements"]},
-        categories=mem["categories"], gathered_ledger=mem["ledger"].get("params_gathered", 0))
-    est.perf = performance(cfg, hw, params)
+        categories=mem["categories"], gathered_ledger=mem["ledger"].get("params_gathered", 0),
+        device_capacity=mem["device_capacity"])
+    est.perf = performance(cfg, hw, params, timing, zr)
     if est.max_batch:
         at_max = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batch_size=est.max_batch))
-        est.perf_max = performance(at_max, hw, params)
+        est.perf_max = performance(at_max, hw, params, timing, zr)
     return est
 
 
@@ -375,6 +419,8 @@ class Estimate:
     seconds: float  # wall
     workers: int
     cpu: dict = field(default_factory=dict)  # CPU seconds: parent, per helper process
+    timing: dict = field(default_factory=dict)  # the time model and its switches
+    outside: dict = field(default_factory=dict)  # bytes outside the allocator, low/mid/high
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -420,20 +466,25 @@ def _pool(workers: int):
 
 
 def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
-             workers: int | None = None, perf_params: perf_model.PerfParams | None = None
-             ) -> Estimate:
+             workers: int | None = None, perf_params: perf_model.PerfParams | None = None,
+             timing: T.Timing | None = None) -> Estimate:
     """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
-    zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring)."""
+    zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring).
+    ``timing``: the time model (default: modern, or paper2020 when ``perf_params`` is given)."""
     t0, cpu0 = time.perf_counter(), time.process_time()
     zr = zero_r_name(zero_r, base.parallel.tp)
     if base.cluster.device_memory_gb <= 0:
         raise ValueError("the estimate needs the device memory: choose a cluster with "
                          "device_memory_gb or give it")
+    timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     b0 = base.train.micro_batch_size
-    cfgs = {s: stage_config(base, s, zr, b0) for s in stages}
+    full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
+    cfgs = {s: stage_config(base, s, full, b0) for s in stages}
+    judges, outside = _judges(base, stages, zr, timing)
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     hw = Hardware.from_config(base.cluster)
-    params = perf_params or calibrate.calibration().params
+    params = perf_params or (calibrate.calibration().params if timing.model == "paper2020"
+                             else None)
     pool = _pool(workers)
     mems: dict = {}
     try:
@@ -442,7 +493,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         # the buffers of the transport the cluster's ranks use: NCCL's native one on GPUs
         # (two fused gradient buckets + reduce-scatter scratch), the rooted one otherwise
         transport = "native" if base.cluster.device == "cuda" else "fake"
-        args = {s: (_cfg_dict(cfgs[s]), search, 0, transport) for s in order}
+        args = {s: (_cfg_dict(cfgs[s]), search, 0, transport, judges[s]) for s in order}
         if pool is None:
             mems = {s: _stage_memory(*args[s]) for s in order}
         else:
@@ -451,7 +502,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params) for s in stages]
+    out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing) for s in stages]
     m, c = base.model, base.cluster
     return Estimate(
         model={"name": m.name, "family": m.family, "n_layer": m.n_layer, "hidden": m.n_embd,
@@ -464,8 +515,33 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
                  "pcie_gbps": c.pcie_gbps},
         world_size=base.parallel.world_size, tp=base.parallel.tp, batch=b0, seq=m.seq_len,
         dtype=base.zero.dtype, zero_r=zr, stages=out, recommendation=recommend(out),
-        perf_params=dataclasses.asdict(params), seconds=time.perf_counter() - t0,
-        workers=workers, cpu=_cpu(mems, cpu0, pool is not None))
+        perf_params=dataclasses.asdict(params) if params else {},
+        seconds=time.perf_counter() - t0, workers=workers, cpu=_cpu(mems, cpu0, pool is not None),
+        timing={**dataclasses.asdict(timing), "gpu": T.gpu_of(c, timing.gpu)
+                if timing.model == "modern" else ""}, outside=outside)
+
+
+def _judges(base: C.Config, stages, zr: str, timing: T.Timing) -> tuple[dict, dict]:
+    """Per stage what the modern stack changes in the memory judgement (``_stage_memory``'s
+    ``judge``), and the bracket outside the allocator ({} for paper2020 or no GPU named)."""
+    gpu = T.gpu_of(base.cluster, timing.gpu) if timing.model == "modern" else ""
+    outside, judge = {}, {}
+    if gpu:
+        comms = 1 + (base.parallel.tp > 1)  # the DP group, + the TP group
+        outside = outside_modern.bracket(kernel_sources.SPECS[gpu].generation, comms,
+                                         base.cluster.gpus_per_node)
+        judge["outside"] = outside["mid"]
+        frac = modern_step.recompute_fraction(modern_step.Modern(ac=T.ac_of(zr),
+                                                                 every=timing.every))
+        if timing.attention == "unfused":
+            m, t = base.model, base.parallel.tp
+            judge["extra"] = m.n_head / t * m.seq_len ** 2 * (2 * m.n_layer * (1 - frac) + 6)
+    judges = {s: dict(judge) for s in stages}
+    if zr == "selective":
+        for s in stages:
+            judges[s].update(none_cfg=_cfg_dict(stage_config(
+                base, s, "none", base.train.micro_batch_size)), frac=1.0 / timing.every)
+    return judges, outside
 
 
 def _cpu(mems: dict, cpu0: float, pooled: bool) -> dict:
@@ -481,19 +557,15 @@ def _cpu(mems: dict, cpu0: float, pooled: bool) -> dict:
 
 
 def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
-                    perf_params: perf_model.PerfParams | None = None) -> dict:
+                    perf_params: perf_model.PerfParams | None = None,
+                    timing: T.Timing | None = None) -> dict:
     """Step time (s) per stage at each inter-node bandwidth in ``gbps`` (Gbit/s per node), the
-    rest of ``base``'s cluster as it is (``perf_model``; memory does not depend on it)."""
-    params = perf_params or calibrate.calibration().params
+    rest of ``base``'s cluster as it is (``estimate_time``; memory does not depend on it)."""
+    timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     zr = zero_r_name(zero_r, base.parallel.tp)
-    out = {}
-    for s in stages:
-        cfg = stage_config(base, s, zr, base.train.micro_batch_size)
-        out[s] = [performance(dataclasses.replace(cfg, cluster=dataclasses.replace(
-            cfg.cluster, inter_node_gbps=float(g))), Hardware.from_config(
-                dataclasses.replace(cfg.cluster, inter_node_gbps=float(g))), params)["step_s"]
-            for g in gbps]
-    return out
+    full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
+    cfgs = {s: stage_config(base, s, full, base.train.micro_batch_size) for s in stages}
+    return T.bandwidth_sweep(cfgs, gbps, perf_params, timing, zr)
 
 
 def closed_form(psi: float, n_d: int) -> dict:

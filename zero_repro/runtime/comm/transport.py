@@ -19,8 +19,8 @@ a transport does to be fast stay inside it; ``name`` says which ran (records, dr
 * ``PairwiseTransport`` (gloo across hosts, or ``ZR_CPU_TRANSPORT=pairwise``): point-to-point
   exchanges with every peer; a reduce-scatter receives (N - 1)·c elements of scratch, one chunk
   straight into a separate output, at most 2 in flight; an all-gather receives in place.
-* ``RootedTransport`` (the dry run's ``fake`` group): N rooted reduces / broadcasts per bucket,
-  in place, no scratch.
+* ``RootedTransport`` (the dry run's ``fake`` group): one in-place reduce-scatter / all-gather
+  per bucket, no scratch.
 * ``cpu.shm_transport.ShmTransport`` (gloo ranks on one host, the default there): the group's
   shared-memory channel, its ``buffer``s mapped by the peers.
 
@@ -113,23 +113,24 @@ class NativeTransport(_OnHeap):
 
 
 class RootedTransport(_OnHeap):
-    """Per-chunk rooted reduces / broadcasts, in place in the bucket (the dry run's group)."""
+    """In place in the bucket, no scratch (the dry run's ``fake`` group, whose collectives move
+    nothing): one in-place reduce-scatter into this rank's chunk, one in-place all-gather from
+    it (NCCL's in-place forms), each one call whatever N_d -- a 64-rank DP group is 1 call per
+    bucket, not 64 rooted ones."""
 
     name = "fake"  # the ``dry_run(transport_of=...)`` that accounts it
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         g = self.group
-        c, own = inp.numel() // g.size, own_chunk(inp, g)
-        handles = [comm.reduce(inp[k * c:(k + 1) * c], k, g, async_op=True)
-                   for k in range(g.size)]
-        return Work(handles, lambda: _copy_unless_same(out, own))
+        own = own_chunk(inp, g)
+        return Work([comm.reduce_scatter_into(own, inp, g, async_op=True)],
+                    lambda: _copy_unless_same(out, own))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         g = self.group
-        _copy_unless_same(own_chunk(out, g), inp)
-        c = out.numel() // g.size
-        return Work([comm.broadcast(out[k * c:(k + 1) * c], k, g, async_op=True)
-                     for k in range(g.size)])
+        own = own_chunk(out, g)
+        _copy_unless_same(own, inp)
+        return Work([comm.all_gather_into(out, own, g, async_op=True)])
 
 
 class PairwiseTransport(_OnHeap):

@@ -121,6 +121,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, **kw)
         log.debug("GPT %s: %d layers x %d, tp %d, padded vocab %d", cfg.name, cfg.n_layer,
                   cfg.n_embd, group.size, self.vocab_padded)
+        remember_names(self)
         if torch.device(device or "cpu").type != "meta":
             self.init_weights(seed, on=init_on)
 
@@ -179,24 +180,58 @@ class GPT(nn.Module):
             return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         return "normal", self.cfg.init_std
 
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0, on: str = "cpu") -> None:
-        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``,
-        drawn on the CPU (``on="cpu"``) or on the parameter's device (``on="device"``)."""
-        if on not in ("cpu", "device"):
-            raise ValueError(f"init on {on!r}: use 'cpu' or 'device'")
-        from torch._subclasses.fake_tensor import is_fake
+    def init_weights(self, seed: int = 0, on: str = "cpu", only=None) -> None:
+        """Fill every parameter (``only``: those of these tensors) with this rank's slice of
+        the TP=1 model's tensor for ``seed``, drawn on the CPU (``on="cpu"``) or on the
+        parameter's device (``on="device"``); see ``init_parameters``."""
+        init_parameters(self, seed, on, only, vocab_rows=("wte.weight",))
 
-        dims, full_shapes = self.tp_partition_dims(), self.full_shapes()
-        t, r = self.tp_group.size, self.tp_group.rank
-        for name, p in self.named_parameters():
-            if p.is_meta or is_fake(p):
-                continue  # nothing to fill (dry runs); materialize with to_empty + init_weights
-            full = _full_init(name, full_shapes[name], *self._init_spec(name), seed,
-                              n_real_rows=self.cfg.vocab_size if name == "wte.weight" else None,
-                              device=p.device if on == "device" else "cpu")
-            shard = _slice(full, dims[name], r, t, p.shape)
-            p.copy_(shard.to(device=p.device, dtype=p.dtype))
+
+def remember_names(model: nn.Module) -> None:
+    """Record each parameter's name as the model was built, by (owning module, attribute): the
+    name its initial value is drawn for, whatever wraps the modules later (activation
+    checkpointing renames ``blocks.3.x`` to ``blocks.3.block.x``) or replaces the parameter
+    objects (``to_empty``)."""
+    model._built_names = {(id(m), pn): f"{mn}.{pn}" if mn else pn
+                          for mn, m in model.named_modules()
+                          for pn, _ in m.named_parameters(recurse=False)}
+
+
+def _named_as_built(model: nn.Module):
+    """(current name, name as built, parameter) of every parameter (``remember_names``)."""
+    built = getattr(model, "_built_names", {})
+    for mn, m in model.named_modules():
+        for pn, p in m.named_parameters(recurse=False):
+            cur = f"{mn}.{pn}" if mn else pn
+            yield cur, built.get((id(m), pn), cur), p
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, on: str, only=None,
+                    vocab_rows: tuple[str, ...] = ()) -> None:
+    """TP-consistent initialisation of a GPT-family model: each parameter (``only``: those
+    among these tensors, by identity) gets this TP rank's slice of its full (TP=1) tensor,
+    drawn from a generator seeded by (``seed``, its name as built: ``remember_names``);
+    ``vocab_rows`` the tables whose padded rows stay zero. Parameters without data (meta,
+    fake: dry runs) are skipped. The same values for any TP degree, stage, DP size and order
+    of calls: partitioned construction (``runtime.zero.build_init``) fills one unit at a time."""
+    if on not in ("cpu", "device"):
+        raise ValueError(f"init on {on!r}: use 'cpu' or 'device'")
+    from torch._subclasses.fake_tensor import is_fake
+
+    dims, full_shapes = model.tp_partition_dims(), model.full_shapes()
+    t, r = model.tp_group.size, model.tp_group.rank
+    wanted = None if only is None else {id(x) for x in only}
+    seen = set()
+    for cur, name, p in _named_as_built(model):
+        if id(p) in seen or (wanted is not None and id(p) not in wanted) or p.is_meta \
+                or is_fake(p):
+            continue  # nothing to fill (dry runs), or a tied parameter filled already
+        seen.add(id(p))
+        full = _full_init(name, full_shapes[cur], *model._init_spec(name), seed,
+                          n_real_rows=model.cfg.vocab_size if name in vocab_rows else None,
+                          device=p.device if on == "device" else "cpu")
+        p.copy_(_slice(full, dims[cur], r, t, p.shape).to(device=p.device, dtype=p.dtype))
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -41,7 +41,8 @@ from torch import nn
 
 from zero_repro.config import ModelConfig, ffn_width, kv_heads, padded_vocab
 from zero_repro.runtime.comm import comm
-from zero_repro.runtime.model.gpt import _full_init, _resolve_group, _slice, causal_attention
+from zero_repro.runtime.model.gpt import (_resolve_group, causal_attention, init_parameters,
+                                          remember_names)
 from zero_repro.runtime.model.tp import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
@@ -197,6 +198,7 @@ class Llama(nn.Module):
         self.ln_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
         self.lm_head = ColumnParallelLinear(cfg.n_embd, self.vocab_padded, group, bias=False,
                                             **kw)
+        remember_names(self)
         if torch.device(device or "cpu").type != "meta":
             self.init_weights(seed, on=init_on)
 
@@ -246,20 +248,8 @@ class Llama(nn.Module):
             return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         return "normal", self.cfg.init_std
 
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0, on: str = "cpu") -> None:
-        """Fill every parameter with this rank's slice of the TP=1 model's tensor for ``seed``,
-        drawn on the CPU (``on="cpu"``) or on the parameter's device (``on="device"``), as GPT's."""
-        if on not in ("cpu", "device"):
-            raise ValueError(f"init on {on!r}: use 'cpu' or 'device'")
-        from torch._subclasses.fake_tensor import is_fake
-
-        dims, full_shapes = self.tp_partition_dims(), self.full_shapes()
-        t, r = self.tp_group.size, self.tp_group.rank
-        for name, p in self.named_parameters():
-            if p.is_meta or is_fake(p):
-                continue
-            full = _full_init(name, full_shapes[name], *self._init_spec(name), seed,
-                              n_real_rows=self.cfg.vocab_size if name in VOCAB_ROWS else None,
-                              device=p.device if on == "device" else "cpu")
-            p.copy_(_slice(full, dims[name], r, t, p.shape).to(device=p.device, dtype=p.dtype))
+    def init_weights(self, seed: int = 0, on: str = "cpu", only=None) -> None:
+        """Fill every parameter (``only``: those of these tensors) with this rank's slice of
+        the TP=1 model's tensor for ``seed``, drawn on the CPU (``on="cpu"``) or on the
+        parameter's device (``on="device"``), as GPT's (``gpt.init_parameters``)."""
+        init_parameters(self, seed, on, only, vocab_rows=tuple(VOCAB_ROWS))

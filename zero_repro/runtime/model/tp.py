@@ -225,6 +225,13 @@ class RowSource:
         raise NotImplementedError
 
 
+def reads_row_source(func) -> bool:
+    """Whether torch function ``func`` is a read of a table through its ``RowSource`` (the
+    lookup or the head of ``VocabParallelEmbedding``): it takes the table's ``weight`` for its
+    shape only, the rows come from the source."""
+    return getattr(func, "__self__", None) in (_SlicedLookup, _SlicedHead)
+
+
 class _SlicedLookup(torch.autograd.Function):
     """``F.embedding(ids, W)`` with W read a row slice at a time; no slice is kept for
     backward: dW is the embedding backward of the ids alone (the same op as ``F.embedding``'s,

@@ -1,9 +1,11 @@
 """Resharding checkpoints of ZeRO-DP training state with torch.distributed.checkpoint (DCP).
 
 Saved (paper §5, the model states ZeRO partitions: 12Ψ/N_d bytes per rank for stages 1-3): per
-parameter its fp32 master, ``exp_avg`` and ``exp_avg_sq`` as 1-D tensors of its TP-local size
-(``master/tp{t}/{param}``, ...); training-dtype parameters are the master cast down and are not
-saved. Scalars (data position, Adam step, loss-scaler state, the layout) and a SHA-256 per file
+parameter its fp32 master and each per-element optimizer state (the built-in AdamW's
+``exp_avg`` and ``exp_avg_sq``; a torch optimizer's, e.g. SGD's ``momentum_buffer``) as 1-D
+tensors of its TP-local size (``master/tp{t}/{param}``, ...); training-dtype parameters are the
+master cast down and are not saved; a torch optimizer's scalar states and param groups go into
+the manifest. Scalars (data position, Adam step, loss-scaler state, the layout) and a SHA-256 per file
 go into ``manifest.json``; per-rank RNG states into ``rng/rank{r}``.
 
 Resharding: a rank's shard (``zero/partition.py``: interleaved bucket chunks) intersected with
@@ -113,13 +115,14 @@ def _state_tensors(sd: dict, tp_rank: int, rank: int, writer: bool) -> dict:
     """DCP state dict of ShardedTensors over ``sd`` (a Strategy.state_dict()); the local shards
     are views of ``sd``'s shard tensors, so a DCP load fills ``sd`` in place."""
     numel = {name: n for g in sd["groups"] for name, _, n, _ in g["slots"]}
-    chunks: dict[str, list] = {f"{k}/tp{tp_rank}/{n}": [] for k in STATES for n in numel}
+    states = sd.get("states", STATES)
+    chunks: dict[str, list] = {f"{k}/tp{tp_rank}/{n}": [] for k in states for n in numel}
     for g in sd["groups"]:
         # stage 0 keeps the full state on every DP rank: only DP rank 0 writes it
         if not writer and g["partition"]["world"] == 1:
             continue
         for pc in pieces(g):
-            for k in STATES:
+            for k in states:
                 chunks[f"{k}/tp{tp_rank}/{pc.name}"].append(
                     (pc.offset, g[k][pc.shard_offset:pc.shard_offset + pc.length]))
     # keys this rank holds nothing of are left out: DCP needs no rank to list every key, and an
@@ -183,6 +186,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
             "format": FORMAT, "step": int(step), "stage": sd["stage"], "dtype": sd["dtype"],
             "dp": topo.dp, "tp": topo.tp, "world_size": topo.world_size,
             "opt_step": int(sd["step"]), "scaler": sd["scaler"],
+            "states": list(sd.get("states", STATES)), "optim": sd.get("optim"),
             "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
             "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
             "extra": extra or {}}
@@ -317,7 +321,13 @@ def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
     checkpoint ``path`` saved at the same TP degree; returns the manifest (``step`` = the data
     position to continue from)."""
     manifest = read_manifest(path, verify)
-    sd = strategy.state_dict()
+    saved_states = manifest.get("states", list(STATES))
+    sd = strategy.state_dict(states=saved_states)
+    if sd.get("states", list(STATES)) != saved_states:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds the optimizer states {saved_states[1:]}, this run's "
+            f"optimizer {sd.get('states', list(STATES))[1:]}: resume with the optimizer it was "
+            f"saved with")
     check_compatible(manifest, sd, topo, path)
     state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=True)
     rng_key = f"rng/rank{topo.rank}"
@@ -339,6 +349,8 @@ def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
                     sd["dtype"])
     else:
         sd["scaler"] = manifest["scaler"]
+    if manifest.get("optim") is not None:
+        sd["optim"] = manifest["optim"]
     strategy.load_state_dict(sd)
     if same_world:
         torch.set_rng_state(state[rng_key])

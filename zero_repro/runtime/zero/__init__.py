@@ -65,17 +65,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import held_bytes_of
+from zero_repro.runtime.zero.build_init import Init
+from zero_repro.runtime.zero.optim import Factory
 from zero_repro.runtime.zero.partition import geometry
 from zero_repro.runtime.zero.stage0_ddp import Stage0DDP
 from zero_repro.runtime.zero.stage1_os import Stage1Os
 from zero_repro.runtime.zero.stage2_g import Stage2G
 from zero_repro.runtime.zero.stage3_p import Stage3P
 from zero_repro.runtime.zero.strategy import StepInfo, Strategy
+from zero_repro.runtime.zero.units import Units
 
 __all__ = ["STAGES", "StepInfo", "Strategy", "build_strategy", "comm_buffer_bytes"]
 
@@ -84,12 +88,24 @@ UNBOUNDED = 1 << 62  # a bucket knob without C_B: one bucket per flat group
 
 
 def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
-                   zero_r: ZeroRConfig | None = None) -> Strategy:
+                   zero_r: ZeroRConfig | None = None, *, units: Units = None,
+                   optimizer: Factory | None = None, device: torch.device | str | None = None,
+                   init: Init | None = None) -> Strategy:
     """The strategy class for ``zero.stage`` wrapping ``model`` (parameters are re-pointed into
-    flat buffers and cast to ``zero.dtype``; build it after TP and activation checkpointing)."""
+    flat buffers and cast to ``zero.dtype``; build it after TP and activation checkpointing).
+
+    ``units`` (stage 3): which modules are gathered and freed as one (``units``: modules
+    in forward order or a predicate; default ``model.blocks``). ``optimizer``: a callable
+    taking the (name, fp32 shard part) pairs of this rank and returning a
+    ``torch.optim.Optimizer`` (``optim``; ``strategy.optimizer`` is it); default the built-in
+    sharded AdamW of ``train``. ``device``: where the buffers go (default the parameters');
+    a model built on the ``meta`` device is materialised there group by group (stage 3: unit
+    by unit) and filled by ``init`` (``build_init``; default each module's
+    ``reset_parameters()``)."""
     if zero.stage not in STAGES:
         raise ValueError(f"zero.stage={zero.stage} is not one of {sorted(STAGES)}")
-    return STAGES[zero.stage](model, topo, zero, train, zero_r)
+    return STAGES[zero.stage](model, topo, zero, train, zero_r, units=units,
+                              optimizer=optimizer, device=device, init=init)
 
 
 def comm_buffer_bytes(stage: int, groups: Sequence[int | tuple[int, int]], n_d: int, elt: int,

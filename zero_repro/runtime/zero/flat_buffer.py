@@ -5,7 +5,10 @@ rank's shard as views of its chunks, and the gradient shard.
 3): it casts them to the training dtype, lays them end to end (``partition.layout``), pads to the
 bucket grid (``partition.Partition``) and re-points every ``param.data`` at its view of the flat
 tensor (made by ``alloc``, e.g. the transport's ``buffer``), so writing the flat tensor updates
-the module in place. Stage 3 frees the storage (``free``) and re-allocates it (``materialize``)
+the module in place. Parameters built without storage (the ``meta`` device: partitioned
+construction) are not copied: each is swapped for its view (``torch.utils.swap_tensors``: the
+same Python object, its attributes kept) and filled by the caller's initialisation afterwards.
+Stage 3 frees the storage (``free``) and re-allocates it (``materialize``)
 around each use; the views stay valid (storage resized, not replaced, so tensors autograd saved
 see the re-gathered values). ``PeakBytes`` tracks stage 3's gathered units; ``GradShards`` is
 the reduced gradient shard of stages 2 and 3.
@@ -26,26 +29,30 @@ class FlatParams:
 
     def __init__(self, name: str, named_params: Sequence[tuple[str, nn.Parameter]],
                  dtype: torch.dtype, n_shards: int, buckets: tuple[int, int],
-                 alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None):
+                 alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+                 device: torch.device | None = None, copy: bool = True):
         """``buckets``: (R, A), the gradient and gather bucket capacities in elements;
         ``alloc(numel, dtype)``: a zeroed tensor for the flat buffer (default: the torch heap,
-        on the parameters' device)."""
+        on ``device``, by default the parameters'); ``copy``: copy the parameters' values in
+        (False: they have none yet, the caller initialises the views)."""
         self.name = name
         self.params = [p for _, p in named_params]
-        self.slots, numel = layout([n for n, _ in named_params],
-                                   [tuple(p.shape) for _, p in named_params])
+        self.names = [n for n, _ in named_params]
+        self.slots, numel = layout(self.names, [tuple(p.shape) for _, p in named_params])
         self.partition = Partition(numel, n_shards, *buckets)  # n_shards: 1 or N_d
         self.dtype = dtype
-        # on the parameters' device: the model's parameters are re-pointed into it
-        device = self.params[0].device if self.params else torch.device("cpu")
+        # the model's parameters are re-pointed into it
+        if device is None:
+            device = self.params[0].device if self.params else torch.device("cpu")
         n = self.partition.padded_numel
         self.flat = (torch.zeros(n, dtype=dtype, device=device) if alloc is None
                      else alloc(n, dtype))
-        with torch.no_grad():
-            for s, p in zip(self.slots, self.params):
-                self.flat[s.offset:s.end].copy_(p.detach().reshape(-1))
+        if copy:
+            with torch.no_grad():
+                for s, p in zip(self.slots, self.params):
+                    self.flat[s.offset:s.end].copy_(p.detach().reshape(-1))
         for s, p in zip(self.slots, self.params):
-            p.data = self.view(s)
+            point(p, self.view(s))
         self.slot_of = {id(p): s for s, p in zip(self.slots, self.params)}
 
     # ------------------------------------------------------------------ views
@@ -76,6 +83,20 @@ class FlatParams:
         """Re-allocate the flat storage (contents undefined until written)."""
         if not self.is_materialized():
             self.flat.untyped_storage().resize_(self.nbytes)
+
+
+def point(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``p`` a view of ``view``'s storage, in place: ``p.data = view``, or, where the
+    tensor types differ (a ``meta`` parameter materialised on a device), swap ``p``'s contents
+    for a parameter of ``view`` (the object, its Python attributes and its identity kept)."""
+    if p.device != view.device:
+        # an empty parameter of the view's kind first; then, as for every parameter, ``.data``
+        # (its own version counter: writes into the flat buffer elsewhere do not bump it)
+        q = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                         requires_grad=p.requires_grad)
+        q.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, q)
+    p.data = view
 
 
 class PeakBytes:

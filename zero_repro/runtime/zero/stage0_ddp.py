@@ -25,10 +25,14 @@ class Stage0DDP(Strategy):
     stage = 0
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
-                 train: TrainConfig, zero_r: ZeroRConfig | None = None):
-        super().__init__(model, topo, zero, train, zero_r)
+                 train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
+        super().__init__(model, topo, zero, train, zero_r, **kw)
         r = self.buckets[0]  # one shard: full parameters and optimizer state on every rank
-        self.flat = FlatParams("model", self.named, self.dtype, 1, (r, r))
+        self.flat = FlatParams("model", self.named, self.dtype, 1, (r, r), device=self.device,
+                               copy=self.init is None)
+        self.frozen_flat = self._place_frozen()
+        if self.init is not None:  # partitioned construction: one placement, filled here
+            self.init(self.named + self.frozen)
         grads = FullGrads(self.flat, self.n_d, 0, self.transport, all_reduce=True)
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._compose(ReplicatedParams(self.flat), grads, [self.flat], shard_rank=0,
@@ -36,4 +40,6 @@ class Stage0DDP(Strategy):
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
+        if self.frozen_flat is not None:
+            ledger.add("params_frozen", self.frozen_flat.nbytes)
         ledger.add("grads", self.grads.grad_bytes)  # buckets are reduced in place in it

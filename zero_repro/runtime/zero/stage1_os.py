@@ -27,15 +27,20 @@ class Stage1Os(Strategy):
     stage = 1
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
-                 train: TrainConfig, zero_r: ZeroRConfig | None = None):
-        super().__init__(model, topo, zero, train, zero_r)
+                 train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
+        super().__init__(model, topo, zero, train, zero_r, **kw)
         transport = self.transport
         self.flat = FlatParams("model", self.named, self.dtype, self.n_d, self.buckets,
-                               alloc=transport.buffer)
+                               alloc=transport.buffer, device=self.device, copy=self.init is None)
+        self.frozen_flat = self._place_frozen()
+        if self.init is not None:  # partitioned construction: one placement, filled here
+            self.init(self.named + self.frozen)
         grads = FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
         params = GatheredParams(self.flat, self.dp_rank, transport, self.zero, self.module)
         self._compose(params, grads, [self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
+        if self.frozen_flat is not None:
+            ledger.add("params_frozen", self.frozen_flat.nbytes)
         ledger.add("grads", self.grads.grad_bytes)

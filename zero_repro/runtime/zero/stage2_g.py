@@ -33,11 +33,14 @@ class Stage2G(Strategy):
     stage = 2
 
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
-                 train: TrainConfig, zero_r: ZeroRConfig | None = None):
-        super().__init__(model, topo, zero, train, zero_r)
+                 train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
+        super().__init__(model, topo, zero, train, zero_r, **kw)
         transport = self.transport
         self.flat = FlatParams("model", self.named, self.dtype, self.n_d, self.buckets,
-                               alloc=transport.buffer)
+                               alloc=transport.buffer, device=self.device, copy=self.init is None)
+        self.frozen_flat = self._place_frozen()
+        if self.init is not None:  # partitioned construction: one placement, filled here
+            self.init(self.named + self.frozen)
         if self.zero_r.constant_buffers:
             grads = FusedGrads([self.flat], self.n_d, self.dp_rank, transport, self.fused_depth,
                                self.zero_r.contiguous_memory, self.device)
@@ -48,5 +51,7 @@ class Stage2G(Strategy):
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)
+        if self.frozen_flat is not None:
+            ledger.add("params_frozen", self.frozen_flat.nbytes)
         ledger.add("grads", self.grads.grad_bytes)  # the shard (C_B off: the buffer holding it)
         ledger.add("comm_buffers", self.grads.buffer_bytes)  # the fused gradient buffers

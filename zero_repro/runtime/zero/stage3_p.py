@@ -7,10 +7,17 @@ per step: all-gather of the parameters in forward (Ψ) and again in backward (Ψ
 of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP; with ``zero.keep_gathered_turn`` (default)
 the root and the last block stay gathered from forward into backward: 3Ψ - Ψ_root - Ψ_last block.
 
-Units (``Units``, the parameter store): each child of ``model.blocks`` plus the *root* (one unit
-per other top-level module, gathered and freed together), each with its own ``FlatParams``
-padded to its bucket grid; this rank keeps only its chunks (every unit's in one store from the
-transport's ``buffer``) and the flat storage is freed whenever the unit is not in use. Gradients
+Units (``Units``, the parameter store; which modules, ``zero.units``: by default each child of
+``model.blocks``, any modules or a predicate for another model) plus the *root* (one unit per
+other top-level module, gathered and freed together), each with its own ``FlatParams`` padded
+to its bucket grid (frozen parameters in a second one, gathered with it, no gradient, no
+optimizer state); this rank keeps only its chunks (every unit's in one store from the
+transport's ``buffer``) and the flat storage is freed whenever the unit is not in use.
+Construction is partitioned (DeepSpeed's ``zero.Init``, FSDP2's meta-device init): a unit is
+whole only while it is initialised -- its flat buffer allocated, its parameters (built on the
+``meta`` device, no storage) pointed into it and filled by ``init``, this rank's chunks copied
+out, the buffer freed -- before the next unit; build peak <= the largest unit + this rank's
+shards. A parameter read while its unit is freed raises an error (``guard``). Gradients
 go through stage 2's fused buffers (``grads.FusedGrads``, one flat group per unit). Schedule:
 forward pre-hooks gather a block (prefetching ``prefetch_blocks`` ahead), post-hooks free it;
 ``pre_backward`` gathers the root and the last blocks, backward gathers in reverse and frees a
@@ -37,19 +44,25 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import Transport
 from zero_repro.runtime.model.tp import RowSource
+from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.flat_buffer import FlatParams, PeakBytes
 from zero_repro.runtime.zero.grads import FusedGrads
 from zero_repro.runtime.zero.ledger import MemoryLedger
-from zero_repro.runtime.zero.partition import row_grid
+from zero_repro.runtime.zero.partition import Partition, layout, row_grid
 from zero_repro.runtime.zero.strategy import Strategy
+
+log = logging.getLogger(__name__)
 
 
 class UnitState(enum.Enum):
@@ -59,8 +72,14 @@ class UnitState(enum.Enum):
 
 
 class _Unit:
-    def __init__(self, name: str, group: FlatParams, shard: torch.Tensor, first_chunk: int):
-        self.name, self.group, self.shard = name, group, shard  # shard: (padded/N_d,)
+    """One unit: its groups (trainable first, then frozen; each a ``FlatParams`` with this
+    rank's shard of it), its state and the gathers in flight."""
+
+    def __init__(self, name: str, parts: list[tuple[FlatParams, torch.Tensor]],
+                 trainable: bool, first_chunk: int):
+        self.name, self.parts = name, parts  # [(group, shard (padded/N_d,))]
+        self.group = parts[0][0] if trainable else None  # the trainable group, if any
+        self.shard = parts[0][1] if trainable else None
         self.first_chunk = first_chunk  # index of this unit's first chunk in the shard lists
         self.state = UnitState.SHARDED
         self.works: list = []
@@ -68,7 +87,12 @@ class _Unit:
 
     @property
     def last_chunk(self) -> int:
-        return self.first_chunk + len(self.group.partition.buckets) - 1
+        n = len(self.group.partition.buckets) if self.group is not None else 0
+        return self.first_chunk + n - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g, _ in self.parts)
 
     def expect(self, *states: UnitState, event: str) -> None:
         if self.state not in states:
@@ -78,47 +102,29 @@ class _Unit:
                 f"strategy.backward(loss), not loss.backward(), and keep one forward per backward")
 
 
-def _unit_params(module: nn.Module, named: list) -> tuple[list[nn.Module], list[tuple[str, list]]]:
-    """(the blocks, [(unit name, its (name, param) list)]): the root units (one per top-level
-    module other than the blocks, one for the model's own parameters) first, then one per
-    block, each in ``named_parameters`` order."""
-    blocks = getattr(module, "blocks", None)
-    block_list = list(blocks) if isinstance(blocks, nn.ModuleList) else []
-    owner: dict[int, str] = {}
-    for i, blk in enumerate(block_list):
-        for p in blk.parameters():
-            owner.setdefault(id(p), f"blocks.{i}")
-    for name, child in module.named_children():
-        if child is not blocks:
-            for p in child.parameters():
-                owner.setdefault(id(p), name)
-    per_unit: dict[str, list] = {}
-    for n, p in named:
-        per_unit.setdefault(owner.get(id(p), "root"), []).append((n, p))
-    block_names = [f"blocks.{i}" for i in range(len(block_list))]
-    roots = [u for u in per_unit if u not in block_names]
-    return block_list, [(u, per_unit[u]) for u in roots + block_names if u in per_unit]
-
-
-def _vocab_tables(module: nn.Module, per_unit: list[tuple[str, list]], n_d: int,
+def _vocab_tables(plans: list[U.UnitPlan], n_d: int,
                   buckets: tuple[int, int]) -> dict[str, tuple[int, int]]:
     """Root units to gather in row slices, each with its bucket grid (G, G): a unit that is the
     one 2-D weight of a module reading it through a ``RowSource`` (the vocabulary table) and
-    larger than the largest block unit. G = min(R, A, the largest block's elements) rounded
-    down to whole rows and a multiple of N_d (at least lcm(h, N_d)): every bucket is whole rows,
-    one gather each, and no slice is larger than a block."""
-    block = max((sum(p.numel() for _, p in params) for name, params in per_unit
-                 if name.startswith("blocks.")), default=0)
+    larger than the largest per-layer unit. G = min(R, A, the largest layer unit's elements)
+    rounded down to whole rows and a multiple of N_d (at least lcm(h, N_d)): every bucket is
+    whole rows, one gather each, and no slice is larger than a layer."""
+    block = max((sum(p.numel() for _, p in u.params) for u in plans if u.layer), default=0)
     out = {}
-    for name, params in per_unit:
-        mod = getattr(module, name, None)
-        if (block == 0 or name.startswith("blocks.") or not hasattr(mod, "row_source")
-                or len(params) != 1 or params[0][1] is not getattr(mod, "weight", None)
-                or params[0][1].dim() != 2 or params[0][1].numel() <= block):
+    for u in plans:
+        mod = u.module
+        if (block == 0 or u.layer or u.frozen or not hasattr(mod, "row_source")
+                or len(u.params) != 1 or u.params[0][1] is not getattr(mod, "weight", None)
+                or u.params[0][1].dim() != 2 or u.params[0][1].numel() <= block):
             continue
-        grid = row_grid(params[0][1].shape[1], n_d, *buckets, block)
-        out[name] = (grid, grid)
+        grid = row_grid(u.params[0][1].shape[1], n_d, *buckets, block)
+        out[u.name] = (grid, grid)
     return out
+
+
+def _shard_numel(named: list, n_d: int, grid: tuple[int, int]) -> int:
+    _, numel = layout([n for n, _ in named], [tuple(p.shape) for _, p in named])
+    return Partition(numel, n_d, *grid).shard_numel
 
 
 class _RowSlices(RowSource):
@@ -170,75 +176,115 @@ class _RowSlices(RowSource):
                 self._drop(slot)
 
 
+Init = Callable[[list], None]  # fills the (name, parameter) pairs it is given
+
+
 class Units:
     """Stage 3's parameter store: the units, their shards and gathers, the module hooks."""
 
-    def __init__(self, module: nn.Module, named: list, dtype: torch.dtype, n_d: int, rank: int,
-                 buckets: tuple[int, int], transport: Transport, zero: ZeroConfig):
+    def __init__(self, module: nn.Module, plans: list[U.UnitPlan], dtype: torch.dtype,
+                 n_d: int, rank: int, buckets: tuple[int, int], transport: Transport,
+                 zero: ZeroConfig, device: torch.device, init: Init | None = None):
+        """``init``: None to copy the parameters' values in (a model built with them), else
+        the partitioned construction's initialisation, called once per unit with the unit's
+        (name, parameter) pairs while they are views of its gathered buffer."""
         self.module, self.rank, self.transport, self.zero = module, rank, transport, zero
         self.gathered_peak = PeakBytes()
         self._phase = "idle"
         self._fresh: set[int] = set()  # units gathered since the last update started
-        block_list, per_unit = _unit_params(module, named)
-        tables = _vocab_tables(module, per_unit, n_d, buckets) if zero.slice_vocab_gather else {}
-        flats = [FlatParams(name, params, dtype, n_d, tables.get(name, buckets))
-                 for name, params in per_unit]
-        # every unit's shard in one store, where the transport wants it (its peers may read it)
-        total = sum(g.partition.shard_numel for g in flats)
-        store = transport.buffer(total, dtype)
+        self.pinned = 0  # depth of strategy.gathered(): every unit stays gathered
+        tables = _vocab_tables(plans, n_d, buckets) if zero.slice_vocab_gather else {}
+        grids = {u.name: tables.get(u.name, buckets) for u in plans}
+        # every unit's shard in one store, where the transport wants it (its peers may read
+        # it); the frozen parameters' shards in a second one (no gradient, no optimizer)
+        total = sum(_shard_numel(u.params, n_d, grids[u.name]) for u in plans if u.params)
+        frozen = sum(_shard_numel(u.frozen, n_d, buckets) for u in plans if u.frozen)
+        stores = {False: transport.buffer(total, dtype) if total else None,
+                  True: transport.buffer(frozen, dtype) if frozen else None}
+        at = {False: 0, True: 0}
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
-        at = chunk = 0
-        for g, (_, params) in zip(flats, per_unit):
-            shard = store[at:at + g.partition.shard_numel]
-            at += g.partition.shard_numel
-            for b, mine in zip(g.partition.buckets, g.owned_chunks(rank)):
-                shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
-            g.free()
-            u = _Unit(g.name, g, shard, chunk)
-            chunk += len(g.partition.buckets)
+        self.names: dict[int, str] = {}
+        chunk = 0
+        for plan in plans:  # one unit whole at a time (partitioned construction)
+            groups = [(FlatParams(plan.name, named, dtype, n_d, grid, device=device,
+                                  copy=init is None), is_frozen)
+                      for named, grid, is_frozen in ((plan.params, grids[plan.name], False),
+                                                     (plan.frozen, buckets, True)) if named]
+            if init is not None:
+                init(plan.params + plan.frozen)
+            parts = []
+            for g, is_frozen in groups:
+                n = g.partition.shard_numel
+                shard = stores[is_frozen][at[is_frozen]:at[is_frozen] + n]
+                at[is_frozen] += n
+                with torch.no_grad():
+                    for b, mine in zip(g.partition.buckets, g.owned_chunks(rank)):
+                        shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+                g.free()
+                parts.append((g, shard))
+            u = _Unit(plan.name, parts, bool(plan.params), chunk)
+            chunk += len(u.group.partition.buckets) if u.group is not None else 0
             self.units.append(u)
-            for _, p in params:
+            for n, p in plan.params + plan.frozen:
                 self.unit_of[id(p)] = u
+                self.names[id(p)] = n
         by_name = {u.name: u for u in self.units}
-        self.block_units: list[_Unit | None] = [by_name.get(f"blocks.{i}")
-                                                for i in range(len(block_list))]
+        self.layer_modules = [p.module for p in plans if p.layer]
+        self.block_units: list[_Unit] = [by_name[p.name] for p in plans if p.layer]
         # a vocabulary table cut into row slices is never gathered whole: its module reads it
         # through a RowSource; the other root units are gathered around the forward
-        self.tables = {by_name[n]: getattr(module, n) for n in tables}
+        self.tables = {by_name[p.name]: p.module for p in plans if p.name in tables}
         self.row_buffers: list[torch.Tensor] = []  # the tables' two slice buffers each
         for u, mod in self.tables.items():
             u.sliced = True
             mod.row_source = _RowSlices(self, u)
             self.row_buffers += mod.row_source.buffers
-        self.roots = [u for u in self.units
-                      if not u.name.startswith("blocks.") and u not in self.tables]
-        present = [i for i, u in enumerate(self.block_units) if u is not None]
-        self._last_block = present[-1] if present else None
-        self.hooks = self._register_module_hooks(block_list)
+        self.roots = [u for u, p in zip(self.units, plans) if not p.layer and u not in self.tables]
+        self._last_block = len(self.block_units) - 1 if self.block_units else None
+        self.grad_units = [u for u in self.units if u.group is not None]
+        self.hooks = self._register_module_hooks(self.layer_modules)
 
     @property
     def groups(self) -> list[FlatParams]:
-        return [u.group for u in self.units]
+        """The trainable groups, one per unit that has trainable parameters."""
+        return [u.group for u in self.grad_units]
+
+    @property
+    def all_groups(self) -> list[FlatParams]:
+        """Every group, trainable and frozen (the storages gathered and freed)."""
+        return [g for u in self.units for g, _ in u.parts]
 
     def formula_groups(self) -> list[int | tuple[int, int]]:
-        """Every unit for ``comm_buffer_bytes``: its elements, with its own grid if sliced."""
+        """Every trainable group for ``comm_buffer_bytes``: its elements, with its own grid
+        if sliced."""
         return [(u.group.numel, u.group.partition.grid) if u.sliced else u.group.numel
-                for u in self.units]
+                for u in self.grad_units]
 
     def chunks(self) -> list[torch.Tensor]:
         return [u.shard[b.shard_offset:b.shard_offset + b.chunk]
-                for u in self.units for b in u.group.partition.buckets]
+                for u in self.grad_units for b in u.group.partition.buckets]
+
+    def freed(self, p: torch.Tensor) -> str | None:
+        """Why parameter ``p`` holds no data now, or None (the guard's question)."""
+        u = self.unit_of.get(id(p))
+        if u is None or u.state is UnitState.GATHERED:
+            return None
+        if u.sliced:
+            return "is a vocabulary table read in row slices (never gathered whole)"
+        return (f"its unit '{u.name}' is {u.state.value}" if u.state is UnitState.GATHERING
+                else f"its unit '{u.name}' is freed")
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, u: _Unit) -> None:
         u.expect(UnitState.SHARDED, event="gather requested")
-        u.group.materialize()
-        self.gathered_peak.alloc(u.group.nbytes)
-        flat = u.group.flat
-        u.works = [self.transport.all_gather(flat[b.start:b.end],
-                                             u.shard[b.shard_offset:b.shard_offset + b.chunk])
-                   for b in u.group.partition.buckets]
+        u.works = []
+        for g, shard in u.parts:
+            g.materialize()
+            self.gathered_peak.alloc(g.nbytes)
+            u.works += [self.transport.all_gather(g.flat[b.start:b.end],
+                                                  shard[b.shard_offset:b.shard_offset + b.chunk])
+                        for b in g.partition.buckets]
         u.state = UnitState.GATHERING
 
     def _ensure(self, u: _Unit) -> None:
@@ -254,32 +300,59 @@ class Units:
         for j in indices:
             if 0 <= j < len(self.block_units):
                 u = self.block_units[j]
-                if u is not None and u.state is UnitState.SHARDED:
+                if u.state is UnitState.SHARDED:
                     self._gather(u)
 
     def _free(self, u: _Unit) -> None:
         if u.state is UnitState.GATHERING:  # prefetched but never used
             self._ensure(u)
+        if self.pinned:
+            return  # strategy.gathered(): every unit stays until it ends
         u.expect(UnitState.GATHERED, event="free requested")
-        u.group.free()
-        self.gathered_peak.free(u.group.nbytes)
+        for g, _ in u.parts:
+            g.free()
+            self.gathered_peak.free(g.nbytes)
         u.state = UnitState.SHARDED
 
     def free_unit(self, index: int) -> None:
-        """Every gradient of unit ``index`` is in the fused buffers: its parameters go."""
-        u = self.units[index]
-        if u.sliced:
+        """Every gradient of trainable group ``index`` is in the fused buffers: its unit's
+        parameters go."""
+        u = self.grad_units[index]
+        if u.sliced and u.state is UnitState.SHARDED:
             return  # never gathered whole
         u.expect(UnitState.GATHERED, event="its last gradient arrived")
         self._free(u)
 
+    # ------------------------------------------------------------------ gathered()
+    def pin(self) -> None:
+        """Gather every unit (vocabulary tables whole) and keep them until ``unpin``."""
+        self.finish_param_sync()
+        if not self.pinned:
+            for mod in self.tables.values():
+                mod.row_source = None  # the table is whole: read it directly
+        self.pinned += 1
+        for u in self.units:
+            if u.state is UnitState.SHARDED:
+                self._gather(u)
+        for u in self.units:
+            self._ensure(u)
+
+    def unpin(self) -> None:
+        self.pinned -= 1
+        if self.pinned:
+            return
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self._free(u)
+        for u, mod in self.tables.items():
+            mod.row_source = self._row_sources[u]
+
     # ------------------------------------------------------------------ module hooks
     def _register_module_hooks(self, block_list) -> list:
+        self._row_sources = {u: mod.row_source for u, mod in self.tables.items()}
         hooks = [self.module.register_forward_pre_hook(self._root_pre),
                  self.module.register_forward_hook(self._root_post)]
         for i, blk in enumerate(block_list):
-            if self.block_units[i] is None:
-                continue
             hooks.append(blk.register_forward_pre_hook(functools.partial(self._block_pre, i)))
             hooks.append(blk.register_forward_hook(functools.partial(self._block_post, i)))
         return hooks
@@ -313,8 +386,7 @@ class Units:
                 for u in self.roots:
                     self._free(u)
             if torch.is_grad_enabled():  # fail loudly, naming the unit, on a bare backward
-                outs = output if isinstance(output, (tuple, list)) else (output,)
-                for t in outs:
+                for t in tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._check_backward_phase)
 
@@ -334,8 +406,7 @@ class Units:
         if self._phase == "backward":
             return None  # recompute inside backward: keep the unit until its grads are in
         if torch.is_grad_enabled():
-            outs = output if isinstance(output, (tuple, list)) else (output,)
-            for t in outs:
+            for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(self._pre_block_backward, i))
                     break
@@ -398,17 +469,23 @@ class Stage3P(Strategy):
     stage = 3
 
     def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
-                 zero_r: ZeroRConfig | None = None):
-        super().__init__(model, topo, zero, train, zero_r)
-        units = Units(self.module, self.named, self.dtype, self.n_d, self.dp_rank, self.buckets,
-                      self.transport, self.zero)
+                 zero_r: ZeroRConfig | None = None, **kw):
+        super().__init__(model, topo, zero, train, zero_r, **kw)
+        plans = U.plan(self.module, self.units_spec, warn=self.dp_rank == 0)
+        units = Units(self.module, plans, self.dtype, self.n_d, self.dp_rank, self.buckets,
+                      self.transport, self.zero, self.device, self.init)
         grads = FusedGrads(units.groups, self.n_d, self.dp_rank, self.transport, self.fused_depth,
                            self.zero_r.contiguous_memory, self.device, on_filled=units.free_unit)
         self._compose(units, grads, units.groups, shard_rank=self.dp_rank, counts_norm=True)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
-        shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in self.params.units)
+        shard_bytes = sum(u.shard.numel() * u.shard.element_size()
+                          for u in self.params.grad_units)
+        frozen = sum(sh.numel() * sh.element_size() for u in self.params.units
+                     for _, sh in u.parts[1 if u.group is not None else 0:])
         ledger.add("params_lp", shard_bytes)
+        if frozen:
+            ledger.add("params_frozen", frozen)
         ledger.add("grads", shard_bytes)  # persistent gradient shard, same size and dtype
         ledger.add("comm_buffers", self.grads.buffer_bytes)  # the fused gradient buffers
         ledger.add("params_gathered", self.params.gathered_peak.peak)  # transient, peak

@@ -42,6 +42,7 @@ Adam per bucket as its reduction lands (the clip and the overflow skip need ever
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Protocol
 
@@ -52,11 +53,16 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import bucket_transport
-from zero_repro.runtime.zero.ledger import MemoryLedger
+from zero_repro.runtime.model.tp import reads_row_source
+from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES, MemoryLedger
 from zero_repro.runtime.zero import clip, precision
+from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.adam import ShardAdamW
+from zero_repro.runtime.zero.build_init import Init, materialize_buffers, resolve_init
 from zero_repro.runtime.zero.flat_buffer import FlatParams
-from zero_repro.runtime.zero.partition import counted_subranges
+from zero_repro.runtime.zero.guard import ParamGuard, unguarded
+from zero_repro.runtime.zero.optim import Factory, TorchShardOptimizer
+from zero_repro.runtime.zero.partition import counted_subranges, intersect
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +126,11 @@ class Strategy:
     params: ParamStore
 
     def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
-                 zero_r: ZeroRConfig | None = None):
+                 zero_r: ZeroRConfig | None = None, *, units: U.Units = None,
+                 optimizer: Factory | None = None, device: torch.device | str | None = None,
+                 init: Init | None = None):
         """The parts every stage shares; a stage's own ``__init__`` then builds its stores
-        and finishes with ``_compose``."""
+        and finishes with ``_compose``. Keywords: ``build_strategy``'s."""
         self.module = model
         self.topo, self.zero, self.train = topo, zero, train
         # None = the C_B and M_D behaviour ZeRO recommends (constant buffers, contiguous grads)
@@ -136,9 +144,16 @@ class Strategy:
         # DDP / FSDP2 compute none) may turn it off where neither needs it
         self.measure_grad_norm = True
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.names = [n for n, _ in self.named]
-        # the ranks' device (every buffer the strategy makes goes there: GPU runs, meta dry runs)
-        self.device = self.named[0][1].device if self.named else torch.device("cpu")
+        self.units_spec, self.make_optimizer = units, optimizer
+        # the ranks' device (every buffer the strategy makes goes there: GPU runs, meta dry
+        # runs); a model built on the meta device is materialised there (partitioned
+        # construction: ``init`` fills each group as it is placed)
+        first = next(iter(model.parameters()), None)
+        self.device = torch.device(device) if device is not None else \
+            first.device if first is not None else torch.device("cpu")
+        self.init = resolve_init(model, init, self.device)
         self.transport = bucket_transport(self.dp_group, self.device)
         # C_B (§6.3): (R, A) elements per gradient / gather bucket; off: one bucket per group
         # (the fused buffer grows with the model, the parameters gathered un-bucketed)
@@ -163,11 +178,58 @@ class Strategy:
         for g in self.groups:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
-        self.opt = ShardAdamW(chunks, params.chunks(), precision.needs_master(self.zero.dtype))
+        keep_master = precision.needs_master(self.zero.dtype)
+        if self.make_optimizer is None:
+            self.opt = ShardAdamW(chunks, params.chunks(), keep_master)
+        else:
+            self.opt = TorchShardOptimizer(self.make_optimizer, chunks, params.chunks(),
+                                           keep_master, self._parts(chunks))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
+        if self.init is not None:
+            materialize_buffers(self.module, self.device, self.init)
+        self.guard = ParamGuard(self.stage, {id(p): n for n, p in self.named + self.frozen},
+                                freed=getattr(params, "freed", None),
+                                passes=reads_row_source)
+        self.guard.install(p for _, p in self.named + self.frozen)
+
+    def _place_frozen(self) -> FlatParams | None:
+        """Stages 0-2: the frozen parameters, whole on every rank in the training dtype, in
+        one flat buffer of their own (no gradient, no optimizer state)."""
+        if not self.frozen:
+            return None
+        return FlatParams("frozen", self.frozen, self.dtype, 1, (1 << 62, 1 << 62),
+                          device=self.device, copy=self.init is None)
+
+    def _parts(self, chunks: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+        """(parameter name, shard offset, length) of every run of the shard that holds one
+        parameter's elements within one bucket, in shard order (``optim``)."""
+        out, i = [], 0
+        for g in self.groups:
+            for b in g.partition.buckets:
+                lo, hi = b.owned(self.shard_rank)
+                at = chunks[i][0]
+                for sl in g.slots:
+                    r = intersect(sl.offset, sl.end, lo, hi)
+                    if r is not None:
+                        out.append((sl.name, at + r[0] - lo, r[1] - r[0]))
+                i += 1
+        return out
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self.grads.add(p, self._is_last)
+        with unguarded():  # the runtime's own read of p.grad
+            self.grads.add(p, self._is_last)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer ``build_strategy(optimizer=...)`` made (attach an LR scheduler
+        to it); the built-in AdamW has none."""
+        if not isinstance(self.opt, TorchShardOptimizer):
+            raise AttributeError(
+                "strategy.optimizer: this strategy steps the built-in sharded AdamW "
+                "(train.lr, beta1/beta2, eps, weight_decay), not a torch.optim.Optimizer; for a "
+                "scheduler or param groups pass build_strategy(..., optimizer=lambda params: "
+                "torch.optim.AdamW(params, ...))")
+        return self.opt.optimizer
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         raise NotImplementedError
@@ -188,8 +250,13 @@ class Strategy:
         (loss.float() * (self.scaler.scale / self.train.grad_accum)).backward()
         self.grads.start_grad_sync(self._is_last)
         self.params.post_backward()
+        self.guard.grads_elsewhere = True
 
     def step(self) -> StepInfo:
+        if getattr(self.params, "pinned", 0):
+            raise RuntimeError("strategy.step() inside 'with strategy.gathered():' would leave "
+                               "the gathered copies stale; step after the block")
+        self.guard.grads_elsewhere = False
         self.params.finish_param_sync()
         self.grads.finish_grad_sync()
         scale = self.scaler.scale
@@ -215,6 +282,7 @@ class Strategy:
         return StepInfo(loss_scale=scale, agreed=agreed)
 
     def zero_grad(self) -> None:
+        self.guard.grads_elsewhere = False
         self.grads.zero()
 
     def wait_params(self) -> None:
@@ -223,20 +291,143 @@ class Strategy:
         self.params.finish_param_sync()
 
     def remove_hooks(self) -> None:
+        """Detach the strategy from the model: gradient and module hooks, the parameters'
+        guard (they are plain ``nn.Parameter``s again)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self.params.remove_hooks()
+        self.guard.remove()
 
     def memory_ledger(self) -> MemoryLedger:
         """Bytes this rank holds per category: what is allocated (transient categories: their
         peak), including the transport's own (``comm_buffers``)."""
         ledger = MemoryLedger()
         for k, v in self.opt.nbytes().items():
-            ledger.add(k, v)
+            if v or k in MODEL_STATE_CATEGORIES:
+                ledger.add(k, v)
         self._ledger(ledger)
         ledger.add("comm_buffers", self.transport.held_bytes())
         return ledger
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole on every rank inside the block (collective over the DP
+        group): stage 3 gathers every unit (its vocabulary table too) and keeps it until the
+        block ends, so the model can be inspected or run (``generate()``) as a plain module;
+        stages 0-2 hold full parameters anyway. Read-only: what is written into a parameter
+        inside is lost at the end; ``step()`` inside raises."""
+        self.wait_params()
+        pin = getattr(self.params, "pin", None)
+        if pin is None:
+            yield self.module
+            return
+        pin()
+        try:
+            yield self.module
+        finally:
+            self.params.unpin()
+
+    @torch.no_grad()
+    def full_state_dict(self, dtype: torch.dtype | None = torch.float32,
+                        rank0_only: bool = True, tp_full: bool = True) -> dict:
+        """The model's own ``state_dict()`` with every parameter whole, on the CPU (collective
+        over the world: every rank calls it). Keys are the model's (tied weights under every
+        name the model gives them, buffers included), so a fresh model loads it with
+        ``strict=True``. ``dtype``: float32 (default; trainable parameters from the fp32
+        master, not rounded through the training dtype) or None for the training dtype.
+        ``tp_full``: TP-sliced parameters (a model with ``tp_partition_dims`` and
+        ``full_shapes``) gathered over TP to their TP=1 shapes. ``rank0_only``: other ranks
+        get ``{}``. Memory: one bucket (stages 0-2) or one unit's bucket at a time on the
+        device; the whole model in host memory on the ranks that keep it."""
+        self.wait_params()
+        # DP rank 0 of every TP group collects (its TP group then gathers over TP); the world's
+        # rank 0 keeps
+        collect = not rank0_only or self.dp_rank == 0
+        keep = not rank0_only or self.topo.rank == 0
+        values: dict[int, torch.Tensor] = {}
+        enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
+        try:
+            lp = self.params.chunks()
+            fp32 = dtype == torch.float32 or dtype is None and self.dtype == torch.float32
+            chunks = [self.opt.master_chunk(i, c).float() if fp32 else c
+                      for i, c in enumerate(lp)]
+            i = 0
+            for g in self.groups:
+                n = len(g.partition.buckets)
+                self._export_group(g, chunks[i:i + n], values, collect)
+                i += n
+            for g, shards in self._frozen_groups():
+                cast = [c.float() if fp32 else c for c in shards]
+                self._export_group(g, cast, values, collect)
+            if tp_full and collect:
+                self._tp_gather(values)
+        finally:
+            self.topo.ledger.enabled = enabled
+        if not keep:
+            return {}
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            t = values.get(id(v))
+            out[k] = t if t is not None else v.detach().to("cpu", copy=True)
+        return out
+
+    def _frozen_groups(self) -> list[tuple[FlatParams, list[torch.Tensor]]]:
+        """(group, this rank's chunks of it) of every frozen group."""
+        flat = getattr(self, "frozen_flat", None)
+        if flat is not None:
+            return [(flat, flat.owned_chunks(0))]
+        out = []
+        for u in getattr(self.params, "units", ()):
+            for g, shard in u.parts[1 if u.group is not None else 0:]:
+                out.append((g, [shard[b.shard_offset:b.shard_offset + b.chunk]
+                                for b in g.partition.buckets]))
+        return out
+
+    def _export_group(self, g: FlatParams, chunks: list[torch.Tensor],
+                      values: dict[int, torch.Tensor], keep: bool) -> None:
+        """Gather group ``g`` bucket by bucket from this rank's ``chunks`` (one per bucket)
+        into whole CPU tensors, ``values[id(parameter)]`` (filled where ``keep``)."""
+        part = g.partition
+        if keep:
+            dt = chunks[0].dtype if chunks else self.dtype
+            for sl, p in zip(g.slots, g.params):
+                values[id(p)] = torch.empty(sl.numel, dtype=dt)
+        for b, mine in zip(part.buckets, chunks):
+            if part.world == 1:
+                whole = mine
+            else:
+                whole = torch.empty(b.size, dtype=mine.dtype, device=mine.device)
+                comm.all_gather_into(whole, mine.contiguous(), self.dp_group)
+            if not keep:
+                continue
+            for sl, p in zip(g.slots, g.params):
+                r = intersect(sl.offset, sl.end, b.start, b.end)
+                if r is not None:
+                    values[id(p)][r[0] - sl.offset:r[1] - sl.offset].copy_(
+                        whole[r[0] - b.start:r[1] - b.start])
+        if keep:
+            for sl, p in zip(g.slots, g.params):
+                values[id(p)] = values[id(p)].view(sl.shape)
+
+    def _tp_gather(self, values: dict[int, torch.Tensor]) -> None:
+        """TP-sliced parameters in ``values`` replaced by their TP=1 tensors (collective over
+        the TP group, one parameter at a time on the device)."""
+        group = self.topo.tp_group
+        dims_fn = getattr(self.module, "tp_partition_dims", None)
+        if group is None or group.size == 1 or not callable(dims_fn):
+            return
+        dims, shapes = dims_fn(), self.module.full_shapes()
+        for n, p in self.named + self.frozen:
+            d = dims.get(n)
+            if d is None:
+                continue
+            moved = values[id(p)].to(self.device).movedim(d, 0).contiguous()
+            buf = torch.empty((group.size,) + tuple(moved.shape), dtype=moved.dtype,
+                              device=self.device)
+            comm.all_gather_into(buf.view(-1), moved.view(-1), group)
+            full = buf.flatten(0, 1).movedim(0, d)
+            values[id(p)] = full.narrow(d, 0, shapes[n][d]).to("cpu").contiguous()
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -263,10 +454,24 @@ class Strategy:
             self.topo.ledger.enabled = enabled
         return {n: out[n] for n in self.names}
 
-    def state_dict(self) -> dict:
-        """Sharded optimizer state: per group the fp32 master/m/v shard and the flat ranges it
-        covers (``shard_ranges``: (flat_start, shard_start, length)), enough to reshard."""
+    def state_names(self, requested: list[str] | None = None) -> list[str]:
+        """The per-element states a ``state_dict`` holds: ``master`` and the optimizer's
+        (AdamW: ``exp_avg``, ``exp_avg_sq``; a torch optimizer: what it has created, or
+        ``requested``, e.g. a checkpoint's, to be filled by a load)."""
+        if isinstance(self.opt, TorchShardOptimizer):
+            return ["master", *(requested[1:] if requested else self.opt.state_keys())]
+        return ["master", "exp_avg", "exp_avg_sq"]
+
+    def state_dict(self, states: list[str] | None = None) -> dict:
+        """Sharded optimizer state: per group the fp32 master and optimizer-state shards
+        (``states``: ``state_names``) and the flat ranges they cover (``shard_ranges``:
+        (flat_start, shard_start, length)), enough to reshard; a torch optimizer's scalar
+        states and param groups under ``optim``."""
         self.wait_params()  # a checkpoint never races the step's all-gather
+        names = self.state_names(states)
+        custom = isinstance(self.opt, TorchShardOptimizer)
+        shard = {k: (self.opt.shard_state(k) if custom else getattr(self.opt, k))
+                 for k in names[1:]}
         groups, base, i = [], 0, 0
         lp_chunks = self.params.chunks()
         for g in self.groups:
@@ -278,19 +483,27 @@ class Strategy:
                 "name": g.name, "slots": [(s.name, s.offset, s.numel, s.shape) for s in g.slots],
                 "partition": g.partition.describe(),
                 "shard_ranges": g.partition.shard_ranges(self.shard_rank),
-                "master": master.clone(), "exp_avg": self.opt.exp_avg[base:base + n].clone(),
-                "exp_avg_sq": self.opt.exp_avg_sq[base:base + n].clone()})
+                "master": master.clone(),
+                **{k: v[base:base + n].clone() for k, v in shard.items()}})
             base += n
             i += nb
-        return {"stage": self.stage, "dtype": self.zero.dtype, "dp_world": self.n_d,
-                "dp_rank": self.dp_rank, "step": self.opt.step_count,
-                "scaler": self.scaler.state_dict(), "groups": groups}
+        out = {"stage": self.stage, "dtype": self.zero.dtype, "dp_world": self.n_d,
+               "dp_rank": self.dp_rank, "step": self.opt.step_count,
+               "scaler": self.scaler.state_dict(), "groups": groups, "states": names}
+        if custom:
+            out["optim"] = {"scalars": self.opt.scalars(), "groups": self.opt.groups()}
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Load a state from ``state_dict`` of the same stage, layout and DP size."""
         if len(state["groups"]) != len(self.groups):
             raise ValueError("state_dict has a different number of flat groups; reshard first")
+        names = state.get("states", ["master", "exp_avg", "exp_avg_sq"])
+        custom = isinstance(self.opt, TorchShardOptimizer)
+        if not custom and names != self.state_names():
+            raise ValueError(f"the state holds {names[1:]}, the built-in AdamW exp_avg and "
+                             f"exp_avg_sq: it was saved with another optimizer")
         self.params.finish_param_sync()
         base, i = 0, 0
         lp_chunks = self.params.chunks()
@@ -299,14 +512,20 @@ class Strategy:
             if gs["master"].numel() != n:
                 raise ValueError(f"group {g.name}: shard of {gs['master'].numel()} elements, "
                                  f"expected {n}; reshard for dp={self.n_d} first")
-            self.opt.exp_avg[base:base + n].copy_(gs["exp_avg"])
-            self.opt.exp_avg_sq[base:base + n].copy_(gs["exp_avg_sq"])
+            if not custom:
+                self.opt.exp_avg[base:base + n].copy_(gs["exp_avg"])
+                self.opt.exp_avg_sq[base:base + n].copy_(gs["exp_avg_sq"])
             for b in g.partition.buckets:
                 src = gs["master"][b.shard_offset:b.shard_offset + b.chunk]
                 self.opt.master_chunk(i, lp_chunks[i]).copy_(src)
                 lp_chunks[i].copy_(src)
                 i += 1
             base += n
+        if custom:
+            optim = state.get("optim", {"scalars": {}, "groups": self.opt.groups()})
+            shard = {k: torch.cat([gs[k] for gs in state["groups"]]).to(self.device)
+                     for k in names[1:]}
+            self.opt.load(shard, optim["scalars"], optim["groups"])
         self.opt.step_count = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
         self.params.start_param_sync()

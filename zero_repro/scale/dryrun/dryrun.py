@@ -17,6 +17,10 @@ peak allocated, peak reserved ("max cached", Figure 7), fragmentation, and ``liv
 replays run to the steady state: the last traced step (2 steps by default; the first also
 creates the lazy state) is repeated until the allocator's layout stops changing
 (``allocator.replay(repeat_from=...)``); a last step that is not closed is judged as traced.
+A model fits when neither its build nor its training steps run out: where the judged trace
+starts after the build (``modern``: as after ``empty_cache()``), the build is replayed on its
+own (the runtime's partitioned construction: stage 3 holds one unit whole + its shards) and
+``allocator["oom"]`` is the verdict over both (``judge``); ``oom_training`` the steps' alone.
 
 ``cfg.simulate.stack`` (``stack``): ``modern`` runs this runtime as it is; ``paper2020`` swaps
 in the 2019 Megatron layer and checkpointing and DeepSpeed 0.2's stage 1-2 allocation sequence,
@@ -57,7 +61,8 @@ from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import (  # noqa: F401 (re-exported)
-    device_events, judged_trace, live_peaks, repeat_start, steady_peak, without_teardown)
+    build_events, device_events, judged_trace, live_peaks, repeat_start, steady_peak,
+    without_teardown)
 from zero_repro.scale.dryrun.tracer import ALLOC, FREE, AllocationTracer  # noqa: F401 (re-exported)
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.step import train_step
@@ -120,21 +125,47 @@ class DryRunResult:
             raise ValueError("replay needs the trace: run dry_run(..., keep_trace=True)")
         return judged_trace(self.trace, self.host_sids, self.judged_with_build)
 
+    def build_judged_apart(self) -> bool:
+        """Whether the build is judged by its own replay (the judged trace starts after it)."""
+        return not self.judged_with_build
+
     def replay(self, capacity: float | None) -> dict:
         """The judged allocator replay again (to the steady state), with another capacity
-        (needs the trace: ``keep_trace=True``); e.g. one dry run both probes and judges."""
+        (needs the trace: ``keep_trace=True``); e.g. one dry run both probes and judges.
+        ``oom``: the build or the training steps ran out (``judge``)."""
         ev = self.judged_events()
-        return A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
+        train = A.replay(ev, capacity=capacity, repeat_from=repeat_start(ev)).as_dict()
+        build = None
+        if self.build_judged_apart():
+            build = A.replay(build_events(self.trace, self.host_sids), capacity=capacity)
+        return judge(train, build)
 
     def min_capacity(self, compute: bool = True) -> int | None:
-        """Smallest device capacity (bytes, allocator's share) at which the judged replay does
-        not run out of memory in the steady state (``allocator.min_capacity``; needs the
-        trace). Computed once; ``compute=False``: None unless computed before."""
+        """Smallest device capacity (bytes, allocator's share) at which neither the judged
+        replay (in the steady state) nor, where judged apart, the build's runs out of memory
+        (``allocator.min_capacity``; needs the trace). Computed once; ``compute=False``: None
+        unless computed before."""
         if self._min_capacity is None and compute:
             ev = self.judged_events()
-            known = (self.capacity, not self.allocator["oom"]) if self.capacity else None
-            self._min_capacity = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
+            known = ((self.capacity, not self.allocator["oom_training"])
+                     if self.capacity else None)
+            need = A.min_capacity(ev, repeat_from=repeat_start(ev), known=known)
+            if self.build_judged_apart():
+                need = max(need, A.min_capacity(build_events(self.trace, self.host_sids)))
+            self._min_capacity = need
         return self._min_capacity
+
+
+def judge(train: dict, build) -> dict:
+    """The judged replay's result (``train``, ``ReplayResult.as_dict()``) with the build's
+    replay (``build``, a ``ReplayResult`` or None where the build is part of ``train``):
+    ``oom`` is the verdict over both -- the larger peak decides -- ``oom_training`` the
+    training steps' alone; ``build_peak_reserved`` / ``build_oom`` the build's."""
+    out = dict(train, oom_training=train["oom"])
+    if build is not None:
+        out.update(build_peak_reserved=build.peak_reserved, build_oom=build.oom,
+                   oom=train["oom"] or build.oom)
+    return out
 
 
 # ------------------------------------------------------------------------------ the run
@@ -175,7 +206,9 @@ def changes_layer(stack: S.Stack) -> bool:
 def builders(stack: S.Stack, cfg: C.Config) -> dict:
     """``train.build.build`` keyword arguments that put ``stack``'s parts in (empty: the
     runtime as it is)."""
-    kw: dict = {}
+    # the 2020 build made the whole model before DeepSpeed flattened it (no partitioned
+    # construction): where the stack models that build, so does the dry run
+    kw: dict = {"partitioned": not stack.build_sequence}
     if changes_layer(stack):
         kw["make_model"] = lambda c, topo, device, dtype: megatron2019.GPT2019(
             c.model, stack, topo.tp_group, device=device, dtype=dtype)
@@ -252,9 +285,12 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             if transport_of != "fake":
                 topo.model_transport(transport_of)
             t0 = time.perf_counter()
-            with tracer.category(S.FP16_PARAMS):
+            # partitioned construction resizes each unit's buffer as it goes: every storage
+            # is polled during the build (few ops), none of the skeleton's is recorded
+            with tracer.category(S.FP16_PARAMS), tracer.polling_all():
                 model, ckpt, strategy = build(cfg, topo, torch.device(
-                    "meta" if on_meta else "cpu"), **builders(stack, cfg))
+                    "meta" if on_meta else "cpu"), skeleton_scope=tracer.untracked,
+                    **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
@@ -285,7 +321,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if rep is None and iterations > 1:
         log.warning("dry run: the last step is not closed (it keeps a storage into the next "
                     "or frees an older one): judged as traced, without the steady state")
-    alloc_judged = A.replay(judged, capacity=cap, repeat_from=rep).as_dict()
+    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep).as_dict(),
+                         None if with_build else A.replay([e for e in dev if e[3] == "build"],
+                                                          capacity=cap))
     alloc_all, brk = (alloc_judged if with_build else {}), {}
     if details:
         if not with_build:
@@ -420,7 +458,8 @@ def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iteration
         with tracer:
             topo = Topology.build(cfg.parallel.tp)
             with tracer.category(S.FP16_PARAMS):
-                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"))
+                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
+                                              skeleton_scope=tracer.untracked)
             hooks = K.tag_model(tracer, model)
             for it in range(iterations):
                 _one_step(strategy, tracer, ckpt, set(), cfg, it)
@@ -500,12 +539,17 @@ def setup_overrides(s: PaperSetup, cluster: str = PAPER_CLUSTER, **kw) -> dict:
     return {**paper_setup_overrides(s, **kw), **cluster_overrides(cluster, DRYRUN_FIELDS)}
 
 
-def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = PAPER_CLUSTER):
+def bench_config(n_layer: int = 125, zero_config: str = "C4", cluster: str = PAPER_CLUSTER,
+                 **shape):
     """The paper's 100B setup (Table 8: 125 x 8192, 64 heads, batch 32/GPU, 400 GPUs, MP 16)
-    under ``zero_config`` with the paper harness's buckets."""
+    under ``zero_config`` with the paper harness's buckets; ``shape`` (hidden, heads, gpus,
+    tp, batch) replaces what is given (e.g. the 1T model: 25600, 160 heads, 1024 GPUs)."""
     s = next(s for s in setups("fig7") if s.size_label == "100B")
     ov = setup_overrides(s, cluster)
-    ov.update(paper_overrides(n_layer, s.hidden, s.heads, s.gpus, s.tp, s.batch_per_gpu,
+    given = {k: v for k, v in shape.items() if v is not None}
+    ov.update(paper_overrides(n_layer, given.get("hidden", s.hidden),
+                              given.get("heads", s.heads), given.get("gpus", s.gpus),
+                              given.get("tp", s.tp), given.get("batch", s.batch_per_gpu),
                               zero_config))
     return apply_overrides(C.Config(), ov)
 
@@ -524,10 +568,18 @@ def main(argv=None) -> int:
                     help="software stack (simulate.stack)")
     ap.add_argument("--backend", default="meta", choices=(*BACKENDS, "both"),
                     help="how to run without data (both: meta and fake, side by side)")
+    for name in ("hidden", "heads", "gpus", "tp", "batch", "stage"):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help=f"{name} (default: the 100B setup's; stage: the config's)")
+    ap.add_argument("--cluster", default=PAPER_CLUSTER, help="conf/cluster/NAME")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cfg = apply_overrides(bench_config(args.layers, args.config),
-                          {"simulate.stack": args.stack})
+    extra = {"simulate.stack": args.stack}
+    if args.stage is not None:
+        extra["zero.stage"] = args.stage
+    cfg = apply_overrides(bench_config(args.layers, args.config, args.cluster,
+                                       hidden=args.hidden, heads=args.heads, gpus=args.gpus,
+                                       tp=args.tp, batch=args.batch), extra)
     walls = {}
     for backend in (("meta", "fake") if args.backend == "both" else (args.backend,)):
         t0 = time.perf_counter()
@@ -536,15 +588,19 @@ def main(argv=None) -> int:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                        if k.startswith("iteration"))
-        print(f"dry-run bench: {cfg.model.name} {args.config} {args.stack} {backend} "
-              f"world {cfg.parallel.world_size} "
+        print(f"dry-run bench: {cfg.model.name} {args.config} stage {cfg.zero.stage} "
+              f"{args.stack} {backend} world {cfg.parallel.world_size} "
               f"tp {cfg.parallel.tp} batch {cfg.train.micro_batch_size}: {wall:.1f} s wall "
               f"(build {r.timings['build_s']:.1f}s {its}; {r.n_ops} ops ({r.cached_ops} "
               f"cached), {r.n_events} events, {r.n_buckets} buckets; steady after "
               f"{r.allocator['repeats']} repeats) "
               f"peak live {max(r.live_peak_by_iteration.values()) / 1e9:.2f} "
               f"GB, steady {r.live_peak_steady / 1e9:.2f} GB, reserved "
-              f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; {os.cpu_count()} cpus, "
+              f"{r.allocator['peak_reserved'] / 1e9:.2f} GB; build: peak live "
+              f"{r.live_peak_by_phase.get('build', 0) / 1e9:.2f} GB, reserved "
+              f"{r.allocator.get('build_peak_reserved', 0) / 1e9:.2f} GB; "
+              f"{'OOM' if r.allocator['oom'] else 'fits'} at {r.capacity / 1e9:.1f} GB; "
+              f"{os.cpu_count()} cpus, "
               f"load {load:.1f}", flush=True)
     if len(walls) == 2:
         print(f"dry-run bench: fake / meta wall time = {walls['fake'] / walls['meta']:.1f}")

@@ -15,9 +15,9 @@ verdict is not monotone in depth (fragmentation): the answer is the largest dept
 whose next ``LOOKAHEAD`` = 2 depths do not (``scan`` judges a range). The analytic model
 (``zero_repro.scale.analytic``) is logged beside the seed and is the fallback. Returns the depth
 and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process.
-Judged trace: ``modern`` after ``empty_cache()`` following the build (the build's transient 2x of
-the fp16 weights is recorded, ``Judgement.build_peak_live``, not judged); ``paper2020`` with its
-build against the device less its CUDA context + NCCL. Rounds and timings:
+Judged trace: ``modern`` after ``empty_cache()`` following the build, the build judged by its
+own replay (partitioned construction: the largest unit + the shards; ``dryrun.judge``);
+``paper2020`` with its build against the device less its CUDA context + NCCL. Rounds and timings:
 ``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Judgement:
     peak_live: int  # exact live bytes, last iteration
     ledger_model_states: int
     seconds: float  # the dry run's own wall time (it may have run as a probe or in parallel)
-    build_peak_live: int = 0  # live bytes during the build (not judged: see module docstring)
+    build_peak_live: int = 0  # live bytes during the build (judged: see module docstring)
     # smallest capacity at which this depth's judged replay fits (allocator.min_capacity):
     # fits iff min_capacity <= capacity; the search steers on it. None: not computed (a
     # judgement of the search's end game, decided by verdicts alone: ``DryRunJudge.capacities``)

@@ -14,6 +14,13 @@ def judged_trace(trace, host_sids, with_build: bool) -> list:
     return dev if with_build else A.training_trace(dev)
 
 
+def build_events(trace, host_sids) -> list:
+    """The build phase's device events: what the build holds on the device until it ends
+    (judged apart from the training steps where the stack's build is not part of the judged
+    trace: the peak that decides is the larger of the two)."""
+    return [e for e in device_events(trace, set(host_sids)) if e[3] == "build"]
+
+
 def repeat_start(events) -> int | None:
     """Index of the last training iteration's first event when that iteration can be repeated
     (closed, and not the first: the first creates the lazy state); None otherwise."""

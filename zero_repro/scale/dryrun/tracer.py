@@ -53,6 +53,9 @@ class AllocationTracer(TorchDispatchMode):
         self._resizable: dict[int, weakref.ref] = {}  # sid -> storage seen resizing in place
         self._next = 0
         self.n_ops = 0
+        self._off = 0  # depth of ``untracked``
+        self._watched: set[int] = set()  # sids named by ``watch``
+        self._resized: set[int] = set()  # sids seen resizing in place
         self._how: dict = {}  # op -> "scalar" | "view" | "mutable" | "plain"
 
     @contextlib.contextmanager
@@ -64,6 +67,32 @@ class AllocationTracer(TorchDispatchMode):
         finally:
             self.phase, self.iteration = old
 
+    @contextlib.contextmanager
+    def untracked(self):
+        """Ops inside pass through unrecorded (the storage-less model skeleton a real run
+        builds on the ``meta`` device: no device memory)."""
+        self._off += 1
+        try:
+            yield
+        finally:
+            self._off -= 1
+
+    @contextlib.contextmanager
+    def polling_all(self):
+        """Poll every storage seen from now on before every allocating op, until the end of
+        the block (the build, where a strategy resizes each unit's buffer as it goes: no
+        release is missed, whatever the storage); afterwards only the watched ones stay
+        polled. Cheap where few ops run (a build), not for a training step."""
+        before = self.poll_all
+        self.poll_all = True
+        try:
+            yield
+        finally:
+            self.poll_all = before
+            if not before:  # keep what was watched or seen resizing
+                self._resizable = {sid: ref for sid, ref in self._resizable.items()
+                                   if sid in self._watched or sid in self._resized}
+
     def sid_of(self, t: torch.Tensor) -> int | None:
         return self._sid_of.get(id(t.untyped_storage()))
 
@@ -74,11 +103,14 @@ class AllocationTracer(TorchDispatchMode):
         self._see(st)
         sid = self._sid_of[id(st)]
         self._resizable[sid] = weakref.ref(st)
+        self._watched.add(sid)
         self._check_size(sid, st)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
         # metadata queries (prim.device), which only pass through
+        if self._off:
+            return func(*args, **(kwargs or {}))
         self.n_ops += 1
         how = self._how.get(func)
         if how is None:
@@ -156,10 +188,13 @@ class AllocationTracer(TorchDispatchMode):
             self._record(ALLOC, sid, nbytes)
         self._size[sid] = nbytes
         self._resizable[sid] = weakref.ref(st)
+        self._resized.add(sid)
 
     def _on_free(self, key: int, sid: int) -> None:
         self._sid_of.pop(key, None)
         self._resizable.pop(sid, None)
+        self._watched.discard(sid)
+        self._resized.discard(sid)
         nbytes = self._size.pop(sid, 0)
         if nbytes:
             self._record(FREE, sid, nbytes)

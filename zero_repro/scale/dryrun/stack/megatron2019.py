@@ -30,7 +30,7 @@ from torch import nn
 
 from zero_repro.config import ModelConfig
 from zero_repro.runtime.comm import comm
-from zero_repro.runtime.model.gpt import GPT, causal_attention
+from zero_repro.runtime.model.gpt import GPT, causal_attention, remember_names
 from zero_repro.runtime.model.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
                                  vocab_parallel_cross_entropy)
 from zero_repro.scale.dryrun.stack import switches as S
@@ -191,6 +191,7 @@ class GPT2019(GPT):
         kw = dict(device=device, dtype=dtype)
         self.blocks = nn.ModuleList(Block2019(cfg, self.tp_group, stack, self.mask, **kw)
                                     for _ in range(cfg.n_layer))
+        remember_names(self)
         if torch.device(device or "cpu").type != "meta" and cfg.n_layer:
             self.init_weights(seed)
 

@@ -1,0 +1,63 @@
+# ZeRO stage 3 on your own model with your own torch optimizer and scheduler (the README's
+# "Use ZeRO on your own model"): torchrun --nproc_per_node 2 -m zero_repro.examples.own_model
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero_repro.config import TrainConfig, ZeroConfig
+from zero_repro.runtime.comm import launch
+from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.train import checkpoint
+from zero_repro.runtime.zero import build_strategy
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.out(F.gelu(self.fc(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=256, d=64, n=4):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+
+# --8<-- [start:own-model]
+launch.init_from_env("gloo")  # "nccl" on GPUs
+topo = Topology.build(tp=1)  # every rank is a data-parallel rank
+with torch.device("meta"):  # no storage: built unit by unit on the device by the strategy
+    model = Net()
+strategy = build_strategy(
+    model, topo, ZeroConfig(stage=3, grad_clip=1.0), TrainConfig(), device="cpu",
+    units=list(model.layers),  # gathered / freed one by one (the default finds them too)
+    optimizer=lambda named: torch.optim.AdamW(  # runs on this rank's fp32 shard
+        [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+         {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
+        lr=1e-3))
+sched = torch.optim.lr_scheduler.CosineAnnealingLR(strategy.optimizer, T_max=100)
+gen = torch.Generator().manual_seed(topo.dp_rank)  # each DP rank its own data
+for _ in range(20):
+    x = torch.randint(0, 256, (8, 32), generator=gen)
+    loss = F.cross_entropy(strategy(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    strategy.backward(loss)
+    strategy.step()
+    strategy.zero_grad()
+    sched.step()
+checkpoint.save("own_model_ckpt", strategy, topo, step=20)  # sharded; resumes at any stage/DP
+full = strategy.full_state_dict()  # the model's own keys in fp32, on rank 0
+if topo.rank == 0:
+    Net().load_state_dict(full, strict=True)
+    print(f"loss {loss.item():.3f}, lr {sched.get_last_lr()[0]:.2e}, {len(full)} tensors")
+# --8<-- [end:own-model]
+launch.teardown()

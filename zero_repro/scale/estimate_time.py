@@ -1,0 +1,160 @@
+"""How fast, for the estimate (``scale.estimate``): step time, tokens/s, MFU / HFU and the traffic
+per rank and step of one configuration, by one of two time models (``Timing.model``):
+
+  * ``modern`` (default): today's stack on the cluster's GPU (``scale.modern_step`` over the
+    per-device kernel model ``scale.kernels``): flash attention with causal FLOPs, activation
+    checkpointing none | selective | full, bf16 with an fp32 master, the stage's collectives
+    with their overlap; every term kept, a band from the kernel inputs' spread;
+  * ``paper2020``: the paper's V100 stack calibrated on its Fig 2 (``scale.perf_model`` with
+    ``calibrate``'s e_max and comm_eff), as the estimate reported it before the modern model.
+
+The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the named cluster's
+(``kernels.CLUSTER_DEVICE``), else the one device of ``kernel_sources.SPECS`` whose dense peak
+and memory size the cluster states; none: the paper2020 model, said so in the result.
+Traffic per rank and step: DP 2Ψ (stages 0-2) or 3Ψ (stage 3) elements (§7); TP the
+all-reduces of b·s·h (counted 2n each, ``comm``'s convention).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zero_repro import config as C
+from zero_repro.runtime.model import flops
+from zero_repro.scale import kernel_sources as KS
+from zero_repro.scale import kernels as K
+from zero_repro.scale import modern_step as M
+from zero_repro.scale import calibrate, perf_model
+from zero_repro.scale.hardware import Hardware
+
+MODELS = ("modern", "paper2020")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Which time model and the modern stack's switches (``modern_step.Modern``); ``ac``
+    follows the ZeRO-R setting (``ac_of``)."""
+    model: str = "modern"
+    gpu: str = ""  # kernel_sources.SPECS key; "": the cluster's (``gpu_of``)
+    attention: str = "flash"  # flash | unfused
+    every: int = 2  # selective AC: every k-th block checkpointed
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"time model {self.model!r}: use one of {MODELS}")
+        if self.gpu and self.gpu not in KS.SPECS:
+            raise ValueError(f"--gpu {self.gpu!r}: use one of {sorted(KS.SPECS)}")
+        M.Modern(attention=self.attention, every=self.every)  # validates
+
+
+def ac_of(zero_r: str) -> str:
+    """The activation-checkpointing mode of a ZeRO-R setting (``scale.estimate.ZERO_R`` names
+    and ``selective``)."""
+    return {"none": "none", "selective": "selective"}.get(zero_r, "full")
+
+
+def gpu_of(c: C.ClusterConfig, gpu: str = "") -> str:
+    """The cluster's device (module doc); "" when it cannot be told."""
+    if gpu:
+        return K.device_for(c.name, gpu)
+    if c.name in K.CLUSTER_DEVICE:
+        return K.CLUSTER_DEVICE[c.name]
+    match = [k for k, s in KS.SPECS.items()
+             if abs(s.peak_tflops - c.peak_tflops) <= 0.01 * s.peak_tflops
+             and (c.device_memory_gb <= 0 or abs(s.memory_gb - c.device_memory_gb) <= 2)]
+    return match[0] if len(match) == 1 else ""
+
+
+def workload(cfg: C.Config) -> perf_model.Workload:
+    """The performance models' view of ``cfg`` (the runtime reduces each bucket as backward
+    fills it: ``overlap_comm``)."""
+    m, p, zr = cfg.model, cfg.parallel, cfg.zero_r
+    llama = m.family == "llama"
+    return perf_model.Workload(
+        n_layer=m.n_layer, hidden=m.n_embd, heads=m.n_head, gpus=p.world_size, tp=p.tp,
+        batch_per_gpu=cfg.train.micro_batch_size, seq=m.seq_len,
+        vocab=C.padded_vocab(m, p.tp), stage=cfg.zero.stage,
+        checkpointing=zr.activation_checkpointing, p_a=zr.partition_activations,
+        p_a_cpu=zr.cpu_checkpointing, overlap_comm=True,
+        lp_bytes=4 if cfg.zero.dtype == "fp32" else 2, dropout=m.dropout > 0,
+        bucket_elems=float(cfg.zero.reduce_bucket_size),
+        ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0)
+
+
+def traffic(cfg: C.Config, w: perf_model.Workload, recompute: float) -> dict:
+    """DP and TP bytes per rank and step (module doc)."""
+    m, b, lp = cfg.model, w.batch_per_gpu, w.lp_bytes
+    psi = w.params / w.tp
+    dp_elems = (3 if w.stage == 3 else 2) * psi if w.dp > 1 else 0.0
+    n_tp = (m.n_layer * (4 + 2 * recompute) + 2) if w.tp > 1 else 0
+    return {"dp_bytes": dp_elems * lp, "tp_bytes": n_tp * 2.0 * b * m.seq_len * m.n_embd * lp}
+
+
+def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | None,
+                timing: Timing | None = None, zero_r: str = "ckpt") -> dict:
+    """Step time by component, tokens/s, MFU and the traffic of ``cfg`` (module doc). Empty
+    when the cluster has no peak FLOP/s."""
+    if hw.peak_flops <= 0:
+        return {}
+    timing = timing or Timing()
+    gpu = gpu_of(cfg.cluster, timing.gpu) if timing.model == "modern" else ""
+    w = workload(cfg)
+    if gpu:
+        return _modern(cfg, w, hw, gpu, timing, zero_r)
+    out = _paper2020(cfg, w, hw, params)
+    if timing.model == "modern":
+        out["note"] = "no GPU named (--gpu): the paper2020 model"
+    return out
+
+
+def _paper2020(cfg: C.Config, w: perf_model.Workload, hw: Hardware,
+               params: perf_model.PerfParams | None) -> dict:
+    """``perf_model`` with the Fig 2 calibration (``calibrate.calibration``) unless given."""
+    t = perf_model.step_time(w, hw, params or calibrate.calibration().params)
+    b, s = w.batch_per_gpu, cfg.model.seq_len
+    model_flops = flops.flops_per_iteration_cfg(cfg.model, b * w.dp, recompute=False, tp=w.tp)
+    return {"model": "paper2020", "step_s": t["total"], "compute_s": t["compute"],
+            "tp_s": t["tp_comm"], "dp_s": t["dp_comm"], "pa_s": t["pa_comm"],
+            "offload_s": t["cpu_offload"], "tokens_per_s": b * s * w.dp / t["total"],
+            "mfu": model_flops / (w.gpus * hw.peak_flops * t["total"]),
+            "tflops_per_gpu": t["tflops_per_gpu"],
+            **traffic(cfg, w, 1.0 if w.checkpointing else 0.0), "batch": b}
+
+
+def _modern(cfg: C.Config, w: perf_model.Workload, hw: Hardware, gpu: str, timing: Timing,
+            zero_r: str) -> dict:
+    ac = ac_of(zero_r)
+    if ac == "selective":
+        w = dataclasses.replace(w, checkpointing=True)
+    m = M.Modern(ac=ac, every=timing.every, attention=timing.attention)
+    r = M.step(w, hw, K.device_kernels(gpu), m)
+    terms = r["terms"]
+    compute = sum(terms[k] for k in M.TERMS if k not in ("tp_comm", "dp_exposed", "pa_comm",
+                                                            "cpu_offload"))
+    return {"model": "modern", "gpu": gpu, "ac": ac, "attention": timing.attention,
+            "every": timing.every if ac == "selective" else 0,
+            "step_s": r["step_s"], "step_s_band": list(r["step_s_band"]), "compute_s": compute,
+            "tp_s": terms["tp_comm"], "dp_s": terms["dp_exposed"], "pa_s": terms["pa_comm"],
+            "offload_s": terms["cpu_offload"], "dp_total_s": r["dp_total"], "terms": terms,
+            "largest": [list(x) for x in r["largest"]],
+            "tokens_per_s": r["tokens_per_s"], "tokens_per_s_gpu": r["tokens_per_s"] / w.gpus,
+            "mfu": r["mfu"], "hfu": r["hfu"], "band": r["band"],
+            "tflops_per_gpu": r["flops"]["hardware"] / r["step_s"] / 1e12,
+            "flops_per_gpu": r["flops"], **traffic(cfg, w, r["recompute_fraction"]),
+            "batch": w.batch_per_gpu}
+
+
+def bandwidth_sweep(cfgs: dict, gbps, params: perf_model.PerfParams | None,
+                    timing: Timing | None = None, zero_r: str = "ckpt") -> dict:
+    """Step time (s) per stage config of ``cfgs`` (stage -> Config) at each inter-node
+    bandwidth in ``gbps`` (Gbit/s per node), the rest of each cluster as it is."""
+    out = {}
+    for s, cfg in cfgs.items():
+        row = []
+        for g in gbps:
+            c = dataclasses.replace(cfg, cluster=dataclasses.replace(
+                cfg.cluster, inter_node_gbps=float(g)))
+            row.append(performance(c, Hardware.from_config(c.cluster), params, timing,
+                                   zero_r)["step_s"])
+        out[s] = row
+    return out
