@@ -78,10 +78,18 @@ class TorchShardOptimizer:
 
     @torch.no_grad()
     def step(self, lp_chunks: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-             grad_mult: float, *_hyper, on_chunk: Callable[[int], None] | None = None,
-             **_kw) -> None:
-        """One ``optimizer.step()`` with gradients ``grads`` × ``grad_mult`` (None: zero); the
-        optimizer's own hyperparameters apply (not ``train.lr`` and the rest)."""
+             grad_mult, *_hyper, on_chunk: Callable[[int], None] | None = None,
+             found_inf: torch.Tensor | None = None, **_kw) -> None:
+        """One ``optimizer.step()`` with gradients ``grads`` × ``grad_mult`` (a float or a
+        device scalar; None gradients: zero); the optimizer's own hyperparameters apply (not
+        ``train.lr`` and the rest). ``found_inf`` (a device flag agreed by every rank): the
+        step is skipped, nothing changes -- read on the host, one synchronisation: a torch
+        optimizer cannot skip on the device (the built-in AdamW does)."""
+        if found_inf is not None and bool(found_inf.item()):
+            for i in range(len(lp_chunks)):
+                if on_chunk is not None:
+                    on_chunk(i)
+            return
         self.step_count += 1
         flat = self._grad_shard(grads, grad_mult)
         for p, (_, off, n) in zip(self.params, self.parts):
@@ -103,7 +111,7 @@ class TorchShardOptimizer:
         where it already is one (fp32, contiguous chunks in shard order), else a copy."""
         base = _common_base(grads, self.chunks)
         if base is not None and base.dtype == torch.float32:
-            if grad_mult != 1.0:
+            if isinstance(grad_mult, torch.Tensor) or grad_mult != 1.0:
                 base.mul_(grad_mult)
             return base
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
