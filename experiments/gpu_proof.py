@@ -632,7 +632,8 @@ def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
     try:
         topo = _topology(cfg.parallel.tp, force_native=True)
         t0 = time.perf_counter()
-        model, ckpt, strategy = build(cfg, topo, device, make_model=_device_built_gpt)
+        # partitioned construction, each unit's weights drawn on the device (seconds per rank)
+        model, ckpt, strategy = build(cfg, topo, device)
         out["build_s"] = time.perf_counter() - t0
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -667,11 +668,6 @@ def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
         if dev == "cuda":
             torch.cuda.empty_cache()
     return out
-
-
-def _device_built_gpt(cfg, topo, device, dtype) -> GPT:
-    """``build``'s model step with the weights drawn on the device (seconds for a paper rank)."""
-    return GPT(cfg.model, tp_group=topo.tp_group, device=device, dtype=dtype, init_on="device")
 
 
 # -------------------------------------------------------------------- (6) one node, stages 0-3

@@ -77,7 +77,7 @@ def test_plan_for_gpus_equivalence_first_within_the_budget(gpus, no_cuda):
                              "paper 40B C4", "paper 100B C5"]
         by = {p.name: p.overrides for p in pts}
         c4, c5 = by["paper 40B C4"], by["paper 100B C5"]
-        # full depth: built on the device (gpu_proof._device_built_gpt), not the CPU's 142B draws
+        # full depth: built unit by unit on the device (partitioned construction), not the CPU's 142B draws
         assert (c4["model.n_layer"], c4["model.n_embd"], c4["parallel.world_size"],
                 c4["parallel.tp"], c4["zero_r.name"]) == (50, 8192, 400, 16, "c4")
         assert (c5["model.n_layer"], c5["train.micro_batch_size"], c5["zero_r.name"]) == (
