@@ -24,8 +24,8 @@ Attention: k and v are repeated to the query heads before the fused causal kerne
 (``gpt.causal_attention``, the dry run's CUDA kernel on meta), as Hugging Face's sdpa path
 does; a kernel with native GQA would not hold the (a - g)/a repeated part.
 
-TP-consistent init as in ``gpt``: every full (t = 1) tensor drawn from a generator seeded by
-(seed, name), this rank keeps its slice; weights N(0, init_std), o and down scaled by
+TP-consistent init (``decoder.Decoder``, as GPT's): every full (t = 1) tensor drawn from a
+generator seeded by (seed, name), this rank keeps its slice; weights N(0, init_std), o and down scaled by
 1/sqrt(2l), norms 1, vocabulary padding rows 0 (their logits are masked in the loss, so they
 stay 0). Parameter names: ``tok_emb``, ``blocks.i.{attn_norm, attn.{qkv, o}, mlp_norm,
 mlp.{gate_up, down}}``, ``ln_f`` (the final RMSNorm, named as GPT's so the dry run's category
@@ -39,12 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero_repro.config import ModelConfig, ffn_width, kv_heads, padded_vocab
+from zero_repro.config import ModelConfig, ffn_width, kv_heads
 from zero_repro.runtime.comm import comm
-from zero_repro.runtime.model.gpt import (_resolve_group, causal_attention, init_parameters,
-                                          remember_names)
+from zero_repro.runtime.model.decoder import Decoder, causal_attention
 from zero_repro.runtime.model.tp import (ColumnParallelLinear, RowParallelLinear,
-                                         VocabParallelEmbedding, vocab_parallel_cross_entropy)
+                                         VocabParallelEmbedding)
 
 # parameters whose first dimension is the padded vocabulary
 VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")
@@ -181,16 +180,16 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
+    VOCAB_ROWS = VOCAB_ROWS
+
     def __init__(self, cfg: ModelConfig, tp_group: comm.Group | None = None, device=None,
                  dtype=None, seed: int = 0, init_on: str = "cpu"):
-        super().__init__()
-        self.cfg = cfg
-        self.tp_group = group = _resolve_group(tp_group)
+        super().__init__(cfg, tp_group)
         if cfg.family != "llama":
             raise ValueError(f"Llama built from model.family={cfg.family!r}")
+        group = self.tp_group
         kw = dict(device=device, dtype=dtype)
-        self.vocab_padded = padded_vocab(cfg, group.size)
         self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.rope_theta)
         self.tok_emb = VocabParallelEmbedding(self.vocab_padded, cfg.n_embd, group, **kw)
         self.blocks = nn.ModuleList(LlamaBlock(cfg, group, self.rotary, **kw)
@@ -198,58 +197,17 @@ class Llama(nn.Module):
         self.ln_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, **kw)
         self.lm_head = ColumnParallelLinear(cfg.n_embd, self.vocab_padded, group, bias=False,
                                             **kw)
-        remember_names(self)
-        if torch.device(device or "cpu").type != "meta":
-            self.init_weights(seed, on=init_on)
+        self.finish(device, seed, init_on)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) -> (logits_local (B, T, V_pad/tp), mean loss or None)."""
-        b, t = idx.shape
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds model.seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(idx)  # (B, T, h)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V_pad/tp)
-        if targets is None:
-            return logits, None
-        loss = vocab_parallel_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t),
-                                            self.tp_group, vocab_size=self.cfg.vocab_size)
-        return logits, loss
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(idx)  # (B, T, h)
 
-    # ---------------------------------------------------------------- side tables
-    def tp_partition_dims(self) -> dict[str, int | None]:
-        """Parameter name -> dimension split over TP, or None if replicated on every TP rank."""
-        dims: dict[str, int | None] = {}
-        for mname, mod in self.named_modules():
-            table = getattr(type(mod), "PARTITION_DIMS", {})
-            for pname, _ in mod.named_parameters(recurse=False):
-                dims[f"{mname}.{pname}" if mname else pname] = table.get(pname)
-        return dims
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V_pad/tp)
 
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> shape in the TP=1 model (vocab padded for TP=1)."""
-        dims, t = self.tp_partition_dims(), self.tp_group.size
-        out = {}
-        for name, p in self.named_parameters():
-            shape = list(p.shape)
-            if dims[name] is not None:
-                shape[dims[name]] *= t
-            if name in VOCAB_ROWS:
-                shape[0] = padded_vocab(self.cfg, 1)
-            out[name] = tuple(shape)
-        return out
-
-    # ---------------------------------------------------------------- init
-    def _init_spec(self, name: str) -> tuple[str, float]:
+    def init_spec(self, name: str) -> tuple[str, float]:
         if "norm" in name or name.startswith("ln_f"):
             return "ones", 0.0
         if name.endswith("attn.o.weight") or name.endswith("mlp.down.weight"):
             return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         return "normal", self.cfg.init_std
-
-    def init_weights(self, seed: int = 0, on: str = "cpu", only=None) -> None:
-        """Fill every parameter (``only``: those of these tensors) with this rank's slice of
-        the TP=1 model's tensor for ``seed``, drawn on the CPU (``on="cpu"``) or on the
-        parameter's device (``on="device"``), as GPT's (``gpt.init_parameters``)."""
-        init_parameters(self, seed, on, only, vocab_rows=tuple(VOCAB_ROWS))
