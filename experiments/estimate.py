@@ -22,6 +22,7 @@ import dataclasses
 import logging
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.lab import estimate as L
 from zero_repro.lab import live_peak as LP
 from zero_repro.lab import records as R
@@ -52,7 +53,7 @@ def plan(cfg) -> list[Point]:
     if p.get("trust"):
         for world, tp in p.get("trust_layouts", [[2, 1], [4, 2]]):
             # the pre-flight check (memory, cores) sees the first trust model, not the estimate's
-            first = dataclasses.asdict(C.ModelConfig(**C.model_conf(
+            first = dataclasses.asdict(C.ModelConfig(**schema.model_conf(
                 list(p.get("trust_models"))[0])))
             ov = {**{f"model.{k}": v for k, v in first.items()},
                   "parallel.world_size": int(world), "parallel.tp": int(tp),
@@ -63,7 +64,7 @@ def plan(cfg) -> list[Point]:
                              params={"part": "trust", "world": int(world), "tp": int(tp),
                                      "models": list(p.get("trust_models")),
                                      # the shapes, so that a changed conf/model file re-runs
-                                     "shapes": {n: C.model_conf(n)
+                                     "shapes": {n: schema.model_conf(n)
                                                 for n in p.get("trust_models")},
                                      "batch": int(p.get("trust_batch", 2))},
                              overrides=ov, mode="measured"))
@@ -74,7 +75,7 @@ def _trust_configs(cfg, point: Point) -> list[C.Config]:
     out = []
     zr = "pa" if point.params["tp"] > 1 else "ckpt"
     for name in point.params["models"]:
-        base = dataclasses.replace(cfg, model=C.ModelConfig(**C.model_conf(name)))
+        base = dataclasses.replace(cfg, model=C.ModelConfig(**schema.model_conf(name)))
         out += [E.stage_config(base, s, zr, point.params["batch"]) for s in range(4)]
     return out
 

@@ -46,6 +46,7 @@ import time
 import torch
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.lab import cuda_memory
 from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
     FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
@@ -174,7 +175,7 @@ def _cluster_overrides(name: str) -> dict:
 
 
 def _model_overrides(spec) -> dict:
-    spec = C.model_conf(spec) if isinstance(spec, str) else dict(spec)
+    spec = schema.model_conf(spec) if isinstance(spec, str) else dict(spec)
     return {f"model.{k}": v for k, v in spec.items()}
 
 

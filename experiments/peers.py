@@ -30,6 +30,7 @@ import logging
 import os
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
@@ -106,7 +107,7 @@ def plan(cfg) -> list[Point]:
         s = p.get("size_series") or {}
         size_fws = _available(s.get("frameworks") or [])
         for name in s.get("models") or []:
-            ov = {f"model.{k}": v for k, v in C.model_conf(name).items()}
+            ov = {f"model.{k}": v for k, v in schema.model_conf(name).items()}
             ov["train.steps"] = int(s.get("steps", cfg.train.steps))
             pts.append(Point(name=f"peers_{name}_w{w}_size",
                              params={"model": name, "world_size": w, "frameworks": size_fws,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
-from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.lab.records import knob_label, loss_curve
 from zero_repro.lab.launcher import run_training
 
@@ -26,7 +26,7 @@ FIGURE = "smoke"
 
 def plan(cfg) -> list[Point]:
     p = cfg.parallel
-    return [Point(name=knob_label(C.summary(cfg)),
+    return [Point(name=knob_label(schema.summary(cfg)),
                   params={"world_size": p.world_size, "tp": p.tp, "stage": cfg.zero.stage},
                   mode="measured")]
 

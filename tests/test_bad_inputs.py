@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from zero_repro.lab import cli
-from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,7 +208,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base():
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         return compose("config", overrides=["+exp=smoke"])
 

@@ -74,9 +74,9 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def nothing_starts(monkeypatch):
-    from zero_repro import config as C
+    from zero_repro import schema
 
-    C.register_configs()  # what cli.main does before it composes
+    schema.register_configs()  # what cli.main does before it composes
 
     def refuse(*a, **k):
         raise AssertionError("a process was started for a bad input")
@@ -189,17 +189,17 @@ def test_params_read_beyond_the_overlay_and_presets_changed_by_an_experiment_are
     claimed for what is not one): both plan."""
     from hydra import compose, initialize_config_dir
 
-    from zero_repro import config as C
+    from zero_repro import schema
     from zero_repro.lab import registry, sweep
 
     fig2 = registry.get("fig2_throughput")
     assert {"reduce_bucket", "allgather_bucket"} <= cli.experiment_params("fig2_throughput",
                                                                           fig2)
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=["+exp=fig7_cached_memory",
                                             "experiment.params.md_off=true"])
-    cfg = launcher.check_config(C.to_config(dcfg))
+    cfg = launcher.check_config(schema.to_config(dcfg))
     names = {pp.cfg.zero_r.name for pp in sweep.plan(cfg, registry.get("fig7_cached_memory"))
              if not pp.point.params["m_d"]}
     assert names == {"custom"}
@@ -210,6 +210,7 @@ def test_auto_resume_passes_a_damaged_checkpoint_and_says_so(files, tmp_path, ca
     """The newest checkpoint is damaged: ``auto`` resumes from the older intact one, says so,
     and the ranks are handed that one (not left to pick the newest again)."""
     from zero_repro import config as C
+    from zero_repro import schema
 
     cfg = C.Config()
     cfg.parallel.tp, cfg.train.steps = 1, 10
@@ -221,7 +222,7 @@ def test_auto_resume_passes_a_damaged_checkpoint_and_says_so(files, tmp_path, ca
     handed = {}
 
     def ranks(fn, world, config_path, **kw):
-        handed.update(C.summary(C.load(config_path))["checkpoint"])
+        handed.update(schema.summary(schema.load(config_path))["checkpoint"])
         return [{"metrics": {}}]
 
     monkeypatch.setattr(launch, "spawn", ranks)
@@ -308,13 +309,14 @@ def test_real_cli(tmp_path, files):
 # ------------------------------------------------------------------ what the logs and records say
 def test_labels_are_built_from_the_components_that_ran():
     from zero_repro import config as C
+    from zero_repro import schema
     from zero_repro.lab import records as R
     from zero_repro.scale.paper import table3
 
-    cfg = C.summary(C.Config())
+    cfg = schema.summary(C.Config())
     cfg["zero_r"]["name"] = "c4"  # the name alone: nothing of C4 ran
     assert "ZeRO-R" not in R.knob_label(cfg)
-    cfg["zero_r"] = {**C.summary(C.Config())["zero_r"], **vars(table3.zero_r_config("c4"))}
+    cfg["zero_r"] = {**schema.summary(C.Config())["zero_r"], **vars(table3.zero_r_config("c4"))}
     assert "ZeRO-R C4" in R.knob_label(cfg)
     cfg["zero_r"]["partition_activations"] = False  # C4 less P_a: not C4
     assert R.knob_label(cfg).count("ZeRO-R CUSTOM") == 1

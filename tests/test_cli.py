@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab.cli import conf_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,21 +39,21 @@ def test_every_experiment_overlay_composes_and_validates(name):
     from zero_repro.lab import registry as base
     from zero_repro.lab import sweep as orchestrate
 
-    C.register_configs()
+    schema.register_configs()
     # the GPU proof plans its CUDA run anywhere but runs it only on CUDA: its CPU path
     extra = ["experiment.params.device=cpu"] if name == "gpu_proof" else []
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=[f"+exp={name}", *extra])
-    cfg = C.validate(C.to_config(dcfg))
+    cfg = validation.validate(schema.to_config(dcfg))
     assert cfg.experiment.name == name, "conf/exp/NAME.yaml must set experiment.name: NAME"
     experiment = base.get(name)  # experiments/NAME.py exists and implements the protocol
     assert orchestrate.plan(cfg, experiment), f"{name}.plan() planned no points"
 
 
 def test_smoke_overlay_values():
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        cfg = C.to_config(compose("config", overrides=["+exp=smoke", "train.steps=3"]))
+        cfg = schema.to_config(compose("config", overrides=["+exp=smoke", "train.steps=3"]))
     assert (cfg.parallel.world_size, cfg.parallel.tp, cfg.model.name) == (2, 1, "tiny")
     assert cfg.train.steps == 3  # command line wins over the overlay
 

@@ -17,6 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.paper.buckets import PAPER_BUCKETS
 from zero_repro.scale.paper.overrides import paper_overrides
@@ -53,7 +54,7 @@ def tiny_cfg(world: int, tp: int, stage: int, zr: str = "off") -> C.Config:
     cfg.zero = dataclasses.replace(cfg.zero, stage=stage, dtype="fp16")
     cfg.zero_r = zero_r_config(zr)
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 def _check_model_states(res, stage: int, n_d: int) -> None:
@@ -115,7 +116,7 @@ def _world4_cfg(name: str) -> C.Config:
     cfg.zero = dataclasses.replace(cfg.zero, dtype="fp32")
     if wide:
         cfg.model = dataclasses.replace(cfg.model, vocab_size=1024)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)

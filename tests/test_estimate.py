@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import estimate as L
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun.dryrun import dry_run
@@ -20,11 +22,11 @@ def base(name: str = "llama_tiny", world: int = 4, tp: int = 1, mem_gb: float = 
     cl = C.ClusterConfig(name="t", device="cuda", backend="nccl", gpus_per_node=2,
                          device_memory_gb=mem_gb, peak_tflops=100, intra_node_gbps=100,
                          inter_node_gbps=100, pcie_gbps=16)
-    cfg = C.Config(model=C.ModelConfig(**C.model_conf(name)),
+    cfg = C.Config(model=C.ModelConfig(**schema.model_conf(name)),
                    parallel=C.ParallelConfig(world_size=world, tp=tp), cluster=cl)
     cfg.zero = dataclasses.replace(cfg.zero, dtype="bf16")
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=batch)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 @pytest.mark.parametrize("name,world,tp,stage,zr", [
@@ -123,7 +125,7 @@ def test_deepspeed_figures_follow_its_formulas():
 
 
 def test_largest_layer_of_llama2_7b_is_its_embedding():
-    m = C.ModelConfig(**C.model_conf("llama2_7b"))
+    m = C.ModelConfig(**schema.model_conf("llama2_7b"))
     assert L.largest_layer(m, 1) == 32000 * 4096
     assert L.largest_layer(m, 2) == 32000 * 4096 // 2
 

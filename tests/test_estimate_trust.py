@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.lab import live_peak as LP
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun.trace import live_peaks
@@ -25,7 +26,7 @@ def configs(models, world: int, tp: int, stages=range(4), batch: int = 2,
             dtype: str = "bf16") -> list[C.Config]:
     out = []
     for name in models:
-        cfg = C.Config(model=C.ModelConfig(**C.model_conf(name)),
+        cfg = C.Config(model=C.ModelConfig(**schema.model_conf(name)),
                        parallel=C.ParallelConfig(world_size=world, tp=tp))
         cfg.zero = dataclasses.replace(cfg.zero, dtype=dtype)
         out += [E.stage_config(cfg, s, "pa" if tp > 1 else "ckpt", batch) for s in stages]
@@ -72,7 +73,7 @@ def test_tracer_sees_releases_between_ops():
 def test_stage3_estimate_with_many_blocks():
     """Stage 3 releases each block after its forward (storage resized to 0): the estimate must
     see it, as the real run's live storages do."""
-    deep = dataclasses.replace(C.ModelConfig(**C.model_conf("llama_tiny")), n_layer=6,
+    deep = dataclasses.replace(C.ModelConfig(**schema.model_conf("llama_tiny")), n_layer=6,
                                vocab_size=64)
     cfg = C.Config(model=deep, parallel=C.ParallelConfig(world_size=2, tp=1))
     cfg.zero = dataclasses.replace(cfg.zero, dtype="bf16")

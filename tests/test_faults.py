@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.runtime.comm.launch import WorkerFailed
 from zero_repro.lab.launcher import run_training
 
@@ -70,7 +71,7 @@ def _cfg(tmp_path, **over) -> C.Config:
     for dotted, v in over.items():
         sec, key = dotted.split("__")
         setattr(getattr(cfg, sec), key, v)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 # "raise" is also covered at the spawn level by tests/test_data_launch.py: slow here

@@ -16,6 +16,8 @@ from zero_repro.lab.figures import regenerate as plot
 from zero_repro.lab import registry as base
 from experiments import fig5_convergence as F
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import sweep as orchestrate
 from zero_repro.lab.cli import conf_dir
 from zero_repro.lab.records import Record
@@ -24,10 +26,10 @@ NAME = "fig5_convergence"
 
 
 def make_cfg(*overrides: str) -> C.Config:
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=[f"+exp={NAME}", *overrides])
-    return C.validate(C.to_config(dcfg))
+    return validation.validate(schema.to_config(dcfg))
 
 
 def test_plan_composes_and_covers_stages_configs_dtypes():
@@ -64,7 +66,7 @@ def test_plan_composes_and_covers_stages_configs_dtypes():
 
 @functools.lru_cache(maxsize=None)
 def _config_dict(steps: int) -> dict:
-    return C.summary(make_cfg(f"train.steps={steps}"))
+    return schema.summary(make_cfg(f"train.steps={steps}"))
 
 
 def _record(config: str, dtype: str, losses, grid_steps: int = 3, status: str = "ok") -> Record:

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro import paths
 from zero_repro.lab import provenance as P
 from zero_repro.lab import records as R
@@ -34,15 +35,15 @@ def _env() -> dict:
 
 # ------------------------------------------------------------------ where results go, reuse
 def test_default_results_dir_is_local_and_publish_is_explicit():
-    C.register_configs()
+    schema.register_configs()
     assert C.Config().experiment.results_dir == "results/local"
     from omegaconf import OmegaConf
 
-    local = C.to_config(OmegaConf.create({"experiment": {}}))
+    local = schema.to_config(OmegaConf.create({"experiment": {}}))
     assert local.experiment.results_dir == str(paths.home() / "results" / "local")
-    pub = C.to_config(OmegaConf.create({"experiment": {"publish": True}}))
+    pub = schema.to_config(OmegaConf.create({"experiment": {"publish": True}}))
     assert pub.experiment.results_dir == str(paths.RESULTS_DIR)
-    other = C.to_config(OmegaConf.create({"experiment": {"publish": True, "results_dir": "x"}}))
+    other = schema.to_config(OmegaConf.create({"experiment": {"publish": True, "results_dir": "x"}}))
     assert other.experiment.results_dir == os.path.abspath("x")  # an explicit directory wins
     ignored = subprocess.run(["git", "check-ignore", "-q", "results/local/fig3_scaling/t.csv"],
                              cwd=REPO).returncode
@@ -126,7 +127,7 @@ def _smoke_record(**changes) -> R.Record:
     for dotted, v in changes.items():
         sec, key = dotted.split(".")
         setattr(getattr(cfg, sec), key, v)
-    summary = C.summary(cfg)
+    summary = schema.summary(cfg)
     (pt,) = smoke.plan(cfg)
     steps = cfg.train.steps
     return R.Record(key=R.point_key(pt.params, "measured", summary), experiment="smoke",

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro import paths
 from zero_repro.lab import cli
 from zero_repro.lab import rank as rank_mod
@@ -155,13 +156,13 @@ def test_hydra_folders_and_results_dir_resolve_under_home(monkeypatch, tmp_path)
     from hydra.core.global_hydra import GlobalHydra
 
     monkeypatch.setenv(paths.HOME_ENV, str(tmp_path))
-    C.register_configs()
+    schema.register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         d = compose("config", overrides=["+exp=smoke"], return_hydra_config=True)
         assert str(d.hydra.run.dir).startswith(str(tmp_path / "outputs" / "smoke"))
         assert str(d.hydra.sweep.dir).startswith(str(tmp_path / "multirun" / "smoke"))
-        cfg = C.to_config(_without_hydra(d))
+        cfg = schema.to_config(_without_hydra(d))
     GlobalHydra.instance().clear()
     assert cfg.experiment.results_dir == str(tmp_path / "results" / "local")
 
@@ -310,7 +311,7 @@ def test_smoke_concludes_losses_coinciding_curves_and_model_states():
 
 # ------------------------------------------------------------------------------ plan lines
 def test_plan_lines_are_short_and_verbose_lists_the_overrides(tmp_path, capsys):
-    C.register_configs()
+    schema.register_configs()
     ((cfg, experiment, plan),) = cli.check_args([
         "+exp=table1_memory", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
         f"hydra.run.dir={tmp_path / 'hydra'}"])
@@ -345,7 +346,7 @@ def test_fig3_concludes_speedups_against_the_paper_and_the_ideal():
 
 
 def test_a_plan_of_many_points_gives_one_sbatch_line_per_shape(tmp_path, capsys):
-    C.register_configs()
+    schema.register_configs()
     ((cfg, experiment, plan),) = cli.check_args([
         "+exp=fig5_convergence", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
         f"hydra.run.dir={tmp_path / 'hydra'}"])

@@ -15,6 +15,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab.cli import conf_dir
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.launch import spawn
@@ -138,9 +140,9 @@ def test_mfu_counts_model_flops_hfu_the_recompute():
 
 
 def _compose(*overrides) -> C.Config:
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return C.validate(C.to_config(compose("config", overrides=list(overrides))))
+        return validation.validate(schema.to_config(compose("config", overrides=list(overrides))))
 
 
 @pytest.mark.parametrize("cluster,dtype", [("h200", "bf16"), ("h100", "bf16"),
@@ -164,7 +166,7 @@ def test_gpu_clusters_default_to_low_precision_and_buckets(cluster, dtype):
 
 
 def _model(name: str) -> dict:
-    return C.model_conf(name)
+    return schema.model_conf(name)
 
 
 def test_gpu_count_check_yields_to_oversubscribe(monkeypatch, tmp_path):

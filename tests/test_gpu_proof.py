@@ -19,6 +19,8 @@ from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import cli, sweep
 from zero_repro.lab.cli import conf_dir
 from zero_repro.lab.figures import regenerate
@@ -55,10 +57,10 @@ def no_cuda(monkeypatch):
 
 
 def _cfg(*overrides: str) -> C.Config:
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         d = compose("config", overrides=["+exp=gpu_proof", *overrides])
-    return C.validate(C.to_config(d))
+    return validation.validate(schema.to_config(d))
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
@@ -109,7 +111,7 @@ def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatc
     plan -- the paper points play rank 0 of 400 in one process -- and every point is an h100
     one: the cluster is read from the device, not fixed."""
     _mock_cuda(monkeypatch, gpus)
-    C.register_configs()
+    schema.register_configs()
     ((cfg, _, plan),) = cli.check_args(
         ["+exp=gpu_proof", f"experiment.params.gpus={gpus}",
          f"experiment.results_dir={tmp_path}/r", f"hydra.run.dir={tmp_path}/h"])

@@ -26,7 +26,8 @@ PACKAGES = ("zero_repro", "experiments")
 # of scale or lab). scale: the paper at scale without the hardware (paper facts, closed-form
 # models, the dry run). lab: running experiments and keeping their results. experiments: one
 # module per conf/exp overlay. Inside the runtime wing the sub-packages keep their own order.
-GROUND = ("zero_repro", "zero_repro.config", "zero_repro.paths")
+GROUND = ("zero_repro", "zero_repro.config", "zero_repro.paths", "zero_repro.schema",
+          "zero_repro.validation", "zero_repro.identity")
 RUNTIME = [
     ("zero_repro.runtime", "zero_repro.runtime.comm"),
     ("zero_repro.runtime.model",),
@@ -188,6 +189,21 @@ def test_runtime_imports_nothing_of_scale_or_lab():
            for f in project_files() if _under(module_name(f), runtime)
            for target, line, _ in imports_of(f) if _under(target, SCALE + LAB)]
     assert not bad, "\n".join(bad)
+
+
+def test_runtime_imports_no_hydra_or_omegaconf():
+    """What a ZeRO user imports is torch only: the runtime's configs are plain dataclasses
+    (``zero_repro.config``); Hydra and OmegaConf are the lab's (``zero_repro.schema``). Checked
+    in a fresh interpreter by the modules it ends up holding, indirect imports included."""
+    import subprocess
+    import sys
+    code = ("import sys, zero_repro.runtime.zero, zero_repro.runtime.train.build, "
+            "zero_repro.runtime.train.loop, zero_repro.runtime.zero_r; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 @pytest.mark.parametrize("src,target,bad", [

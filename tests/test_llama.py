@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.config import ModelConfig, padded_vocab
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.launch import spawn
@@ -138,7 +140,7 @@ def test_rotary_scores_depend_on_offset_only():
 
 @pytest.mark.parametrize("name", sorted(RELEASED))
 def test_public_shapes_have_released_param_counts(name):
-    m = ModelConfig(**C.model_conf(name))
+    m = ModelConfig(**schema.model_conf(name))
     assert m.family == "llama" and flops.param_count(m) == RELEASED[name]
     model = Llama(m, device="meta", dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == RELEASED[name]
@@ -151,9 +153,9 @@ def test_public_shapes_have_released_param_counts(name):
 
 def test_small_configs_validate():
     for name in ("llama_tiny", "llama_small"):
-        cfg = C.Config(model=ModelConfig(**C.model_conf(name)))
+        cfg = C.Config(model=ModelConfig(**schema.model_conf(name)))
         cfg.parallel = C.ParallelConfig(world_size=4, tp=2)
-        C.validate(cfg)
+        validation.validate(cfg)
 
 
 class _Recompute(torch.nn.Module):
@@ -188,12 +190,12 @@ def test_shape_formula_reduces_to_gpt():
 def test_tp_rule_for_kv_heads_and_llama_fields():
     cfg = C.Config(model=CFG, parallel=C.ParallelConfig(world_size=8, tp=8))
     with pytest.raises(ValueError, match="does not divide model.n_kv_head=4"):
-        C.validate(cfg)
+        validation.validate(cfg)
     for bad, match in [({"bias": True}, "no biases"), ({"n_kv_head": 3}, "n_kv_head=3"),
                        ({"family": "bert"}, "model.family"), ({"n_embd": 40, "n_head": 8},
                                                               "head size 5")]:
         with pytest.raises(ValueError, match=match):
-            C.validate(C.Config(model=dataclasses.replace(CFG, **bad)))
+            validation.validate(C.Config(model=dataclasses.replace(CFG, **bad)))
 
 
 def test_ffn_width_rule():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import causal_attention
@@ -107,7 +108,7 @@ def test_strategies_put_every_buffer_on_the_model_device(stage, zr, dtype):
     cfg.zero = dataclasses.replace(cfg.zero, stage=stage, dtype=dtype)
     cfg.zero_r = dataclasses.replace(zero_r_config(zr), cpu_checkpointing=False)
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2)
-    cfg = C.validate(cfg)
+    cfg = validation.validate(cfg)
     launch.init_fake(0, 4)
     try:
         model, ckpt, strategy = build(cfg, Topology.build(1), torch.device("meta"))

@@ -237,10 +237,10 @@ def test_touching_a_freed_or_gradientless_parameter_raises_a_clear_error():
 
 def stage2_model_states(rank: int, world: int, cfg_dict: dict) -> int:
     """Stage 2's model states on this rank, as its ledger counts them after the build."""
-    from zero_repro import config as C
+    from zero_repro import schema
     from zero_repro.runtime.train.build import build
 
-    cfg = C.to_config(cfg_dict)
+    cfg = schema.to_config(cfg_dict)
     _, _, strategy = build(cfg, Topology.build(1), torch.device("cpu"))
     return strategy.memory_ledger().model_states()
 
@@ -254,6 +254,7 @@ def test_stage3_trains_a_model_larger_than_the_per_rank_budget_and_stage2_does_n
     from omegaconf import OmegaConf
 
     from zero_repro import config as C
+    from zero_repro import schema
     from zero_repro.lab.live_peak import measure
     from zero_repro.runtime.model import flops
 
@@ -266,7 +267,7 @@ def test_stage3_trains_a_model_larger_than_the_per_rank_budget_and_stage2_does_n
         cfg.zero.reduce_bucket_size = cfg.zero.allgather_bucket_size = 120_000
         cfg.zero_r = C.ZeroRConfig(name="custom", constant_buffers=True, contiguous_memory=True)
         cfgs.append(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    budget = 4 * flops.param_count(C.to_config(cfgs[0]).model)  # the whole model's fp32 params
+    budget = 4 * flops.param_count(schema.to_config(cfgs[0]).model)  # the whole model's fp32 params
     for stage3 in spawn(measure, world, cfgs[1:]):
         assert stage3[0]["build_peak"] < budget and stage3[0]["live_peak"] < budget, \
             (stage3, budget)

@@ -25,6 +25,8 @@ from hydra import compose, initialize_config_dir
 
 from experiments import peers as exp
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab.cli import conf_dir
 from zero_repro.lab.figures import regenerate
 from zero_repro.lab import sweep
@@ -276,10 +278,10 @@ def test_conditioning_budget_allows_rounding_below_eps_but_not_a_missed_update()
 
 
 def _cfg(*overrides: str) -> C.Config:
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=["+exp=peers", *overrides])
-    return C.validate(C.to_config(dcfg))
+    return validation.validate(schema.to_config(dcfg))
 
 
 @pytest.mark.slow  # 12 tiny spawns at world 2: ~2-4 min on 2 shared cores

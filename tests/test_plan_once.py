@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.lab import cli, launcher, registry, sweep
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm import launch
@@ -48,7 +49,7 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    for owner, name in [(sweep, "plan"), (C, "validate"), (launcher, "check_runnable"),
+    for owner, name in [(sweep, "plan"), (validation, "validate"), (launcher, "check_runnable"),
                         (sweep, "reusable_keys"), (sweep, "_finished_elsewhere")]:
         count(owner, name)
 

@@ -15,6 +15,8 @@ from zero_repro.lab import registry as base
 from zero_repro.lab import points
 from zero_repro.lab.points import Point
 from zero_repro import config as C
+from zero_repro import identity
+from zero_repro import schema
 from zero_repro.lab import sweep as orchestrate
 from zero_repro.lab import records as R
 
@@ -84,16 +86,16 @@ def test_record_fields_and_store(tmp_path):
 
 
 def test_point_key_is_stable_and_sensitive():
-    c = C.summary(C.Config())
+    c = schema.summary(C.Config())
     k = R.point_key({"a": 1, "b": [1, 2]}, "measured", c)
     assert k == R.point_key({"b": [1, 2], "a": 1}, "measured", c)  # order-independent
     assert len(k) == 16
     assert k != R.point_key({"a": 2, "b": [1, 2]}, "measured", c)
     assert k != R.point_key({"a": 1, "b": [1, 2]}, "simulated", c)
-    c2 = C.summary(C.Config())
+    c2 = schema.summary(C.Config())
     c2["zero"]["stage"] = 2
     assert k != R.point_key({"a": 1, "b": [1, 2]}, "measured", c2)
-    c3 = C.summary(C.Config())
+    c3 = schema.summary(C.Config())
     c3["train"]["progress"] = False  # display knob: same point
     c3["logging"]["wandb"] = True
     assert k == R.point_key({"a": 1, "b": [1, 2]}, "measured", c3)
@@ -257,7 +259,7 @@ def test_identity_is_declared_on_the_fields():
     ``identity: False`` (or a whole section) never changes a key; a knob a record's config lacks
     counts at the value records made before it ran with; a knob the schema no longer has is
     ignored (so removing it orphans nothing once the keys are migrated)."""
-    base = C.summary(C.Config())
+    base = schema.summary(C.Config())
     key = R.point_key({"i": 1}, "measured", base)
     for sec, name in [("train", "progress"), ("train", "log_every"),
                       ("cluster", "description")]:
@@ -265,7 +267,7 @@ def test_identity_is_declared_on_the_fields():
         changed[sec][name] = "something else"
         assert R.point_key({"i": 1}, "measured", changed) == key, (sec, name)
     for sec in ("launcher", "logging", "experiment", "checkpoint", "fault", "simulate"):
-        assert sec not in C.identity(base)
+        assert sec not in identity.identity(base)
     fossil = json.loads(json.dumps(base))
     fossil["zero"]["overlap_comm"] = False  # a knob that left the schema
     assert R.point_key({"i": 1}, "measured", fossil) == key
@@ -275,13 +277,13 @@ def test_identity_is_declared_on_the_fields():
     on["zero"]["overlap_param_gather"] = True
     assert R.point_key({}, "measured", older) == R.point_key({}, "measured", on) != \
         R.point_key({}, "measured", base)
-    assert "overlap_comm" not in {f.name for f in C.identity_fields()["zero"]}
+    assert "overlap_comm" not in {f.name for f in identity.identity_fields()["zero"]}
 
 
 def test_migrate_rewrites_keys_only_and_is_idempotent(tmp_path):
     store = R.RecordStore(str(tmp_path / "x" / "points.jsonl"))
     recs = [R.Record(key=f"old{i}", experiment="x", point=f"p{i}", params={"i": i},
-                     mode="simulated", status="ok", config=C.summary(C.Config()),
+                     mode="simulated", status="ok", config=schema.summary(C.Config()),
                      metrics={"y": i}) for i in range(3)]
     os.makedirs(os.path.dirname(store.path))
     lines = [r.to_json() for r in recs]

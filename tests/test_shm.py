@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from zero_repro.lab import cli
-from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.cpu import shm
 from zero_repro.runtime.comm.launch import spawn
@@ -73,7 +73,7 @@ def test_a_bad_mode_is_one_error_before_anything_starts(monkeypatch, tmp_path):
         raise AssertionError("a process was started for a bad input")
 
     monkeypatch.setattr(launch, "spawn", refuse)
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         d = compose("config", overrides=["+exp=smoke",
                                           f"experiment.results_dir={tmp_path / 'r'}"])

@@ -13,6 +13,7 @@ import pytest
 
 from zero_repro.lab.points import Point
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.lab import launcher
 from zero_repro.lab import records as R
 from zero_repro.lab import slurm
@@ -142,7 +143,7 @@ def slurm_cfg(tmp_path) -> C.Config:
     cfg.cluster = C.ClusterConfig(name="dgx2_v100", device="cuda", backend="nccl",
                                   gpus_per_node=16)
     cfg.launcher = C.LauncherConfig(name="slurm", partition="gpu", account="proj", timeout_min=30)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 def test_each_point_is_its_own_job_with_its_node_count(tmp_path, fake_slurm):

@@ -22,6 +22,8 @@ import time
 import pytest
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import records as R
 
 pytestmark = pytest.mark.slurm
@@ -261,7 +263,7 @@ def test_torchrun_under_srun_recipe(cluster, tmp_path):
     cfg.parallel.world_size, cfg.parallel.tp = 2, 2
     cfg.train.steps, cfg.train.progress, cfg.train.micro_batch_size = 3, False, 2
     cfg.launcher = C.LauncherConfig(name="torchrun")
-    C.save(C.validate(cfg), str(tmp_path / "resolved.yaml"))
+    schema.save(validation.validate(cfg), str(tmp_path / "resolved.yaml"))
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\nset -euo pipefail\n"
                       f"source {REPO}/slurm/env.sh\ncd {tmp_path}\nGPUS_PER_NODE=2\n{recipe}\n")

@@ -17,6 +17,8 @@ from zero_repro.scale.paper import table9
 from zero_repro.lab.figures import paper_compare
 from zero_repro.lab import registry as base
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import sweep as orchestrate
 from zero_repro.lab.cli import conf_dir
 from zero_repro.lab.figures import throughput as T
@@ -33,10 +35,10 @@ PREDICT = {"fig2": calibrate.predict_fig2, "fig3": calibrate.predict_fig3,
 
 
 def make_cfg(name: str, *overrides: str) -> C.Config:
-    C.register_configs()
+    schema.register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         dcfg = compose("config", overrides=[f"+exp={name}", *overrides])
-    return C.validate(C.to_config(dcfg))
+    return validation.validate(schema.to_config(dcfg))
 
 
 _PLANS: dict = {}
@@ -206,7 +208,7 @@ def test_fig4_local_zero_dp_fits_a_deeper_model_in_the_baselines_budget():
     budget = T.local_budget("gpt_20m", 2, 1, "baseline", 4)
     n_base = T.local_max_layers("gpt_20m", 2, 1, "baseline", budget, 4)
     n_zero = T.local_max_layers("gpt_20m", 2, 1, "C3", budget, 4)
-    assert n_base >= C.model_conf("gpt_20m")["n_layer"]
+    assert n_base >= schema.model_conf("gpt_20m")["n_layer"]
     assert n_zero > n_base
 
 

@@ -30,6 +30,7 @@ from experiments import fig5_convergence, smoke
 from zero_repro.runtime.train import checkpoint
 from zero_repro.lab import cli
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.runtime.comm import launch
 from zero_repro.lab import records as R
 from zero_repro.lab import sweep
@@ -139,7 +140,7 @@ def _cfg(tmp_path, **over) -> C.Config:
     for dotted, v in over.items():
         sec, key = dotted.split("__")
         setattr(getattr(cfg, sec), key, v)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 def test_diverging_fp16_run_stops_within_a_few_steps_as_diverged(tmp_path):
@@ -287,6 +288,7 @@ _RUN = '''
 import sys
 import zr_lock_exp
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.lab import sweep
 cfg = C.Config()
 cfg.experiment.name, cfg.experiment.results_dir = "lockexp", sys.argv[1]

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from zero_repro import config as C
+from zero_repro import validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,23 +62,23 @@ def _config(overrides: dict) -> C.Config:
 def test_validate_rejects_with_one_clear_line(case):
     overrides, message = CASES[case]
     with pytest.raises(ValueError) as e:
-        C.validate(_config(overrides))
+        validation.validate(_config(overrides))
     text = str(e.value)
     assert message in text and "\n" not in text, text
 
 
 def test_valid_defaults_and_resume_modes_pass(tmp_path):
-    C.validate(C.Config())
+    validation.validate(C.Config())
     for how in ("", "auto", "latest"):
-        C.validate(_config({"checkpoint.resume": how}))
+        validation.validate(_config({"checkpoint.resume": how}))
     (tmp_path / "manifest.json").write_text("{}")
-    C.validate(_config({"checkpoint.resume": str(tmp_path)}))  # a checkpoint directory
+    validation.validate(_config({"checkpoint.resume": str(tmp_path)}))  # a checkpoint directory
 
 
 def test_resume_latest_without_checkpoint_fails_before_spawning(tmp_path):
     from zero_repro.lab.launcher import run_training
 
-    cfg = C.validate(_config({"checkpoint.resume": "latest"}))
+    cfg = validation.validate(_config({"checkpoint.resume": "latest"}))
     with pytest.raises(ValueError, match="checkpoint.resume=latest but .* holds no committed"):
         run_training(cfg, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # nothing was started or written

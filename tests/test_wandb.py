@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.lab import sweep as orchestrate
 from zero_repro.lab.records import Record
 from zero_repro.lab.wandb_runs import WandbMirror, flatten, step_rows
@@ -27,7 +29,7 @@ def record(status="ok") -> Record:
                   metrics={"losses": [6.0, 5.5, 5.0], "tokens_per_s": 1234.5, "loss_first": 6.0},
                   memory={"fp32_master": 4096, "adam": 8192},
                   comm={"dp": {"all_reduce": {"volume": 200}}},
-                  config=C.summary(C.Config()), git_sha="deadbeef")
+                  config=schema.summary(C.Config()), git_sha="deadbeef")
 
 
 class FakeRun:
@@ -199,7 +201,7 @@ def test_offline_training_run_read_back_with_wandb_tools(tmp_path, monkeypatch):
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.micro_batch_size = 8, 1, 2
     cfg.train.progress = False
     cfg.logging = wandb_cfg()
-    cfg = C.validate(cfg)
+    cfg = validation.validate(cfg)
     mirror = WandbMirror(cfg.logging, "sweep-live")
     res = orchestrate.run_sweep(cfg, smoke, mirror=mirror, sweep_id="sweep-live")
     (rec,) = res.records

@@ -1,23 +1,21 @@
-"""Typed configuration schema (registered in Hydra's ConfigStore) and its validation.
+"""Typed configuration: plain dataclasses and the pure helpers on them (the runtime's configs:
+no Hydra, no OmegaConf).
 
-YAML under ``conf/`` only selects and overrides; the schema and its defaults live here.
-``validate(cfg)`` raises ``ValueError`` with a one-line message that says what to change; the
-CLI calls it before any worker process starts.
+YAML under ``conf/`` only selects and overrides; the schema and its defaults live here. Beside
+it, by concern: ``schema`` (Hydra's ConfigStore, OmegaConf conversions, YAML files),
+``validation`` (``validate(cfg)`` raises ``ValueError`` with a one-line message that says what
+to change; the CLI calls it before any worker process starts) and ``identity`` (which fields
+identify a run point). Their names are reachable here too (``C.validate``), loaded on first use.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from typing import Optional
 
 from zero_repro import paths
-from zero_repro.paths import conf_group_dir
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -272,25 +270,6 @@ class Config:
     simulate: SimulateConfig = field(default_factory=SimulateConfig, metadata=NOT_IDENTITY)
 
 
-def register_resolvers() -> None:
-    """``${zr_home:}`` in ``conf/config.yaml`` (Hydra's run/sweep folders):
-    ``paths.home()``."""
-    OmegaConf.register_new_resolver("zr_home", lambda: str(paths.home()),
-                                    replace=True)
-
-
-def register_configs() -> None:
-    register_resolvers()
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for group, node in [("model", ModelConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
-                        ("zero_r", ZeroRConfig), ("train", TrainConfig),
-                        ("cluster", ClusterConfig), ("launcher", LauncherConfig),
-                        ("logging", LoggingConfig), ("checkpoint", CheckpointConfig),
-                        ("fault", FaultConfig), ("simulate", SimulateConfig)]:
-        cs.store(group=group, name=f"base_{group}", node=node)
-
-
 # ------------------------------------------------------------------------------------ helpers
 def padded_vocab(model: ModelConfig, tp: int) -> int:
     """Megatron's padding: round the vocabulary up to a multiple of vocab_pad_multiple * tp."""
@@ -313,62 +292,6 @@ def ffn_width(model: ModelConfig) -> int:
     return 256 * -(-int(2 * 4 * model.n_embd / 3) // 256)
 
 
-def to_config(cfg: DictConfig | Config) -> Config:
-    """DictConfig (from Hydra or a resolved YAML file) -> typed ``Config`` object.
-    ``experiment.publish=true`` turns the default results directory into the reference set;
-    the results directory becomes an absolute path (``paths.results_path``)."""
-    if isinstance(cfg, Config):
-        return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    out = OmegaConf.to_object(merged)
-    e = out.experiment
-    if e.publish and e.results_dir == LOCAL_RESULTS:
-        e.results_dir = REFERENCE_RESULTS
-    if e.results_dir:  # '' is refused by validate
-        e.results_dir = str(paths.results_path(e.results_dir))
-    return out  # type: ignore[return-value]
-
-
-def load(path: str) -> Config:
-    return to_config(OmegaConf.load(path))
-
-
-def save(cfg: Config | DictConfig, path: str) -> None:
-    tmp = path + ".tmp"
-    OmegaConf.save(OmegaConf.structured(cfg) if isinstance(cfg, Config) else cfg, tmp)
-    os.replace(tmp, path)
-
-
-def _choice(value, allowed, key: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not one of {list(allowed)}: set {key} to one of them")
-
-
-def _number(value, key: str, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, hi_open: bool = False, integer: bool = False) -> None:
-    """``value`` is a finite number (an int if ``integer``) in the range lo..hi (open ends
-    where asked); ValueError naming ``key`` and the range otherwise."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (isinstance(value, int) if integer else math.isfinite(value))
-    if ok and lo is not None:
-        ok = value > lo if lo_open else value >= lo
-    if ok and hi is not None:
-        ok = value < hi if hi_open else value <= hi
-    if not ok:
-        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
-        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
-        rng = " and ".join(x for x in (lo_s, hi_s) if x)
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{key}={value!r} must be {rng} ({kind})" if rng
-                         else f"{key}={value!r} must be {kind}")
-
-
-def _positive(value, key: str) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            and math.isfinite(value)):
-        raise ValueError(f"{key}={value!r} must be a positive number")
-
-
 def effective_zero(zero: "ZeroConfig", device_type: str) -> "ZeroConfig":
     """``zero`` with its automatic knobs resolved for ranks on ``device_type`` (``cuda`` |
     ``cpu``): ``overlap_param_gather`` None -> on for CUDA, off for CPU."""
@@ -377,236 +300,21 @@ def effective_zero(zero: "ZeroConfig", device_type: str) -> "ZeroConfig":
     return zero
 
 
-def validate(cfg: Config) -> Config:
-    """Raise ValueError with an actionable one-line message for any inconsistent setting: every
-    group, every numeric field's domain. Pure (no files, devices or machine resources: those are
-    ``launcher.check_runnable`` and ``zero_repro.lab.preflight``)."""
-    _validate_model_parallel(cfg)
-    _validate_zero(cfg)
-    _validate_train(cfg)
-    _validate_cluster_launcher(cfg)
-    _validate_logging_experiment(cfg)
-    _validate_checkpoint(cfg)
-    _validate_fault(cfg)
-    return cfg
+
+# names of the lab's schema glue, validation and identity, reachable here as before
+# (``C.validate(cfg)``) and loaded on first use, so that the runtime's import of these
+# dataclasses pulls in neither Hydra nor OmegaConf
+_ELSEWHERE = {
+    "schema": ("register_resolvers", "register_configs", "to_config", "load", "save", "summary",
+               "model_files", "model_conf"),
+    "validation": ("validate",),
+    "identity": ("identity", "identity_fields"),
+}
 
 
-def _validate_model_parallel(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
-    for key, v in [("model.n_layer", m.n_layer), ("model.n_embd", m.n_embd),
-                   ("model.n_head", m.n_head), ("model.seq_len", m.seq_len),
-                   ("model.vocab_size", m.vocab_size), ("parallel.world_size", p.world_size),
-                   ("parallel.tp", p.tp), ("model.vocab_pad_multiple", m.vocab_pad_multiple)]:
-        _positive(v, key)
-    _number(m.dropout, "model.dropout", 0, 1, hi_open=True)
-    _number(m.init_std, "model.init_std", 0, 10, lo_open=True)
-    if m.n_embd % m.n_head:
-        raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
-    if m.n_head % p.tp:
-        raise ValueError(f"parallel.tp={p.tp} does not divide model.n_head={m.n_head}: choose a tp "
-                         f"that divides {m.n_head}")
-    if m.n_embd % p.tp:
-        raise ValueError(f"parallel.tp={p.tp} does not divide model.n_embd={m.n_embd}")
-    _validate_family(m, p)
-    if ffn_width(m) % p.tp:
-        raise ValueError(f"parallel.tp={p.tp} does not divide the MLP width {ffn_width(m)}")
-    if padded_vocab(m, p.tp) % p.tp:
-        raise ValueError(f"parallel.tp={p.tp} does not divide the padded vocabulary")
-    if p.world_size % p.tp:
-        raise ValueError(f"parallel.world_size={p.world_size} is not divisible by parallel.tp="
-                         f"{p.tp}: use a world size that is a multiple of {p.tp}")
-    if m.dropout > 0 and p.tp > 1:
-        # dropout inside a TP region needs per-rank RNG streams (Megatron's RNG tracker)
-        raise ValueError(f"model.dropout={m.dropout} with parallel.tp={p.tp} is not supported: "
-                         f"set model.dropout=0 or parallel.tp=1")
-
-
-def _validate_family(m: ModelConfig, p: ParallelConfig) -> None:
-    _choice(m.family, FAMILIES, "model.family")
-    _number(m.n_kv_head, "model.n_kv_head", 0, integer=True)
-    _number(m.ffn_hidden, "model.ffn_hidden", 0, integer=True)
-    _number(m.rope_theta, "model.rope_theta", 0, lo_open=True)
-    _number(m.norm_eps, "model.norm_eps", 0, lo_open=True)
-    if m.family != "llama":
-        return
-    if m.bias or m.dropout:
-        raise ValueError("model.family=llama has no biases and no dropout: set model.bias=false "
-                         "and model.dropout=0")
-    if (m.n_embd // m.n_head) % 2:
-        raise ValueError(f"model.family=llama: the head size {m.n_embd // m.n_head} must be even "
-                         f"(rotary positions rotate pairs)")
-    kv = kv_heads(m)
-    if m.n_head % kv:
-        raise ValueError(f"model.n_kv_head={kv} does not divide model.n_head={m.n_head}")
-    if kv % p.tp:
-        # each TP rank keeps n_head/tp query heads and the n_kv_head/tp key/value heads they
-        # read; replicating key/value heads over TP ranks (tp > n_kv_head) is not implemented
-        raise ValueError(f"parallel.tp={p.tp} does not divide model.n_kv_head={kv}: choose a tp "
-                         f"that divides {kv}")
-
-
-def _validate_zero(cfg: Config) -> None:
-    z, zr = cfg.zero, cfg.zero_r
-    _choice(z.stage, STAGES, "zero.stage")
-    _choice(z.dtype, DTYPES, "zero.dtype")
-    _choice(zr.name, ZERO_R_NAMES, "zero_r.name")
-    _positive(z.reduce_bucket_size, "zero.reduce_bucket_size")
-    _positive(z.allgather_bucket_size, "zero.allgather_bucket_size")
-    _number(z.prefetch_blocks, "zero.prefetch_blocks", 0, integer=True)
-    _number(z.grad_clip, "zero.grad_clip", 0)
-    _number(z.initial_scale_power, "zero.initial_scale_power", 0, MAX_SCALE_POWER, integer=True)
-    _number(z.loss_scale_window, "zero.loss_scale_window", 1, integer=True)
-    _number(z.min_loss_scale, "zero.min_loss_scale", 0, lo_open=True)
-    _number(z.hysteresis, "zero.hysteresis", 1, integer=True)
-    if z.dtype == "fp16" and z.min_loss_scale > 2.0 ** z.initial_scale_power:
-        raise ValueError(f"zero.min_loss_scale={z.min_loss_scale:g} is above the initial loss "
-                         f"scale 2**zero.initial_scale_power={2.0 ** z.initial_scale_power:g}: "
-                         f"lower zero.min_loss_scale or raise zero.initial_scale_power")
-    _choice(cfg.simulate.stack, SIM_STACKS, "simulate.stack")
-    _choice(cfg.simulate.outside_point, OUTSIDE_POINTS, "simulate.outside_point")
-    if (zr.partition_activations or zr.cpu_checkpointing) and not zr.activation_checkpointing:
-        raise ValueError("zero_r.partition_activations / cpu_checkpointing need "
-                         "zero_r.activation_checkpointing=true (P_a partitions checkpoints)")
-    if zr.cpu_checkpointing and not zr.partition_activations:
-        raise ValueError("zero_r.cpu_checkpointing (P_a+cpu) needs "
-                         "zero_r.partition_activations=true, as in the paper's C5")
-
-
-def _validate_train(cfg: Config) -> None:
-    t = cfg.train
-    for key, v in [("train.micro_batch_size", t.micro_batch_size),
-                   ("train.grad_accum", t.grad_accum), ("train.steps", t.steps)]:
-        _positive(v, key)
-    _number(t.log_every, "train.log_every", 0, integer=True)
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and < train.steps="
-                         f"{t.steps}, so that at least one step is timed")
-    _number(t.lr, "train.lr", 0, lo_open=True)
-    _number(t.beta1, "train.beta1", 0, 1, hi_open=True)
-    _number(t.beta2, "train.beta2", 0, 1, hi_open=True)
-    _number(t.eps, "train.eps", 0, lo_open=True)
-    _number(t.weight_decay, "train.weight_decay", 0)
-    if t.lr * t.weight_decay >= 1:
-        raise ValueError(f"train.lr * train.weight_decay = {t.lr * t.weight_decay:g} >= 1: AdamW "
-                         f"would flip the weights' sign every step; lower one of them")
-    _number(t.seed, "train.seed", 0, 2 ** 63, hi_open=True, integer=True)
-    _choice(t.data, DATASETS, "train.data")
-    if t.data == "tokens" and not t.data_path:
-        raise ValueError("train.data=tokens needs train.data_path=/path/to/tokens.bin (uint16)")
-    if t.data_path and t.data != "tokens":
-        raise ValueError(f"train.data_path={t.data_path!r} is read only with train.data=tokens "
-                         f"(train.data={t.data}): add train.data=tokens, or drop "
-                         f"train.data_path")
-    if t.data == "pystdlib" and cfg.model.vocab_size < 256:
-        raise ValueError(f"train.data=pystdlib (byte tokens) needs model.vocab_size >= 256, got "
-                         f"model.vocab_size={cfg.model.vocab_size}")
-
-
-def _validate_cluster_launcher(cfg: Config) -> None:
-    c, la = cfg.cluster, cfg.launcher
-    _choice(c.device, DEVICES, "cluster.device")
-    _choice(c.backend, BACKENDS, "cluster.backend")
-    _choice(la.name, LAUNCHERS, "launcher.name")
-    _positive(c.gpus_per_node, "cluster.gpus_per_node")
-    for key in ("device_memory_gb", "device_memory_mib", "peak_tflops", "intra_node_gbps",
-                "inter_node_gbps", "pcie_gbps", "hbm_gbps", "sm_count"):
-        _number(getattr(c, key), f"cluster.{key}", 0)
-    if c.device == "cpu" and c.backend == "nccl":
-        raise ValueError("cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
-    if c.backend == "fake":
-        # the fake group's collectives do nothing: losses trained on it are not measurements
-        raise ValueError("cluster.backend=fake is the dry-run backend (its collectives do "
-                         "nothing, so losses would be wrong); use cluster.backend=gloo "
-                         "(or nccl), dry runs select fake themselves")
-    _number(la.signal_delay_s, "launcher.signal_delay_s", 0, integer=True)
-    _number(la.timeout_min, "launcher.timeout_min", 0, MAX_TIMEOUT_S / 60, lo_open=True)
-    _number(la.collective_timeout_s, "launcher.collective_timeout_s",
-            MIN_COLLECTIVE_TIMEOUT_S, MAX_TIMEOUT_S)
-
-
-def _validate_logging_experiment(cfg: Config) -> None:
-    lg, e = cfg.logging, cfg.experiment
-    if not isinstance(lg.level, str) or lg.level.upper() not in LOG_LEVELS:
-        raise ValueError(f"logging.level={lg.level!r} is not one of {list(LOG_LEVELS)}")
-    _choice(lg.wandb_mode, WANDB_MODES, "logging.wandb_mode")
-    _choice(e.action, ("run", "plot", "plan", "list"), "experiment.action")
-    if not e.results_dir:
-        raise ValueError("experiment.results_dir='' : give a directory for the records")
-    if not e.name:
-        raise ValueError("experiment.name='' : select an experiment with +exp=NAME")
-
-
-def _validate_checkpoint(cfg: Config) -> None:
-    ck = cfg.checkpoint
-    _number(ck.save_every, "checkpoint.save_every", 0, integer=True)
-    _number(ck.keep, "checkpoint.keep", 0, integer=True)
-    if ck.resume in ("", "auto", "latest"):
-        return
-    if not os.path.isfile(os.path.join(ck.resume, "manifest.json")):
-        what = "does not exist" if not os.path.exists(ck.resume) else "has no manifest.json"
-        raise ValueError(f"checkpoint.resume={ck.resume!r} {what}: give a checkpoint directory "
-                         f"(step_NNNNNNNN), 'latest' or 'auto'")
-
-
-def _validate_fault(cfg: Config) -> None:
-    f = cfg.fault
-    _choice(f.mode, ("kill", "raise", "hang"), "fault.mode")
-    if f.rank >= cfg.parallel.world_size:
-        raise ValueError(f"fault.rank={f.rank} is not a rank of parallel.world_size="
-                         f"{cfg.parallel.world_size}")
-    if f.rank >= 0 and not 0 <= f.step < cfg.train.steps:
-        raise ValueError(f"fault.step={f.step} never happens: train.steps={cfg.train.steps}")
-
-
-def summary(cfg: Config) -> dict[str, Any]:
-    """The resolved config as nested plain dicts (a record's ``config``, W&B)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore
-
-
-def _identifies(f: dataclasses.Field) -> bool:
-    return f.metadata.get(IDENTITY, True)
-
-
-def _absent_value(f: dataclasses.Field) -> Any:
-    if ABSENT in f.metadata:
-        return f.metadata[ABSENT]
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
-def identity_fields() -> dict[str, list[dataclasses.Field]]:
-    """{section: its identifying fields}, from the schema's field metadata."""
-    return {sec.name: [f for f in dataclasses.fields(sec.default_factory) if _identifies(f)]
-            for sec in dataclasses.fields(Config) if _identifies(sec)}
-
-
-def identity(config: dict) -> dict[str, dict[str, Any]]:
-    """The part of a resolved config (``summary``, or a record's ``config``, perhaps written
-    by an older schema) that identifies a run point: every identifying field of today's
-    schema, a field the config lacks at its ``ABSENT`` value; fields the schema no longer has
-    are left out."""
-    out = {}
-    for sec, fields in identity_fields().items():
-        have = config.get(sec) or {}
-        out[sec] = {f.name: have[f.name] if f.name in have else _absent_value(f)
-                    for f in fields}
-    return out
-
-
-def model_files() -> dict:
-    """Every conf/model/<name>.yaml as {name: fields} (``defaults`` dropped)."""
-    out = {}
-    for p in sorted(conf_group_dir("model").glob("*.yaml")):
-        d = OmegaConf.to_container(OmegaConf.load(p))
-        d.pop("defaults", None)
-        out[p.stem] = d
-    return out
-
-
-def model_conf(name: str) -> dict:
-    """The fields of conf/model/<name>.yaml (for local points' overrides)."""
-    try:
-        return dict(model_files()[name])
-    except KeyError:
-        raise ValueError(f"no conf/model/{name}.yaml; choose one of {sorted(model_files())}") from None
+def __getattr__(name: str):
+    for module, names in _ELSEWHERE.items():
+        if name in names:
+            import importlib
+            return getattr(importlib.import_module(f"zero_repro.{module}"), name)
+    raise AttributeError(f"module 'zero_repro.config' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Command line: ``python run.py +exp=NAME [overrides]`` (Hydra) -> validate -> plan -> run.
 
 Every paper figure or table (§10) is ``conf/exp/NAME.yaml`` + ``experiments/NAME.py``. Hydra
-composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``config.to_config`` ->
-``config.validate`` -> the points are planned and each point's config validated -> only then does
+composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``schema.to_config`` ->
+``validation.validate`` -> the points are planned and each point's config validated -> only then does
 anything run. ``experiment.action``: ``run`` (default; the points not yet recorded, through
 ``zero_repro.lab.sweep.run_sweep``, ``experiment.force=true`` re-runs; W&B mirror; table and
 figure regenerated, then a few lines stating the result: the experiment's optional
@@ -50,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
+from zero_repro import schema
 from zero_repro.runtime.comm import launch
 from zero_repro.lab import rank, registry, slurm, sweep
 from zero_repro.lab import records as R
@@ -60,7 +61,7 @@ from zero_repro.lab.launcher import check_config, check_writable
 log = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
-config.register_resolvers()  # ${zr_home:} in conf/config.yaml, in any process of a job
+schema.register_resolvers()  # ${zr_home:} in conf/config.yaml, in any process of a job
 
 
 def conf_dir() -> str:
@@ -228,7 +229,7 @@ def main() -> None:
     sys.argv[1:] = argv
     try:
         check_group_choices(argv, conf_dir())
-        config.register_configs()
+        schema.register_configs()
         if not any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv):
             try:
                 for job, prepared, composed in check_args(argv, keep=True):
@@ -475,7 +476,7 @@ def prepare(dcfg, machine: bool = True, job: list[str] | None = None):
     ``list``); UserError if invalid. For ``action=run`` the points still to run are checked
     against this machine (``machine=False``: configuration only)."""
     try:
-        cfg = check_config(config.to_config(dcfg))
+        cfg = check_config(schema.to_config(dcfg))
         experiment = registry.get(cfg.experiment.name)
         check_params(cfg, experiment, job or [])
         check_writable(cfg.experiment.results_dir, "experiment.results_dir")

@@ -28,6 +28,8 @@ import re
 import sys
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
@@ -58,7 +60,7 @@ def model_from_args(args) -> C.ModelConfig:
     if args.model and args.shape:
         raise ValueError("give --model NAME or --shape k=v,..., not both")
     if args.model:
-        m = C.ModelConfig(**C.model_conf(args.model))
+        m = C.ModelConfig(**schema.model_conf(args.model))
     elif args.shape:
         fields: dict = {"family": "llama", "bias": False, "name": "shape"}
         for item in args.shape.split(","):
@@ -112,7 +114,7 @@ def config_from_args(args) -> C.Config:
     cfg.zero = dataclasses.replace(cfg.zero, dtype=args.dtype, reduce_bucket_size=bucket,
                                    allgather_bucket_size=bucket)
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=args.batch)
-    return C.validate(cfg)
+    return validation.validate(cfg)
 
 
 # ------------------------------------------------------------------------------ DeepSpeed

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.runtime.comm import launch as spawn
 from zero_repro.runtime.comm.cpu import host_heap, shm
 from zero_repro.runtime.train import checkpoint
@@ -43,7 +45,7 @@ THREADS_VAR = "ZR_THREADS_PER_RANK"  # intra-op threads of each local rank (runt
 def check_config(cfg: C.Config) -> C.Config:
     """``config.validate`` plus the rules that need the lab's facts; ValueError (one line,
     naming the setting) otherwise. Pure, like ``validate``."""
-    C.validate(cfg)
+    validation.validate(cfg)
     _check_table3_name(cfg.zero_r)
     return cfg
 
@@ -258,7 +260,7 @@ _checked: dict[tuple[str, str], tuple[str | None, list[str]]] = {}
 
 
 def _checked_key(cfg: C.Config, run_dir: str) -> tuple[str, str]:
-    return os.path.abspath(run_dir), json.dumps(C.summary(cfg), sort_keys=True, default=str)
+    return os.path.abspath(run_dir), json.dumps(schema.summary(cfg), sort_keys=True, default=str)
 
 
 def note_checked(cfg: C.Config, run_dir: str, resume: str | None) -> None:
@@ -295,7 +297,7 @@ def run_training(cfg: C.Config, run_dir: str) -> dict:
     # the ranks resume from the checkpoint checked here (hashed here when verify is on)
     ck = dataclasses.replace(cfg.checkpoint, resume=resume or "",
                              verify=cfg.checkpoint.verify and not resume)
-    C.save(dataclasses.replace(cfg, checkpoint=ck), path)
+    schema.save(dataclasses.replace(cfg, checkpoint=ck), path)
     with contextlib.suppress(FileNotFoundError):  # a diverged earlier run's
         os.unlink(os.path.join(run_dir, DIVERGED_FILE))
     try:

@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.train.build import build
@@ -75,7 +76,7 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
-        cfg = C.to_config(d)
+        cfg = schema.to_config(d)
         tracer = LiveStorageTracer()
         with tracer:
             topo = Topology.build(cfg.parallel.tp)

@@ -29,6 +29,7 @@ import torch
 
 from zero_repro.runtime.train import checkpoint
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model import flops
@@ -344,7 +345,7 @@ def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
 
 
 def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
-    cfg = C.load(config_path)
+    cfg = schema.load(config_path)
     _rank_logging(cfg, rank)
     device = device_for(cfg, rank if local_rank is None else local_rank)
     run_dir = os.path.dirname(os.path.abspath(config_path))
@@ -510,7 +511,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     signal.signal(TIME_LIMIT_SIGNAL, _note_time_limit_signal)
-    cfg = C.load(args.config)
+    cfg = schema.load(args.config)
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
     if cfg.cluster.device == "cpu" and cpus.isdigit():
         # CPU ranks under srun: as many threads as the task has cores (env.sh's OMP_NUM_THREADS

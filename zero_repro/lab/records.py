@@ -50,7 +50,7 @@ from typing import Any, Iterable
 import psutil
 from filelock import FileLock
 
-from zero_repro import config as C
+from zero_repro import identity
 from zero_repro.paths import REPO_ROOT
 from zero_repro.scale.paper import table3
 
@@ -125,7 +125,7 @@ def _jsonable(x: Any) -> Any:
 def point_key(params: dict, mode: str, config: dict | None = None) -> str:
     """The key of a point: its params, mode and ``config.identity`` of its resolved config."""
     payload = {"params": _jsonable(params), "mode": mode,
-               "config": _jsonable(C.identity(config or {}))}
+               "config": _jsonable(identity.identity(config or {}))}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -527,10 +527,10 @@ def knob_diff(record: Record, others: Iterable[Record]) -> dict:
     """The identifying config knobs (``config.identity``, dotted) whose value in ``record``
     differs from at least one of ``others``: what tells two records of one point apart.
     The values shown are the record's own (None where its config predates the knob)."""
-    mine = _flat(C.identity(record.config))
+    mine = _flat(identity.identity(record.config))
     keys: set = set()
     for o in others:
-        theirs = _flat(C.identity(o.config))
+        theirs = _flat(identity.identity(o.config))
         keys |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
     said = _flat(record.config or {})
     return {k: json.loads(said[k]) if k in said else None for k in sorted(keys)}

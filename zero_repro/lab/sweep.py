@@ -47,6 +47,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.paths import REPO_ROOT
 from zero_repro.runtime.comm.launch import Terminated
 from zero_repro.lab import launcher, preflight
@@ -139,7 +140,7 @@ def point_config(cfg: C.Config, overrides: dict) -> C.Config:
         if OmegaConf.select(base, dotted, default="__missing__") == "__missing__":
             raise ValueError(f"point override {dotted}={value!r} names no config key")
         OmegaConf.update(base, dotted, value, merge=False)
-    return launcher.check_config(C.to_config(base))
+    return launcher.check_config(schema.to_config(base))
 
 
 def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
@@ -155,7 +156,7 @@ def plan(cfg: C.Config, experiment: Any) -> list[PlannedPoint]:
             pcfg = point_config(cfg, point.overrides)
         except ValueError as e:
             raise ValueError(f"point {point.name!r} of experiment {name!r}: {e}") from None
-        summary = C.summary(pcfg)
+        summary = schema.summary(pcfg)
         key = R.point_key(point.params, point.mode, summary)
         if key in seen:
             raise ValueError(f"points {seen[key]!r} and {point.name!r} of experiment {name!r} "
@@ -360,7 +361,7 @@ def make_record(cfg: C.Config, point: Any, key: str, status: str, reason: str, r
                     params=dict(point.params), mode=point.mode, status=status, reason=reason,
                     metrics=metrics, memory=sections["memory"], comm=sections["comm"],
                     topology=topology, hardware=hardware, hostname=host["hostname"],
-                    config=C.summary(cfg), git_sha=R.git_sha(), sweep_id=sweep_id,
+                    config=schema.summary(cfg), git_sha=R.git_sha(), sweep_id=sweep_id,
                     timestamp=R.now_utc(), duration_s=round(duration_s, 3),
                     provenance=P.signature_of(point.mode, cfg), load=dict(load or {}))
 
@@ -544,7 +545,7 @@ def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: st
     paths = []
     for pp in todo:
         doc = {"experiment_module": module_path(experiment), "sweep_id": sweep_id, "key": pp.key,
-               "nodes": pp.nodes, "point": pp.point.as_dict(), "config": C.summary(pp.cfg)}
+               "nodes": pp.nodes, "point": pp.point.as_dict(), "config": schema.summary(pp.cfg)}
         path = os.path.join(out_dir, f"{pp.key}.yaml")
         OmegaConf.save(OmegaConf.create(doc), path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -555,7 +556,7 @@ def write_point_files(planned: list[PlannedPoint], experiment: Any, sweep_id: st
 def run_point_file(path: str) -> R.Record | None:
     """Run the point described by a point file and record it (on a compute node)."""
     doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    cfg = launcher.check_config(C.to_config(OmegaConf.create(doc["config"])))
+    cfg = launcher.check_config(schema.to_config(OmegaConf.create(doc["config"])))
     pp = PlannedPoint(Point.from_dict(doc["point"]), cfg, doc["key"])
     return run_and_record(importlib.import_module(doc["experiment_module"]), pp,
                           doc.get("sweep_id", ""))

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro import paths
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class StepLogger:
                 paths.wandb_dir(cfg.experiment.results_dir))
             os.makedirs(directory, exist_ok=True)
             run = backend.init(project=lc.wandb_project, entity=lc.wandb_entity or None,
-                               config=C.summary(cfg), mode=lc.wandb_mode, dir=directory,
+                               config=schema.summary(cfg), mode=lc.wandb_mode, dir=directory,
                                name=os.environ.get("WANDB_NAME") or os.path.basename(run_dir),
                                group=os.environ.get("WANDB_RUN_GROUP") or cfg.experiment.name)
         except Exception as e:  # noqa: BLE001 - W&B must never break a training run

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.runtime.model import flops
 from zero_repro.scale import calibrate, kernel_sources, modern_step, outside_modern, perf_model
 from zero_repro.scale import estimate_time as T
@@ -118,7 +120,7 @@ def stage_config(base: C.Config, stage: int, zero_r: str, batch: int) -> C.Confi
     z = dataclasses.replace(base.zero, stage=stage)
     zr = C.ZeroRConfig(name="custom", **ZERO_R[zero_r])
     t = dataclasses.replace(base.train, micro_batch_size=batch)
-    return C.validate(dataclasses.replace(base, zero=z, zero_r=zr, train=t))
+    return validation.validate(dataclasses.replace(base, zero=z, zero_r=zr, train=t))
 
 
 # ------------------------------------------------------------------------------ batch traces
@@ -288,11 +290,11 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
     ``extra`` bytes per sample (unfused attention), ``none_cfg`` and ``frac`` (selective
     checkpointing: a second dry run, interpolated)."""
     judge = judge or {}
-    cfg = C.to_config(cfg_dict)
+    cfg = schema.to_config(cfg_dict)
     b0 = cfg.train.micro_batch_size
     t0, cpu0 = time.perf_counter(), time.process_time()
     bt, r = prime_trace(cfg, rank, transport_of)
-    alt = (prime_trace(C.to_config(judge["none_cfg"]), rank, transport_of)
+    alt = (prime_trace(schema.to_config(judge["none_cfg"]), rank, transport_of)
            if judge.get("none_cfg") else None)
     t1 = time.perf_counter()
     ev = bt.events(b0)

@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from zero_repro.lab.points import Point
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.lab import sweep
 from zero_repro.scale.analytic import fits
 from zero_repro.scale.paper.buckets import ALLGATHER_BUCKET, REDUCE_BUCKET
@@ -131,7 +132,7 @@ def zero_config_of(s: PaperSetup, hw: Hardware) -> str:
 @lru_cache(maxsize=None)
 def model_name_for_setup(s: PaperSetup) -> str:
     """The conf/model file of a paper setup's shape when there is one, else paper_<l>x<h>."""
-    return next((n for n, d in C.model_files().items()
+    return next((n for n, d in schema.model_files().items()
                  if d.get("n_layer") == s.n_layer and d.get("n_embd") == s.hidden
                  and d.get("seq_len") == 1024), f"paper_{s.n_layer}x{s.hidden}")
 
@@ -170,7 +171,7 @@ def _analytic_fits(device_bytes, s, zc, p):
 
 @lru_cache(maxsize=None)
 def _dryrun_fits(cfg_json: str, batch: int, capacity: float) -> bool:
-    cfg = C.to_config(OmegaConf.create(json.loads(cfg_json)))
+    cfg = schema.to_config(OmegaConf.create(json.loads(cfg_json)))
     cfg.train.micro_batch_size = batch
     r = dryrun.dry_run_subprocess(cfg, iterations=2, allocator_capacity=capacity)
     return not r.allocator.get("oom") and r.allocator.get("peak_reserved", 0) <= capacity
@@ -187,7 +188,7 @@ def max_fit_batch(s, zc: str, cluster_cfg, p: dict, base_cfg=None) -> tuple[int,
         return largest_true(analytic), "max_fit (analytic memory model)"
     pcfg = sweep.point_config(base_cfg, paper_point_overrides(s, zc, 1, p,
                                                                     p["cluster_dtype"]))
-    blob = json.dumps(C.summary(pcfg), sort_keys=True, default=str)
+    blob = json.dumps(schema.summary(pcfg), sort_keys=True, default=str)
     seed = max(1, largest_true(analytic))
 
     def dry(b: int) -> bool:
@@ -202,7 +203,7 @@ def max_fit_batch(s, zc: str, cluster_cfg, p: dict, base_cfg=None) -> tuple[int,
 
 
 def _local_dryrun_config(model: str, world: int, tp: int, zc: str) -> C.Config:
-    ov = {**{f"model.{k}": v for k, v in C.model_conf(model).items()},
+    ov = {**{f"model.{k}": v for k, v in schema.model_conf(model).items()},
           "parallel.world_size": world, "parallel.tp": tp, **zero_overrides(zc)}
     return apply_overrides(C.Config(), ov)
 
@@ -250,7 +251,7 @@ def local_batch(model: str, world: int, tp: int, zc: str, p: dict) -> tuple[int,
                    f"{ref} at batch {p['local_base_batch']})")
     if str(p["local_batch"]) != "max_fit":
         return int(p["local_batch"]), "fixed"
-    m = C.model_conf(model)
+    m = schema.model_conf(model)
     cap = float(p["local_device_mb"]) * 1e6
 
     def pred(b: int) -> bool:
@@ -358,7 +359,7 @@ def local_point(figure: str, name: str, model: str, world: int, tp: int, zc: str
     """A measured point on local CPU ranks: ``model`` (at depth ``n_layer`` if given) under
     ``zc`` at the batch ``local_batch`` gives; ``extra``: more point params."""
     b, src = local_batch(model, world, tp, zc, p)
-    ov = {**{f"model.{k}": v for k, v in C.model_conf(model).items()},
+    ov = {**{f"model.{k}": v for k, v in schema.model_conf(model).items()},
           "parallel.world_size": world, "parallel.tp": tp, "train.micro_batch_size": b,
           **zero_overrides(zc)}
     if n_layer is not None:
@@ -434,7 +435,7 @@ def _search(key: str, judge: str) -> dict:
     """``maxsize.max_batch`` (judge dryrun) or the analytic model on the same grid, memoised
     per process on the dry run's config (Figures 2 and 8 share the 170B search)."""
     d = json.loads(key)
-    cfg = C.to_config(OmegaConf.create(d["cfg"]))
+    cfg = schema.to_config(OmegaConf.create(d["cfg"]))
     seed = int(d["seed"])
     if judge == "analytic":
         cap = capacity_of(cfg)

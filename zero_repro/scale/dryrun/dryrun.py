@@ -48,6 +48,8 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zero_repro import config as C
+from zero_repro import schema
+from zero_repro import validation
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.scale.hardware import device_bytes
@@ -261,7 +263,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     ``real_ledgers``' ``transport``): ``native`` (NCCL's, staging scratch), ``gloo``
     (point-to-point, receive scratch) or ``shm`` (shared memory, its segment), which reproduce
     that run's ledgers exactly."""
-    C.validate(cfg)
+    validation.validate(cfg)
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
                            "initialised in this process: use dry_run_subprocess(cfg)")
@@ -425,7 +427,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     "transport"}, ...] (``transport``: the ``dry_run(transport_of=...)`` of its DP buckets)."""
     out = []
     for d in cfg_dicts:
-        cfg = C.to_config(d)
+        cfg = schema.to_config(d)
         topo = Topology.build(cfg.parallel.tp)
         # every stage is built at every N_d, DP 1 included (Table 1's first column): no warning
         model, ckpt, strategy = build(cfg, topo, torch.device("cpu"), warn_dp1=False)
@@ -453,7 +455,7 @@ def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iteration
     live peak}, "transport"}, ...]."""
     out = []
     for d in cfg_dicts:
-        cfg = C.to_config(d)
+        cfg = schema.to_config(d)
         tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
         with tracer:
             topo = Topology.build(cfg.parallel.tp)
@@ -491,7 +493,7 @@ def last_step_peak_categories(events, category_of: dict) -> dict:
 # ------------------------------------------------------------------------------ subprocess
 def _child(cfg_dict: dict, rank: int, iterations: int, keep_trace: bool, capacity, conn) -> None:
     try:
-        res = dry_run(C.to_config(cfg_dict), rank, iterations, keep_trace, capacity)
+        res = dry_run(schema.to_config(cfg_dict), rank, iterations, keep_trace, capacity)
         conn.send(("ok", res))
     except BaseException as e:  # noqa: BLE001 - report to the parent
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -530,7 +532,7 @@ def apply_overrides(cfg: C.Config, overrides: dict) -> C.Config:
     base = OmegaConf.structured(cfg)
     for k, v in overrides.items():
         OmegaConf.update(base, k, v, merge=False)
-    return C.validate(C.to_config(base))
+    return validation.validate(schema.to_config(base))
 
 
 def setup_overrides(s: PaperSetup, cluster: str = PAPER_CLUSTER, **kw) -> dict:

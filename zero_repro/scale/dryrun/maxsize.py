@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.scale import analytic
 from zero_repro.runtime.model import flops
 from zero_repro.scale.hardware import device_bytes
@@ -240,7 +241,7 @@ def _child_dry_run(cfg_dict: dict, iterations: int, capacity: bool = True):
     """A dry run in the judge's helper process (module level: pickled by name), with the
     capacity it needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays,
     done here in parallel with the parent's dry run)."""
-    res = dry_run(C.to_config(cfg_dict), iterations=iterations, keep_trace=True,
+    res = dry_run(schema.to_config(cfg_dict), iterations=iterations, keep_trace=True,
                   details=False)
     if capacity:
         res.min_capacity()
