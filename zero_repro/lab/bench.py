@@ -25,13 +25,11 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig
+from zero_repro.config import (Config, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig,
+                               ZeroRConfig)
 from zero_repro.runtime.comm.launch import spawn
-from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.model.gpt import GPT
-from zero_repro.runtime.train.step import train_step
+from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.paths import conf_group_dir
-from zero_repro.runtime.zero import build_strategy
 
 
 def model_config(name: str) -> ModelConfig:
@@ -53,26 +51,32 @@ def _bench_worker(rank: int, world: int, mcfg: ModelConfig, steps: int, warmup: 
                   micro: int, dtype: str) -> dict:
     out = {}
     for stage in range(4):
-        topo = Topology.build(1)
-        model = GPT(mcfg, topo.tp_group)
-        model.init_weights(0)
-        strat = build_strategy(model, topo, ZeroConfig(stage=stage, dtype=dtype),
-                               TrainConfig(micro_batch_size=micro))
+        trainer = Trainer(_config(mcfg, world, ZeroConfig(stage=stage, dtype=dtype), micro))
+        model = trainer.model
         g = torch.Generator().manual_seed(rank)
         times, losses = [], []
         for step in range(warmup + steps):
             idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
             t0 = time.perf_counter()
             step_losses: list[torch.Tensor] = []
-            train_step(strat, [(idx, idx)], on_loss=step_losses.append)
+            trainer.step([(idx, idx)], on_loss=step_losses.append)
             dt = time.perf_counter() - t0
             if step >= warmup:
                 times.append(dt)
             losses.append(step_losses[0].item())
         out[stage] = {"median_s": statistics.median(times), "last_loss": losses[-1],
                       "psi": sum(p.numel() for p in model.parameters())}
-        strat.remove_hooks()
+        trainer.close()
     return out
+
+
+def _config(mcfg: ModelConfig, world: int, zero: ZeroConfig, micro: int) -> Config:
+    """The benchmark's run: ``mcfg`` at DP ``world``, ``zero``, a micro-batch, no ZeRO-R."""
+    return Config(model=mcfg, parallel=ParallelConfig(world_size=world, tp=1), zero=zero,
+                  train=TrainConfig(micro_batch_size=micro),
+                  # ZeRO's recommended buffers (C_B, M_D): the strategy's own default
+                  zero_r=ZeroRConfig(name="custom", constant_buffers=True,
+                                     contiguous_memory=True))
 
 
 KNOB_STAGES = {"overlap_param_gather": (1, 2), "prefetch_next_step": (3,),
@@ -111,18 +115,15 @@ def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, 
                steps: int, warmup: int, repeats: int, micro: int, dtype: str) -> dict:
     out = {}
     for stage, knob in cases:
-        topo = Topology.build(1)
-        model = GPT(mcfg, topo.tp_group)
-        model.init_weights(0)
-        base = ZeroConfig(stage=stage, dtype=dtype)
-        strat = build_strategy(model, topo, base, TrainConfig(micro_batch_size=micro))
+        trainer = Trainer(_config(mcfg, world, ZeroConfig(stage=stage, dtype=dtype), micro))
+        strat = trainer.strategy
         g = torch.Generator().manual_seed(rank)
 
         def one_step(on: bool) -> float:
             _flip(strat.zero, knob, on)
             idx = torch.randint(0, mcfg.vocab_size, (micro, mcfg.seq_len), generator=g)
             t0 = time.perf_counter()
-            train_step(strat, [(idx, idx)])
+            trainer.step([(idx, idx)])
             return time.perf_counter() - t0
 
         for i in range(warmup):
@@ -136,7 +137,7 @@ def _ab_worker(rank: int, world: int, mcfg: ModelConfig, cases: list[tuple[int, 
                     times[on].append(t)
             reps.append(times)
         out[(stage, knob)] = reps
-        strat.remove_hooks()
+        trainer.close()
     return out
 
 

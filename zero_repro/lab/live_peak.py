@@ -24,9 +24,7 @@ from omegaconf import OmegaConf
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
-from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.train.build import build
-from zero_repro.runtime.train.step import train_step
+from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun.trace import live_peaks
 from zero_repro.scale.dryrun.tracer import AllocationTracer
@@ -72,22 +70,21 @@ def _batches(cfg: C.Config, step: int):
 def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
     """On an initialised gloo group (``launch.spawn``): for each config, build and train
     ``iterations`` steps under ``LiveStorageTracer``; per config {"live_peak" (bytes, training
-    steps), "by_iteration", "build_peak" (the build's own live peak), "transport"}. Module level, for ``launch.spawn``."""
+    steps), "by_iteration", "build_peak" (the build's own live peak), "transport"}. Module
+    level, for ``launch.spawn``."""
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
         cfg = schema.to_config(d)
         tracer = LiveStorageTracer()
         with tracer:
-            topo = Topology.build(cfg.parallel.tp)
-            model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
-                                          skeleton_scope=tracer.untracked)
+            trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
             for it in range(iterations):
-                train_step(strategy, _batches(cfg, it),
-                           phase=lambda name, it=it: tracer.in_phase(name, it))
-            transport = strategy.transport.name
-            strategy.remove_hooks()
-            del model, ckpt, strategy
+                trainer.step(_batches(cfg, it),
+                             phase=lambda name, it=it: tracer.in_phase(name, it))
+            transport = trainer.strategy.transport.name
+            trainer.close()
+            del trainer
         _, by_phase, by_iter = live_peaks(tracer.events)
         out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
                     "build_peak": by_phase.get("build", 0),

@@ -34,7 +34,7 @@ from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model import flops
 from zero_repro.runtime.train import data, loop
-from zero_repro.runtime.train.build import build
+from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.runtime.train.build import device_for
 from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES
 from zero_repro.scale.paper.table1 import K_ADAM, model_state_bytes
@@ -359,26 +359,15 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
 def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, run_dir: str,
               watchdog: Watchdog) -> dict:
-    topo = Topology.build(cfg.parallel.tp)
-    model, ckpt, strategy = build(cfg, topo, device)
+    trainer = Trainer(cfg, device=device)
+    topo, strategy = trainer.topo, trainer.strategy
     build_peak = reset_peaks(device)
     where = placement(topo)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
-    root = checkpoint_root(cfg, run_dir)
-    start, resumed, history = 0, resume_path(cfg, run_dir), []
+    resumed = resume_path(cfg, run_dir)
     if resumed is not None:
-        manifest = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify)
-        start = manifest["step"]
-        if start >= cfg.train.steps:
-            raise ValueError(f"checkpoint {resumed} is at step {start}: nothing left to do with "
-                             f"train.steps={cfg.train.steps}; raise train.steps")
-        past = (manifest.get("extra") or {}).get("history") or {}
-        history = list(past.get("losses") or [])
-        history = history[:start] if len(history) >= start else []  # unknown: keep none
-        skipped_before = [s for s in past.get("skipped_at") or [] if s < start]
-    local_losses: list[float] = []
-    skipped = list(skipped_before) if resumed is not None else []
+        trainer.resume(resumed, cfg.checkpoint.verify)
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
@@ -393,9 +382,10 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     every_log = cfg.train.log_every if topo.rank == 0 else 0
     table1 = table1_model_states(cfg)
 
-    def on_step(step, loss, dt, info):
-        local_losses.append(loss)
+    def watch(step, loss, dt, info):
         watchdog.step = step + 1
+
+    def step_log(step, loss, dt, info):
         if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
             log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
                                flops.tflops_per_gpu(fl, dt, world_size),
@@ -404,17 +394,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
                                            table1),
                                device, topo.dp, cfg.zero.dtype,
                                flops.tflops_per_gpu(fl_model, dt, world_size)))
-        if info.skipped:
-            skipped.append(step)
-        every = cfg.checkpoint.save_every
-        if every and (step + 1) % every == 0:
-            # the global mean loss of every step so far, so a resumed run knows its past
-            per_dp = comm.all_gather_object(local_losses, topo.dp_group)
-            losses = history + [sum(v) / len(v) for v in zip(*per_dp)]
-            extra = {"model": model_identity(cfg.model),
-                     "history": {"losses": losses if len(losses) == step + 1 else [],
-                                 "skipped_at": list(skipped)}}
-            checkpoint.save(root, strategy, topo, step + 1, cfg.checkpoint.keep, extra=extra)
+
+    def metrics_log(step, loss, dt, info):
         if live.active:
             live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
                           loss_scale=float(info.loss_scale), step_time_s=dt,
@@ -423,21 +404,19 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
                           **memory_series(device))
 
     try:
-        res = loop.train(strategy, source, cfg, topo, device, on_step=on_step,
-                         start_step=start,
-                         before_step=functools.partial(inject_fault, cfg.fault, topo.rank))
+        res = trainer.fit(source, [watch, step_log, metrics_log],
+                          before_update=functools.partial(inject_fault, cfg.fault, topo.rank),
+                          checkpoint_root=checkpoint_root(cfg, run_dir),
+                          checkpoint_extra={"model": model_identity(cfg.model)})
     except BaseException as e:
         if isinstance(e, loop.Diverged):
-            _note_divergence(run_dir, topo.rank, str(e), history, local_losses, start)
+            _note_divergence(run_dir, topo.rank, str(e), trainer.history["losses"],
+                             trainer.local_losses, trainer.start_step)
         live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
         raise
     finally:
-        # the hooks hold the strategy, which holds the module and the groups' users: without
-        # this cycle broken, gloo objects outlive destroy_process_group
-        strategy.remove_hooks()
-    mem = strategy.memory_ledger()
-    if ckpt is not None:
-        ckpt.add_to_ledger(mem)
+        mem = trainer.memory_ledger()
+        trainer.close()
     step_s = res.median_step_time
     metrics = {
         "losses": res.losses, "loss_first": res.losses[0], "loss_last": res.losses[-1],
@@ -446,8 +425,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         "tflops_per_gpu": flops.tflops_per_gpu(fl, step_s, world_size),
         "skipped_steps": res.skipped_steps, "skipped_at": res.skipped_at,
         "start_step": res.start_step, "resumed_from": resumed or "",
-        "losses_before_start": history,
-        "skipped_before_start": [s for s in skipped if s < res.start_step],
+        "losses_before_start": trainer.history["losses"],
+        "skipped_before_start": trainer.history["skipped_at"],
         "grad_norms": res.grad_norms,
         "loss_scales": res.loss_scales,
         "params_total": flops.param_count(m),
@@ -478,7 +457,7 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         out["memory"]["cuda_max_allocated_build"] = build_peak
     if live.active:
         metrics["wandb_run"] = live.finish(wandb_runs.summary_of(out), 0)
-    model = ckpt = strategy = None  # noqa: F841 - drop the references (teardown: no gloo user alive)
+    strategy = None  # noqa: F841 - drop the reference (teardown: no gloo user alive)
     return out
 
 

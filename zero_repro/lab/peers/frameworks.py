@@ -24,12 +24,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zero_repro.config import Config, ParallelConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import bucket_transport
 from zero_repro.runtime.model.gpt import GPT
-from zero_repro.runtime.train.step import train_step
-from zero_repro.runtime.zero import build_strategy
+from zero_repro.runtime.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from zero_repro.lab.peers.runners import PeerSpec
@@ -456,12 +456,15 @@ class ZeroRepro(Runner):
     def __init__(self, spec, rank, world):  # noqa: D107
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
-        zero = replace(spec.zero, stage=self.stage, grad_clip=0.0)
+        cfg = Config(model=spec.model, parallel=ParallelConfig(world_size=world, tp=1),
+                     zero=replace(spec.zero, stage=self.stage, grad_clip=0.0), train=spec.train,
+                     zero_r=spec.zero_r)
         saved = os.environ.get("ZR_CPU_TRANSPORT")
         if self.cpu_transport:  # read once, when the strategy builds its transport
             os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
-        try:
-            self.strategy = build_strategy(self.model, self.topo, zero, spec.train, spec.zero_r)
+        try:  # the race's one model, shared with the other frameworks, wrapped as it is
+            self.trainer = Trainer(cfg, self.topo, model=self.model)
+            self.strategy = self.trainer.strategy
         finally:
             if saved is None:
                 os.environ.pop("ZR_CPU_TRANSPORT", None)
@@ -472,7 +475,7 @@ class ZeroRepro(Runner):
 
     def step(self, x, y):
         losses: list[torch.Tensor] = []
-        train_step(self.strategy, [(x, y)], on_loss=losses.append)
+        self.trainer.step([(x, y)], on_loss=losses.append)
         return float(losses[0])
 
     def views(self):

@@ -1,9 +1,9 @@
 """Paper-scale memory dry run (paper §10.5, Figures 6-7; Tables 1-2 memory columns): one rank's
 real build and training steps on data-free tensors under a ``fake`` process group.
 
-``dry_run(cfg, rank)`` runs what a rank of ``zero_repro.lab.rank`` runs -- ``train.build.build``
-(GPT -> activation checkpointing -> ZeRO strategy: the same functions, no simulation copy) and
-``iterations`` steps of ``train.step.train_step`` -- on PyTorch's ``meta`` device (``backend``
+``dry_run(cfg, rank)`` runs what a rank of ``zero_repro.lab.rank`` runs -- a ``train.trainer.Trainer``
+(its build: GPT -> activation checkpointing -> ZeRO strategy, the same functions, no simulation
+copy) and ``iterations`` of its steps -- on PyTorch's ``meta`` device (``backend``
 ``meta``; ``fake``: ``FakeTensorMode`` CPU tensors) with a ``fake`` group of
 ``parallel.world_size`` ranks, so a 100B-parameter rank fits a laptop. Meta kernels follow CUDA's
 dtype rules and the model takes the fused attention kernel a GPU takes.
@@ -66,8 +66,7 @@ from zero_repro.scale.dryrun.trace import (  # noqa: F401 (re-exported)
     build_events, device_events, judged_trace, live_peaks, repeat_start, steady_peak,
     without_teardown)
 from zero_repro.scale.dryrun.tracer import ALLOC, FREE, AllocationTracer  # noqa: F401 (re-exported)
-from zero_repro.runtime.train.build import build
-from zero_repro.runtime.train.step import train_step
+from zero_repro.runtime.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -290,27 +289,25 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             # partitioned construction resizes each unit's buffer as it goes: every storage
             # is polled during the build (few ops), none of the skeleton's is recorded
             with tracer.category(S.FP16_PARAMS), tracer.polling_all():
-                model, ckpt, strategy = build(cfg, topo, torch.device(
-                    "meta" if on_meta else "cpu"), skeleton_scope=tracer.untracked,
-                    **builders(stack, cfg))
+                trainer = Trainer(cfg, topo, torch.device("meta" if on_meta else "cpu"),
+                                  skeleton_scope=tracer.untracked, **builders(stack, cfg))
+            model, ckpt, strategy = trainer.model, trainer.ckpt, trainer.strategy
             _build_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
                 t0 = time.perf_counter()
-                _one_step(strategy, tracer, ckpt, host, cfg, it)
+                _one_step(trainer, tracer, host, cfg, it)
                 K.tag_strategy(tracer, strategy)
                 timings[f"iteration{it}_s"] = time.perf_counter() - t0
             for h in hooks:
                 h.remove()
-            ledger = strategy.memory_ledger()
-            if ckpt is not None:
-                ckpt.add_to_ledger(ledger)
+            ledger = trainer.memory_ledger()
             _host_sids(tracer, ckpt, host)
             psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
             psi_padded, n_buckets = _geometry(strategy)
-            del model, ckpt, strategy
+            del model, ckpt, strategy, trainer
     finally:
         comm.destroy_process_group()
     events = without_teardown(tracer.events)
@@ -398,11 +395,11 @@ def _geometry(strategy) -> tuple[int, int]:
             sum(len(g.partition.buckets) for g in groups))
 
 
-def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], cfg: C.Config,
-              it: int) -> None:
+def _one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
+              cfg: C.Config, it: int) -> None:
     """One optimizer step exactly as ``train.loop.train`` drives the strategy (``tracer``
     None: a real run, e.g. ``real_ledgers``)."""
-    t, m = cfg.train, cfg.model
+    t, m, ckpt = cfg.train, cfg.model, trainer.ckpt
 
     def phase(name: str):
         return tracer.in_phase(name, it) if tracer is not None else contextlib.nullcontext()
@@ -416,7 +413,7 @@ def _one_step(strategy, tracer: AllocationTracer | None, ckpt, host: set[int], c
     batches = ((torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)),
                 torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)))
                for _ in range(t.grad_accum))
-    train_step(strategy, batches, phase=phase, after_forward=after_forward)
+    trainer.step(batches, phase=phase, after_forward=after_forward)
 
 
 def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
@@ -428,19 +425,17 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
     out = []
     for d in cfg_dicts:
         cfg = schema.to_config(d)
-        topo = Topology.build(cfg.parallel.tp)
         # every stage is built at every N_d, DP 1 included (Table 1's first column): no warning
-        model, ckpt, strategy = build(cfg, topo, torch.device("cpu"), warn_dp1=False)
+        trainer = Trainer(cfg, warn_dp1=False)
         for it in range(iterations):
-            _one_step(strategy, None, ckpt, set(), cfg, it)
-        ledger = strategy.memory_ledger()
-        if ckpt is not None:
-            ckpt.add_to_ledger(ledger)
+            _one_step(trainer, None, set(), cfg, it)
+        ledger, strategy = trainer.memory_ledger(), trainer.strategy
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
-                    "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                    "psi": sum(p.numel() for p in trainer.model.parameters()
+                               if p.requires_grad),
                     "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
                     "transport": strategy.transport.name})
-        strategy.remove_hooks()
+        trainer.close()
     return out
 
 
@@ -458,19 +453,17 @@ def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iteration
         cfg = schema.to_config(d)
         tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
         with tracer:
-            topo = Topology.build(cfg.parallel.tp)
             with tracer.category(S.FP16_PARAMS):
-                model, ckpt, strategy = build(cfg, topo, torch.device("cpu"),
-                                              skeleton_scope=tracer.untracked)
-            hooks = K.tag_model(tracer, model)
+                trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
+            hooks = K.tag_model(tracer, trainer.model)
             for it in range(iterations):
-                _one_step(strategy, tracer, ckpt, set(), cfg, it)
-                K.tag_strategy(tracer, strategy)
+                _one_step(trainer, tracer, set(), cfg, it)
+                K.tag_strategy(tracer, trainer.strategy)
             for h in hooks:
                 h.remove()
-            transport = strategy.transport.name
-            strategy.remove_hooks()
-            del model, ckpt, strategy
+            transport = trainer.strategy.transport.name
+            trainer.close()
+            del trainer
         events = without_teardown(tracer.events)
         _peak, _by_phase, by_iter = live_peaks(events)
         out.append({"by_iteration": by_iter, "transport": transport,
