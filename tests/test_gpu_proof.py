@@ -18,6 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
+from zero_repro.lab.checks import gpu
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation
@@ -178,11 +179,11 @@ def test_plan_command_prints_the_estimate(tmp_path):
 def test_overlap_stats():
     k = [("ampere_gemm", 0.0, 1.0), ("ncclKernel_AllGather", 0.5, 1.5),
          ("elementwise", 2.0, 2.2), ("ncclDevKernel_ReduceScatter", 3.0, 3.5)]
-    o = G.overlap_stats(k)
+    o = gpu.overlap_stats(k)
     assert o["nccl_s"] == pytest.approx(1.5)
     assert o["nccl_overlapped_share"] == pytest.approx(0.5 / 1.5)
     assert o["nccl_exposed_s"] == pytest.approx(1.0)
-    assert G.overlap_stats([("gemm", 0, 1)])["nccl_overlapped_share"] is None
+    assert gpu.overlap_stats([("gemm", 0, 1)])["nccl_overlapped_share"] is None
 
 
 def test_node_targets():
@@ -190,7 +191,7 @@ def test_node_targets():
           "1": {"step_over_stage0": 1.04, "nccl_overlapped_share": 0.5},
           "2": {"step_over_stage0": 1.2, "nccl_overlapped_share": 0.9},
           "3": {"step_over_stage0": 1.2, "nccl_overlapped_share": 0.1}}
-    assert G.node_targets(st) == {"stage0_overlap>=0.6": True, "stage1_step<=1.05x": True,
+    assert gpu.node_targets(st) == {"stage0_overlap>=0.6": True, "stage1_step<=1.05x": True,
                                   "stage1_overlap>=0.6": False, "stage2_step<=1.05x": False,
                                   "stage2_overlap>=0.6": True, "stage3_step<=1.25x": True}
 

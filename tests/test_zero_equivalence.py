@@ -24,7 +24,8 @@ import torch
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.model.gpt import GPT, gather_full_state
+from zero_repro.lab.checks.equivalence import AdamWReference, tp1_parameters
+from zero_repro.runtime.model.gpt import GPT
 from zero_repro.runtime.model.llama import Llama
 from zero_repro.scale.paper.table1 import model_state_bytes
 from zero_repro.runtime.zero import build_strategy
@@ -69,39 +70,17 @@ def make(c: dict):
     return topo, model, build_strategy(model, topo, zero, train, zr), train
 
 
-def tp1_params(strategy, topo, model: str = "gpt") -> dict[str, torch.Tensor]:
+def tp1_params(strategy, topo=None, model: str = "gpt") -> dict[str, torch.Tensor]:
     """Strategy parameters gathered over DP and TP, as the TP=1 model's tensors."""
-    full = strategy.full_parameters()
+    return tp1_parameters(strategy)
+
+
+def Reference(train: TrainConfig, clip: float, model: str = "gpt") -> AdamWReference:
+    """The TP=1 model of ``model`` for SEED, torch.optim.AdamW + clip_grad_norm_."""
     cls, mcfg = MODELS[model]
-    shadow = cls(mcfg, topo.tp_group)
-    with torch.no_grad():
-        for n, p in shadow.named_parameters():
-            p.copy_(full[n])
-    enabled, topo.ledger.enabled = topo.ledger.enabled, False
-    try:
-        return gather_full_state(shadow, topo.tp_group)
-    finally:
-        topo.ledger.enabled = enabled
-
-
-class Reference:
-    def __init__(self, train: TrainConfig, clip: float, model: str = "gpt"):
-        cls, mcfg = MODELS[model]
-        self.model = cls(mcfg)
-        self.model.init_weights(SEED)
-        self.clip = clip
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=train.lr,
-                                     betas=(train.beta1, train.beta2), eps=train.eps,
-                                     weight_decay=train.weight_decay)
-
-    def step(self, idx, tgt) -> float:
-        _, loss = self.model(idx, tgt)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
+    reference = cls(mcfg)
+    reference.init_weights(SEED)
+    return AdamWReference(reference, train, clip)
 
 
 def run_config(c: dict, rank: int) -> dict:

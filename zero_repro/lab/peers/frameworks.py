@@ -15,7 +15,6 @@ import logging
 import math
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,48 +29,13 @@ from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import bucket_transport
 from zero_repro.runtime.model.gpt import GPT
 from zero_repro.runtime.train.trainer import Trainer
+from zero_repro.lab.peers.spec import (  # noqa: F401 (the race's tables, named here too)
+    DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND, OPTIMIZERS, OURS, PATCHES_TORCH, TORCH_PEERS,
+    PeerSpec)
 
-if TYPE_CHECKING:
-    from zero_repro.lab.peers.runners import PeerSpec
 
 log = logging.getLogger(__name__)
 
-# framework -> (ZeRO stage it is the peer of, family)
-FRAMEWORKS: dict[str, tuple[int, str]] = {
-    "torch_ddp": (0, "torch"),
-    # DDP with its buckets all-reduced through this project's shared-memory transport (a comm
-    # hook): DDP on zero_repro_s0's transport. Not a peer of its own (family "hybrid": never
-    # the "best peer"), the transport's contribution shown on DDP itself
-    "torch_ddp_shm": (0, "hybrid"),
-    "torch_zero_redundancy": (1, "torch"),
-    "fsdp2_no_reshard": (2, "torch"),
-    "fsdp2_reshard": (3, "torch"),
-    "deepspeed_z1": (1, "deepspeed"),
-    "deepspeed_z2": (2, "deepspeed"),
-    "deepspeed_z3": (3, "deepspeed"),
-    "zero_repro_s0": (0, "zero_repro"),
-    "zero_repro_s1": (1, "zero_repro"),
-    "zero_repro_s2": (2, "zero_repro"),
-    "zero_repro_s3": (3, "zero_repro"),
-    # the same stages with their DP buckets on gloo's sockets (point-to-point), as the peers'
-    # are, instead of shared memory (runtime.comm.cpu.shm): what the transport alone gives
-    "zero_repro_s0_p2p": (0, "zero_repro"),
-    "zero_repro_s1_p2p": (1, "zero_repro"),
-    "zero_repro_s2_p2p": (2, "zero_repro"),
-    "zero_repro_s3_p2p": (3, "zero_repro"),
-    "lower_bound": (-1, "bound"),  # compute only: not a framework, the floor of every stage
-}
-TORCH_PEERS = ("torch_ddp", "torch_zero_redundancy", "fsdp2_no_reshard", "fsdp2_reshard")
-DEEPSPEED_PEERS = ("deepspeed_z1", "deepspeed_z2", "deepspeed_z3")
-OURS = ("zero_repro_s0", "zero_repro_s1", "zero_repro_s2", "zero_repro_s3",
-        "zero_repro_s0_p2p", "zero_repro_s1_p2p", "zero_repro_s2_p2p", "zero_repro_s3_p2p")
-LOWER_BOUND = "lower_bound"
-# frameworks that replace a torch function for the whole process (measured: DeepSpeed 0.19.8's
-# ZeRO-3 engine sets torch.nn.functional.linear to its own autograd function; stages 1-2 leave
-# torch's functions alone). Every framework sharing the process would run through it, so they
-# run in a process set of their own (``process_sets``).
-PATCHES_TORCH: dict[str, str] = {"deepspeed_z3": "torch.nn.functional.linear"}
-OPTIMIZERS = ("fused", "as_shipped")
 
 
 def deepspeed_available() -> tuple[bool, str]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from zero_repro.lab.peers.frameworks import FRAMEWORKS
+from zero_repro.lab.peers.spec import FRAMEWORKS
 
 GOAL_RATIO = {0: 0.95, 1: 0.95, 2: 0.80, 3: 0.80}  # goal: ours / best peer, per stage
 GOAL_BOUND = 1.15  # goal: ours / lower bound, every stage

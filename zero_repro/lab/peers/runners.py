@@ -29,11 +29,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
+from zero_repro.config import ModelConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.train.data import make_source, rank_batch
-from zero_repro.lab.peers.frameworks import (FRAMEWORKS, LOWER_BOUND, OPTIMIZERS, PATCHES_TORCH,
-                                         RUNNERS, CommCounter, Reference, Runner)
+from zero_repro.lab.peers.frameworks import RUNNERS, CommCounter, Reference, Runner
+from zero_repro.lab.peers.spec import (  # noqa: F401 (PeerSpec: the runners' entry type)
+    FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH, PeerSpec)
 from zero_repro.lab.peers.memory import LivePeak, max_rss, rss
 
 log = logging.getLogger(__name__)
@@ -56,42 +57,6 @@ def process_sets(frameworks, anchors=(LOWER_BOUND,), by_stage: bool = False
     sets += [[f] for f in fws if f in PATCHES_TORCH]
     anchors = [a for a in anchors if a in frameworks]
     return [tuple(s + anchors) for s in sets] or ([tuple(anchors)] if anchors else [])
-
-
-@dataclass
-class PeerSpec:
-    """Everything a run needs (picklable: travels to spawned ranks)."""
-
-    model: ModelConfig
-    train: TrainConfig  # lr, betas, eps, weight_decay, micro_batch_size, steps, warmup, seed
-    zero: ZeroConfig  # bucket sizes for the project's stages and DeepSpeed; dtype must be fp32
-    frameworks: tuple = ()
-    digest_every: int = 1  # compare with the reference every k steps (and at the last step)
-    comm_step: int = -1  # step counted by CommCounter (untimed); -1: the last warm-up step
-    param_tol_rel_lr: float = 0.05  # |Δθ| floor at step s: param_tol_rel_lr · lr · (s + 1)
-    # "fused": every peer's AdamW is torch.optim.AdamW(fused=True), the kernel this project's
-    # ShardAdamW runs (like with like); "as_shipped": the peers' defaults (on CPU torch's
-    # AdamW then takes its single-tensor path). The project's stages run fused in both.
-    optimizer: str = "fused"
-    reference: bool = True  # train the single-process reference and compare (equivalence)
-    # fp32 rounding of a gradient, relative to the largest gradient of its tensor, that the
-    # conditioning budget assumes (report.py: principled parameter tolerance)
-    grad_rounding_rel: float = 1e-5
-    # the project's ZeRO-R knobs (C_B with the zero section's bucket sizes, as DeepSpeed is
-    # given them; M_D): the memory regime zero_repro races in
-    zero_r: ZeroRConfig = field(default_factory=lambda: ZeroRConfig(
-        name="custom", constant_buffers=True, contiguous_memory=True))
-
-    def __post_init__(self) -> None:
-        unknown = [f for f in self.frameworks if f not in FRAMEWORKS]
-        if unknown:
-            raise ValueError(f"unknown peer frameworks {unknown}: choose from {list(FRAMEWORKS)}")
-        if self.zero.dtype != "fp32":
-            raise ValueError("peer comparisons run in fp32: set zero.dtype=fp32")
-        if self.train.grad_accum != 1:
-            raise ValueError("peer comparisons use train.grad_accum=1")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}: choose from {list(OPTIMIZERS)}")
 
 
 # ------------------------------------------------------------------------------ the driver
