@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import logging
 import os
 import re
@@ -42,7 +43,6 @@ from zero_repro import paths
 import hydra
 import pandas as pd
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -184,8 +184,6 @@ _INFO_FLAGS = ("--hydra-help", "--cfg", "-c", "--info", "-i",
 # before the overrides)
 _PLAIN_FLAGS = ("-m", "--multirun", "-r", "--run")
 MAX_VALIDATED_JOBS = 1000  # a multirun larger than this is validated job by job as it runs
-# plans made by check_args, by the job's overrides, for dispatch to run (plan once)
-_PREPARED: dict[tuple, tuple] = {}
 _signalled: list[int] = []
 
 
@@ -230,13 +228,18 @@ def main() -> None:
     try:
         check_group_choices(argv, conf_dir())
         schema.register_configs()
+        # the plans check_args makes, by each job's overrides, handed to the jobs Hydra runs
+        # (planned once)
+        plans: dict[tuple, tuple] = {}
         if not any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv):
             try:
                 for job, prepared, composed in check_args(argv, keep=True):
-                    _PREPARED[_task_of(job)] = (prepared, composed)
+                    plans[_task_of(job)] = (prepared, composed)
             except UserError as e:
                 fail(str(e))
-        _run_hydra()
+        # a Hydra launcher plugin (hydra/launcher=submitit_slurm) pickles the task for other
+        # machines: they plan their job there (the plans hold live objects)
+        _run_hydra({} if any(a.startswith("hydra/launcher=") for a in argv) else plans)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through launch.Terminated
         signum = getattr(e, "signum", signal.SIGINT)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -245,13 +248,13 @@ def main() -> None:
         sys.exit(128 + int(signum))
 
 
-def _run_hydra() -> None:
+def _run_hydra(plans: dict[tuple, tuple]) -> None:
     started = {"task": False}
 
     @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
     def _task(dcfg) -> None:
         started["task"] = True
-        dispatch(dcfg)
+        dispatch(dcfg, plans)
 
     try:
         _task()
@@ -273,8 +276,20 @@ def _jobs(argv: list[str]) -> list[list[str]]:
     overrides = _overrides(argv)
     if not any(a in ("-m", "--multirun") for a in argv):
         return [overrides]
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    # Hydra's basic sweeper's expansion (hydra/_internal/core_plugins/basic_sweeper.py,
+    # split_arguments), through the public override API: per key its values (a discrete sweep
+    # gives several), the jobs their product in the order the keys first appear
+    per_key: dict[str, list[str]] = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            per_key[key] = [f"{key}={o.get_value_element_as_str()}"]
+        elif o.is_discrete_sweep():
+            per_key[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        else:
+            raise UserError(f"{key}: Hydra's basic sweeper runs discrete sweeps only (a,b,c or "
+                            f"choice(...)), not {o.value_type.name.lower()}")
+    return [list(job) for job in itertools.product(*per_key.values())]
 
 
 def _unreadable(arg: str) -> str:
@@ -493,18 +508,21 @@ def _task_of(job: list[str]) -> tuple:
     return tuple(o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
 
 
-def _prepared_for(dcfg):
-    """The plan ``check_args`` made for this job, if it is this very config (plan once)."""
+def _prepared_for(dcfg, plans: dict[tuple, tuple]):
+    """The plan ``check_args`` made for this job (``plans``, by the job's overrides), if it is
+    this very config (planned once)."""
     try:
         job = tuple(HydraConfig.get().overrides.task)
     except ValueError:  # not under Hydra
         return None
-    prepared, composed = _PREPARED.pop(job, (None, None))
+    prepared, composed = plans.pop(job, (None, None))
     return prepared if composed == OmegaConf.to_container(dcfg) else None
 
 
-def dispatch(dcfg) -> None:
-    prepared = _prepared_for(dcfg)
+def dispatch(dcfg, plans: dict[tuple, tuple] | None = None) -> None:
+    """Run the job ``dcfg`` with its plan from ``plans`` (``main``'s checks), or checked and
+    planned here (a job they did not see)."""
+    prepared = _prepared_for(dcfg, plans or {})
     if prepared is None:  # a job check_args did not see (more than MAX_VALIDATED_JOBS)
         try:
             check_keys(dcfg)
