@@ -104,7 +104,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    result = run_training(cfg, point.run_dir)
+    result = run_training(cfg, point.run_dir, point.checked)
     m = result.setdefault("metrics", {})
     losses = [x for x in (m.get("losses") or []) if x is not None]
     if losses:

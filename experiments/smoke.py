@@ -32,7 +32,7 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    result = run_training(cfg, point.run_dir)
+    result = run_training(cfg, point.run_dir, point.checked)
     m = result.setdefault("metrics", {})
     losses = m.get("losses") or []
     if losses:

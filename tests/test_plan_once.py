@@ -30,7 +30,7 @@ class ThreePoints:
                 for i in range(3)]
 
     def run_point(self, cfg, point):
-        return launcher.run_training(cfg, point.run_dir)
+        return launcher.run_training(cfg, point.run_dir, point.checked)
 
     def summarize(self, records):
         return []
@@ -96,12 +96,12 @@ def test_the_training_entry_called_directly_still_checks_its_input(counted, tmp_
 def test_a_pre_flighted_point_whose_config_changed_is_checked_again(counted, tmp_path):
     cfg = C.Config()
     cfg.train.steps, cfg.train.warmup_steps = 2, 0
-    launcher.note_checked(cfg, str(tmp_path / "run"), None)
+    pre = launcher.checked(cfg, str(tmp_path / "run"), None)
+    launcher.run_training(cfg, str(tmp_path / "run"), pre)
+    assert counted["check_runnable"] == 0  # taken as checked
     launcher.run_training(cfg, str(tmp_path / "run"))
-    assert counted["check_runnable"] == 0  # taken as checked, once
-    launcher.run_training(cfg, str(tmp_path / "run"))
-    assert counted["check_runnable"] == 1
-    launcher.note_checked(cfg, str(tmp_path / "run"), None)
+    assert counted["check_runnable"] == 1  # no verdict handed on: checked
+    pre = launcher.checked(cfg, str(tmp_path / "run"), None)
     cfg.train.seed = 7  # changed after its check: not the input that was checked
-    launcher.run_training(cfg, str(tmp_path / "run"))
+    launcher.run_training(cfg, str(tmp_path / "run"), pre)
     assert counted["check_runnable"] == 2

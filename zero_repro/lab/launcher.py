@@ -253,21 +253,16 @@ def _check_resume(cfg: C.Config, path: str) -> None:
                          f"left to do with train.steps={cfg.train.steps}; raise train.steps")
 
 
-# (run directory, resolved config) of points pre-flighted in this process -> (the checkpoint
-# they resume from, the committed checkpoints then): run_training takes each once instead of
-# checking it again
-_checked: dict[tuple[str, str], tuple[str | None, list[str]]] = {}
+def checked(cfg: C.Config, run_dir: str, resume: str | None) -> tuple:
+    """The verdict of a pre-flight that found ``cfg`` in ``run_dir`` runnable and resuming
+    from ``resume``, for ``run_training``: (what was checked: the run directory and the
+    resolved config, ``resume``, the committed checkpoints then)."""
+    return (_fingerprint(cfg, run_dir), resume,
+            checkpoint.committed(checkpoint_root(cfg, run_dir)))
 
 
-def _checked_key(cfg: C.Config, run_dir: str) -> tuple[str, str]:
+def _fingerprint(cfg: C.Config, run_dir: str) -> tuple[str, str]:
     return os.path.abspath(run_dir), json.dumps(schema.summary(cfg), sort_keys=True, default=str)
-
-
-def note_checked(cfg: C.Config, run_dir: str, resume: str | None) -> None:
-    """``cfg`` in ``run_dir`` passed ``check_config`` and ``check_runnable`` (which found
-    ``resume``): its next ``run_training`` does not check it again."""
-    _checked[_checked_key(cfg, run_dir)] = (
-        resume, checkpoint.committed(checkpoint_root(cfg, run_dir)))
 
 
 class RunDiverged(RuntimeError):
@@ -279,13 +274,13 @@ class RunDiverged(RuntimeError):
         self.result = result
 
 
-def run_training(cfg: C.Config, run_dir: str) -> dict:
-    """Check (unless pre-flighted, ``note_checked``), write the resolved config into
-    ``run_dir`` (with the checkpoint to resume from resolved), run all ranks; rank 0's
-    result. ``RunDiverged`` when the run diverged."""
-    key = _checked_key(cfg, run_dir)
-    if key in _checked:
-        resume, seen = _checked.pop(key)
+def run_training(cfg: C.Config, run_dir: str, pre: tuple | None = None) -> dict:
+    """Check (unless pre-flighted: ``pre``, the point's ``checked``, made for this very config
+    and run directory), write the resolved config into ``run_dir`` (with the checkpoint to
+    resume from resolved), run all ranks; rank 0's result. ``RunDiverged`` when the run
+    diverged."""
+    if pre is not None and pre[0] == _fingerprint(cfg, run_dir):
+        _, resume, seen = pre
         if checkpoint.committed(checkpoint_root(cfg, run_dir)) != seen:
             # saved since the check (by an earlier point of the sweep): new input
             resume = resolve_resume(cfg, run_dir)

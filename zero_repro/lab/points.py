@@ -47,7 +47,7 @@ class Point:
     ``params`` identify the point (JSON-serialisable scalars/lists); ``overrides`` are dotted
     config keys applied on top of the experiment config (``{"zero.stage": 2}``); ``mode`` says
     how the numbers are obtained; ``run_dir`` is filled in by the orchestrator (a scratch folder
-    for this point, ignored by git) and is not part of the identity.
+    for this point, ignored by git) and is not part of the identity, nor is ``checked``.
     """
 
     name: str
@@ -55,6 +55,10 @@ class Point:
     overrides: dict = field(default_factory=dict)
     mode: str = "measured"
     run_dir: str = ""
+    # the pre-flight's verdict in this process (``preflight.check_points``: the checkpoint it
+    # resumes from, the committed checkpoints then), for its ``launcher.run_training``; no
+    # part of its identity
+    checked: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

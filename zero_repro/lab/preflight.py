@@ -13,6 +13,7 @@ start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import psutil
@@ -35,8 +36,8 @@ def runs_here(cfg: C.Config, mode: str) -> bool:
 
 def check_points(planned) -> None:
     """ValueError naming the first point (a PlannedPoint of ``lab.sweep``) that cannot run
-    here, and the setting to change. Each point that passes is noted
-    (``launcher.note_checked``): its ``run_training`` does not check it again."""
+    here, and the setting to change. Each point that passes carries the verdict
+    (``point.checked``): its ``run_training`` does not check it again."""
     for pp in planned:
         if not runs_here(pp.cfg, pp.point.mode):
             continue
@@ -45,7 +46,8 @@ def check_points(planned) -> None:
             check_resources(pp.cfg)
         except ValueError as e:
             raise ValueError(f"point {pp.point.name!r}: {e}") from None
-        launcher.note_checked(pp.cfg, pp.point.run_dir, resume)
+        pp.point = dataclasses.replace(pp.point, checked=launcher.checked(
+            pp.cfg, pp.point.run_dir, resume))
 
 
 def usable_cores() -> int:

@@ -212,7 +212,7 @@ def offload_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
 
 # ------------------------------------------------------------------ (4) throughput, one GPU
 def run_throughput(cfg, point: Point) -> dict:
-    res = run_training(cfg, point.run_dir or "outputs/gpu_proof_throughput")
+    res = run_training(cfg, point.run_dir or "outputs/gpu_proof_throughput", point.checked)
     m = res["metrics"]
     keep = ("step_time_s", "tflops_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
             "mfu", "hfu", "tokens_per_s", "params_total", "loss_first", "loss_last",

@@ -510,7 +510,7 @@ def run_point(cfg, point: Point) -> dict:
             return simulate_max_fit(q)
         return simulate(q["figure"], q["setup"], q["series"], q["batch"], q["sim_cluster"],
                         bool(q.get("use_fig3")), q, zero_config=q.get("zero_config"))
-    result = run_training(cfg, point.run_dir)
+    result = run_training(cfg, point.run_dir, point.checked)
     m = result.setdefault("metrics", {})
     m["aggregate_tflops"] = m["tflops_per_gpu"] * cfg.parallel.world_size
     hw = result.setdefault("hardware", {})
