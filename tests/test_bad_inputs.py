@@ -22,7 +22,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from zero_repro.lab import cli
+from zero_repro.lab import cli, cli_checks
 from zero_repro import schema
 from zero_repro.runtime.comm import launch
 
@@ -249,7 +249,7 @@ def test_bad_input_is_refused_before_anything_starts(case, base, files, nothing_
         except Exception as err:  # noqa: BLE001 - OmegaConf type errors at update time
             if isinstance(err, cli.UserError):
                 raise
-            raise cli.UserError(cli._first_line(err)) from None
+            raise cli.UserError(cli_checks._first_line(err)) from None
     _assert_one_line(str(e.value), field)
     assert not os.path.exists(results), "something was written"
 
