@@ -18,6 +18,7 @@ from zero_repro.lab import cuda_memory
 from zero_repro.lab.checks.equivalence import AdamWReference, max_abs_diff, tp1_parameters
 from zero_repro.lab.launcher import run_training
 from zero_repro.lab.points import Point
+from zero_repro.lab.rank import reset_peaks
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import GPT
@@ -337,7 +338,7 @@ def node_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
 
         for k in range(q["warmup"]):
             one(k)
-        peak0 = _reset_peak(device)
+        peak0 = reset_peaks(device)
         step_s = _window(device, one, q["steps"])
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         ledger = strategy.memory_ledger()
@@ -356,15 +357,6 @@ def node_rank(rank: int, world: int, cfg: C.Config, q: dict) -> dict:
     for s in stages.values():
         s["step_over_stage0"] = s["step_s"] / base
     return {"stages": stages, "world": world, "dtype": "bf16"}
-
-
-def _reset_peak(device) -> int:
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
 
 
 def _window(device, one, steps: int) -> float:
