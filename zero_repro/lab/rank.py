@@ -524,8 +524,10 @@ def main(argv=None) -> None:
         # CPU ranks under srun: as many threads as the task has cores (env.sh's OMP_NUM_THREADS
         # is for GPU ranks; oversubscribed gloo ranks run ~50x slower)
         torch.set_num_threads(int(cpus))
-    rank, world, local = launch.init_from_env(cfg.cluster.backend,
-                                              cfg.launcher.collective_timeout_s)
+    # under srun rank 0 hands its rendezvous port on through the run directory (shared)
+    rank, world, local = launch.init_from_env(
+        cfg.cluster.backend, cfg.launcher.collective_timeout_s,
+        rendezvous_dir=os.path.dirname(os.path.abspath(args.config)))
     try:
         result = rank_main(rank, world, args.config, local)
     finally:
