@@ -210,6 +210,9 @@ class CheckpointConfig:
     resume: str = ""  # "" = start fresh | auto (latest if any) | latest (must exist) | a path
     keep: int = 2  # committed checkpoints kept (0 = all)
     verify: bool = True  # check every file's SHA-256 before loading
+    # resume from a checkpoint another account owns or may write (loading it runs what its
+    # writer chose): refused unless true
+    allow_untrusted: bool = False
 
 
 @dataclass
@@ -540,6 +543,9 @@ def _validate_checkpoint(cfg: Config) -> None:
     ck = cfg.checkpoint
     _number(ck.save_every, "checkpoint.save_every", 0, integer=True)
     _number(ck.keep, "checkpoint.keep", 0, integer=True)
+    if not isinstance(ck.allow_untrusted, bool):
+        raise ValueError(f"checkpoint.allow_untrusted={ck.allow_untrusted!r}: give true (resume "
+                         f"from a checkpoint another account owns or may write) or false")
     if ck.resume in ("", "auto", "latest"):
         return
     if not os.path.isfile(os.path.join(ck.resume, "manifest.json")):

@@ -2,7 +2,8 @@
 
 ``check_runnable``: everything about files and devices knowable before a rank starts (the data
 file long enough and in the vocabulary, CUDA/NCCL present, the checkpoint directory writable, the
-checkpoint to resume committed, of this model and TP degree, not past ``train.steps``).
+checkpoint to resume committed, of this model and TP degree, not past ``train.steps``, and
+writable by this account alone unless ``checkpoint.allow_untrusted``).
 ``run_training`` validates, writes the resolved config into the run directory and starts the
 ranks: ``launcher=local`` as ``world_size`` gloo processes (``runtime.comm.launch.spawn``);
 ``launcher=torchrun`` / ``slurm`` through ``launch_command`` (``python -m zero_repro.lab.rank
@@ -230,6 +231,12 @@ def _check_resume(cfg: C.Config, path: str) -> None:
         manifest = checkpoint.read_manifest(path, verify=cfg.checkpoint.verify)
     except checkpoint.CheckpointError as e:
         raise ValueError(f"checkpoint.resume: {e}") from None
+    if not cfg.checkpoint.allow_untrusted:
+        try:
+            checkpoint.check_trusted(path)
+        except checkpoint.CheckpointError as e:
+            raise ValueError(f"checkpoint.resume: {e}, or set checkpoint.allow_untrusted=true"
+                             ) from None
     if not isinstance(manifest, dict) or not {"tp", "step", "params"} <= set(manifest):
         raise ValueError(f"checkpoint.resume: {path!r} has a manifest without tp/step/params: "
                          f"not a zero-repro checkpoint")

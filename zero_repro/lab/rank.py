@@ -369,7 +369,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     root = checkpoint_root(cfg, run_dir)
     start, resumed, history = 0, resume_path(cfg, run_dir), []
     if resumed is not None:
-        manifest = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify)
+        manifest = checkpoint.load(resumed, strategy, topo, cfg.checkpoint.verify,
+                                   trust=cfg.checkpoint.allow_untrusted)
         start = manifest["step"]
         if start >= cfg.train.steps:
             raise ValueError(f"checkpoint {resumed} is at step {start}: nothing left to do with "
