@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -276,10 +277,14 @@ class Config:
 
 
 def register_resolvers() -> None:
-    """``${zr_home:}`` in ``conf/config.yaml`` (Hydra's run/sweep folders):
-    ``paths.home()``."""
+    """``${zr_home:}`` and ``${zr_run_id:}`` in ``conf/config.yaml`` (Hydra's run/sweep
+    folders): ``paths.home()``, and a random id drawn once per composed config (cached in it,
+    as Hydra's ``${now:}``, so a job's processes agree), which keeps the folders of two runs
+    started in one second apart."""
     OmegaConf.register_new_resolver("zr_home", lambda: str(paths.home()),
                                     replace=True)
+    OmegaConf.register_new_resolver("zr_run_id", lambda: secrets.token_hex(4),
+                                    use_cache=True, replace=True)
 
 
 def register_configs() -> None:
