@@ -211,7 +211,8 @@ def test_the_rendezvous_port_is_bound_before_any_rank_is_told(monkeypatch):
 SLURM_RANK = r"""
 import os, sys, time
 from zero_repro.runtime.comm import comm, launch
-launch.init_from_env("gloo", 30)
+kw = {"rendezvous_dir": sys.argv[2]} if len(sys.argv) > 2 else {}
+launch.init_from_env("gloo", 30, **kw)
 print("up", os.environ.get("MASTER_PORT", ""), flush=True)
 comm.barrier()
 if sys.argv[1] == "hold":
@@ -248,6 +249,20 @@ def test_two_slurm_steps_of_one_job_do_not_share_a_port(tmp_path):
             assert p.returncode == 0 and out.strip().endswith("ok"), err[-2000:]
     finally:
         hold.communicate(input="", timeout=60)
+
+
+def test_a_slurm_step_hands_its_port_on_through_the_run_directory(tmp_path):
+    """Rank 0 binds a port the kernel chooses and its peer learns it from the run directory;
+    the file goes once every rank has it."""
+    ranks = [subprocess.Popen([sys.executable, "-c", SLURM_RANK, "go", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_slurm_env(777, 3, r, 2)) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0 and out.strip().endswith("ok"), err[-2000:]
+    ports = {out.split()[1] for out, _ in outs}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_taken_rendezvous_port_is_one_clear_error(tmp_path):

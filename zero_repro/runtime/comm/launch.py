@@ -442,14 +442,14 @@ def init_from_env(backend: str, timeout_s: float = 1800.0,
     _rendezvous = "slurm"
     addr = os.environ.get("MASTER_ADDR") or os.environ.get("SLURM_LAUNCH_NODE_IPADDR",
                                                            "127.0.0.1")
-    store, published = _slurm_store(addr, rank, world, timeout_s, rendezvous_dir)
+    store, handed_on = _slurm_store(addr, rank, world, timeout_s, rendezvous_dir)
     comm.init_process_group(backend, rank, world, timeout_s=timeout_s, store=store,
                             device_id=device)
-    if published:
+    if handed_on:
         comm.barrier()  # every rank has read the port: its file goes
         if rank == 0:
             with contextlib.suppress(OSError):
-                os.unlink(published)
+                os.unlink(handed_on)
     return rank, world, local
 
 
@@ -483,7 +483,7 @@ STEP_PORT_BASE, STEP_PORT_SPAN = 20000, 12000  # derived ports: below the kernel
 
 def _slurm_store(addr: str, rank: int, world: int, timeout_s: float,
                  rendezvous_dir: str | None):
-    """(the step's store, the file that handed its port on, or "")."""
+    """(the step's store, the file through which rank 0 handed its port on, or "")."""
     job = os.environ.get("SLURM_JOB_ID", "")
     step = os.environ.get("SLURM_STEP_ID", "batch")
     given = os.environ.get("MASTER_PORT", "")
@@ -532,7 +532,7 @@ def _slurm_store(addr: str, rank: int, world: int, timeout_s: float,
                                f"rendezvous port ({path}) within {timeout_s:.0f} s")
         time.sleep(0.1)
     os.environ["MASTER_PORT"] = str(doc["port"])
-    return _client(addr, int(doc["port"]), timeout_s), ""
+    return _client(addr, int(doc["port"]), timeout_s), path
 
 
 def init_fake(rank: int, world_size: int) -> None:
