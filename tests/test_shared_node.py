@@ -541,6 +541,27 @@ def test_a_save_never_deletes_another_runs_save_in_progress(tmp_path):
                                                                  "step_00000005"]
 
 
+@pytest.mark.slow
+def test_two_runs_of_different_length_share_a_checkpoint_directory(tmp_path):
+    """Two sweeps started together in one results directory, 60 and 64 steps, saving every
+    step into their shared checkpoint directory: both end ``ok`` (before: the 64-step run
+    failed with FileNotFoundError on its own .partial directory)."""
+    from zero_repro.lab import records as R
+    runs = [subprocess.Popen([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke",
+                              f"train.steps={n}", "checkpoint.save_every=1",
+                              "train.progress=false", "train.data=synthetic",
+                              f"experiment.results_dir={tmp_path / 'results'}",
+                              f"hydra.run.dir={tmp_path / str(n)}"],
+                             cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for n in (60, 64)]
+    outs = [p.communicate(timeout=900) for p in runs]
+    for p, (out, err) in zip(runs, outs):
+        assert p.returncode == 0, out[-2000:]
+    recs = R.RecordStore.for_experiment(str(tmp_path / "results"), "smoke").load()
+    assert sorted((r.config["train"]["steps"], r.status) for r in recs) == [(60, "ok"),
+                                                                            (64, "ok")]
+
+
 def test_an_interrupted_save_of_a_dead_run_is_removed(tmp_path):
     """What a killed run left (its lock is free) goes at the next save, as before."""
     root = tmp_path / "ck"
