@@ -562,7 +562,7 @@ def test_two_runs_of_different_length_share_a_checkpoint_directory(tmp_path):
                              cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for n in (60, 64)]
     outs = [p.communicate(timeout=900) for p in runs]
-    for p, (out, err) in zip(runs, outs):
+    for p, (out, _) in zip(runs, outs):
         assert p.returncode == 0, out[-2000:]
     recs = R.RecordStore.for_experiment(str(tmp_path / "results"), "smoke").load()
     assert sorted((r.config["train"]["steps"], r.status) for r in recs) == [(60, "ok"),

@@ -33,20 +33,15 @@ Entry points: ``save``, ``load``, ``check_trusted``, ``latest``, ``committed``,
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import secrets
 import shutil
-import stat
 import tempfile
 import warnings
 import contextlib
@@ -57,6 +52,8 @@ import torch
 
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.train import checkpoint_files as files
+from zero_repro.runtime.train.checkpoint_files import CheckpointError, check_trusted  # noqa: F401
 from zero_repro.runtime.zero.partition import intersect
 
 log = logging.getLogger(__name__)
@@ -80,10 +77,6 @@ def _dcp():
     from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                                   TensorProperties)
     return dcp, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: incomplete, corrupt, or from another model/TP."""
 
 
 @dataclass(frozen=True)
@@ -186,65 +179,8 @@ def _rng_state() -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ save
-class _Lock:
-    """A lock file (``flock``, exclusive) this process holds: ``path`` and its descriptor."""
-
-    def __init__(self, path: str, fd: int):
-        self.path, self.fd = path, fd
-
-    def release(self) -> None:
-        """Remove the lock file, then let go of it (a lock file nobody holds is fair game)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        os.close(self.fd)
-
-
-def _hold_lock(directory: str, name: str) -> _Lock:
-    """Create ``directory/name`` locked: made under a random name, locked, then renamed, so
-    nobody finds it unlocked while this process lives."""
-    fd, tmp = tempfile.mkstemp(prefix=".lock-", dir=directory)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    path = os.path.join(directory, name)
-    os.rename(tmp, path)
-    return _Lock(path, fd)
-
-
-def _lock_is_free(path: str) -> bool:
-    """Whether nobody holds the lock file ``path`` (a missing one is free)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _lock_of(partial_name: str) -> str:
     return f".{partial_name}.lock"
-
-
-def _write_private(path: str, text: str) -> None:
-    """A new file ``path`` (0600; never through an existing name or link)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-def _make_private(path: str) -> None:
-    """``path`` 0700 and every file in it 0600 (DCP writes them with the umask's modes, inside
-    this 0700 directory)."""
-    os.chmod(path, 0o700)
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if not os.path.islink(full):
-            os.chmod(full, 0o600 if os.path.isfile(full) else 0o700)
 
 
 def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
@@ -258,7 +194,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
     if coordinator:
         os.makedirs(root, mode=0o700, exist_ok=True)
         name = f"step_{step:08d}.{secrets.token_hex(6)}{PARTIAL}"
-        lock = _hold_lock(root, _lock_of(name))
+        lock = files.hold_lock(root, _lock_of(name))
         os.mkdir(os.path.join(root, name), 0o700)
     try:
         # the coordinator's directory for this save, made before anybody writes
@@ -270,7 +206,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
             dcp = _dcp()[0]
             dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
         if coordinator:
-            _make_private(partial)
+            files.make_private(partial)
             manifest = {
                 "format": FORMAT, "step": int(step), "stage": sd["stage"], "dtype": sd["dtype"],
                 "dp": topo.dp, "tp": topo.tp, "world_size": topo.world_size,
@@ -278,7 +214,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
                 "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
                 "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
                 "extra": extra or {}}
-            _write_private(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
+            files.write_private(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
             _commit(partial, final)
             _write_latest(root, os.path.basename(final))
             _prune(root, keep)
@@ -332,14 +268,14 @@ def discard_partial(root: str) -> list[str]:
         path = os.path.join(root, d)
         if d.startswith("step_") and d.endswith(PARTIAL) and os.path.isdir(path):
             lock = os.path.join(root, _lock_of(d))
-            if _lock_is_free(lock):
+            if files.lock_is_free(lock):
                 shutil.rmtree(path, ignore_errors=True)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(lock)
                 gone.append(path)
         elif d.startswith(".step_") and d.endswith(f"{PARTIAL}.lock") and \
                 not os.path.exists(os.path.join(root, d[1:-len(".lock")])) and \
-                _lock_is_free(path):
+                files.lock_is_free(path):
             with contextlib.suppress(FileNotFoundError):  # a save ended before removing it
                 os.unlink(path)
     return gone
@@ -451,108 +387,13 @@ def check_compatible(manifest: dict, sd: dict, topo: Topology, path: str) -> Non
                               f"{extra[0]!r} (and {len(extra) - 1} more) not in this model")
 
 
-def check_trusted(path: str) -> None:
-    """CheckpointError unless checkpoint ``path`` can only have been written by this account:
-    the directory and every file in it owned by it and writable by nobody else (no links), its
-    parent owned by it or root and writable by nobody else (or sticky: nobody else can rename
-    what is in it). Whoever can write a checkpoint decides what loading it does."""
-    me = os.geteuid()
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist")
-    fix = (f"copy it into a directory of your own, or make it private (chmod -R go-w "
-           f"{path!r}), if you trust it")
-    st = os.stat(parent)
-    if st.st_uid not in (me, 0):
-        raise CheckpointError(f"checkpoint {path!r}: its directory {parent!r} is owned by uid "
-                              f"{st.st_uid}, not you (uid {me}), who could replace it; {fix}")
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise CheckpointError(f"checkpoint {path!r}: its directory {parent!r} is writable by "
-                              f"others (mode {oct(stat.S_IMODE(st.st_mode))}); {fix}")
-    for p in [path] + [os.path.join(path, f) for f in sorted(os.listdir(path))]:
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode):
-            raise CheckpointError(f"checkpoint {path!r}: {p!r} is a symbolic link; {fix}")
-        if st.st_uid != me:
-            raise CheckpointError(f"checkpoint {path!r}: {p!r} is owned by uid {st.st_uid}, not "
-                                  f"you (uid {me}); {fix}")
-        if st.st_mode & 0o022:
-            raise CheckpointError(f"checkpoint {path!r}: {p!r} is writable by others (mode "
-                                  f"{oct(stat.S_IMODE(st.st_mode))}); {fix}")
-
-
-# what DCP's .metadata pickle may hold: its own data classes and enums, torch sizes and dtypes
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",
-                     "torch.distributed.checkpoint.filesystem")
-_METADATA_OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                    ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else: a class outside ``_METADATA_*`` (a function
-    to call, any other object) is an error, not a call."""
-
-    def find_class(self, module: str, name: str):
-        obj = None
-        if module in _METADATA_MODULES:
-            obj = getattr(__import__(module, fromlist=[name]), name, None)
-            if not (isinstance(obj, type) and (dataclasses.is_dataclass(obj)
-                                               or issubclass(obj, enum.Enum))):
-                obj = None
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            obj = getattr(torch, name)
-        elif (module, name) in _METADATA_OTHERS:
-            obj = super().find_class(module, name)
-        if obj is None:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's "
-                                         f"metadata")
-        return obj
-
-
-def _reader(path: str):
-    """DCP's file reader whose metadata is read by ``_MetadataUnpickler``."""
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-    dcp = _dcp()[0]
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            rank = kwargs.get("rank")
-            name = os.path.join(path, ".metadata" if rank is None else f"__{rank}.metadata")
-            with open(name, "rb") as f:
-                md = _MetadataUnpickler(f).load()
-            if not isinstance(md, dcp_metadata.Metadata):
-                raise CheckpointError(f"{name} holds no checkpoint metadata")
-            if hasattr(dcp_metadata, "StorageMeta") and hasattr(self, "load_id"):
-                if getattr(md, "storage_meta", None) is None:
-                    md.storage_meta = dcp_metadata.StorageMeta()
-                md.storage_meta.load_id = self.load_id
-            return md
-
-    return Reader(path)
-
-
-def _planner():
-    """DCP's default load planner, refusing byte entries: DCP unpickles them with
-    ``weights_only=False``, and this format holds tensors only."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            raise CheckpointError(f"entry {read_item.dest_index.fqn!r} is stored as pickled "
-                                  f"bytes, not a tensor: not a zero-repro checkpoint")
-
-    return Planner()
-
-
 def load(path: str, strategy, topo: Topology, verify: bool = True, trust: bool = False) -> dict:
     """Collective over ``topo.world``: restore ``strategy`` (any stage, any DP size) from
     checkpoint ``path`` saved at the same TP degree; returns the manifest (``step`` = the data
     position to continue from). Unless ``trust``, ``check_trusted`` first. While it loads, no
     save prunes ``path`` (a shared lock on its manifest)."""
     if not trust:
-        check_trusted(path)
+        files.check_trusted(path)
     with _reading(path):
         return _load(path, strategy, topo, verify)
 
@@ -585,7 +426,7 @@ def _load(path: str, strategy, topo: Topology, verify: bool) -> dict:
     try:
         with _quiet():
             dcp = _dcp()[0]
-            dcp.load(state, storage_reader=_reader(path), planner=_planner(),
+            dcp.load(state, storage_reader=files.reader(path), planner=files.planner(),
                      **_dcp_kwargs(topo))
     # DCP wraps per-rank failures in its own type (a BaseException)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
