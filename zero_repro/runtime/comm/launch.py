@@ -440,16 +440,22 @@ def init_from_env(backend: str, timeout_s: float = 1800.0,
                                     init_method="env://", device_id=device)
         return rank, world, local
     _rendezvous = "slurm"
-    addr = os.environ.get("MASTER_ADDR") or os.environ.get("SLURM_LAUNCH_NODE_IPADDR",
-                                                           "127.0.0.1")
-    store, handed_on = _slurm_store(addr, rank, world, timeout_s, rendezvous_dir)
-    comm.init_process_group(backend, rank, world, timeout_s=timeout_s, store=store,
-                            device_id=device)
-    if handed_on:
+    os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+    port, where = _slurm_port(world, rendezvous_dir)
+    if port is None:  # rank 0 binds one and hands it on through rendezvous_dir
+        store, handed_on = _handed_on_store(os.environ["MASTER_ADDR"], rank, world, timeout_s,
+                                            rendezvous_dir)
+        comm.init_process_group(backend, rank, world, timeout_s=timeout_s, store=store,
+                                device_id=device)
         comm.barrier()  # every rank has read the port: its file goes
         if rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(handed_on)
+        return rank, world, local
+    os.environ["MASTER_PORT"] = str(port)
+    with _port_error(port, where):
+        comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://",
+                                device_id=device)
     return rank, world, local
 
 
@@ -481,30 +487,31 @@ def _step_ports() -> list[int]:
 STEP_PORT_BASE, STEP_PORT_SPAN = 20000, 12000  # derived ports: below the kernel's ephemeral range
 
 
-def _slurm_store(addr: str, rank: int, world: int, timeout_s: float,
-                 rendezvous_dir: str | None):
-    """(the step's store, the file through which rank 0 handed its port on, or "")."""
+def _slurm_port(world: int, rendezvous_dir: str | None) -> tuple[int | None, str]:
+    """(the port of a Slurm step's store, where it comes from), or (None, "") when rank 0 is
+    to bind one the kernel chooses and hand it on through ``rendezvous_dir``."""
+    if os.environ.get("MASTER_PORT"):
+        return int(os.environ["MASTER_PORT"]), "MASTER_PORT"
+    if _step_ports():
+        return _step_ports()[0], "SLURM_STEP_RESV_PORTS"
+    if world == 1:
+        return 0, "any"  # nobody to tell: the kernel chooses
+    if rendezvous_dir:
+        return None, ""
     job = os.environ.get("SLURM_JOB_ID", "")
     step = os.environ.get("SLURM_STEP_ID", "batch")
-    given = os.environ.get("MASTER_PORT", "")
-    if given or _step_ports() or world == 1 or not rendezvous_dir:
-        if given:
-            port, where = int(given), "MASTER_PORT"
-        elif _step_ports():
-            port, where = _step_ports()[0], "SLURM_STEP_RESV_PORTS"
-        elif world == 1:
-            port, where = 0, "any"
-        else:
-            digest = hashlib.sha256(f"{job}.{step}".encode()).digest()
-            port = STEP_PORT_BASE + int.from_bytes(digest[:4], "big") % STEP_PORT_SPAN
-            where = f"derived from job {job} step {step}"
-        os.environ["MASTER_PORT"] = str(port)
-        with _port_error(port, where):  # rank 0 serves it (on every interface)
-            return torch.distributed.TCPStore("127.0.0.1" if rank == 0 else addr, port, world,
-                                              rank == 0, datetime.timedelta(seconds=timeout_s),
-                                              wait_for_workers=False), ""
-    # rank 0 binds a port the kernel chooses and hands it on through the shared run directory;
-    # the step's own identity (the same in every task of one srun) tells a stale file apart
+    digest = hashlib.sha256(f"{job}.{step}".encode()).digest()
+    return (STEP_PORT_BASE + int.from_bytes(digest[:4], "big") % STEP_PORT_SPAN,
+            f"derived from job {job} step {step}")
+
+
+def _handed_on_store(addr: str, rank: int, world: int, timeout_s: float,
+                     rendezvous_dir: str):
+    """(the step's store, the file through which rank 0 handed its port on): rank 0 binds a
+    port the kernel chooses (every interface) and writes it there; the others wait for it. The
+    step's own identity (the same in every task of one srun) tells a stale file apart."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    step = os.environ.get("SLURM_STEP_ID", "batch")
     ident = ".".join(os.environ.get(k, "") for k in (
         "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT"))
     path = os.path.join(rendezvous_dir, f".rendezvous-{job}.{step}.json")
