@@ -202,14 +202,6 @@ def rendezvous() -> str:
     return _rendezvous
 
 
-def free_port() -> int:
-    """A port free now (closed again: someone may take it before it is used; the launchers
-    bind theirs instead, ``own_store``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # torch before 2.8: the libuv TCPStore ignores a listening socket handed to it
 LIBUV_TAKES_LISTEN_FD = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
