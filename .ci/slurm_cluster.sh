@@ -21,7 +21,8 @@
 # One node (this host) is always there; slurmdbd + a
 # private MariaDB so that `sacct` works (submitit polls it; without accounting a job whose process was
 # hard-killed is never seen to end). Everything lives in one folder, $ZR_SLURM_DIR
-# [${TMPDIR:-/tmp}/zr-slurm-ci], wiped on every start: job ids and the accounting database start fresh,
+# [${TMPDIR:-/tmp}/zr-slurm-ci-<uid>, made 0700 afresh: never through a name someone else placed],
+# wiped on every start: job ids and the accounting database start fresh,
 # so an old job never answers for a new one. Nothing is written to /etc; clients find the cluster
 # through SLURM_CONF, which sbatch/srun export into jobs.
 #
@@ -38,7 +39,7 @@
 # Ports: $ZR_SLURM_PORT_BASE [6817]: slurmctld, +1 slurmd, +2 slurmdbd, +3 MariaDB.
 set -euo pipefail
 
-DIR=${ZR_SLURM_DIR:-${TMPDIR:-/tmp}/zr-slurm-ci}
+DIR=${ZR_SLURM_DIR:-${TMPDIR:-/tmp}/zr-slurm-ci-$(id -u)}
 CPUS=${ZR_SLURM_CPUS:-4}
 PORT=${ZR_SLURM_PORT_BASE:-6817}
 NODE=$(hostname -s)
@@ -85,8 +86,11 @@ install_packages() {
   export DEBIAN_FRONTEND=noninteractive
   # the postinst scripts do not start services here (no systemd / policy-rc.d): we start our own
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >"${TMPDIR:-/tmp}/zr-slurm-apt.log" 2>&1 ||
-    { tail -n 20 "${TMPDIR:-/tmp}/zr-slurm-apt.log" >&2; die "apt-get install failed"; }
+  local log
+  log=$(mktemp)
+  apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >"$log" 2>&1 ||
+    { tail -n 20 "$log" >&2; rm -f "$log"; die "apt-get install failed"; }
+  rm -f "$log"
 }
 
 write_config() {
@@ -258,6 +262,9 @@ do_start() {
   done
   install_packages
   rm -rf "$DIR"
+  mkdir -p "$(dirname "$DIR")"
+  # made here, private (a name someone else placed meanwhile fails, and is never followed)
+  mkdir -m 700 "$DIR" || die "$DIR could not be made afresh (someone else's?): set ZR_SLURM_DIR"
   mkdir -p "$DIR"/{etc,state,spool,log,run,munge,mysql} "$DIR/spool/$NODE" "${NS_NODES[@]/#/$DIR/spool/}"
   chmod 700 "$DIR/munge"
   export SLURM_CONF=$CONF

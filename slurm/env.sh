@@ -3,13 +3,19 @@
 #
 # Rendezvous: ranks are started by `srun` (one task per GPU) and initialise from the Slurm
 # environment (zero_repro.runtime.comm.launch.init_from_env reads SLURM_PROCID / SLURM_NTASKS /
-# SLURM_LOCALID); MASTER_ADDR / MASTER_PORT below are exported before srun so every task sees them.
+# SLURM_LOCALID). MASTER_ADDR (the allocation's first node) is exported below. MASTER_PORT is
+# not: each srun step's rank 0 binds a port the kernel chooses and hands it to its peers
+# through the run directory, so two jobs on a node, or two sweeps in one allocation, never
+# share one (a port you export yourself is used as given; `srun --resv-ports` ports are used
+# where the site configures them). The torchrun recipe (slurm/README.md) needs one port known
+# to every node before it starts: `zr_free_port` prints one free on this node now.
 if [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
   MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
   export MASTER_ADDR
 fi
-# a per-job port, so two jobs sharing a node do not collide
-export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+zr_free_port() {
+  "${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
 
 # NCCL: fail fast instead of hanging when a rank dies; warnings only in the logs
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}

@@ -1,7 +1,7 @@
 """The shared-memory channel's set-up (``runtime.comm.cpu.shm``) in real spawned ranks: a group on
-one host gets it and leaves nothing in ``/dev/shm``; ranks that cannot see each other's
-segments (here: one rank looks in another directory, as a rank on another host would) fall
-back to gloo point-to-point under ``auto`` and fail with one clear error under ``shm``; a bad
+one host gets it and leaves nothing in ``/dev/shm``; ranks that cannot map each other's
+segments (here: one rank reports another host, as a rank on another node would) fall back to
+gloo point-to-point under ``auto`` and fail with one clear error under ``shm``; a bad
 ``ZR_CPU_TRANSPORT`` is refused before any process starts."""
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import bucket_transport
 
 
-def _build(rank: int, world: int, private_dir: str) -> dict:
-    if rank == 1 and private_dir:
-        shm.SHM_DIR = private_dir  # this rank's segments live where its peer cannot see them
+def _build(rank: int, world: int, seg_dir: str, elsewhere: bool = False) -> dict:
+    if seg_dir:
+        shm.SHM_DIR = seg_dir  # where the segments are made (nameless: nothing shows there)
+    if rank == 1 and elsewhere:  # this rank is on another node
+        shm.host_identity = lambda: ("another boot", "another host", 0, 0)
     topo = Topology.build(tp=1)
     try:
         t = bucket_transport(topo.dp_group)
@@ -47,15 +49,15 @@ def test_one_host_shares_memory_and_leaves_no_files(monkeypatch):
 
 def test_ranks_that_cannot_see_each_other_fall_back_or_fail(monkeypatch, tmp_path):
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "auto")
-    res = spawn(_build, 2, str(tmp_path))
+    res = spawn(_build, 2, str(tmp_path), True)
     assert [r["kind"] for r in res] == ["PairwiseTransport"] * 2
     assert all(r["sum"] == [3.0] * 8 for r in res)
-    assert not os.listdir(tmp_path)  # the private rank's own segment is gone too
+    assert not os.listdir(tmp_path)  # no segment of either rank is left
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "shm")
-    res = spawn(_build, 2, str(tmp_path))
+    res = spawn(_build, 2, str(tmp_path), True)
     for r in res:
         assert r["error"].startswith("ZR_CPU_TRANSPORT=shm but group 'dp' cannot share memory"), r
-        assert "unset it to use gloo" in r["error"]
+        assert "another host" in r["error"] and "unset it to use gloo" in r["error"]
 
 
 def test_pairwise_mode_never_maps_segments(monkeypatch):

@@ -208,6 +208,9 @@ class CheckpointConfig:
     resume: str = ""  # "" = start fresh | auto (latest if any) | latest (must exist) | a path
     keep: int = 2  # committed checkpoints kept (0 = all)
     verify: bool = True  # check every file's SHA-256 before loading
+    # resume from a checkpoint another account owns or may write (loading it runs what its
+    # writer chose): refused unless true
+    allow_untrusted: bool = False
 
 
 @dataclass

@@ -6,6 +6,7 @@ dataclasses registered in Hydra's ConfigStore, a composed ``DictConfig`` turned 
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -20,10 +21,14 @@ from zero_repro.paths import conf_group_dir
 
 
 def register_resolvers() -> None:
-    """``${zr_home:}`` in ``conf/config.yaml`` (Hydra's run/sweep folders):
-    ``paths.home()``."""
+    """``${zr_home:}`` and ``${zr_run_id:}`` in ``conf/config.yaml`` (Hydra's run/sweep
+    folders): ``paths.home()``, and a random id drawn once per composed config (cached in it,
+    as Hydra's ``${now:}``, so a job's processes agree), which keeps the folders of two runs
+    started in one second apart."""
     OmegaConf.register_new_resolver("zr_home", lambda: str(paths.home()),
                                     replace=True)
+    OmegaConf.register_new_resolver("zr_run_id", lambda: secrets.token_hex(4),
+                                    use_cache=True, replace=True)
 
 
 def register_configs() -> None:

@@ -207,6 +207,9 @@ def _validate_checkpoint(cfg: Config) -> None:
     ck = cfg.checkpoint
     _number(ck.save_every, "checkpoint.save_every", 0, integer=True)
     _number(ck.keep, "checkpoint.keep", 0, integer=True)
+    if not isinstance(ck.allow_untrusted, bool):
+        raise ValueError(f"checkpoint.allow_untrusted={ck.allow_untrusted!r}: give true (resume "
+                         f"from a checkpoint another account owns or may write) or false")
     if ck.resume in ("", "auto", "latest"):
         return
     if not os.path.isfile(os.path.join(ck.resume, "manifest.json")):

@@ -12,8 +12,9 @@ from one ``Config``); (4) feed each DP rank its own slice of the global batch â€
 targets are int64 token ids of shape ``(micro_batch, seq_len)``, the same on the TP ranks of one
 DP rank; (5) forward, ``strategy.backward(loss)``, ``strategy.step()`` (ZeRO's reduce-scatter /
 all-gather and the sharded AdamW), ``strategy.zero_grad()``; (6) save sharded checkpoints with
-``zero_repro.runtime.train.checkpoint.save`` into a directory of your choice (every rank writes its shard;
-``checkpoint.load`` restores them at any stage or DP size).
+``zero_repro.runtime.train.checkpoint.save`` into a directory of your choice (``--ckpt-dir``;
+default: a new private one per run; every rank writes its shard; ``checkpoint.load`` restores
+them at any stage or DP size).
 
 ZeRO partitions over the DP ranks: with DP = 1 (e.g. 2 ranks as TP 2) every stage is stage 0 in
 all but name, so run at least 2 DP ranks to see the memory ledger shrink with the stage.
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import tempfile
 
 from zero_repro.runtime.train import checkpoint
 from zero_repro.config import Config, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from zero_repro.runtime.comm import launch
+from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.train.build import build
 from zero_repro.runtime.train.build import device_for
@@ -44,7 +44,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "zr_minimal_ckpt"))
+    ap.add_argument("--ckpt-dir", default="",
+                    help="where the checkpoint goes (default: a new private directory in the "
+                         "temporary directory, named in the last log line)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -74,8 +76,11 @@ def main(argv=None) -> dict:
             if rank == 0:
                 log.info("step %d  loss %.4f  grad_norm %.3g", step, float(loss.detach()),
                          float(info.grad_norm))
-        # (6) a sharded checkpoint of this step (collective: every rank writes its shard)
-        path = checkpoint.save(args.ckpt_dir, strategy, topo, args.steps)
+        # (6) a sharded checkpoint of this step (collective: every rank writes its shard) into
+        # a directory of this run's own: rank 0 makes a fresh one (0700) and tells the others
+        ckpt_dir = args.ckpt_dir or comm.all_gather_object(
+            tempfile.mkdtemp(prefix="zr_minimal_ckpt_") if rank == 0 else "", topo.world)[0]
+        path = checkpoint.save(ckpt_dir, strategy, topo, args.steps)
         ledger = strategy.memory_ledger().as_dict()  # bytes per category, this rank
         if rank == 0:
             # Table 1's model states (params, grads, fp32 master, Adam moments) apart from the

@@ -2,18 +2,23 @@
 
 ``check_runnable``: everything about files and devices knowable before a rank starts (the data
 file long enough and in the vocabulary, CUDA/NCCL present, the checkpoint directory writable, the
-checkpoint to resume committed, of this model and TP degree, not past ``train.steps``).
+checkpoint to resume committed, of this model and TP degree, not past ``train.steps``, and
+writable by this account alone unless ``checkpoint.allow_untrusted``).
 ``run_training`` validates, writes the resolved config into the run directory and starts the
 ranks: ``launcher=local`` as ``world_size`` gloo processes (``runtime.comm.launch.spawn``);
 ``launcher=torchrun`` / ``slurm`` through ``launch_command`` (``python -m zero_repro.lab.rank
---config resolved.yaml`` on every rank under torchrun or srun).
+--config resolved.yaml`` on every rank under torchrun or srun). torchrun and its ranks end with
+this process: stopped when it is interrupted (the point is then recorded ``cancelled``), sent
+SIGTERM by the kernel when it dies (its ranks die with torchrun).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
@@ -236,6 +241,12 @@ def _check_resume(cfg: C.Config, path: str) -> None:
         manifest = checkpoint.read_manifest(path, verify=cfg.checkpoint.verify)
     except checkpoint.CheckpointError as e:
         raise ValueError(f"checkpoint.resume: {e}") from None
+    if not cfg.checkpoint.allow_untrusted:
+        try:
+            checkpoint.check_trusted(path)
+        except checkpoint.CheckpointError as e:
+            raise ValueError(f"checkpoint.resume: {e}, or set checkpoint.allow_untrusted=true"
+                             ) from None
     if not isinstance(manifest, dict) or not {"tp", "step", "params"} <= set(manifest):
         raise ValueError(f"checkpoint.resume: {path!r} has a manifest without tp/step/params: "
                          f"not a zero-repro checkpoint")
@@ -376,6 +387,31 @@ def _tee(stream, sink, tail: collections.deque) -> None:
     stream.close()
 
 
+TORCHRUN_STOP_S = 40.0  # torchrun's own grace for its ranks (30 s) and its exit
+
+
+def _terminate_with_parent(parent: int) -> None:
+    """In the child before it execs: SIGTERM when ``parent`` (this process) dies, or now if it
+    died before the signal was armed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(spawn.PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group (torchrun stops its ranks, which die with it in any
+    case), SIGKILL after ``TORCHRUN_STOP_S``."""
+    for sig, wait_s in ((signal.SIGTERM, TORCHRUN_STOP_S), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     out_path = os.path.join(run_dir, "result.json")
     cmd = launch_command(cfg, config_path, out_path)
@@ -386,10 +422,21 @@ def _run_external(cfg: C.Config, run_dir: str, config_path: str) -> dict:
     tail: collections.deque = collections.deque(maxlen=200)
     # CPU ranks start on a caching malloc (runtime.comm.cpu.host_heap); srun passes it on
     env = host_heap.rank_env() if cfg.cluster.backend == "gloo" else None
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
+    torchrun = cfg.launcher.name == "torchrun"
+    # torchrun: its own process group, which this process stops on the way out, and a
+    # parent-death signal, so that it (and through it its ranks) ends with this process
+    # however this one ends; srun's steps end with their job
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+                            **(dict(start_new_session=True, preexec_fn=functools.partial(
+                                _terminate_with_parent, os.getpid())) if torchrun else {}))
     reader = threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, tail), daemon=True)
     reader.start()
-    rc = proc.wait()
+    try:
+        rc = proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM, a point's time limit: the ranks stop too
+        if torchrun:
+            _stop_group(proc)
+        raise
     reader.join(10)
     if rc != 0:
         why = f"{cmd[0]} exited with status {rc}"

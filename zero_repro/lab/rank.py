@@ -149,14 +149,15 @@ def memory_text(parts: dict, table1: dict, long: bool = False) -> str:
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
               tflops: float, peak_tflops: float, memory: str,
               device: torch.device, dp: int = 1, dtype: str = "fp32",
-              model_tflops: float = 0.0) -> str:
+              model_tflops: float = 0.0, transport_note: str = "") -> str:
     """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
     micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
     none), gradient norm, tokens/s, TFLOPs/GPU (the paper's convention,
     ``flops.flops_per_iteration``; + MFU from the model's FLOPs ``model_tflops`` when
     ``cluster.peak_tflops`` is known), ``memory`` (``memory_text``: model states per rank
-    beside Table 1's, buffers and gathered parameters apart) and, on CUDA, the caching
-    allocator's allocated/reserved bytes."""
+    beside Table 1's, buffers and gathered parameters apart), on CUDA the caching
+    allocator's allocated/reserved bytes, and ``transport_note`` (a DP group on one host that
+    fell back from shared memory to gloo, and why)."""
     which = "rank-0 loss" if dp > 1 else "loss"
     scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
     line = (f"step {step + 1:>4}/{steps}  {which} {loss:.4f}  {scale}"
@@ -168,7 +169,8 @@ def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_st
     if device.type == "cuda":
         line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
                  f"  reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB")
-    return line + f"  {dt:.3f} s" + ("  (skipped)" if info.skipped else "")
+    line += f"  {dt:.3f} s" + ("  (skipped)" if info.skipped else "")
+    return line + (f"  [{transport_note}]" if transport_note else "")
 
 
 def summary_line(cfg: C.Config, metrics: dict, ledger: dict) -> str:
@@ -367,7 +369,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
                               cfg.train.seed, cfg.train.data_path)
     resumed = resume_path(cfg, run_dir)
     if resumed is not None:
-        trainer.resume(resumed, cfg.checkpoint.verify)
+        trainer.resume(resumed, cfg.checkpoint.verify,
+                       trust=cfg.checkpoint.allow_untrusted)
 
     m, t = cfg.model, cfg.train
     tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
@@ -381,6 +384,9 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
 
     every_log = cfg.train.log_every if topo.rank == 0 else 0
     table1 = table1_model_states(cfg)
+    refused = getattr(topo.dp_group, "channel_refused", "") if topo.dp_group else ""
+    transport_note = (f"dp {strategy.transport.name} (shared memory refused: {refused})"
+                      if refused and strategy.transport.name != "shm" else "")
 
     def watch(step, loss, dt, info):
         watchdog.step = step + 1
@@ -393,7 +399,8 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
                                memory_text(memory_parts(strategy.memory_ledger().as_dict()),
                                            table1),
                                device, topo.dp, cfg.zero.dtype,
-                               flops.tflops_per_gpu(fl_model, dt, world_size)))
+                               flops.tflops_per_gpu(fl_model, dt, world_size),
+                               transport_note))
 
     def metrics_log(step, loss, dt, info):
         if live.active:
@@ -448,8 +455,10 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
            "comm": res.comm_per_step, "topology": topo.describe(),
            "hardware": {**hardware_info(device), **where,
-                        # how the DP buckets travelled (gloo on one host: shared memory)
-                        "dp_transport": strategy.transport.name}}
+                        # how the DP buckets travelled (gloo on one host: shared memory),
+                        # and why not where a group on one host fell back
+                        "dp_transport": strategy.transport.name,
+                        **({"dp_transport_refused": refused} if transport_note else {})}}
     if device.type == "cuda":
         # the training steps' peaks (reset after the build); the build's own beside them
         out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
@@ -496,8 +505,10 @@ def main(argv=None) -> None:
         # CPU ranks under srun: as many threads as the task has cores (env.sh's OMP_NUM_THREADS
         # is for GPU ranks; oversubscribed gloo ranks run ~50x slower)
         torch.set_num_threads(int(cpus))
-    rank, world, local = launch.init_from_env(cfg.cluster.backend,
-                                              cfg.launcher.collective_timeout_s)
+    # under srun rank 0 hands its rendezvous port on through the run directory (shared)
+    rank, world, local = launch.init_from_env(
+        cfg.cluster.backend, cfg.launcher.collective_timeout_s,
+        rendezvous_dir=os.path.dirname(os.path.abspath(args.config)))
     try:
         result = rank_main(rank, world, args.config, local)
     finally:

@@ -94,6 +94,9 @@ class Group:
     models: str = ""
     # the shared-memory channel of a gloo group on one host (``cpu.shm``), once built
     channel: object | None = field(default=None, repr=False, compare=False)
+    # why a gloo group on one host has no such channel ("" where it was not asked or it has
+    # one): said on the step line, never silent
+    channel_refused: str = field(default="", repr=False, compare=False)
 
     @property
     def size(self) -> int:

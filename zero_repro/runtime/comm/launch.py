@@ -7,15 +7,28 @@ returns its result through a per-rank pickle file. Invariants: a rank that raise
 is named in ``WorkerFailed`` and the others are terminated (none is left in a collective); ranks
 die with their parent (``PR_SET_PDEATHSIG``, else a watchdog thread), and an interrupted parent
 terminates them; a rank that returned destroys its groups and leaves with ``os._exit(0)`` (no
-gloo object outlives ``destroy_process_group`` into teardown, where gloo aborts); the next spawn
-removes the temporary directories of dead parents.
+gloo object outlives ``destroy_process_group`` into teardown, where gloo aborts).
+
+On a shared node: the ranks meet at a TCPStore the parent has bound (loopback, a port the
+kernel chose) before any rank is told its port, so nobody can take it in between; a spawn
+directory is private (0700) and locked by its parent while it lives (``flock``), and the next
+spawn removes only directories whose lock is free, whatever PID namespace made them. Under
+Slurm (``init_from_env``) the port is the one given (``MASTER_PORT``), else the step's
+reserved one (``srun --resv-ports``), else rank 0 binds one the kernel chooses and hands it to
+the step's other ranks through a file in ``rendezvous_dir`` (the run directory, on the shared
+filesystem); a port someone else holds is one error naming it. Ranks under torchrun die with
+its agent.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
+import fcntl
 import gc
 import glob
+import hashlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +36,7 @@ import pickle
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -81,22 +95,59 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+SPAWN_LOCK = ".lock"  # in a spawn directory: held (flock) by its parent while it runs
 
 
-def _remove_stale_spawn_dirs() -> None:
-    """Spawn directories whose parent process is gone (it was SIGKILLed mid-run)."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{SPAWN_PREFIX}*_*")):
-        head = os.path.basename(path)[len(SPAWN_PREFIX):].split("_", 1)[0]
-        if head.isdigit() and int(head) != os.getpid() and not _pid_alive(int(head)):
-            shutil.rmtree(path, ignore_errors=True)
+class SpawnDir:
+    """A spawn's private temporary directory and the descriptor of its lock (held)."""
+
+    def __init__(self, path: str, lock_fd: int):
+        self.path, self.lock_fd = path, lock_fd
+
+
+def make_spawn_dir(parent: str | None = None) -> SpawnDir:
+    """A fresh directory ``<parent>/zr_spawn_<pid>_<random>`` (0700; ``parent``: the temporary
+    directory) whose lock this process holds until ``release_spawn_dir`` or its end. It gets
+    its name only once locked, so no one ever sees it unlocked while its owner lives."""
+    parent = parent or tempfile.gettempdir()
+    hidden = tempfile.mkdtemp(prefix=f".{SPAWN_PREFIX}", dir=parent)
+    fd = os.open(os.path.join(hidden, SPAWN_LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    path = os.path.join(parent, f"{SPAWN_PREFIX}{os.getpid()}_" +
+                        os.path.basename(hidden)[len(SPAWN_PREFIX) + 1:])
+    os.rename(hidden, path)
+    return SpawnDir(path, fd)
+
+
+def release_spawn_dir(sd: SpawnDir) -> None:
+    """Let go of ``sd``'s lock (what its owner's end does); the directory stays."""
+    if sd.lock_fd >= 0:
+        os.close(sd.lock_fd)
+        sd.lock_fd = -1
+
+
+def remove_stale_spawn_dirs(parent: str | None = None) -> list[str]:
+    """Remove this account's spawn directories whose owner is gone: their lock is free (a PID
+    tells nothing across PID namespaces, e.g. containers sharing ``/tmp``). Directories with
+    no lock (made by older versions) and others' are left alone. Returns what was removed."""
+    gone = []
+    for path in glob.glob(os.path.join(parent or tempfile.gettempdir(), f"{SPAWN_PREFIX}*_*")):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(os.path.join(path, SPAWN_LOCK), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner lives
+            os.close(fd)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+        gone.append(path)
+    return gone
 
 
 @contextlib.contextmanager
@@ -151,10 +202,32 @@ def rendezvous() -> str:
     return _rendezvous
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# torch before 2.8: the libuv TCPStore ignores a listening socket handed to it
+LIBUV_TAKES_LISTEN_FD = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
+def own_store(timeout_s: float, host: str = "127.0.0.1") -> tuple[Any, int]:
+    """(a TCPStore server this process owns, its port): bound on ``host`` to a port the kernel
+    chooses before anyone is told it, so nobody can take it in between."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    kw = {} if LIBUV_TAKES_LISTEN_FD else {"use_libuv": False}
+    store = torch.distributed.TCPStore(host, port, None, True,
+                                       datetime.timedelta(seconds=timeout_s),
+                                       wait_for_workers=False, master_listen_fd=sock.detach(),
+                                       **kw)
+    return store, port
+
+
+def _client(host: str, port: int, timeout_s: float):
+    return torch.distributed.TCPStore(host, port, None, False,
+                                      datetime.timedelta(seconds=timeout_s))
 
 
 def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent_pid=None):
@@ -170,8 +243,9 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
     try:
         global _rendezvous
         _rendezvous = "spawn"
+        # the parent's store, bound before this process started
         comm.init_process_group(backend, rank, world_size, timeout_s=timeout_s,
-                                init_method=f"tcp://127.0.0.1:{port}",
+                                store=_client("127.0.0.1", port, timeout_s),
                                 device_id=_group_device(backend, rank))
         result = fn(rank, world_size, *args)
         payload = ("ok", result)
@@ -220,51 +294,63 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     raised or exited abnormally; the remaining ranks are terminated.
     """
     ctx = mp.get_context("spawn")
-    port = free_port()
-    _remove_stale_spawn_dirs()
-    with tempfile.TemporaryDirectory(prefix=f"{SPAWN_PREFIX}{os.getpid()}_") as out_dir:
-        procs = [ctx.Process(target=_entry, daemon=False,
-                             args=(fn, r, world_size, port, backend, timeout_s, out_dir, args,
-                                   os.getpid()))
-                 for r in range(world_size)]
-        # CPU ranks start on a caching malloc (host_heap): the environment is what a spawned
-        # interpreter is exec'd with, so it is set around the starts only
-        with _environment(host_heap.rank_env() if backend == "gloo" else None):
-            for p in procs:
-                p.start()
-        deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
-        failure: WorkerFailed | None = None
-        try:
-            while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (0, None) for p in procs):
-                    failure = _root_failure(procs, out_dir)
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    failure = WorkerFailed(-1, f"timed out after {join_timeout_s:.0f}s")
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        if failure is None and any(p.exitcode != 0 for p in procs):  # all died at once
-            failure = _root_failure(procs, out_dir, grace_s=0.0)
-        if failure is not None:
-            raise failure
-        results = []
-        for r, p in enumerate(procs):
-            if p.exitcode != 0:
-                raise WorkerFailed(r, _reason(out_dir, r, p.exitcode))
-            status, value = _load(out_dir, r)
-            if status != "ok":
-                raise WorkerFailed(r, value)
-            results.append(value)
-        return results
+    remove_stale_spawn_dirs()
+    store, port = own_store(timeout_s)
+    sd = make_spawn_dir()
+    try:
+        return _spawn(ctx, fn, world_size, args, port, backend, timeout_s, join_timeout_s,
+                      sd.path)
+    finally:
+        shutil.rmtree(sd.path, ignore_errors=True)
+        release_spawn_dir(sd)
+        del store
+
+
+def _spawn(ctx, fn, world_size, args, port, backend, timeout_s, join_timeout_s,
+           out_dir) -> list[Any]:
+    """``spawn``'s ranks, met at the store on ``port``, reporting into ``out_dir``."""
+    procs = [ctx.Process(target=_entry, daemon=False,
+                         args=(fn, r, world_size, port, backend, timeout_s, out_dir, args,
+                               os.getpid()))
+             for r in range(world_size)]
+    # CPU ranks start on a caching malloc (host_heap): the environment is what a spawned
+    # interpreter is exec'd with, so it is set around the starts only
+    with _environment(host_heap.rank_env() if backend == "gloo" else None):
+        for p in procs:
+            p.start()
+    deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+    failure: WorkerFailed | None = None
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (0, None) for p in procs):
+                failure = _root_failure(procs, out_dir)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                failure = WorkerFailed(-1, f"timed out after {join_timeout_s:.0f}s")
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is None and any(p.exitcode != 0 for p in procs):  # all died at once
+        failure = _root_failure(procs, out_dir, grace_s=0.0)
+    if failure is not None:
+        raise failure
+    results = []
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            raise WorkerFailed(r, _reason(out_dir, r, p.exitcode))
+        status, value = _load(out_dir, r)
+        if status != "ok":
+            raise WorkerFailed(r, value)
+        results.append(value)
+    return results
 
 
 # a rank that reports one of these lost a peer: a consequence of another rank's failure
@@ -320,24 +406,132 @@ def _reason(out_dir: str, rank: int, exitcode) -> str:
     return f"process exited with code {exitcode} (killed or crashed) before reporting"
 
 
-def init_from_env(backend: str, timeout_s: float = 1800.0) -> tuple[int, int, int]:
+def init_from_env(backend: str, timeout_s: float = 1800.0,
+                  rendezvous_dir: str | None = None) -> tuple[int, int, int]:
     """torchrun / srun launch: init the default group from the environment (NCCL: on this
-    rank's GPU, made current first)."""
+    rank's GPU, made current first). Under torchrun this rank dies with its agent. Under srun
+    the store's port: ``MASTER_PORT`` if given, else the step's reserved port, else one rank 0
+    binds and hands on through ``rendezvous_dir`` (shared by the step's ranks; without one: a
+    port derived from the job and step ids, so steps of one job differ). RuntimeError naming
+    the port where someone else holds it."""
     global _rendezvous
     info = comm.env_rank_info()
     if info is None:
         raise RuntimeError("no RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS (srun) "
                            "in the environment; use the local launcher instead")
     rank, world, local = info
+    device = _group_device(backend, local)
+    if "RANK" in os.environ:
+        _rendezvous = "torchrun"
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's worker: its agent is the parent
+            die_with_parent(os.getppid())
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        with _port_error(os.environ["MASTER_PORT"], "MASTER_PORT"):
+            comm.init_process_group(backend, rank, world, timeout_s=timeout_s,
+                                    init_method="env://", device_id=device)
+        return rank, world, local
+    _rendezvous = "slurm"
     os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-    # slurm/env.sh's per-job port when nothing exported one (a Hydra submitit job does not
-    # source env.sh): two jobs sharing a node must not both listen on 29500
-    job = os.environ.get("SLURM_JOB_ID", "")
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000) if job.isdigit() else "29500")
-    _rendezvous = "torchrun" if "RANK" in os.environ else "slurm"
-    comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://",
-                            device_id=_group_device(backend, local))
+    port, where = _slurm_port(world, rendezvous_dir)
+    if port is None:  # rank 0 binds one and hands it on through rendezvous_dir
+        store, handed_on = _handed_on_store(os.environ["MASTER_ADDR"], rank, world, timeout_s,
+                                            rendezvous_dir)
+        comm.init_process_group(backend, rank, world, timeout_s=timeout_s, store=store,
+                                device_id=device)
+        comm.barrier()  # every rank has read the port: its file goes
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(handed_on)
+        return rank, world, local
+    os.environ["MASTER_PORT"] = str(port)
+    with _port_error(port, where):
+        comm.init_process_group(backend, rank, world, timeout_s=timeout_s, init_method="env://",
+                                device_id=device)
     return rank, world, local
+
+
+@contextlib.contextmanager
+def _port_error(port, where: str):
+    """A store that cannot listen on ``port`` because it is taken: one RuntimeError naming it."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - torch's DistNetworkError and kin
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        raise RuntimeError(
+            f"rendezvous port {port} ({where}) is in use on {socket.gethostname()}: another "
+            f"job or user holds it; unset MASTER_PORT (a port is then chosen for this step) or "
+            f"give another") from None
+
+
+def _step_ports() -> list[int]:
+    """The ports Slurm reserved for this step (``srun --resv-ports``): "12000-12003" or
+    "12000,12005"."""
+    out = []
+    for part in os.environ.get("SLURM_STEP_RESV_PORTS", "").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (hi.isdigit() or not hi):
+            out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+STEP_PORT_BASE, STEP_PORT_SPAN = 20000, 12000  # derived ports: below the kernel's ephemeral range
+
+
+def _slurm_port(world: int, rendezvous_dir: str | None) -> tuple[int | None, str]:
+    """(the port of a Slurm step's store, where it comes from), or (None, "") when rank 0 is
+    to bind one the kernel chooses and hand it on through ``rendezvous_dir``."""
+    if os.environ.get("MASTER_PORT"):
+        return int(os.environ["MASTER_PORT"]), "MASTER_PORT"
+    if _step_ports():
+        return _step_ports()[0], "SLURM_STEP_RESV_PORTS"
+    if world == 1:
+        return 0, "any"  # nobody to tell: the kernel chooses
+    if rendezvous_dir:
+        return None, ""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    step = os.environ.get("SLURM_STEP_ID", "batch")
+    digest = hashlib.sha256(f"{job}.{step}".encode()).digest()
+    return (STEP_PORT_BASE + int.from_bytes(digest[:4], "big") % STEP_PORT_SPAN,
+            f"derived from job {job} step {step}")
+
+
+def _handed_on_store(addr: str, rank: int, world: int, timeout_s: float,
+                     rendezvous_dir: str):
+    """(the step's store, the file through which rank 0 handed its port on): rank 0 binds a
+    port the kernel chooses (every interface) and writes it there; the others wait for it. The
+    step's own identity (the same in every task of one srun) tells a stale file apart."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    step = os.environ.get("SLURM_STEP_ID", "batch")
+    ident = ".".join(os.environ.get(k, "") for k in (
+        "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT"))
+    path = os.path.join(rendezvous_dir, f".rendezvous-{job}.{step}.json")
+    if rank == 0:
+        store = torch.distributed.TCPStore("127.0.0.1", 0, world, True,
+                                           datetime.timedelta(seconds=timeout_s),
+                                           wait_for_workers=False)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"step": ident, "port": store.port}, f)
+        os.replace(tmp, path)
+        os.environ["MASTER_PORT"] = str(store.port)
+        return store, path
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            if doc.get("step") == ident:
+                break
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"rank 0 of Slurm step {job}.{step} did not hand on its "
+                               f"rendezvous port ({path}) within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    os.environ["MASTER_PORT"] = str(doc["port"])
+    return _client(addr, int(doc["port"]), timeout_s), path
 
 
 def init_fake(rank: int, world_size: int) -> None:

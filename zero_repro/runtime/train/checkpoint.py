@@ -16,19 +16,37 @@ into any stage, DP size or bucket size reads only the overlapping bytes. Invaria
 resume(save(state)) equals the uninterrupted state elementwise, bit for bit at the same
 layout. TP resharding is not supported (``CheckpointError``).
 
-Commit protocol: DCP writes ``step_N.partial/``, the coordinator writes the manifest (the commit
-marker), renames it to ``step_N`` and updates ``latest``. A missing manifest, a hash mismatch, a
-different model or TP degree raise ``CheckpointError`` before any tensor is loaded.
-Entry points: ``save``, ``load``, ``latest``, ``committed``, ``check_compatible``.
+Commit protocol: DCP writes ``step_N.<random>.partial/`` (this save's own: the coordinator
+holds its lock, ``.step_N.<random>.partial.lock``, until the commit), the coordinator writes
+the manifest (the commit marker), renames it to ``step_N`` and updates ``latest``. Runs sharing
+a directory (the lab's runs that differ only in ``train.steps``: the same state at every step)
+never remove each other's saves in progress: a save removes only interrupted saves whose lock is
+free, keeps a ``step_N`` another run committed first, and prunes committed checkpoints past
+``keep`` that no load is reading (a load holds a shared lock on their manifest). A missing
+manifest, a hash mismatch, a different model or TP degree raise ``CheckpointError`` before any
+tensor is loaded.
+
+Trust: directories are written 0700 and files 0600; ``load`` refuses (``CheckpointError``) a
+checkpoint whose directory, files or parent another account owns or may write, unless
+``trust=True`` (loading one runs what its writer chose); DCP's metadata is unpickled with only
+its own data types allowed, and no entry goes through ``torch.load(weights_only=False)``.
+Entry points: ``save``, ``load``, ``check_trusted``, ``latest``, ``committed``,
+``check_compatible``.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
+import tempfile
 import warnings
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,6 +54,8 @@ import torch
 
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
+from zero_repro.runtime.train import checkpoint_files as files
+from zero_repro.runtime.train.checkpoint_files import CheckpointError, check_trusted  # noqa: F401
 from zero_repro.runtime.zero.partition import intersect
 
 log = logging.getLogger(__name__)
@@ -44,6 +64,8 @@ FORMAT = "zero-repro-dcp/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+STEP_DIR = re.compile(r"step_\d{8}$")  # a committed (or damaged) checkpoint's name
+PARTIAL = ".partial"  # the end of a save's name until its commit
 
 
 def _dcp():
@@ -57,10 +79,6 @@ def _dcp():
     from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                                   TensorProperties)
     return dcp, ShardMetadata, Shard, ShardedTensorBase, ShardedTensorMetadata, TensorProperties
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: incomplete, corrupt, or from another model/TP."""
 
 
 @dataclass(frozen=True)
@@ -164,72 +182,130 @@ def _rng_state() -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ save
+def _lock_of(partial_name: str) -> str:
+    return f".{partial_name}.lock"
+
+
 def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
          extra: dict | None = None) -> str:
     """Collective over ``topo.world``: save the training state after ``step`` steps (the data
-    position to resume from) into ``root/step_{step}``; return that directory."""
+    position to resume from) into ``root/step_{step}`` (``root`` made 0700 if new); return
+    that directory."""
     final = os.path.join(root, f"step_{step:08d}")
-    partial = final + ".partial"
     coordinator = topo.world.rank == 0
+    lock, name = None, ""
     if coordinator:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    comm.barrier(topo.world)  # nobody writes before the directory is clean
-    sd = strategy.state_dict()
-    state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=topo.dp_rank == 0)
-    state[f"rng/rank{topo.rank}"] = _rng_state()
-    with _quiet():
-        dcp = _dcp()[0]
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
-    if coordinator:
-        manifest = {
-            "format": FORMAT, "step": int(step), "stage": sd["stage"], "dtype": sd["dtype"],
-            "dp": topo.dp, "tp": topo.tp, "world_size": topo.world_size,
-            "opt_step": int(sd["step"]), "scaler": sd["scaler"],
-            "states": list(sd.get("states", STATES)), "optim": sd.get("optim"),
-            "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
-            "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
-            "extra": extra or {}}
-        with open(os.path.join(partial, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        _write_latest(root, os.path.basename(final))
-        _prune(root, keep)
-        log.info("checkpoint saved: %s (step %d, stage %d, dp %d, tp %d)", final, step,
-                 sd["stage"], topo.dp, topo.tp)
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        name = f"step_{step:08d}.{secrets.token_hex(6)}{PARTIAL}"
+        lock = files.hold_lock(root, _lock_of(name))
+        os.mkdir(os.path.join(root, name), 0o700)
+    try:
+        # the coordinator's directory for this save, made before anybody writes
+        partial = os.path.join(root, comm.all_gather_object(name, topo.world)[0])
+        sd = strategy.state_dict()
+        state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=topo.dp_rank == 0)
+        state[f"rng/rank{topo.rank}"] = _rng_state()
+        with _quiet():
+            dcp = _dcp()[0]
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
+        if coordinator:
+            files.make_private(partial)
+            manifest = {
+                "format": FORMAT, "step": int(step), "stage": sd["stage"], "dtype": sd["dtype"],
+                "dp": topo.dp, "tp": topo.tp, "world_size": topo.world_size,
+                "opt_step": int(sd["step"]), "scaler": sd["scaler"],
+                "states": list(sd.get("states", STATES)), "optim": sd.get("optim"),
+                "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
+                "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
+                "extra": extra or {}}
+            files.write_private(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
+            _commit(partial, final)
+            _write_latest(root, os.path.basename(final))
+            _prune(root, keep)
+            log.info("checkpoint saved: %s (step %d, stage %d, dp %d, tp %d)", final, step,
+                     sd["stage"], topo.dp, topo.tp)
+    finally:
+        if lock is not None:
+            lock.release()
     comm.barrier(topo.world)  # the checkpoint is committed before anyone goes on
     return final
 
 
+def _commit(partial: str, final: str) -> None:
+    """Rename this save's ``partial`` to ``final``. A ``final`` another run committed first (its
+    manifest written: the same state, runs sharing a directory differ only in their length) is
+    kept and this save dropped; a damaged one (no manifest: nobody loads it) is replaced."""
+    try:
+        os.rename(partial, final)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if os.path.isfile(os.path.join(final, MANIFEST)):
+        log.info("checkpoint %s was committed by another run meanwhile: kept", final)
+        shutil.rmtree(partial, ignore_errors=True)
+        return
+    aside = partial[:-len(PARTIAL)] + ".damaged"
+    os.rename(final, aside)
+    os.rename(partial, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w") as f:
+    """``root/latest`` names ``name``: written under a fresh random name (never through a name
+    or link someone placed there), then renamed over it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{LATEST}-", dir=root)
+    with os.fdopen(fd, "w") as f:
         f.write(name + "\n")
     os.replace(tmp, os.path.join(root, LATEST))
 
 
 def discard_partial(root: str) -> list[str]:
-    """Remove the ``step_N.partial`` directories under ``root``: saves interrupted before their
-    commit (no manifest; ``latest`` and ``load`` never take one, and no save can complete
-    one). Call only when no save into ``root`` is running. Returns what was removed."""
+    """Remove the interrupted saves under ``root`` (``step_N…partial`` directories no manifest
+    committed; ``latest`` and ``load`` never take one) whose lock is free: their save is no
+    longer running, whichever run made them. A save in progress (its lock held) stays. Returns
+    what was removed."""
     if not os.path.isdir(root):
         return []
-    gone = sorted(os.path.join(root, d) for d in os.listdir(root)
-                  if d.startswith("step_") and d.endswith(".partial"))
-    for d in gone:
-        shutil.rmtree(d, ignore_errors=True)
+    gone = []
+    for d in sorted(os.listdir(root)):
+        path = os.path.join(root, d)
+        if d.startswith("step_") and d.endswith(PARTIAL) and os.path.isdir(path):
+            lock = os.path.join(root, _lock_of(d))
+            if files.lock_is_free(lock):
+                shutil.rmtree(path, ignore_errors=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+                gone.append(path)
+        elif d.startswith(".step_") and d.endswith(f"{PARTIAL}.lock") and \
+                not os.path.exists(os.path.join(root, d[1:-len(".lock")])) and \
+                files.lock_is_free(path):
+            with contextlib.suppress(FileNotFoundError):  # a save ended before removing it
+                os.unlink(path)
     return gone
 
 
 def _prune(root: str, keep: int) -> None:
-    discard_partial(root)  # an earlier run's interrupted saves (this one's is committed)
+    """Interrupted saves (``discard_partial``), and the committed checkpoints older than the
+    newest ``keep`` that no load is reading (0: keep all)."""
+    discard_partial(root)
     if keep <= 0:
         return
-    done = sorted(d for d in os.listdir(root)
-                  if d.startswith("step_") and not d.endswith(".partial"))
+    done = sorted(d for d in os.listdir(root) if STEP_DIR.match(d))
     for d in done[:-keep]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        path = os.path.join(root, d)
+        try:
+            fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)  # damaged: nobody loads it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # being loaded: it stays
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------ load
@@ -237,8 +313,7 @@ def committed(root: str) -> list[str]:
     """The committed checkpoints under ``root`` (those with a manifest), newest first."""
     if not os.path.isdir(root):
         return []
-    steps = sorted((d for d in os.listdir(root)
-                    if d.startswith("step_") and not d.endswith(".partial")), reverse=True)
+    steps = sorted((d for d in os.listdir(root) if STEP_DIR.match(d)), reverse=True)
     return [os.path.join(root, d) for d in steps
             if os.path.isfile(os.path.join(root, d, MANIFEST))]
 
@@ -316,10 +391,33 @@ def check_compatible(manifest: dict, sd: dict, topo: Topology, path: str) -> Non
                               f"{extra[0]!r} (and {len(extra) - 1} more) not in this model")
 
 
-def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
+def load(path: str, strategy, topo: Topology, verify: bool = True, trust: bool = False) -> dict:
     """Collective over ``topo.world``: restore ``strategy`` (any stage, any DP size) from
     checkpoint ``path`` saved at the same TP degree; returns the manifest (``step`` = the data
-    position to continue from)."""
+    position to continue from). Unless ``trust``, ``check_trusted`` first. While it loads, no
+    save prunes ``path`` (a shared lock on its manifest)."""
+    if not trust:
+        files.check_trusted(path)
+    with _reading(path):
+        return _load(path, strategy, topo, verify)
+
+
+@contextmanager
+def _reading(path: str):
+    """A shared lock on ``path``'s manifest (``_prune`` skips a checkpoint so held)."""
+    try:
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
+    except OSError:
+        yield  # read_manifest says what is wrong
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _load(path: str, strategy, topo: Topology, verify: bool) -> dict:
     manifest = read_manifest(path, verify)
     saved_states = manifest.get("states", list(STATES))
     sd = strategy.state_dict(states=saved_states)
@@ -334,11 +432,14 @@ def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
     same_world = manifest["world_size"] == topo.world_size
     if same_world:
         state[rng_key] = _rng_state()
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         with _quiet():
             dcp = _dcp()[0]
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), **_dcp_kwargs(topo))
-    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in its own types
+            dcp.load(state, storage_reader=files.reader(path), planner=files.planner(),
+                     **_dcp_kwargs(topo))
+    # DCP wraps per-rank failures in its own type (a BaseException)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path!r} could not be read: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
                               ) from e
@@ -351,6 +452,9 @@ def load(path: str, strategy, topo: Topology, verify: bool = True) -> dict:
         sd["scaler"] = manifest["scaler"]
     if manifest.get("optim") is not None:
         sd["optim"] = manifest["optim"]
+    if same_world and not (isinstance(state[rng_key], torch.Tensor)
+                           and state[rng_key].dtype == torch.uint8):
+        raise CheckpointError(f"checkpoint {path!r}: {rng_key} is not a random generator state")
     strategy.load_state_dict(sd)
     if same_world:
         torch.set_rng_state(state[rng_key])

@@ -104,11 +104,12 @@ class Trainer:
         return checkpoint.save(root, self.strategy, self.topo, step, self.cfg.checkpoint.keep,
                                extra=extra)
 
-    def resume(self, path: str, verify: bool = True) -> dict:
+    def resume(self, path: str, verify: bool = True, trust: bool = False) -> dict:
         """Collective: the state of checkpoint ``path`` (any stage or DP size) and its data
         position; the steps before it (their losses, the skipped ones) into ``history``.
-        Returns the manifest. ValueError when it is at or past ``train.steps``."""
-        manifest = checkpoint.load(path, self.strategy, self.topo, verify)
+        Returns the manifest. ValueError when it is at or past ``train.steps``; ``trust``:
+        load a checkpoint another account owns or may write (``checkpoint.load``)."""
+        manifest = checkpoint.load(path, self.strategy, self.topo, verify, trust=trust)
         start = manifest["step"]
         if start >= self.cfg.train.steps:
             raise ValueError(f"checkpoint {path} is at step {start}: nothing left to do with "

@@ -1,8 +1,13 @@
 """Shared-memory channel: CPU (gloo) ranks on one host move bucket chunks without sockets.
 
-Each rank of a group maps one ``/dev/shm`` segment per group rank (``channel_for``, built once,
-collectively; checked to be shared, then unlinked so nothing is left when a rank dies), writes
-what its peers need into its own segment and reads theirs, as NCCL does inside a node.
+Each rank of a group maps one segment per group rank (``channel_for``, built once,
+collectively), writes what its peers need into its own segment and reads theirs, as NCCL does
+inside a node. A segment has no name (``O_TMPFILE`` in ``SHM_DIR``, whose size limits it): its
+creator tells the peers its process and descriptor and a random magic word, they open it
+through ``/proc/<pid>/fd`` (as torch.multiprocessing passes descriptors), so nothing in
+``SHM_DIR`` can be seen, guessed, planted or left behind by a kill at any instant, and another
+account cannot open it. Ranks on another host (boot, host name or PID namespace differ) fall
+back to gloo; the reason is kept on the group (``Group.channel_refused``) for the step line.
 
 Protocol (the invariant every collective keeps): a collective is cut into *pieces* that each
 fit one of ``SLOTS`` slots of ``SLOT_BYTES``; pieces are numbered in issue order (the same on
@@ -11,8 +16,10 @@ every rank) and piece ``j`` lives in slot ``j % SLOTS``. Each rank writes two co
 every rank's ``done >= j - SLOTS`` and reads it only once every peer's ``ready >= j``; a wait
 completes every earlier piece first, so all ranks move through the pieces in one order and no
 wait depends on a piece a peer cannot reach. A dead or hung peer fails the wait after the
-world's collective timeout, naming it. x86-64 only: its stores become visible in program
-order, so a counter is never seen before the data it covers (elsewhere ranks stay on gloo).
+world's collective timeout, naming it; a long wait backs off to sleeps of up to
+``MAX_SLEEP_S`` (at most ~1/``BACKOFF`` of the time waited so far). x86-64 only: its stores
+become visible in program order, so a counter is never seen before the data it covers
+(elsewhere ranks stay on gloo).
 
 *Shared buffers* (``Channel.shared_buffer``, a ``Region``) are memory every peer maps: a
 collective on a view of one publishes only its counter and the peers read in place; its owner
@@ -25,9 +32,12 @@ NCCL-shaped transport on CPU). Timings: ``results/peers/notes.md``.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import platform
 import secrets
+import socket
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +53,8 @@ HEADER_BYTES = 64  # int64 words: magic, ready, done
 _MAGIC, _READY, _DONE = 0, 1, 2
 SHM_DIR = "/dev/shm"
 YIELD_POLLS = 2000  # polls of a peer's counter with sched_yield before sleeping between them
+MIN_SLEEP_S, MAX_SLEEP_S = 50e-6, 5e-3  # sleeps between polls after that ...
+BACKOFF = 20  # ... of 1/BACKOFF of the time waited so far: at most ~5% late, ~0.5% of a core
 
 
 def mode() -> str:
@@ -178,9 +190,9 @@ class Channel:
 
     def _await(self, word: int, value: int, what: str) -> None:
         """Until every peer's counter ``word`` reaches ``value``: ``sched_yield`` for the first
-        ~2000 polls (a peer usually is microseconds away), then 50 µs sleeps (a rank that waits
-        long leaves its core to others, e.g. more ranks than cores); gives up after the
-        timeout."""
+        ~2000 polls (a peer usually is microseconds away), then sleeps growing with the wait
+        (50 µs up to ``MAX_SLEEP_S``: a rank that waits long, e.g. on a stopped peer or with
+        more ranks than cores, leaves its core to others); gives up after the timeout."""
         start = None
         spins = 0
         for q in self.peers:
@@ -198,7 +210,7 @@ class Channel:
                         f"{self.group.global_rank(self.me)} timed out after "
                         f"{now - start:.0f} s waiting for rank {self.group.global_rank(q)} "
                         f"({what}): it died or hangs")
-                time.sleep(50e-6)
+                time.sleep(min(MAX_SLEEP_S, max(MIN_SLEEP_S, (now - start) / BACKOFF)))
 
 
 class Region:
@@ -223,21 +235,45 @@ class _Work:
 
 
 # ---------------------------------------------------------------------- set-up
-def _create(path: str, nbytes: int) -> torch.Tensor:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def host_identity() -> tuple | None:
+    """What ranks that can map each other's segments share: the kernel's boot, the host name
+    (a node of its own: its UTS namespace) and the PID namespace (``/proc/<pid>`` names the
+    peer). None where ``/proc`` does not tell."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return boot, socket.gethostname(), ns.st_dev, ns.st_ino
+
+
+def _open_anonymous(directory: str, nbytes: int) -> int:
+    """A file of ``nbytes`` in ``directory``'s filesystem that has no name (``O_TMPFILE``: it
+    never appears in the directory, and goes when its last descriptor and mapping do, however
+    this process ends), mode 0600, its pages reserved. Where the filesystem has no
+    ``O_TMPFILE``: a random name (``O_EXCL``) unlinked at once."""
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_EXCL, 0o600)
+    except (AttributeError, IsADirectoryError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EISDIR,
+                                                      errno.EINVAL, errno.ENOENT):
+            raise
+        path = os.path.join(directory, f"zr-{secrets.token_hex(16)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
     try:
         # reserve the pages now: a full tmpfs then fails here (ENOSPC: gloo is used instead)
         # rather than with SIGBUS when a mapped page is first touched mid-step
         os.posix_fallocate(fd, 0, nbytes)
     except OSError:
         os.close(fd)
-        os.unlink(path)
         raise
-    os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return fd
 
 
 ROOM_MARGIN = 1.25  # free room a group asks for beyond its segments
+ANOTHER_HOST = "another host"  # the reason that is no fall-back: gloo is the transport there
 
 
 def room() -> int:
@@ -254,51 +290,72 @@ def room_needed(group_size: int, groups: int = 1, nbytes: int | None = None) -> 
     return int((groups - 1) * seg + seg * ROOM_MARGIN)
 
 
+def _own_segment(nbytes: int, need: int) -> tuple[int, torch.Tensor | None, int, str]:
+    """(descriptor, mapping, magic word, why not) of this rank's new nameless segment, made
+    where ``SHM_DIR`` has ``need`` bytes free."""
+    if not (_architecture_ok() and os.path.isdir(SHM_DIR)):
+        return -1, None, 0, f"{SHM_DIR} is missing, or this is not x86-64"
+    if room() <= need:
+        return -1, None, 0, f"{SHM_DIR} has less than {need / 2**20:.0f} MiB free"
+    fd = -1
+    try:
+        fd = _open_anonymous(SHM_DIR, nbytes)
+        seg = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
+                              dtype=torch.uint8)
+        magic = secrets.randbits(62) + 1
+        seg[:HEADER_BYTES].view(torch.int64)[_MAGIC] = magic
+        return fd, seg, magic, ""
+    except (OSError, RuntimeError) as e:
+        if fd >= 0:
+            os.close(fd)
+        return -1, None, 0, f"{SHM_DIR}: {e}"
+
+
+def _peer_segment(offer: tuple, nbytes: int) -> torch.Tensor:
+    """A peer's segment, opened through its descriptor (``/proc/<pid>/fd/<fd>``: only its own
+    account may), checked to be a file of ``nbytes`` starting with the magic word it sent."""
+    _, pid, fd, magic = offer
+    path = f"/proc/{pid}/fd/{fd}"
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+        raise OSError(f"{path} is not its segment")
+    seg = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    if int(seg[:HEADER_BYTES].view(torch.int64)[_MAGIC]) != magic:
+        raise OSError(f"{path} is another file")
+    return seg
+
+
 def _map_all(group: comm.Group, nbytes: int, what: str) -> tuple[list[torch.Tensor] | None, str]:
-    """Collectively: one segment of ``nbytes`` per group rank, created by its rank and mapped by
-    every rank, each checked by the magic word at its start (a rank on another host sees no
-    file, or another one) and unlinked once all are mapped. Returns (segments, "") or (None,
-    why not) -- the same answer on every rank."""
+    """Collectively: one segment of ``nbytes`` per group rank, created by its rank with no name
+    (nothing in ``SHM_DIR`` to see, guess, plant or leave behind, whenever a rank is killed) and
+    mapped by every peer on the same host through the creator's descriptor; each checked by a
+    random magic word its creator tells the peers alone. Returns (segments, "") or (None, why
+    not) -- the same answer on every rank. ``what`` names the segments in messages."""
     me = group.rank
-    token = comm.all_gather_object(secrets.token_hex(7), group)[0]
+    host = host_identity()
     # every rank of the host maps every segment: room for all of them, with a margin
-    fits = _architecture_ok() and os.path.isdir(SHM_DIR) and \
-        room() > room_needed(group.size, nbytes=nbytes)
-    paths = [os.path.join(SHM_DIR, f"zr-{token}-{group.name}-{what}-{q}")
-             for q in range(group.size)]
-    mine, why = None, ""
-    if fits:
-        try:
-            mine = _create(paths[me], nbytes)
-            mine[:HEADER_BYTES].view(torch.int64)[_MAGIC] = int(token, 16) + me
-        except OSError as e:
-            why = f"{SHM_DIR}: {e}"
-    else:
-        why = (f"{SHM_DIR} has less than {room_needed(group.size, nbytes=nbytes) / 2**20:.0f} "
-               f"MiB free, or not x86-64")
-    created = comm.all_gather_object(mine is not None, group)
+    need = room_needed(group.size, nbytes=nbytes)
+    fd, mine, magic, why = _own_segment(nbytes, need) if host is not None else \
+        (-1, None, 0, "/proc does not tell the host")
+    offers = comm.all_gather_object(
+        (host, os.getpid(), fd, magic) if mine is not None else None, group)
     segments: list[torch.Tensor | None] = [None] * group.size
-    if all(created):
+    if all(o is not None for o in offers):
         segments[me] = mine
         for q in range(group.size):
             if q == me:
                 continue
+            if offers[q][0] != host:
+                why = f"rank {group.global_rank(q)} is on {ANOTHER_HOST}"
+                continue
             try:
-                # torch.from_file would create a missing file: look first, without O_CREAT
-                if os.stat(paths[q]).st_size != nbytes:
-                    raise OSError(f"{paths[q]} has another size")
-                seg = torch.from_file(paths[q], shared=True, size=nbytes, dtype=torch.uint8)
-                if int(seg[:HEADER_BYTES].view(torch.int64)[_MAGIC]) == int(token, 16) + q:
-                    segments[q] = seg
-                else:
-                    why = f"rank {group.global_rank(q)}'s segment is another file"
-            except (OSError, RuntimeError):
-                why = f"rank {group.global_rank(q)} is on another host"
-    # (also the point by which every rank has opened every segment or given up: unlink)
+                segments[q] = _peer_segment(offers[q], nbytes)
+            except (OSError, RuntimeError) as e:
+                why = f"rank {group.global_rank(q)}'s {what} segment cannot be mapped ({e})"
+    # also the point by which every peer has opened this rank's descriptor, or given up
     shared = comm.all_gather_object(all(x is not None for x in segments), group)
-    if mine is not None:
-        os.unlink(paths[me])
-    comm.barrier(group)  # and every segment unlinked: none of this group's files is left
+    if fd >= 0:
+        os.close(fd)  # the mappings keep the memory; nothing else does
     if not all(shared):
         return None, why or "a peer could not"
     return segments, ""  # type: ignore[return-value]
@@ -315,6 +372,7 @@ def channel_for(group: comm.Group) -> Channel | None:
         return None
     segments, why = _map_all(group, segment_bytes(), "slots")
     if segments is None:
+        group.channel_refused = "" if why.endswith(ANOTHER_HOST) else why
         if want == "shm":
             raise ValueError(f"ZR_CPU_TRANSPORT=shm but group {group.name!r} cannot share "
                              f"memory ({why}): unset it to use gloo")
