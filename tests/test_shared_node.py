@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from zero_repro import config as C
+from zero_repro import schema
 from zero_repro.runtime.comm import launch
 from zero_repro.runtime.comm.cpu import shm
 from zero_repro.runtime.comm.launch import WorkerFailed, spawn
@@ -606,7 +607,7 @@ def test_hydra_run_folders_are_unique_per_run(monkeypatch, tmp_path):
     from zero_repro import paths
     from zero_repro.lab import cli
     monkeypatch.setenv(paths.HOME_ENV, str(tmp_path))
-    C.register_configs()
+    schema.register_configs()
     dirs = []
     for _ in range(2):  # within one second
         GlobalHydra.instance().clear()
