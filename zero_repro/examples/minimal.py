@@ -7,12 +7,12 @@
 What a program has to do, in order: (1) initialise the process group from the launcher's
 environment (RANK / WORLD_SIZE / MASTER_ADDR, set by torchrun or srun); (2) build the TP x DP
 grid (``Topology``: TP ranks contiguous); (3) build the model with its TP group, then wrap it:
-TP -> activation checkpointing -> ZeRO strategy -> optimizer (``train.build.build`` does this
-from one ``Config``); (4) feed each DP rank its own slice of the global batch — inputs and
+TP -> activation checkpointing -> ZeRO strategy -> optimizer (``train.trainer.Trainer`` does this
+from one ``Config``, the model made unit by unit on the device); (4) feed each DP rank its own slice of the global batch — inputs and
 targets are int64 token ids of shape ``(micro_batch, seq_len)``, the same on the TP ranks of one
 DP rank; (5) forward, ``strategy.backward(loss)``, ``strategy.step()`` (ZeRO's reduce-scatter /
 all-gather and the sharded AdamW), ``strategy.zero_grad()``; (6) save sharded checkpoints with
-``zero_repro.runtime.train.checkpoint.save`` into a directory of your choice (``--ckpt-dir``;
+``trainer.save`` (``zero_repro.runtime.train.checkpoint.save``) into a directory of your choice (``--ckpt-dir``;
 default: a new private one per run; every rank writes its shard; ``checkpoint.load`` restores
 them at any stage or DP size).
 
@@ -25,11 +25,10 @@ import argparse
 import logging
 import tempfile
 
-from zero_repro.runtime.train import checkpoint
 from zero_repro.config import Config, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from zero_repro.runtime.comm import comm, launch
 from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.train.build import build
+from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.runtime.train.build import device_for
 from zero_repro.runtime.train.data import make_source, rank_batch
 from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES
@@ -59,10 +58,13 @@ def main(argv=None) -> dict:
                  train=TrainConfig(lr=3e-3, micro_batch_size=2, steps=args.steps))
     cfg.cluster.device = args.device
     try:
-        # (2) the grid; (3) TP model -> activation checkpointing -> ZeRO wrap -> optimizer
+        # (2) the grid; (3) TP model -> activation checkpointing -> ZeRO wrap -> optimizer, the
+        # model made unit by unit on the device (runtime.train.trainer; .fit(source) would run
+        # the whole loop: the steps are written out here to show them)
         topo = Topology.build(tp=args.tp)
         device = device_for(cfg, local_rank)
-        _, _, strategy = build(cfg, topo, device)
+        trainer = Trainer(cfg, topo, device)
+        strategy = trainer.strategy
         source = make_source("synthetic", cfg.model.seq_len, cfg.model.vocab_size, seed=1)
         for step in range(args.steps):
             # (4) this DP rank's rows of the global batch: x, y of shape (2, 64), int64
@@ -80,7 +82,7 @@ def main(argv=None) -> dict:
         # a directory of this run's own: rank 0 makes a fresh one (0700) and tells the others
         ckpt_dir = args.ckpt_dir or comm.all_gather_object(
             tempfile.mkdtemp(prefix="zr_minimal_ckpt_") if rank == 0 else "", topo.world)[0]
-        path = checkpoint.save(ckpt_dir, strategy, topo, args.steps)
+        path = trainer.save(ckpt_dir, args.steps)
         ledger = strategy.memory_ledger().as_dict()  # bytes per category, this rank
         if rank == 0:
             # Table 1's model states (params, grads, fp32 master, Adam moments) apart from the
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
                      rest or "nothing", path)
             log.info("communication (elements per collective and group): %s",
                      topo.ledger.as_dict())
-        strategy.remove_hooks()
+        trainer.close()
         return {"loss": float(loss.detach()), "ledger": ledger, "checkpoint": path}
     finally:
         launch.teardown()
