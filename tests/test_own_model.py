@@ -280,11 +280,13 @@ def test_readme_example_is_the_example_file_and_runs_under_torchrun(tmp_path):
     import os
     import subprocess
     import sys
+    import textwrap
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     example = open(os.path.join(repo, "zero_repro", "examples", "own_model.py")).read()
-    start, end = "# --8<-- [start:own-model]\n", "# --8<-- [end:own-model]"
-    body = example[example.index(start) + len(start):example.index(end)]
+    start, end = "# --8<-- [start:own-model]\n", "    # --8<-- [end:own-model]"
+    region = example[example.index(start) + len(start):example.index(end)]
+    body = textwrap.dedent(region[:region.rindex("\n") + 1])  # the function's body, dedented
     readme = open(os.path.join(repo, "README.md")).read()
     assert "```python\n" + body + "```" in readme
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

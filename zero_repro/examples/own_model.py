@@ -33,31 +33,46 @@ class Net(nn.Module):
         return self.head(h)
 
 
-# --8<-- [start:own-model]
-launch.init_from_env("gloo")  # "nccl" on GPUs
-topo = Topology.build(tp=1)  # every rank is a data-parallel rank
-with torch.device("meta"):  # no storage: built unit by unit on the device by the strategy
-    model = Net()
-strategy = build_strategy(
-    model, topo, ZeroConfig(stage=3, grad_clip=1.0), TrainConfig(), device="cpu",
-    units=list(model.layers),  # gathered / freed one by one (the default finds them too)
-    optimizer=lambda named: torch.optim.AdamW(  # runs on this rank's fp32 shard
-        [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-         {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
-        lr=1e-3))
-sched = torch.optim.lr_scheduler.CosineAnnealingLR(strategy.optimizer, T_max=100)
-gen = torch.Generator().manual_seed(topo.dp_rank)  # each DP rank its own data
-for _ in range(20):
-    x = torch.randint(0, 256, (8, 32), generator=gen)
-    loss = F.cross_entropy(strategy(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-    strategy.backward(loss)
-    strategy.step()
-    strategy.zero_grad()
-    sched.step()
-checkpoint.save("own_model_ckpt", strategy, topo, step=20)  # sharded; resumes at any stage/DP
-full = strategy.full_state_dict()  # the model's own keys in fp32, on rank 0
-if topo.rank == 0:
-    Net().load_state_dict(full, strict=True)
-    print(f"loss {loss.item():.3f}, lr {sched.get_last_lr()[0]:.2e}, {len(full)} tensors")
-# --8<-- [end:own-model]
-launch.teardown()
+def train() -> None:
+    """The README's code (between the markers), as written there."""
+    # --8<-- [start:own-model]
+    launch.init_from_env("gloo")  # "nccl" on GPUs
+    topo = Topology.build(tp=1)  # every rank is a data-parallel rank
+    with torch.device("meta"):  # no storage: built unit by unit on the device by the strategy
+        model = Net()
+    strategy = build_strategy(
+        model, topo, ZeroConfig(stage=3, grad_clip=1.0), TrainConfig(), device="cpu",
+        units=list(model.layers),  # gathered / freed one by one (the default finds them too)
+        optimizer=lambda named: torch.optim.AdamW(  # runs on this rank's fp32 shard
+            [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+             {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
+            lr=1e-3))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(strategy.optimizer, T_max=100)
+    gen = torch.Generator().manual_seed(topo.dp_rank)  # each DP rank its own data
+    for _ in range(20):
+        x = torch.randint(0, 256, (8, 32), generator=gen)
+        loss = F.cross_entropy(strategy(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        strategy.backward(loss)
+        strategy.step()
+        strategy.zero_grad()
+        sched.step()
+    checkpoint.save("own_model_ckpt", strategy, topo, step=20)  # sharded; resumes at any stage/DP
+    full = strategy.full_state_dict()  # the model's own keys in fp32, on rank 0
+    if topo.rank == 0:
+        Net().load_state_dict(full, strict=True)
+        print(f"loss {loss.item():.3f}, lr {sched.get_last_lr()[0]:.2e}, {len(full)} tensors")
+    # --8<-- [end:own-model]
+    strategy.remove_hooks()  # the hooks hold the strategy, its groups: gone before the teardown
+
+
+def main() -> None:
+    """Everything of the run inside a function: its objects (process groups among them) are
+    gone when it returns, before the interpreter's own teardown."""
+    try:
+        train()
+    finally:
+        launch.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -271,6 +271,7 @@ def _entry(fn, rank, world_size, port, backend, timeout_s, out_dir, args, parent
 
 
 
+GLOO_SETTLE_S = 0.2  # time for gloo's worker threads to drop their finished work (teardown)
 # torch before 2.8 (the floor, 2.7.1): gloo's shutdown in destroy_process_group waits, holding
 # the GIL, for an asynchronous operation still posted (seen with the native bucket transport:
 # both ranks hang after reporting); the rank then exits without it and the OS closes its sockets
@@ -278,11 +279,20 @@ GLOO_SHUTDOWN_WAITS = tuple(int(v) for v in torch.__version__.split("+")[0].spli
 
 
 def teardown() -> None:
-    """The end of a rank's process group: ``comm.destroy_process_group``, except on gloo before
-    torch 2.8, where its shutdown can hang (the process exits without it; every rank program
-    ends with this, not with ``destroy_process_group``)."""
-    if GLOO_SHUTDOWN_WAITS and comm.is_initialized() and comm.backend() == "gloo":
-        return
+    """The end of a rank's process group: ``comm.destroy_process_group`` (on gloo before torch
+    2.8 not: its shutdown can hang; the process exits without it and the OS closes its
+    sockets). On gloo the rank first sleeps ``GLOO_SETTLE_S`` with the GIL released: a gloo
+    worker thread destroys a finished collective's work after the caller's wait returned, and
+    that decrefs the Python objects of its tensors; when the interpreter is already
+    finalising, the thread is cancelled inside a noexcept frame and the process aborts
+    ("terminate called without an active exception": seen in 2-4 of 8 runs of
+    examples/own_model at world 2, whose last act is a collective; a gloo thread in
+    ``~AsyncAllgatherWork`` in the core dump). Every rank program ends with this, not with
+    ``destroy_process_group``."""
+    if comm.is_initialized() and comm.backend() == "gloo":
+        time.sleep(GLOO_SETTLE_S)
+        if GLOO_SHUTDOWN_WAITS:
+            return
     comm.destroy_process_group()
 
 
