@@ -21,6 +21,7 @@ from zero_repro.paths import conf_group_dir
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
+OFFLOAD = ("none", "cpu")  # zero.offload_optimizer
 ZERO_R_NAMES = ("off", "c1", "c2", "c3", "c4", "c5", "custom")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "fake")
@@ -118,6 +119,11 @@ class ZeroConfig:
     # table is a root unit gathered whole. Records made before the knob existed ran it off
     slice_vocab_gather: bool = field(default=True, metadata={ABSENT: False})
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # ZeRO-Offload (Ren et al. 2021; DeepSpeed's offload_optimizer): "cpu" keeps the fp32
+    # master and Adam moments of this rank's shard in host memory and runs AdamW there; the
+    # gradients go to the host and the updated parameters come back over PCIe
+    # (runtime.zero.offload). Stages 1-3, and stage 0 at DP 1
+    offload_optimizer: str = "none"  # none | cpu
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
@@ -470,6 +476,23 @@ def _validate_zero(cfg: Config) -> None:
     if zr.cpu_checkpointing and not zr.partition_activations:
         raise ValueError("zero_r.cpu_checkpointing (P_a+cpu) needs "
                          "zero_r.partition_activations=true, as in the paper's C5")
+    _validate_offload(cfg)
+
+
+def _validate_offload(cfg: Config) -> None:
+    z = cfg.zero
+    _choice(z.offload_optimizer, OFFLOAD, "zero.offload_optimizer")
+    if z.offload_optimizer == "none":
+        return
+    dp = cfg.parallel.world_size // max(1, cfg.parallel.tp)
+    if z.stage == 0 and dp > 1:
+        raise ValueError(f"zero.offload_optimizer={z.offload_optimizer} at zero.stage=0 with DP "
+                         f"{dp} keeps the whole optimizer on every rank's host: use zero.stage=1 "
+                         f"or 2 (each host then holds 1/{dp} of it)")
+    if cfg.simulate.stack != "modern" or cfg.simulate.only_switches:
+        raise ValueError(f"zero.offload_optimizer={z.offload_optimizer}: the 2020 stack "
+                         f"(simulate.stack={cfg.simulate.stack}, simulate.only_switches) had no "
+                         f"offload; use simulate.stack=modern or zero.offload_optimizer=none")
 
 
 def _validate_train(cfg: Config) -> None:
