@@ -22,7 +22,8 @@ Data flow per step (PCIe: lp·Ψ_s bytes each way):
     the copy goes on a side stream into the staging; ``step`` copies whatever was not staged.
   * host: per chunk, in blocks of ``BLOCK`` elements, the lp gradient upcast into the scratch
     and multiplied by unscale x clip, then torch's fused CPU AdamW (``torch._fused_adamw_``, the
-    kernel ``AdamW(fused=True)`` runs on CPU tensors; elementwise, so blocks change nothing);
+    kernel ``AdamW(fused=True)`` runs on CPU tensors; elementwise: blocks of a multiple of the
+    vector width change nothing, a block boundary elsewhere moves the kernel's scalar tail);
     the updated master cast into the staging chunk (the gradient there is consumed).
   * host -> device: the staging chunk onto the training-dtype chunk on a second side stream
     (the other direction's copy engine), the compute stream made to wait for it; then
@@ -40,8 +41,8 @@ from typing import Callable, Sequence
 
 import torch
 
-# host elements per fused-AdamW call: the fp32 scratch (4 MiB) and the four operands' blocks
-# stay in cache (measured: results/offload/notes.md)
+# host elements per fused-AdamW call (a multiple of every vector width: the same values as one
+# call per chunk): the fp32 scratch stays in cache (measured: results/offload/notes.md)
 BLOCK = 1 << 20
 HOST = torch.device("cpu")
 
@@ -71,13 +72,17 @@ class HostAdamW:
         # gradients in, updated parameters out: one lp shard, the copy engines' buffer
         self.staging = torch.zeros(self.numel, dtype=lp_dtype, device=HOST,
                                    pin_memory=self.cuda)
-        self.block = max(1, min(block, max((n for _, n in self.chunks), default=1)))
+        if block % 64:
+            raise ValueError(f"block={block}: use a multiple of 64 elements (the kernel's "
+                             f"vector width)")
+        self.block = min(block, max((n for _, n in self.chunks), default=64))
         self.scratch = torch.zeros(self.block, **zeros)  # one block's fp32 gradient
         self._step_t = torch.zeros((), **zeros)  # the fused kernel reads the step from it
         with torch.no_grad():
             for (off, n), p in zip(self.chunks, lp_chunks):
                 self.master[off:off + n].copy_(p)
         self.step_count = 0
+        self.copied = {"d2h": 0, "h2d": 0}  # bytes over PCIe (host <-> device) so far
         self._staged = [False] * len(self.chunks)
         self._d2h: list = [None] * len(self.chunks)  # CUDA events: gradient chunk i on the host
         self._h2d: list = [None] * len(self.chunks)  # ... parameter chunk i on the device
@@ -118,6 +123,8 @@ class HostAdamW:
                 self._d2h[i].record(s)
         else:
             dst.copy_(grad.reshape(-1))
+        if grad is not None:
+            self.copied["d2h"] += n * self.staging.element_size()
         self._staged[i] = True
 
     def discard(self) -> None:
@@ -168,6 +175,7 @@ class HostAdamW:
                                 [self.exp_avg_sq[a:b]], [], [self._step_t], **kw)
 
     def _to_device(self, i: int, lp: torch.Tensor, stage: torch.Tensor) -> None:
+        self.copied["h2d"] += stage.numel() * stage.element_size()
         if not self.cuda:
             lp.copy_(stage)
             return
