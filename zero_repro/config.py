@@ -177,6 +177,12 @@ class ClusterConfig:
     pcie_gbps: float = 0.0  # GB/s host<->device
     hbm_gbps: float = 0.0  # GB/s device memory bandwidth (vendor datasheet; 0 = unknown)
     sm_count: int = 0  # streaming multiprocessors per device (vendor; 0 = unknown)
+    # a node's host per GPU (its CPUs, RAM and DRAM bandwidth over gpus_per_node; each yaml
+    # cites its source): what ZeRO-Offload's host step and host memory are judged against
+    # (scale.offload_time); 0 = unknown. They change no measurement: not identity
+    host_memory_gb: float = field(default=0.0, metadata=NOT_IDENTITY)  # host RAM, GB = 1e9 B
+    host_cores: float = field(default=0.0, metadata=NOT_IDENTITY)  # CPU cores
+    host_memory_gbps: float = field(default=0.0, metadata=NOT_IDENTITY)  # DRAM line rate, GB/s
     # words for tables (the throughput figures' hardware column): not what a point measures
     description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
 

@@ -41,8 +41,9 @@ from typing import Callable, Sequence
 
 import torch
 
-# host elements per fused-AdamW call (a multiple of every vector width: the same values as one
-# call per chunk): the fp32 scratch stays in cache (measured: results/offload/notes.md)
+# host elements per fused-AdamW call and intra-op thread (a multiple of every vector width: the
+# same values as one call per chunk): each thread's share of the fp32 scratch and of the block
+# stays in cache (measured: results/offload/notes.md); the block is BLOCK x torch's threads
 BLOCK = 1 << 20
 HOST = torch.device("cpu")
 
@@ -57,7 +58,7 @@ class HostAdamW:
     the device, copied into the master once here."""
 
     def __init__(self, chunks: Sequence[tuple[int, int]], lp_chunks: Sequence[torch.Tensor],
-                 lp_dtype: torch.dtype, block: int = BLOCK):
+                 lp_dtype: torch.dtype, block: int | None = None):
         if not hasattr(torch, "_fused_adamw_"):
             raise RuntimeError("zero.offload_optimizer=cpu steps with torch's fused CPU AdamW "
                                "(torch._fused_adamw_): use torch 2.4 or newer")
@@ -72,6 +73,7 @@ class HostAdamW:
         # gradients in, updated parameters out: one lp shard, the copy engines' buffer
         self.staging = torch.zeros(self.numel, dtype=lp_dtype, device=HOST,
                                    pin_memory=self.cuda)
+        block = BLOCK * torch.get_num_threads() if block is None else block
         if block % 64:
             raise ValueError(f"block={block}: use a multiple of 64 elements (the kernel's "
                              f"vector width)")
@@ -154,17 +156,18 @@ class HostAdamW:
             if self._d2h[i] is not None:
                 self._d2h[i].synchronize()
                 self._d2h[i] = None
+            self.update_chunk(i, grad_mult, kw)
             off, n = self.chunks[i]
-            self._update(off, n, grad_mult, kw)
-            stage = self.staging[off:off + n]
-            stage.copy_(self.master[off:off + n])  # cast to the training dtype, on the host
-            self._to_device(i, lp, stage)
+            self._to_device(i, lp, self.staging[off:off + n])
             if on_chunk is not None:
                 on_chunk(i)
         self.discard()
 
-    def _update(self, off: int, n: int, grad_mult: float, kw: dict) -> None:
-        """AdamW over shard elements [off, off + n), ``block`` at a time."""
+    def update_chunk(self, i: int, grad_mult: float, kw: dict) -> None:
+        """The host's work on chunk i (what ``lab.host_adam`` times): AdamW over its elements,
+        ``block`` at a time, from the staged gradient; the updated master cast into the
+        staging. ``kw``: ``torch._fused_adamw_``'s hyperparameters."""
+        off, n = self.chunks[i]
         for a in range(off, off + n, self.block):
             b = min(a + self.block, off + n)
             g = self.scratch[:b - a]
@@ -173,6 +176,9 @@ class HostAdamW:
                 g.mul_(grad_mult)
             torch._fused_adamw_([self.master[a:b]], [g], [self.exp_avg[a:b]],
                                 [self.exp_avg_sq[a:b]], [], [self._step_t], **kw)
+            # cast to the training dtype while the block is in cache (the gradient there is
+            # consumed)
+            self.staging[a:b].copy_(self.master[a:b])
 
     def _to_device(self, i: int, lp: torch.Tensor, stage: torch.Tensor) -> None:
         self.copied["h2d"] += stage.numel() * stage.element_size()

@@ -27,7 +27,7 @@ in the 2019 Megatron layer and checkpointing and DeepSpeed 0.2's stage 1-2 alloc
 judged with its build (no ``empty_cache``: "max cached" from process start) against the device
 less the CUDA context + NCCL; ``DryRunResult.breakdown`` says where the memory went at the peak.
 Data-dependent reads answer 0 (finite gradients, no overflow: the most-allocating path). P_a+cpu
-host storages are excluded from device numbers (C5 under-counts one b·s·h/m·2-byte slice, 1 MB
+and ZeRO-Offload (``zero.offload_optimizer``) host storages are excluded from device numbers (C5 under-counts one b·s·h/m·2-byte slice, 1 MB
 at 100B). The fake group is process-global: ``dry_run`` creates and destroys it; inside a
 process that has a group use ``dry_run_subprocess``. Speeds: ``results/fig6_max_model/notes.md``.
 """
@@ -86,7 +86,7 @@ class DryRunResult:
     live_peak: int  # peak of live device bytes (exact sizes, no allocator rounding)
     live_peak_by_phase: dict  # phase -> peak live device bytes during it (all iterations)
     live_peak_by_iteration: dict  # iteration -> peak live device bytes (training phases)
-    host_bytes: int  # bytes identified as host memory (P_a+cpu)
+    host_bytes: int  # bytes identified as host memory (P_a+cpu, ZeRO-Offload's optimizer)
     allocator: dict  # training-phase replay through the caching-allocator model
     allocator_with_build: dict  # replay including the build phase (no empty_cache)
     timings: dict  # seconds: build, per iteration, total
@@ -292,6 +292,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                     "meta" if on_meta else "cpu"), skeleton_scope=tracer.untracked,
                     **builders(stack, cfg))
             _build_host_sids(tracer, strategy, host)
+            _offload_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
@@ -369,6 +370,15 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
         if sid is not None:
             host.add(sid)
     strategy.release_host()
+
+
+def _offload_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
+    """Storages ZeRO-Offload's optimizer keeps in host memory (``zero.offload``: master, Adam
+    moments, the gradient staging, its scratch): host memory, not device."""
+    for t in getattr(getattr(strategy, "opt", None), "host_tensors", lambda: ())():
+        sid = tracer.sid_of(t)
+        if sid is not None:
+            host.add(sid)
 
 
 def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
