@@ -431,8 +431,9 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
                  ) -> list[dict]:
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
     config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
-    Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded",
-    "transport"}, ...] (``transport``: the ``dry_run(transport_of=...)`` of its DP buckets)."""
+    Module level, for ``launch.spawn``. Returns [{"ledger", "model_state_bytes" (device),
+    "host_model_state_bytes", "psi", "psi_padded", "transport"}, ...] (``transport``: the
+    ``dry_run(transport_of=...)`` of its DP buckets)."""
     out = []
     for d in cfg_dicts:
         cfg = C.to_config(d)
@@ -445,6 +446,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
         if ckpt is not None:
             ckpt.add_to_ledger(ledger)
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
+                    "host_model_state_bytes": ledger.host_model_states(),
                     "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
                     "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
                     "transport": strategy.transport.name})
