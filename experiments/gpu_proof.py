@@ -17,6 +17,9 @@ figure. Parts, in this order (equivalence first: a wrong runtime makes every lat
   paper's 40B C4 and 100B C5 (400 GPUs, MP 16) built on the device at full depth under the
   ``fake`` process group, NCCL's bucket transport modelled in the real rank and in the dry run
   it is compared with: real / predicted peak allocated.
+* one GPU -- ``zero_offload`` (``experiments/gpu_proof_offload.py``): stage 2 with the optimizer
+  on the device, then on the host (``zero.offload_optimizer=cpu``): parameters equal, the
+  device's peak falls by the optimizer state, the ledger equals Table 1's offload column.
 * a node -- ``node``: the 1.5B GPT in bf16 at DP 8, stages 0-3: step time over a window of CUDA
   events, NCCL kernels' overlap with compute from one profiled step, peak memory per stage
   (must fall stage 0 > 1 > 2 > 3).
@@ -58,6 +61,8 @@ from zero_repro.runtime.zero import build_strategy
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
 from zero_repro.scale.hardware import device_bytes, load_cluster
 from zero_repro.scale.paper.setups import setups
+
+from experiments import gpu_proof_offload as zero_offload  # the ZeRO-Offload part
 
 matplotlib.use("Agg")
 
@@ -120,6 +125,7 @@ def plan(cfg) -> list[Point]:
                                                             "tiny"))})]
     if gpus == 1:
         pts += _one_gpu_points(p, cuda, base, tag)
+        pts += zero_offload.points(p, cuda, base, tag, _model_overrides)
     else:
         pts += [_node_point(p, cuda, base, tag)]
     return pts
@@ -210,6 +216,8 @@ def estimate_s(cfg, point: Point) -> float:
         return SPAWN_S + 4.0 * len(q["tps"]) * len(q["stages"])
     if part == "offload":
         return SPAWN_S + 2 * (psi / DEVICE_INIT_PER_S + q["steps"] * (compute + 1.0))
+    if part == zero_offload.PART:
+        return zero_offload.estimate_s(q, psi, compute, SPAWN_S, DEVICE_INIT_PER_S)
     if part == "throughput":  # built on the device (train.build), the real trainer's steps
         return SPAWN_S + psi / DEVICE_INIT_PER_S + 10 + pc.train.steps * compute
     if part == "paper":
@@ -264,8 +272,9 @@ def run_point(cfg, point: Point) -> dict:
         out = _run_throughput(cfg, point)
     else:
         fn = {"probe": probe_rank, "equivalence": equivalence_rank, "offload": offload_rank,
-              "node": node_rank}[part]
-        res = spawn(fn, 1 if part == "offload" else world, cfg, dict(q), backend=backend,
+              "node": node_rank, zero_offload.PART: zero_offload.zero_offload_rank}[part]
+        one = part in ("offload", zero_offload.PART)
+        res = spawn(fn, 1 if one else world, cfg, dict(q), backend=backend,
                     timeout_s=cfg.launcher.collective_timeout_s)
         out = {"metrics": _judge(part, q, res[0])}
     out.setdefault("metrics", {}).update({
@@ -289,6 +298,8 @@ def _judge(part: str, q: dict, m: dict) -> dict:
         checks = {"losses": m["max_loss_rel_diff"] <= q["loss_rtol"],
                   "parameters": m["max_abs_param_diff"] <= q["param_atol"],
                   "ckpt_cpu": m["ckpt_cpu_bytes"] > 0}
+    elif part == zero_offload.PART:
+        checks = zero_offload.checks(q, m)
     elif part == "node":
         # CUDA: the training steps' real peak; CPU: the ledger's model states (a tiny model's
         # gather buffers would outweigh what the stages save)
@@ -730,6 +741,9 @@ def summarize(records) -> list[dict]:
             for y in ("model_states_ratio", "allocated_ratio", "reserved_ratio"):
                 if m.get(y) is not None:
                     row(r, part, m["point"], y, m[y], "x")
+        elif part == zero_offload.PART:
+            for x, y, v, unit in zero_offload.rows(m):
+                row(r, part, x, y, v, unit)
         elif part == "node":
             for k, s in m["stages"].items():
                 row(r, part, f"stage{k}", "step_s", s["step_s"], "s")

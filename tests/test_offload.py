@@ -319,3 +319,21 @@ def test_each_gradient_chunk_crosses_once_per_step_whatever_the_accumulation():
     for r in spawn(_traffic_worker, 2, timeout_s=120):
         for key, (copied, shard_bytes) in r.items():
             assert copied == {"d2h": STEPS * shard_bytes, "h2d": STEPS * shard_bytes}, key
+
+
+def test_gpu_proofs_offload_part_on_the_cpu_dry_path():
+    """The GPU proof's ZeRO-Offload point (experiments/gpu_proof_offload.py) through the proof's
+    own plan and run_point on one gloo rank: every check holds (equal parameters, the ledger
+    equals the offload column, lp·Ψ bytes each way per step)."""
+    from experiments import gpu_proof as G
+    from zero_repro.lab.sweep import point_config
+    from tests.test_gpu_proof import _cfg
+
+    cfg = _cfg("experiment.params.device=cpu")
+    (pt,) = [p for p in G.plan(cfg) if p.params["part"] == "zero_offload"]
+    m = G.run_point(point_config(cfg, pt.overrides), pt)["metrics"]
+    assert m["passed"], m["checks"]
+    assert set(m["checks"]) == {f"{d}_{k}" for d in ("fp32", "bf16")
+                                for k in ("parameters", "ledger", "pcie_bytes")}
+    assert m["fp32"]["max_abs_param_diff"] == 0.0  # one host: the same kernel
+    assert m["host_step"]["elements_per_s"] > 0
