@@ -337,3 +337,40 @@ def test_gpu_proofs_offload_part_on_the_cpu_dry_path():
                                 for k in ("parameters", "ledger", "pcie_bytes")}
     assert m["fp32"]["max_abs_param_diff"] == 0.0  # one host: the same kernel
     assert m["host_step"]["elements_per_s"] > 0
+
+
+def _where_worker(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2, 3):
+        topo = Topology.build(1)
+        s = make(topo, stage, "cpu", "bf16", bucket=600,
+                 zero_r={"constant_buffers": True, "contiguous_memory": True})
+        phase, where = ["backward"], []
+        store = s.grads.on_final
+
+        def record(i, g, store=store, where=where, phase=phase):
+            where.append(phase[0])
+            store(i, g)
+
+        s.grads.on_final = s.opt.grad_ready = record  # the store's calls and the step's
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+        _, loss = s.module(x, x)
+        s.backward(loss)
+        phase[0] = "step"
+        s.step()
+        out[stage] = (where.count("backward"), where.count("step"), len(s.opt.chunks))
+        s.remove_hooks()
+    return out
+
+
+def test_gradient_chunks_leave_for_the_host_during_backward_at_stages_2_and_3():
+    """Stages 2-3: a chunk's copy starts when its bucket's buffer is recycled in backward, all
+    but the last fused buffers' (depth 2); stage 1 reduces in place and is waited in the
+    step, so its copies start there."""
+    for stage, (bwd, step, n) in spawn(_where_worker, 2)[0].items():
+        assert bwd + step == n, stage
+        if stage == 1:
+            assert bwd == 0
+        else:
+            assert n >= 6 and bwd >= n - 2, (stage, bwd, n)

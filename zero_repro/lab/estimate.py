@@ -200,7 +200,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
     off = est.offload == "cpu"
     if ds:
         lines.append(_row(f"DeepSpeed {ds['version']} estimator ("
-                          + ("cpu_offload=True)" if off else "no offload)"),
+                          + ("cpu_offload)" if off else "no offload)"),
                           [ds[s.stage] / GB if s.stage in (2, 3) else "-" for s in st]))
     if off:
         lines.append(_row("  on the host: Table 1's offload column", [s.table1_host / GB

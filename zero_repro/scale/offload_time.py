@@ -18,9 +18,11 @@ device's compute (no delayed parameter update). Sources of the rates:
 
   * r_core (``HOST_ADAM_PER_CORE``): measured on this project's machine by ``python -m
     zero_repro.lab.host_adam --elements 64M --threads 1 --repeats 7`` (the runtime's own host
-    step, a 64M-element shard streamed from DRAM; results/offload/notes.md): the band's edges
-    are the slowest and fastest of the measured repeats, the middle their median. One core of
-    an AMD EPYC (Zen 4 class, AVX-512) at torch 2.13; other CPUs differ (re-measure there).
+    step, a 64M-element shard streamed from DRAM; four runs, results/offload/notes.md): the
+    band's edges are the slowest and fastest repeat, the middle the median of the runs'
+    medians. One core of an AMD EPYC (Zen 4 class, AVX-512) shared with other work (load 4-5
+    on 2 cores: the slow edge), torch 2.13; other CPUs differ (re-measure there; the GPU
+    proof's ``zero_offload`` part measures the GPU host's).
   * HOST_BYTES: the host step's DRAM traffic per element: read the lp gradient 2, master 4,
     m 4, v 4; write master 4, m 4, v 4, the lp parameter 2 = 28 B (the fp32 scratch block
     stays in cache).
@@ -39,7 +41,7 @@ from zero_repro.scale import kernels as K
 
 HOST_BYTES = 28.0  # DRAM bytes per element of the host step (module docstring)
 # elements/s of one core, the host step over a DRAM-resident shard (measured: module doc)
-HOST_ADAM_PER_CORE = {"low": 0.97e9, "mid": 1.06e9, "high": 1.17e9}
+HOST_ADAM_PER_CORE = {"low": 0.50e9, "mid": 0.96e9, "high": 1.00e9}
 HOST_ADAM_SOURCE = ("measured here: python -m zero_repro.lab.host_adam --elements 64M "
                     "--threads 1 --repeats 7 (results/offload/notes.md)")
 DRAM_EFFICIENCY = {"low": 0.6, "mid": 0.7, "high": 0.8}
