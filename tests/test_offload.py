@@ -374,3 +374,18 @@ def test_gradient_chunks_leave_for_the_host_during_backward_at_stages_2_and_3():
             assert bwd == 0
         else:
             assert n >= 6 and bwd >= n - 2, (stage, bwd, n)
+
+
+def test_the_rank_programs_memory_line_tells_the_host_apart():
+    from zero_repro.lab import rank as R
+
+    cfg = C.Config(parallel=C.ParallelConfig(world_size=2, tp=1),
+                   zero=C.ZeroConfig(stage=2, dtype="bf16", offload_optimizer="cpu"))
+    t1 = R.table1_model_states(cfg)
+    assert t1["bytes"] == offload_bytes(t1["psi"], 2, 2)["device"]
+    assert t1["formula"] == "2Ψ+2Ψ/N_d (offload)"
+    parts = R.memory_parts({"params_lp": 100, "grads": 50, "master_fp32": 0,
+                            "master_fp32_host": 200, "adam_m_host": 200, "adam_v_host": 200,
+                            "grads_host": 50, "optim_step_host": 8, "comm_buffers": 10})
+    assert parts == {"states": 150, "buffers": 10, "gathered": 0, "other": 0, "host": 658}
+    assert "host memory" in R.memory_text(parts, t1)

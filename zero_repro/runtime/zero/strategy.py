@@ -32,7 +32,9 @@ Megatron-LM's start/finish pairs:
 
 With ``zero.offload_optimizer=cpu`` the optimizer is ``offload.HostAdamW`` (host memory, host
 step): the gradient store hands it each chunk as its reduction lands (``on_final``), the step
-is the same sequence. Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
+is the same sequence.
+
+Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
 (``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
 (``zero.overlap_param_gather``, ``prefetch_next_step``, ``keep_gathered_turn``) are bit-identical
