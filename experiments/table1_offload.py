@@ -15,6 +15,7 @@ GB = 1e9 bytes).
 """
 from __future__ import annotations
 
+from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.dryrun.dryrun import real_ledgers
@@ -125,8 +126,6 @@ def plot(table, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
-
-    from zero_repro.lab.figures.figures import save_figure
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     ana = table[(table["figure"] == FIGURE) & (table["kind"] == "analytic")]
