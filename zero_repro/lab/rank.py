@@ -118,15 +118,18 @@ def table1_model_states(cfg: C.Config) -> dict:
 
 def memory_parts(ledger: dict) -> dict:
     """A ledger (category -> bytes) as Table 1's model states, buffers, gathered parameters
-    (stage 3) and the rest (ZeRO-R: checkpoints, arena)."""
+    (stage 3) and the rest (ZeRO-R: checkpoints, arena) on the device, and what the host holds
+    (``host``, where anything)."""
     states = sum(ledger.get(c, 0) for c in MODEL_STATE_CATEGORIES)
     buffers = sum(ledger.get(c, 0) for c in BUFFER_CATEGORIES)
     gathered = ledger.get("params_gathered", 0)
     host = sum(v for k, v in ledger.items() if isinstance(v, (int, float)) and is_host(k))
     rest = sum(v for k, v in ledger.items() if isinstance(v, (int, float))
                and not k.startswith("cuda_")) - states - buffers - gathered - host
-    return {"states": states, "buffers": buffers, "gathered": gathered, "other": rest,
-            "host": host}
+    out = {"states": states, "buffers": buffers, "gathered": gathered, "other": rest}
+    if host:  # held in host memory (ZeRO-Offload's optimizer, P_a+cpu's checkpoints)
+        out["host"] = host
+    return out
 
 
 def _unit(nbytes: float) -> tuple[float, str]:
