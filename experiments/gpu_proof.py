@@ -19,6 +19,9 @@ figure. Parts, in this order (equivalence first: a wrong runtime makes every lat
   it is compared with: real / predicted peak allocated, and both peaks by category
   (``lab.cuda_memory``: the ledger's held bytes, ``torch.cuda.memory_stats``' peaks) so a miss
   of the band names the category and its known reasons.
+* one GPU -- ``zero_offload`` (``lab.checks.offload``): stage 2 with the optimizer on the
+  device, then on the host (``zero.offload_optimizer=cpu``): parameters equal, the device's
+  peak falls by the optimizer state, the ledger equals Table 1's offload column.
 * a node -- ``node``: the 1.5B GPT in bf16 at DP 8, stages 0-3: step time over a window of CUDA
   events, NCCL kernels' overlap with compute from one profiled step, peak memory per stage
   (must fall stage 0 > 1 > 2 > 3).
@@ -47,6 +50,7 @@ import torch
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.lab.checks import gpu
+from zero_repro.lab.checks import offload as zero_offload
 from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
     FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
 from zero_repro.lab.points import Point
@@ -187,6 +191,7 @@ def plan(cfg) -> list[Point]:
                                                             "tiny"))})]
     if gpus == 1:
         pts += _one_gpu_points(p, cuda, base, tag)
+        pts += zero_offload.points(p, cuda, base, tag, _model_overrides)
     else:
         pts += [_node_point(p, cuda, base, tag)]
     return pts
@@ -277,6 +282,8 @@ def estimate_s(cfg, point: Point) -> float:
         return SPAWN_S + 4.0 * len(q["tps"]) * len(q["stages"])
     if part == "offload":
         return SPAWN_S + 2 * (psi / DEVICE_INIT_PER_S + q["steps"] * (compute + 1.0))
+    if part == zero_offload.PART:
+        return zero_offload.estimate_s(q, psi, compute, SPAWN_S, DEVICE_INIT_PER_S)
     if part == "throughput":  # built on the device (train.build), the real trainer's steps
         return SPAWN_S + psi / DEVICE_INIT_PER_S + 10 + pc.train.steps * compute
     if part == "paper":
@@ -331,8 +338,10 @@ def run_point(cfg, point: Point) -> dict:
         out = gpu.run_throughput(cfg, point)
     else:
         fn = {"probe": gpu.probe_rank, "equivalence": gpu.equivalence_rank,
-              "offload": gpu.offload_rank, "node": gpu.node_rank}[part]
-        res = spawn(fn, 1 if part == "offload" else world, cfg, dict(q), backend=backend,
+              "offload": gpu.offload_rank, "node": gpu.node_rank,
+              zero_offload.PART: zero_offload.zero_offload_rank}[part]
+        one = part in ("offload", zero_offload.PART)
+        res = spawn(fn, 1 if one else world, cfg, dict(q), backend=backend,
                     timeout_s=cfg.launcher.collective_timeout_s)
         out = {"metrics": gpu.judge(part, q, res[0])}
     out.setdefault("metrics", {}).update({

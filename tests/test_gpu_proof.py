@@ -77,7 +77,7 @@ def test_plan_for_gpus_equivalence_first_within_the_budget(gpus, no_cuda):
     assert eq["tps"] == ([1] if gpus == 1 else [1, 2])  # a node: DP 8 and TP 2 x DP 4
     if gpus == 1:
         assert names[2:] == ["offload P_a+cpu", "throughput stage0", "throughput stage3",
-                             "paper 40B C4", "paper 100B C5"]
+                             "paper 40B C4", "paper 100B C5", "zero_offload stage 2"]
         by = {p.name: p.overrides for p in pts}
         c4, c5 = by["paper 40B C4"], by["paper 100B C5"]
         # full depth: built unit by unit on the device (partitioned construction), not the CPU's 142B draws
@@ -257,7 +257,7 @@ def test_cpu_path_one_gpu_parts(tmp_path):
     cfg = _cfg("experiment.params.device=cpu", "experiment.params.offload.steps=2",
                f"experiment.results_dir={tmp_path}")
     res = sweep.run_sweep(cfg, G, progress=False)
-    assert res.count("ok") == 7, [(r.point, r.reason) for r in res.records]
+    assert res.count("ok") == 8, [(r.point, r.reason) for r in res.records]
     recs = _records(str(tmp_path))
     for r in recs.values():
         m = r.metrics

@@ -5,7 +5,7 @@ YAML under ``conf/`` only selects and overrides; the schema and its defaults liv
 it, by concern: ``schema`` (Hydra's ConfigStore, OmegaConf conversions, YAML files),
 ``validation`` (``validate(cfg)`` raises ``ValueError`` with a one-line message that says what
 to change; the CLI calls it before any worker process starts) and ``identity`` (which fields
-identify a run point). Their names are reachable here too (``C.validate``), loaded on first use.
+identify a run point).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from zero_repro import paths
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
+OFFLOAD = ("none", "cpu")  # zero.offload_optimizer
 ZERO_R_NAMES = ("off", "c1", "c2", "c3", "c4", "c5", "custom")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "fake")
@@ -116,6 +117,11 @@ class ZeroConfig:
     # table is a root unit gathered whole. Records made before the knob existed ran it off
     slice_vocab_gather: bool = field(default=True, metadata={ABSENT: False})
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # ZeRO-Offload (Ren et al. 2021; DeepSpeed's offload_optimizer): "cpu" keeps the fp32
+    # master and Adam moments of this rank's shard in host memory and runs AdamW there; the
+    # gradients go to the host and the updated parameters come back over PCIe
+    # (runtime.zero.offload). Stages 1-3, and stage 0 at DP 1
+    offload_optimizer: str = "none"  # none | cpu
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
@@ -169,6 +175,12 @@ class ClusterConfig:
     pcie_gbps: float = 0.0  # GB/s host<->device
     hbm_gbps: float = 0.0  # GB/s device memory bandwidth (vendor datasheet; 0 = unknown)
     sm_count: int = 0  # streaming multiprocessors per device (vendor; 0 = unknown)
+    # a node's host per GPU (its CPUs, RAM and DRAM bandwidth over gpus_per_node; each yaml
+    # cites its source): what ZeRO-Offload's host step and host memory are judged against
+    # (scale.offload_time); 0 = unknown. They change no measurement: not identity
+    host_memory_gb: float = field(default=0.0, metadata=NOT_IDENTITY)  # host RAM, GB = 1e9 B
+    host_cores: float = field(default=0.0, metadata=NOT_IDENTITY)  # CPU cores
+    host_memory_gbps: float = field(default=0.0, metadata=NOT_IDENTITY)  # DRAM line rate, GB/s
     # words for tables (the throughput figures' hardware column): not what a point measures
     description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
 
@@ -301,23 +313,3 @@ def effective_zero(zero: "ZeroConfig", device_type: str) -> "ZeroConfig":
     if zero.overlap_param_gather is None:
         return dataclasses.replace(zero, overlap_param_gather=device_type == "cuda")
     return zero
-
-
-
-# names of the lab's schema glue, validation and identity, reachable here as before
-# (``C.validate(cfg)``) and loaded on first use, so that the runtime's import of these
-# dataclasses pulls in neither Hydra nor OmegaConf
-_ELSEWHERE = {
-    "schema": ("register_resolvers", "register_configs", "to_config", "load", "save", "summary",
-               "model_files", "model_conf"),
-    "validation": ("validate",),
-    "identity": ("identity", "identity_fields"),
-}
-
-
-def __getattr__(name: str):
-    for module, names in _ELSEWHERE.items():
-        if name in names:
-            import importlib
-            return getattr(importlib.import_module(f"zero_repro.{module}"), name)
-    raise AttributeError(f"module 'zero_repro.config' has no attribute {name!r}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 
-from zero_repro.config import (BACKENDS, DATASETS, DEVICES, DTYPES, FAMILIES, LAUNCHERS,
+from zero_repro.config import (BACKENDS, DATASETS, DEVICES, DTYPES, FAMILIES, LAUNCHERS, OFFLOAD,
                                LOG_LEVELS, MAX_SCALE_POWER, MAX_TIMEOUT_S,
                                MIN_COLLECTIVE_TIMEOUT_S, OUTSIDE_POINTS, SIM_STACKS, STAGES,
                                WANDB_MODES, ZERO_R_NAMES, Config, ModelConfig, ParallelConfig,
@@ -137,6 +137,23 @@ def _validate_zero(cfg: Config) -> None:
     if zr.cpu_checkpointing and not zr.partition_activations:
         raise ValueError("zero_r.cpu_checkpointing (P_a+cpu) needs "
                          "zero_r.partition_activations=true, as in the paper's C5")
+    _validate_offload(cfg)
+
+
+def _validate_offload(cfg: Config) -> None:
+    z = cfg.zero
+    _choice(z.offload_optimizer, OFFLOAD, "zero.offload_optimizer")
+    if z.offload_optimizer == "none":
+        return
+    dp = cfg.parallel.world_size // max(1, cfg.parallel.tp)
+    if z.stage == 0 and dp > 1:
+        raise ValueError(f"zero.offload_optimizer={z.offload_optimizer} at zero.stage=0 with DP "
+                         f"{dp} keeps the whole optimizer on every rank's host: use zero.stage=1 "
+                         f"or 2 (each host then holds 1/{dp} of it)")
+    if cfg.simulate.stack != "modern" or cfg.simulate.only_switches:
+        raise ValueError(f"zero.offload_optimizer={z.offload_optimizer}: the 2020 stack "
+                         f"(simulate.stack={cfg.simulate.stack}, simulate.only_switches) had no "
+                         f"offload; use simulate.stack=modern or zero.offload_optimizer=none")
 
 
 def _validate_train(cfg: Config) -> None:

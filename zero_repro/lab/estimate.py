@@ -35,6 +35,7 @@ from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale import kernel_sources
+from zero_repro.scale import offload_time as OT
 from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
 GB = 1e9
@@ -127,12 +128,15 @@ def largest_layer(model: C.ModelConfig, tp: int) -> int:
     return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in one.modules())
 
 
-def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int) -> dict:
-    """DeepSpeed's own model-state estimates per GPU (bytes), no offload: ZeRO-2
+def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int,
+                      offload: bool = False) -> dict:
+    """DeepSpeed's own model-state estimates per GPU (bytes): ZeRO-2
     (``estimate_zero2_model_states_mem_needs``, the numbers
-    ``estimate_zero2_model_states_mem_needs_all_cold`` prints) and ZeRO-3 (likewise); {} when
-    DeepSpeed is not installed. ``psi`` = the parameters the DP group shards (one TP rank's),
-    ``n_d`` DP ranks, ``per_node`` of them on a node."""
+    ``estimate_zero2_model_states_mem_needs_all_cold`` prints) and ZeRO-3 (likewise), with the
+    optimizer offloaded to the CPU where ``offload`` (then also ``"host"``: {stage: its CPU
+    bytes per node, as DeepSpeed states them}); {} when DeepSpeed is not installed. ``psi`` =
+    the parameters the DP group shards (one TP rank's), ``n_d`` DP ranks, ``per_node`` of them
+    on a node."""
     try:
         # optional dependency (pip install -e ".[deepspeed]"); its import logs its accelerator
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -143,12 +147,16 @@ def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int) -> dict
         return {}
     per_node = max(1, min(per_node, n_d))
     nodes = max(1, n_d // per_node)
-    _, z2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(
-        int(psi), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False)
-    _, z3, _ = stage3.estimate_zero3_model_states_mem_needs(
-        int(psi), largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False,
+    h2, z2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(
+        int(psi), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload)
+    h3, z3, _ = stage3.estimate_zero3_model_states_mem_needs(
+        int(psi), largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload,
         cpu_offload_params=False)
-    return {"version": deepspeed.__version__, 2: z2, 3: z3, "largest_layer": largest}
+    out = {"version": deepspeed.__version__, 2: z2, 3: z3, "largest_layer": largest,
+           "offload": offload}
+    if offload:
+        out["host"] = {2: h2, 3: h3}
+    return out
 
 
 # ------------------------------------------------------------------------------ report
@@ -177,22 +185,35 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
         f"({c['name']}), {c['peak_tflops']:g} TFLOP/s, links: {c['intra_node_gbps']:g} GB/s "
         f"in a node, {c['inter_node_gbps']:g} Gbit/s per node between nodes",
         f"  TP {est.tp} x DP {n_d}; micro-batch {est.batch} x {est.seq} tokens per GPU; "
-        f"{est.dtype} parameters + fp32 master and Adam (K = 12); ZeRO-R: "
-        f"{_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
+        f"{est.dtype} parameters + fp32 master and Adam (K = 12)"
+        + (" on the host (ZeRO-Offload, zero.offload_optimizer=cpu)" if est.offload == "cpu"
+           else "") + f"; ZeRO-R: {_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
         "",
         "Model states per GPU (GB)" + " " * 19 + "".join(f"{STAGE_NAMES[s]:>10}" for s in
                                                         stages)]
     nominal = _nominal(m["nominal"])
     if nominal:
-        cf = E.closed_form(nominal / est.tp, n_d)
+        cf = E.closed_form(nominal / est.tp, n_d, est.offload)
         lines.append(_row(f"Table 1, nominal Ψ = {m['nominal']}", [cf[s] / GB for s in stages]))
     lines.append(_row(f"Table 1, this shape Ψ = {m['params'] / 1e9:.2f}B"
                       + (f" / TP {est.tp}" if est.tp > 1 else ""),
                       [s.table1 / GB for s in st]))
     lines.append(_row("dry run's ledger (this runtime)", [s.model_states / GB for s in st]))
+    off = est.offload == "cpu"
     if ds:
-        lines.append(_row(f"DeepSpeed {ds['version']} estimator (no offload)",
+        lines.append(_row(f"DeepSpeed {ds['version']} estimator ("
+                          + ("cpu_offload)" if off else "no offload)"),
                           [ds[s.stage] / GB if s.stage in (2, 3) else "-" for s in st]))
+    if off:
+        lines.append(_row("  on the host: Table 1's offload column", [s.table1_host / GB
+                                                                      for s in st]))
+        lines.append(_row("  on the host: the dry run's ledger", [s.host_bytes / GB
+                                                                 for s in st]))
+        if ds and ds.get("host"):
+            per_node = max(1, min(est.world_size, c["gpus_per_node"]))
+            lines.append(_row(f"  on the host: DeepSpeed (per node / {per_node})",
+                              [ds["host"][s.stage] / per_node / GB if s.stage in (2, 3)
+                               else "-" for s in st]))
     lines += ["", f"Per rank at micro-batch {est.batch} (dry run; GB)" + " " * 9
               + "".join(f"{'stage ' + str(s):>10}" for s in stages)]
     for part, label in (("model_states", "model states (own shards)"),
@@ -215,8 +236,14 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
     out = (st[0].device_capacity - st[0].capacity) / GB if st[0].device_capacity else 0.0
     lines.append(_row(f"verdict at {cap:.1f} GB" + (f" ({cap + out:.1f} less {out:.1f} outside)"
                                                    if out > 0 else "") + ", build and steps",
-                      ["fits" if s.fits else "OOM" + ("" if s.build_fits else " build")
+                      ["fits" if s.device_fits else "OOM" + ("" if s.build_fits else " build")
                        for s in st]))
+    if off or any(s.host_bytes for s in st):
+        hcap = st[0].host_capacity
+        lines.append(_row("host memory per rank (GB)", [s.host_bytes / GB for s in st]))
+        lines.append(_row(f"host verdict at {hcap / GB:.1f} GB per rank" if hcap else
+                          "host verdict (cluster states no host RAM)",
+                          [("fits" if s.host_fits else "OOM") if hcap else "-" for s in st]))
     lines.append(_row("largest micro-batch that fits", [str(s.max_batch) for s in st]))
     if any(s.perf for s in st):
         lines += [""] + (_time_modern(est, st) if st[0].perf.get("model") == "modern"
@@ -240,6 +267,15 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                      f" GB taken off the device, the middle of {o['low'] / GB:.2f}-"
                      f"{o['high'] / GB:.2f} GB ({', '.join(o['parts'])}; "
                      f"scale/outside_modern.py)")
+    if off and st[0].perf.get("model") == "modern":
+        hc = est.cluster
+        lines.append(f"  Host step (ZeRO-Offload): {st[0].perf['host_rate'] / 1e9:.2f} G "
+                     f"elements/s per rank = min({hc['host_cores']:g} cores x "
+                     f"{OT.HOST_ADAM_PER_CORE['mid'] / 1e9:.2f} G/s per core, "
+                     f"{OT.DRAM_EFFICIENCY['mid']:.0%} of {hc['host_memory_gbps']:.1f} GB/s DRAM"
+                     f" / {OT.HOST_BYTES:.0f} B per element); the per-core rate "
+                     f"{OT.HOST_ADAM_SOURCE}; host per rank {hc['host_bytes'] / GB:.1f} GB "
+                     f"(conf/cluster/{hc['name']}.yaml, a node's host over the ranks on it)")
     if est.zero_r == "selective":
         lines.append(f"  Selective checkpointing (every {est.timing['every']} blocks): memory "
                      f"interpolated between dry runs with every block and with no block "
@@ -328,6 +364,13 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
                                                            for s in st]))
     lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
                                                            for s in st]))
+    if est.offload == "cpu":
+        lines.append(_row("PCIe traffic per rank and step (GB)",
+                          [s.perf["pcie_bytes"] / GB for s in st]))
+        lines.append(_row("  PCIe copies, hidden or not (s)",
+                          [s.perf["pcie_total_s"] for s in st], "{:>10.2f}"))
+        lines.append(_row("  host AdamW (s)", [s.perf["terms"]["host_adam"] for s in st],
+                          "{:>10.2f}"))
     lines.append(_row("tokens/s per GPU at the largest batch",
                       [s.perf_max.get("tokens_per_s_gpu", "-") for s in st], "{:>10,.0f}"))
     lines.append(_row("MFU at the largest micro-batch",
@@ -341,7 +384,8 @@ _TERM_LABEL = {"gemm_fwd": "GEMMs forward", "gemm_bwd": "GEMMs backward",
                "memory_bound_bwd": "memory-bound backward", "recompute": "recompute",
                "optimizer": "optimizer step", "tp_comm": "TP communication",
                "dp_exposed": "exposed DP communication", "pa_comm": "P_a all-gathers",
-               "cpu_offload": "P_a+cpu copies"}
+               "cpu_offload": "P_a+cpu copies", "host_adam": "host AdamW (offload)",
+               "pcie_exposed": "exposed PCIe copies (offload)"}
 
 
 _ZR_LABEL = {"ckpt": "activation checkpointing + C_B + M_D",
@@ -357,14 +401,16 @@ def _nominal(text: str) -> float:
 
 
 def run(cfg: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
-        workers: int | None = None, timing: T.Timing | None = None
-        ) -> tuple[E.Estimate, dict]:
-    """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg``."""
+        workers: int | None = None, timing: T.Timing | None = None,
+        offload: str = "none") -> tuple[E.Estimate, dict]:
+    """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg`` with
+    ``zero.offload_optimizer`` = ``offload``."""
     est = E.estimate(cfg, stages, zero_r, search=search, workers=workers,
-                     timing=timing or T.Timing())
+                     timing=timing or T.Timing(), offload=offload)
     m, p = cfg.model, cfg.parallel
     ds = deepspeed_figures(est.stages[0].psi_rank, p.world_size // p.tp,
-                           cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp))
+                           cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp),
+                           offload=offload == "cpu")
     return est, ds
 
 
@@ -407,6 +453,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-model", default="modern", choices=T.MODELS,
                     help="modern (today's stack, kernel model) or paper2020 (the paper's "
                          "Fig 2-calibrated V100 model)")
+    ap.add_argument("--offload", default="none",
+                    help="none | cpu (ZeRO-Offload: the optimizer on the host), or none,cpu")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -440,14 +488,16 @@ def main(argv=None) -> int:
         settings = settings_of(args, cfg.parallel.tp)
         timing = T.Timing(model=args.time_model, gpu=args.gpu or "", attention=args.attention,
                           every=args.every)
+        offloads = offloads_of(args.offload, timing)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
     done = []
-    for zr in settings:
-        est, ds = run(cfg, stages, zr, not args.no_search, args.workers, timing)
-        print(report(est, ds) + ("\n" if len(settings) > 1 else ""))
+    runs = [(zr, off) for zr in settings for off in offloads]
+    for zr, off in runs:
+        est, ds = run(cfg, stages, zr, not args.no_search, args.workers, timing, off)
+        print(report(est, ds) + ("\n" if len(runs) > 1 else ""))
         done.append((est, ds))
     if len(done) > 1:
         print(compare_settings([e for e, _ in done]))
@@ -458,22 +508,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def offloads_of(text: str, timing: T.Timing) -> list[str]:
+    """The ``--offload`` settings, validated (the host step is timed by the modern model)."""
+    offs = [o.strip() for o in text.split(",") if o.strip()]
+    if not offs or any(o not in C.OFFLOAD for o in offs):
+        raise ValueError(f"--offload {text!r}: use none, cpu or none,cpu")
+    if "cpu" in offs and timing.model != "modern":
+        raise ValueError("--offload cpu is timed by the modern time model only: drop "
+                         "--time-model paper2020")
+    return list(dict.fromkeys(offs))
+
+
+def _label(est: E.Estimate) -> str:
+    return _ZR_LABEL[est.zero_r] + (", optimizer offloaded to the host" if est.offload == "cpu"
+                                    else "")
+
+
 def compare_settings(ests: list[E.Estimate]) -> str:
-    """One line per ZeRO-R setting: its recommended stage and the tokens/s there at the
-    largest micro-batch; the fastest of them."""
-    lines, best = ["ZeRO-R settings compared (each at its recommended stage's largest "
+    """One line per ZeRO-R / offload setting: its recommended stage and the tokens/s there at
+    the largest micro-batch; the fastest of them."""
+    lines, best = ["Settings compared (each at its recommended stage's largest "
                    "micro-batch):"], None
     for est in ests:
         stage = est.recommendation[0]
         s = next((x for x in est.stages if x.stage == stage), None)
         tps = s.perf_max.get("tokens_per_s") if s is not None else None
-        lines.append(f"  {_ZR_LABEL[est.zero_r]}: " + (
+        lines.append(f"  {_label(est)}: " + (
             f"stage {stage}, micro-batch {s.max_batch}, {tps:,.0f} tokens/s" if tps else
             "no stage fits" if stage is None else f"stage {stage}"))
         if tps and (best is None or tps > best[1]):
-            best = (est.zero_r, tps)
+            best = (_label(est), tps)
     if best:
-        lines.append(f"  fastest: {_ZR_LABEL[best[0]]}")
+        lines.append(f"  fastest: {best[0]}")
     return "\n".join(lines)
 
 

@@ -36,8 +36,8 @@ from zero_repro.runtime.model import flops
 from zero_repro.runtime.train import data, loop
 from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.runtime.train.build import device_for
-from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES
-from zero_repro.scale.paper.table1 import K_ADAM, model_state_bytes
+from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES, is_host
+from zero_repro.scale.paper.table1 import K_ADAM, model_state_bytes, offload_bytes
 from zero_repro.lab import wandb_runs
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,11 @@ def table1_model_states(cfg: C.Config) -> dict:
     n_d = cfg.parallel.world_size // cfg.parallel.tp
     lp, k = (4, 8) if cfg.zero.dtype == "fp32" else (2, K_ADAM)
     stage = cfg.zero.stage
+    if cfg.zero.offload_optimizer == "cpu":  # ZeRO-Offload: the device's part of the column
+        formula = {0: f"{2 * lp}Ψ", 1: f"{2 * lp}Ψ", 2: f"{lp}Ψ+{lp}Ψ/N_d",
+                   3: f"{2 * lp}Ψ/N_d"}[stage] + " (offload)"
+        return {"psi": psi, "n_d": n_d, "formula": formula,
+                "bytes": offload_bytes(psi, stage, n_d, lp_bytes=lp)["device"]}
     formula = {0: f"{2 * lp + k}Ψ", 1: f"{2 * lp}Ψ+{k}Ψ/N_d", 2: f"{lp}Ψ+{lp + k}Ψ/N_d",
                3: f"{2 * lp + k}Ψ/N_d"}[stage]
     return {"psi": psi, "n_d": n_d, "formula": formula,
@@ -114,13 +119,18 @@ def table1_model_states(cfg: C.Config) -> dict:
 
 def memory_parts(ledger: dict) -> dict:
     """A ledger (category -> bytes) as Table 1's model states, buffers, gathered parameters
-    (stage 3) and the rest (ZeRO-R: checkpoints, arena)."""
+    (stage 3) and the rest (ZeRO-R: checkpoints, arena) on the device, and what the host holds
+    (``host``, where anything)."""
     states = sum(ledger.get(c, 0) for c in MODEL_STATE_CATEGORIES)
     buffers = sum(ledger.get(c, 0) for c in BUFFER_CATEGORIES)
     gathered = ledger.get("params_gathered", 0)
+    host = sum(v for k, v in ledger.items() if isinstance(v, (int, float)) and is_host(k))
     rest = sum(v for k, v in ledger.items() if isinstance(v, (int, float))
-               and not k.startswith("cuda_")) - states - buffers - gathered
-    return {"states": states, "buffers": buffers, "gathered": gathered, "other": rest}
+               and not k.startswith("cuda_")) - states - buffers - gathered - host
+    out = {"states": states, "buffers": buffers, "gathered": gathered, "other": rest}
+    if host:  # held in host memory (ZeRO-Offload's optimizer, P_a+cpu's checkpoints)
+        out["host"] = host
+    return out
 
 
 def _unit(nbytes: float) -> tuple[float, str]:
@@ -139,8 +149,8 @@ def memory_text(parts: dict, table1: dict, long: bool = False) -> str:
     else:
         text = f"model states {states:.3g} {unit}/rank (Table 1 {table1['formula']}: {ref:.3g})"
     for key, name in (("buffers", "buffers"), ("gathered", "gathered params"),
-                      ("other", "other")):
-        if parts[key]:
+                      ("other", "other"), ("host", "host memory")):
+        if parts.get(key):
             d, u = _unit(parts[key])
             text += f", {name} {parts[key] / d:.3g} {u}"
     return text

@@ -73,7 +73,8 @@ from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import repeat_start
 from zero_repro.scale.hardware import Hardware
-from zero_repro.scale.paper.table1 import model_state_bytes
+from zero_repro.runtime.zero.ledger import is_host
+from zero_repro.scale.paper.table1 import model_state_bytes, offload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,14 @@ def zero_r_name(name: str, tp: int) -> str:
     return name
 
 
-def stage_config(base: C.Config, stage: int, zero_r: str, batch: int) -> C.Config:
+def stage_config(base: C.Config, stage: int, zero_r: str, batch: int,
+                 offload: str | None = None) -> C.Config:
     """``base`` at ZeRO ``stage``, ZeRO-R setting ``zero_r`` (``ZERO_R``), micro-batch ``batch``,
-    DeepSpeed's bucket sizes unless ``base`` sets others (validated)."""
+    DeepSpeed's bucket sizes unless ``base`` sets others, ``zero.offload_optimizer`` =
+    ``offload`` (None: ``base``'s) (validated)."""
     z = dataclasses.replace(base.zero, stage=stage)
+    if offload is not None:
+        z = dataclasses.replace(z, offload_optimizer=offload)
     zr = C.ZeroRConfig(name="custom", **ZERO_R[zero_r])
     t = dataclasses.replace(base.train, micro_batch_size=batch)
     return validation.validate(dataclasses.replace(base, zero=z, zero_r=zr, train=t))
@@ -263,6 +268,13 @@ class StageEstimate:
     build_peak_reserved: int = 0  # the build's own replay (judged: ``fits`` covers it)
     build_fits: bool = True
     device_capacity: float = 0.0  # bytes of the device as it reports itself
+    # ZeRO-Offload (zero.offload_optimizer): the host's part, per rank
+    offload: str = "none"
+    table1_host: float = 0.0  # Table 1's offload column, host bytes (0 without offload)
+    host_bytes: int = 0  # the dry run's ledger: host categories (offloaded optimizer, P_a+cpu)
+    host_capacity: float = 0.0  # the host RAM a rank has (0: unknown, not judged)
+    host_fits: bool = True
+    device_fits: bool = True  # the device's verdict alone (``fits`` also needs the host's)
 
     @property
     def allocator_extra(self) -> int:
@@ -318,6 +330,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
         seed = b0 + int((cap - reserved) // slope)
         best, n = largest_batch(fits, b0, fits0, seed)
     return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes,
+            "host_bytes": sum(v for k, v in r.ledger.items() if is_host(k)),
             "ledger": {k: v for k, v in r.ledger.items()}, "capacity": cap or 0.0,
             "device_capacity": r.capacity, **pic,
             "peak_reserved": reserved, "fits": fits0, "max_batch": best,
@@ -382,14 +395,22 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
     p = cfg.parallel
     n_d = p.world_size // p.tp
     psi_tp = flops.param_count(cfg.model, p.tp) / p.tp
+    off = cfg.zero.offload_optimizer
+    lp = 4 if cfg.zero.dtype == "fp32" else 2
+    table1 = (offload_bytes(psi_tp, cfg.zero.stage, n_d, lp_bytes=lp) if off == "cpu" else
+              {"device": model_state_bytes(psi_tp, cfg.zero.stage, n_d), "host": 0.0})
+    host_fits = not hw.host_bytes or mem["host_bytes"] <= hw.host_bytes
     est = StageEstimate(
         stage=cfg.zero.stage, zero_r=zr, batch=cfg.train.micro_batch_size, n_d=n_d,
         psi_rank=mem["psi"], psi_padded=mem["psi_padded"],
-        table1=model_state_bytes(psi_tp, cfg.zero.stage, n_d),
+        table1=table1["device"], table1_host=table1["host"], offload=off,
+        host_bytes=mem["host_bytes"], host_capacity=hw.host_bytes, host_fits=host_fits,
+        device_fits=mem["fits"],
         model_states=mem["model_states"], parts=mem["parts"], live_peak=mem["live_peak"],
         peak_reserved=mem["peak_reserved"], build_live_peak=mem["build_live_peak"],
         build_peak_reserved=mem["build_peak_reserved"], build_fits=mem["build_fits"],
-        capacity=mem["capacity"], fits=mem["fits"], max_batch=mem["max_batch"],
+        capacity=mem["capacity"], fits=mem["fits"] and host_fits,
+        max_batch=mem["max_batch"] if host_fits else 0,
         max_batch_method=(f"judged replays of the dry run's trace written at each micro-batch "
                           f"(one dry run per stage at b = {PRIME_BATCH})" if search
                           else "not searched"),
@@ -423,6 +444,7 @@ class Estimate:
     cpu: dict = field(default_factory=dict)  # CPU seconds: parent, per helper process
     timing: dict = field(default_factory=dict)  # the time model and its switches
     outside: dict = field(default_factory=dict)  # bytes outside the allocator, low/mid/high
+    offload: str = "none"  # zero.offload_optimizer of every stage
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -431,9 +453,13 @@ def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
     ok = [s for s in sorted(stages, key=lambda s: s.stage) if s.fits]
     if not ok:
         best = max(stages, key=lambda s: s.stage)
+        if not best.host_fits:
+            return None, (f"no stage fits micro-batch {best.batch}: stage {best.stage}'s host "
+                          f"needs {best.host_bytes / GB:.1f} GB of {best.host_capacity / GB:.1f}"
+                          f" GB per rank; add GPUs (the host part is 1/N_d) or hosts")
         return None, (f"no stage fits micro-batch {best.batch}: stage {best.stage} needs "
                       f"{best.peak_reserved / GB:.1f} GB of {best.capacity / GB:.1f} GB; "
-                      f"raise TP, add GPUs, or offload (P_a+cpu)")
+                      f"raise TP, add GPUs, or offload (zero.offload_optimizer=cpu, P_a+cpu)")
     pick = ok[0]
     why = (f"stage {pick.stage} is the smallest stage that fits micro-batch {pick.batch} "
            f"({pick.peak_reserved / GB:.1f} of {pick.capacity / GB:.1f} GB)")
@@ -467,13 +493,26 @@ def _pool(workers: int):
     return cf.ProcessPoolExecutor(workers, mp_context=ctx)
 
 
+def offload_stages(stages, offload: str, n_d: int) -> tuple:
+    """The stages that run with ``offload``: stage 0 offloads on one DP rank only."""
+    return tuple(s for s in stages if not (offload == "cpu" and s == 0 and n_d > 1))
+
+
 def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
              workers: int | None = None, perf_params: perf_model.PerfParams | None = None,
-             timing: T.Timing | None = None) -> Estimate:
+             timing: T.Timing | None = None, offload: str | None = None) -> Estimate:
     """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
     zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring).
-    ``timing``: the time model (default: modern, or paper2020 when ``perf_params`` is given)."""
+    ``timing``: the time model (default: modern, or paper2020 when ``perf_params`` is given).
+    ``offload``: ``zero.offload_optimizer`` of every stage (None: ``base``'s; stage 0 is left
+    out at DP > 1 with offload, ``offload_stages``)."""
     t0, cpu0 = time.perf_counter(), time.process_time()
+    offload = base.zero.offload_optimizer if offload is None else offload
+    base = dataclasses.replace(base, zero=dataclasses.replace(base.zero,
+                                                              offload_optimizer="none"))
+    stages = offload_stages(stages, offload, base.parallel.world_size // base.parallel.tp)
+    if not stages:
+        raise ValueError("no stage to estimate: stage 0 offloads on one DP rank only")
     zr = zero_r_name(zero_r, base.parallel.tp)
     if base.cluster.device_memory_gb <= 0:
         raise ValueError("the estimate needs the device memory: choose a cluster with "
@@ -481,10 +520,10 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     b0 = base.train.micro_batch_size
     full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
-    cfgs = {s: stage_config(base, s, full, b0) for s in stages}
-    judges, outside = _judges(base, stages, zr, timing)
+    cfgs = {s: stage_config(base, s, full, b0, offload) for s in stages}
+    judges, outside = _judges(base, stages, zr, timing, offload)
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
-    hw = Hardware.from_config(base.cluster)
+    hw = T.hardware_for(base)
     params = perf_params or (calibrate.calibration().params if timing.model == "paper2020"
                              else None)
     pool = _pool(workers)
@@ -514,16 +553,18 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         cluster={"name": c.name, "device_bytes": c.device_memory_gb * GB,
                  "gpus_per_node": c.gpus_per_node, "peak_tflops": c.peak_tflops,
                  "intra_node_gbps": c.intra_node_gbps, "inter_node_gbps": c.inter_node_gbps,
-                 "pcie_gbps": c.pcie_gbps},
+                 "pcie_gbps": c.pcie_gbps, "host_bytes": hw.host_bytes,
+                 "host_cores": hw.host_cores, "host_memory_gbps": hw.host_mem_bw / GB},
         world_size=base.parallel.world_size, tp=base.parallel.tp, batch=b0, seq=m.seq_len,
         dtype=base.zero.dtype, zero_r=zr, stages=out, recommendation=recommend(out),
         perf_params=dataclasses.asdict(params) if params else {},
         seconds=time.perf_counter() - t0, workers=workers, cpu=_cpu(mems, cpu0, pool is not None),
         timing={**dataclasses.asdict(timing), "gpu": T.gpu_of(c, timing.gpu)
-                if timing.model == "modern" else ""}, outside=outside)
+                if timing.model == "modern" else ""}, outside=outside, offload=offload)
 
 
-def _judges(base: C.Config, stages, zr: str, timing: T.Timing) -> tuple[dict, dict]:
+def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "none"
+            ) -> tuple[dict, dict]:
     """Per stage what the modern stack changes in the memory judgement (``_stage_memory``'s
     ``judge``), and the bracket outside the allocator ({} for paper2020 or no GPU named)."""
     gpu = T.gpu_of(base.cluster, timing.gpu) if timing.model == "modern" else ""
@@ -542,7 +583,7 @@ def _judges(base: C.Config, stages, zr: str, timing: T.Timing) -> tuple[dict, di
     if zr == "selective":
         for s in stages:
             judges[s].update(none_cfg=_cfg_dict(stage_config(
-                base, s, "none", base.train.micro_batch_size)), frac=1.0 / timing.every)
+                base, s, "none", base.train.micro_batch_size, offload)), frac=1.0 / timing.every)
     return judges, outside
 
 
@@ -570,8 +611,11 @@ def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
     return T.bandwidth_sweep(cfgs, gbps, perf_params, timing, zr)
 
 
-def closed_form(psi: float, n_d: int) -> dict:
-    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3."""
+def closed_form(psi: float, n_d: int, offload: str = "none") -> dict:
+    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3; with
+    ``offload`` = cpu the device's part (the offload column, ``table1.offload_bytes``)."""
+    if offload == "cpu":
+        return {s: offload_bytes(psi, s, n_d)["device"] for s in range(4)}
     return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
 
 

@@ -24,6 +24,7 @@ from zero_repro.runtime.model import flops
 from zero_repro.scale import kernel_sources as KS
 from zero_repro.scale import kernels as K
 from zero_repro.scale import modern_step as M
+from zero_repro.scale import offload_time as OT
 from zero_repro.scale import calibrate, perf_model
 from zero_repro.scale.hardware import Hardware
 
@@ -78,16 +79,30 @@ def workload(cfg: C.Config) -> perf_model.Workload:
         p_a_cpu=zr.cpu_checkpointing, overlap_comm=True,
         lp_bytes=4 if cfg.zero.dtype == "fp32" else 2, dropout=m.dropout > 0,
         bucket_elems=float(cfg.zero.reduce_bucket_size),
-        ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0)
+        ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0,
+        offload=cfg.zero.offload_optimizer == "cpu")
+
+
+def hardware_for(cfg: C.Config) -> Hardware:
+    """The cluster's hardware for ``cfg``'s run: a node's host (ZeRO-Offload's RAM, cores and
+    DRAM bandwidth, given per GPU) shared by the ranks the run puts on it (one rank on a node
+    of four has the node's host)."""
+    hw = Hardware.from_config(cfg.cluster)
+    per_node = max(1, cfg.cluster.gpus_per_node)
+    f = per_node / max(1, min(cfg.parallel.world_size, per_node))
+    return dataclasses.replace(hw, host_bytes=hw.host_bytes * f, host_cores=hw.host_cores * f,
+                               host_mem_bw=hw.host_mem_bw * f)
 
 
 def traffic(cfg: C.Config, w: perf_model.Workload, recompute: float) -> dict:
-    """DP and TP bytes per rank and step (module doc)."""
+    """DP and TP bytes per rank and step (module doc); PCIe bytes of ZeRO-Offload (both
+    directions)."""
     m, b, lp = cfg.model, w.batch_per_gpu, w.lp_bytes
     psi = w.params / w.tp
     dp_elems = (3 if w.stage == 3 else 2) * psi if w.dp > 1 else 0.0
     n_tp = (m.n_layer * (4 + 2 * recompute) + 2) if w.tp > 1 else 0
-    return {"dp_bytes": dp_elems * lp, "tp_bytes": n_tp * 2.0 * b * m.seq_len * m.n_embd * lp}
+    return {"dp_bytes": dp_elems * lp, "tp_bytes": n_tp * 2.0 * b * m.seq_len * m.n_embd * lp,
+            "pcie_bytes": OT.pcie_bytes(w)}
 
 
 def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | None,
@@ -101,6 +116,9 @@ def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | Non
     w = workload(cfg)
     if gpu:
         return _modern(cfg, w, hw, gpu, timing, zero_r)
+    if w.offload:
+        raise ValueError("zero.offload_optimizer=cpu is timed by the modern time model only: "
+                         "name the GPU (--gpu) and drop --time-model paper2020")
     out = _paper2020(cfg, w, hw, params)
     if timing.model == "modern":
         out["note"] = "no GPU named (--gpu): the paper2020 model"
@@ -130,12 +148,13 @@ def _modern(cfg: C.Config, w: perf_model.Workload, hw: Hardware, gpu: str, timin
     r = M.step(w, hw, K.device_kernels(gpu), m)
     terms = r["terms"]
     compute = sum(terms[k] for k in M.TERMS if k not in ("tp_comm", "dp_exposed", "pa_comm",
-                                                            "cpu_offload"))
+                                                            "cpu_offload", "pcie_exposed"))
     return {"model": "modern", "gpu": gpu, "ac": ac, "attention": timing.attention,
             "every": timing.every if ac == "selective" else 0,
             "step_s": r["step_s"], "step_s_band": list(r["step_s_band"]), "compute_s": compute,
             "tp_s": terms["tp_comm"], "dp_s": terms["dp_exposed"], "pa_s": terms["pa_comm"],
             "offload_s": terms["cpu_offload"], "dp_total_s": r["dp_total"], "terms": terms,
+            "pcie_total_s": r["pcie_total"], "host_rate": r["host_rate"],
             "largest": [list(x) for x in r["largest"]],
             "tokens_per_s": r["tokens_per_s"], "tokens_per_s_gpu": r["tokens_per_s"] / w.gpus,
             "mfu": r["mfu"], "hfu": r["hfu"], "band": r["band"],
@@ -154,7 +173,6 @@ def bandwidth_sweep(cfgs: dict, gbps, params: perf_model.PerfParams | None,
         for g in gbps:
             c = dataclasses.replace(cfg, cluster=dataclasses.replace(
                 cfg.cluster, inter_node_gbps=float(g)))
-            row.append(performance(c, Hardware.from_config(c.cluster), params, timing,
-                                   zero_r)["step_s"])
+            row.append(performance(c, hardware_for(c), params, timing, zero_r)["step_s"])
         out[s] = row
     return out

@@ -10,6 +10,9 @@ Conventions of the YAML fields (vendor figures, as printed on data sheets and in
   * ``pcie_gbps`` GB/s host<->device per direction.
   * ``hbm_gbps`` GB/s device memory bandwidth (datasheet; the memory roof of the perf model).
   * ``sm_count`` streaming multiprocessors per device (the perf model's GEMM wave tail).
+  * ``host_memory_gb``, ``host_cores``, ``host_memory_gbps``: a node's host RAM (GB = 1e9 B),
+    CPU cores and DRAM channels' line rate (GB/s) divided by ``gpus_per_node`` (ZeRO-Offload's
+    host memory verdict and host step, ``scale.offload_time``).
   * ``device_memory_gb`` the datasheet size in GB = 1e9 bytes, as the paper's closed-form
     Tables 1/2 compute (32 GB V100: 32e9); ``nominal_bytes``. Nothing physical uses it.
   * ``device_memory_mib`` the total the device reports (nvidia-smi / NVML, MiB = 2^20 B; each
@@ -41,6 +44,10 @@ class Hardware:
     nominal_bytes: float = 0.0  # datasheet size, GB = 1e9 (closed-form Tables 1/2 only)
     hbm_bw: float = 0.0  # bytes/s device memory bandwidth (0 = unknown)
     sm_count: int = 0  # streaming multiprocessors per device (0 = unknown)
+    # the host per GPU (ZeRO-Offload): RAM bytes, CPU cores, DRAM line rate bytes/s; 0 = unknown
+    host_bytes: float = 0.0
+    host_cores: float = 0.0
+    host_mem_bw: float = 0.0
 
     @classmethod
     def from_config(cls, c: ClusterConfig) -> "Hardware":
@@ -48,7 +55,9 @@ class Hardware:
                    device_bytes=device_bytes(c), peak_flops=c.peak_tflops * 1e12,
                    intra_bw=c.intra_node_gbps * 1e9 / 2, inter_bw_node=c.inter_node_gbps * 1e9 / 8,
                    pcie_bw=c.pcie_gbps * 1e9, nominal_bytes=c.device_memory_gb * 1e9,
-                   hbm_bw=c.hbm_gbps * 1e9, sm_count=c.sm_count)
+                   hbm_bw=c.hbm_gbps * 1e9, sm_count=c.sm_count,
+                   host_bytes=c.host_memory_gb * 1e9, host_cores=c.host_cores,
+                   host_mem_bw=c.host_memory_gbps * 1e9)
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0, pcie: float = 1.0,
                flops: float = 1.0) -> "Hardware":
@@ -56,7 +65,8 @@ class Hardware:
         return Hardware(self.name, self.gpus_per_node, self.device_bytes,
                         self.peak_flops * flops, self.intra_bw * intra,
                         self.inter_bw_node * inter, self.pcie_bw * pcie, self.nominal_bytes,
-                        self.hbm_bw, self.sm_count)
+                        self.hbm_bw, self.sm_count, self.host_bytes, self.host_cores,
+                        self.host_mem_bw)
 
 
 MIB = 2**20

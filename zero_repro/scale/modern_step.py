@@ -5,7 +5,7 @@ over the cluster's links with their overlap. The paper's 2020 stack is ``scale.p
 (calibrated on Fig 2); this model has no fitted parameter.
 
     T = T_gemm,fwd + T_gemm,bwd + T_attn,fwd + T_attn,bwd + T_mem,fwd + T_mem,bwd
-        + T_recompute + T_optimizer + T_tp + T_dp,exposed + T_Pa + T_cpu
+        + T_recompute + T_optimizer + T_tp + T_dp,exposed + T_Pa + T_cpu + T_host + T_pcie
 
 * GEMMs: every linear of the blocks and the LM head on this GPU's TP shard (``gemm_shapes``):
   forward (tokens x out x in), input gradient and weight gradient (``kernels.gemm_seconds``).
@@ -22,7 +22,9 @@ over the cluster's links with their overlap. The paper's 2020 stack is ``scale.p
   of blocks checkpointed (``recompute_fraction``): full 1, none 0, selective 1/k --
   torchtitan's layer-level selective AC, every k-th block checkpointed (default k = 2), the
   other blocks keep all their activations.
-* Optimizer: AdamW over this rank's fp32 shard at the HBM roof, ``ADAM_BYTES`` per element.
+* Optimizer: AdamW over this rank's fp32 shard at the HBM roof, ``ADAM_BYTES`` per element;
+  with ZeRO-Offload (``Workload.offload``) none on the device: the host step and the PCIe
+  copies' exposed part instead (``scale.offload_time``: T_host, T_pcie).
 * TP: 2 all-reduces of b·s·h per block forward, 2 backward, 2 per recomputed block, + 2 for the
   embedding and head; not overlapped.
 * DP (ZeRO stage): bytes as §7 (stages 0-2: 2Ψ, 3: 3Ψ per rank and step), ring closed forms
@@ -46,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from zero_repro.scale import kernels as K
+from zero_repro.scale import offload_time as OT
 from zero_repro.scale import perf_model as P
 from zero_repro.scale.hardware import Hardware
 
@@ -181,7 +184,8 @@ def compute_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid"
             "memory_bound_fwd": l * mem_f + K.memory_seconds(dk, hbm, logits * lgf, point),
             "memory_bound_bwd": K.memory_seconds(dk, hbm, l * lb + logits * lgb, point),
             "recompute": recompute_fraction(m) * l * block_fwd,
-            "optimizer": K.memory_seconds(dk, hbm, shard * ADAM_BYTES, point)}
+            "optimizer": 0.0 if w.offload else K.memory_seconds(dk, hbm, shard * ADAM_BYTES,
+                                                                point)}
 
 
 # ------------------------------------------------------------------------ communication
@@ -253,7 +257,7 @@ def tp_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str) -> dict:
 # ------------------------------------------------------------------------------ the step
 TERMS = ("gemm_fwd", "gemm_bwd", "attention_fwd", "attention_bwd", "memory_bound_fwd",
          "memory_bound_bwd", "recompute", "optimizer", "tp_comm", "dp_exposed", "pa_comm",
-         "cpu_offload")
+         "cpu_offload", "host_adam", "pcie_exposed")
 
 
 def step_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid") -> dict:
@@ -262,7 +266,8 @@ def step_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid") -
     c = compute_terms(w, hw, dk, m, point)
     windows = (c["gemm_fwd"] + c["attention_fwd"] + c["memory_bound_fwd"],
                c["gemm_bwd"] + c["attention_bwd"] + c["memory_bound_bwd"] + c["recompute"])
-    out = {**c, **tp_terms(w, hw, dk, m, point), **dp_terms(w, hw, dk, windows, point)}
+    out = {**c, **tp_terms(w, hw, dk, m, point), **dp_terms(w, hw, dk, windows, point),
+           **OT.terms(w, hw, dk, windows[1], point)}
     out["total"] = sum(out[k] for k in TERMS)
     return out
 
@@ -289,6 +294,8 @@ def step(w: P.Workload, hw: Hardware, dk, m: Modern) -> dict:
 
     top = sorted(((k, mid[k]) for k in TERMS), key=lambda kv: -kv[1])[:3]
     return {"terms": {k: mid[k] for k in TERMS}, "dp_total": mid["dp_total"],
+            "pcie_total": mid["pcie_total"],
+            "host_rate": OT.host_rate(hw.host_cores, hw.host_mem_bw) if w.offload else 0.0,
             "step_s": mid["total"], "step_s_band": (fast, slow), **rates(mid["total"]),
             "band": {"low": rates(slow), "high": rates(fast)},
             "largest": [(k, v, v / mid["total"]) for k, v in top],

@@ -74,6 +74,9 @@ class Workload:
     # biases and no learned positions
     ffn: int = 0
     kv_heads: int = 0
+    # ZeRO-Offload (zero.offload_optimizer=cpu): AdamW on the host, the shard over PCIe
+    # (the modern step model's terms, ``scale.offload_time``; the paper2020 model has none)
+    offload: bool = False
 
     @property
     def dp(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from zero_repro import config as C
 from zero_repro.lab import cuda_memory
+from zero_repro.lab.checks import offload
 from zero_repro.lab.checks.equivalence import AdamWReference, max_abs_diff, tp1_parameters
 from zero_repro.lab.launcher import run_training
 from zero_repro.lab.points import Point
@@ -41,6 +42,8 @@ def judge(part: str, q: dict, m: dict) -> dict:
         checks = {"losses": m["max_loss_rel_diff"] <= q["loss_rtol"],
                   "parameters": m["max_abs_param_diff"] <= q["param_atol"],
                   "ckpt_cpu": m["ckpt_cpu_bytes"] > 0}
+    elif part == offload.PART:
+        checks = offload.checks(q, m)
     elif part == "node":
         # CUDA: the training steps' real peak; CPU: the ledger's model states (a tiny model's
         # gather buffers would outweigh what the stages save)

@@ -12,6 +12,7 @@ import os
 import matplotlib
 
 from zero_repro.lab import cuda_memory
+from zero_repro.lab.checks import offload
 
 matplotlib.use("Agg")
 
@@ -64,6 +65,9 @@ def summarize(records) -> list[dict]:
             for y, v in zip(("allocated_ratio_low", "allocated_ratio_high"),
                             m.get("ratio_range") or ()):
                 row(r, part, m["point"], y, v, "x")
+        elif part == offload.PART:
+            for x, y, v, unit in offload.rows(m):
+                row(r, part, x, y, v, unit)
         elif part == "node":
             for k, s in m["stages"].items():
                 row(r, part, f"stage{k}", "step_s", s["step_s"], "s")

@@ -54,6 +54,12 @@ segment of slots; the dry run's rooted one 0. (With gradient accumulation, later
 of stages 2-3 reduce in place: one more chunk per reduce-scatter in flight.) Invariant: no
 stage holds more than the one before it, C_B on or off.
 
+ZeRO-Offload (Ren et al. 2021; ``zero.offload_optimizer=cpu``, ``offload.HostAdamW``): the
+optimizer row of the table moves to the host at any stage (stage 0 only at N_d = 1): master, m
+and v of the shard plus the lp copy of its gradients, (12 + lp)Ψ/N_d host bytes; the device
+keeps the stage's parameters and gradients (P_os+g: 2Ψ + 2Ψ/N_d); lp·Ψ/N_d bytes over PCIe each
+way per step (``scale.paper.table1.offload_bytes``).
+
 Shared machinery: ``strategy`` (the step's lifecycle, clipping, optimizer, state dict),
 ``grads`` (gradient stores), ``params`` (parameter stores of stages 0-2), ``flat_buffer`` (flat
 parameters, gradient shards), ``partition`` (bucket arithmetic). How a bucket travels over the

@@ -21,6 +21,10 @@ loss-scaled). Megatron-LM's ``_ParamAndGradBucketGroup`` names the same pair.
 
 Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean. The
 ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers).
+``on_final(i, chunk)`` (ZeRO-Offload: the chunk's copy to the host starts) is called once chunk
+i holds its final reduced value of the step, when its reduction is seen to have landed on the
+last micro-batch: ``FusedGrads`` during backward, as buffers are recycled; ``FullGrads`` in
+``finish_grad_sync``. A chunk that never gets one (no gradient reached it) is left to the step.
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ class FullGrads:
                           for sp, lo, hi in part.spans_of([span], s.offset, s.numel)]
                          for span in part.grad_buckets]
         self.inflight = InFlight()
+        self.on_final: Callable[[int, torch.Tensor], None] | None = None
 
     @torch.no_grad()
     def add(self, p: nn.Parameter, last: bool) -> None:
@@ -150,7 +155,14 @@ class FullGrads:
             buckets = part.buckets[span.first:span.stop]
             works = [transport.reduce_scatter(self._own(b), self.buffer[b.start:b.end])
                      for b in buckets]
-        self.inflight.add(works)
+        self.inflight.add(works, self._landed(span) if self.on_final is not None else None)
+
+    def _landed(self, span: Span) -> Callable[[], None]:
+        """What runs once ``span``'s reduction has landed: its chunks are final."""
+        def then() -> None:
+            for k in range(span.first, span.stop):
+                self.on_final(k, self._own(self.group.partition.buckets[k]))
+        return then
 
     def finish_grad_sync(self) -> None:
         """Start what is left (e.g. a step after backward under ``no_sync``), wait for every
@@ -221,11 +233,15 @@ class FusedGrads:
         self.got: dict[tuple[int, int], set[int]] = {}  # slots copied into a filling bucket
         self.group_arrived = [0] * len(groups)
         self.inflight = InFlight()
+        self.on_final: Callable[[int, torch.Tensor | None], None] | None = None
+        self._last = True  # the micro-batch being reduced is the step's last
 
     @torch.no_grad()
     def add(self, p: nn.Parameter, last: bool = True) -> None:
         """Copy ``p.grad`` into the buckets it lies in (then drop it); start those it
-        completes. Every micro-batch is reduced on its own (``last`` unused)."""
+        completes. Every micro-batch is reduced on its own (``last``: the step's last, whose
+        reductions make the chunks final, ``on_final``)."""
+        self._last = last
         gi, s = self.where[id(p)]
         g = self.groups[gi]
         part, grad = g.partition, p.grad.reshape(-1)
@@ -274,6 +290,7 @@ class FusedGrads:
     def start_grad_sync(self, last: bool = True) -> None:
         """End of a backward (every micro-batch): start every bucket still filling (the
         gradients it misses reduce as zeros), then the kept ones."""
+        self._last = last
         while self.filling or self.deferred:
             for key in sorted(self.filling):
                 self._start(key)
@@ -305,10 +322,16 @@ class FusedGrads:
                 later.append((index, out))
             works.append(self.transport.reduce_scatter(out, inp))
 
+        final = self._last and self.on_final is not None
+
         def landed():
             for index, out in later:
                 self.shards.accumulate(index, out)
             self.free.append(buf)
+            if final:  # the last micro-batch's sum is in the shard
+                for k in range(span.first, span.stop):
+                    index = self.first_bucket[gi] + k
+                    self.on_final(index, self.shards.parts[index])
 
         self.inflight.add(works, landed)
         if self.deferred:

@@ -8,12 +8,27 @@ the shard), ``master_fp32`` (0 in fp32 mode: the parameters are the master), ``a
 ``adam_v``. Others: ``comm_buffers`` (the fused gradient buffers allocated and the transport's own),
 ``params_gathered`` (stage 3's gathered units, peak) and what other modules add (ZeRO-R:
 ``ckpt_device``, ``ckpt_cpu``, ``arena_capacity``, ``arena_used``, ``fused_buffers``).
+
+Host and device apart: a category held in host memory ends in ``_host`` (ZeRO-Offload,
+``zero.offload``: ``master_fp32_host``, ``adam_m_host``, ``adam_v_host``, ``grads_host``, the
+step's ``optim_step_host``) or is P_a+cpu's ``ckpt_cpu``; every other category is device memory.
+``model_states()`` / ``device_total()`` count the device, ``host_model_states()`` /
+``host_total()`` the host; with offload at stage 2 (fp16) the device holds 2Ψ + 2Ψ/N_d of model
+states and the host 14Ψ/N_d (``scale.paper.table1.offload_bytes``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 MODEL_STATE_CATEGORIES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
+HOST = "_host"  # the suffix of a category held in host memory
+HOST_MODEL_STATE_CATEGORIES = tuple(c + HOST for c in MODEL_STATE_CATEGORIES)
+HOST_CATEGORIES = frozenset(("ckpt_cpu",))  # host categories named before the suffix
+
+
+def is_host(category: str) -> bool:
+    """Whether ``category`` is held in host memory (module docstring)."""
+    return category.endswith(HOST) or category in HOST_CATEGORIES
 
 
 class MemoryLedger:
@@ -34,11 +49,22 @@ class MemoryLedger:
         return dict(self._bytes)
 
     def total(self) -> int:
+        """Every category, host and device."""
         return sum(self._bytes.values())
 
+    def device_total(self) -> int:
+        return sum(v for k, v in self._bytes.items() if not is_host(k))
+
+    def host_total(self) -> int:
+        return sum(v for k, v in self._bytes.items() if is_host(k))
+
     def model_states(self) -> int:
-        """Bytes of the Table 1 model states (params, grads, optimizer states)."""
+        """Device bytes of the Table 1 model states (params, grads, optimizer states)."""
         return sum(self._bytes.get(c, 0) for c in MODEL_STATE_CATEGORIES)
+
+    def host_model_states(self) -> int:
+        """Host bytes of the model states (ZeRO-Offload: master, m, v, the gradient copy)."""
+        return sum(self._bytes.get(c, 0) for c in HOST_MODEL_STATE_CATEGORIES)
 
     def merge(self, other: "MemoryLedger") -> "MemoryLedger":
         for k, v in other.as_dict().items():
@@ -48,4 +74,3 @@ class MemoryLedger:
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v}" for k, v in self._bytes.items())
         return f"MemoryLedger({body})"
-

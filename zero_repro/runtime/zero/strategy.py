@@ -32,6 +32,10 @@ Megatron-LM's start/finish pairs:
               params.start_param_sync()    what the update did not start (stages 1-2: the
                                            gathers, waited here unless overlap_param_gather)
 
+With ``zero.offload_optimizer=cpu`` the optimizer is ``offload.HostAdamW`` (host memory, host
+step): the gradient store hands it each chunk as its reduction lands (``on_final``), the step
+is the same sequence.
+
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
 (``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -61,6 +65,7 @@ from zero_repro.runtime.zero.adam import ShardAdamW
 from zero_repro.runtime.zero.build_init import Init, materialize_buffers, resolve_init
 from zero_repro.runtime.zero.flat_buffer import FlatParams
 from zero_repro.runtime.zero.guard import ParamGuard, unguarded
+from zero_repro.runtime.zero.offload import HostAdamW
 from zero_repro.runtime.zero.optim import Factory, TorchShardOptimizer
 from zero_repro.runtime.zero.partition import counted_subranges, intersect
 
@@ -93,6 +98,9 @@ class StepInfo:
 
 
 class GradStore(Protocol):
+    # called with a chunk's index once its reduction has landed on the last micro-batch
+    on_final: Callable[[int, torch.Tensor | None], None] | None
+
     def add(self, p: nn.Parameter, last: bool) -> None: ...
 
     def start_grad_sync(self, last: bool) -> None: ...
@@ -122,6 +130,7 @@ class Strategy:
     """What every stage shares: the step's lifecycle over the stage's two stores."""
 
     stage: int = -1
+    offload = False  # ZeRO-Offload: the optimizer on the host (``zero.offload_optimizer``)
     grads: GradStore
     params: ParamStore
 
@@ -179,7 +188,13 @@ class Strategy:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
         keep_master = precision.needs_master(self.zero.dtype)
-        if self.make_optimizer is None:
+        self.offload = self.zero.offload_optimizer == "cpu"
+        if self.offload:
+            self._check_offload()
+            self.opt = HostAdamW(chunks, params.chunks(), self.dtype)
+            # each gradient chunk leaves for the host as soon as its reduction lands
+            grads.on_final = self.opt.grad_ready
+        elif self.make_optimizer is None:
             self.opt = ShardAdamW(chunks, params.chunks(), keep_master)
         else:
             self.opt = TorchShardOptimizer(self.make_optimizer, chunks, params.chunks(),
@@ -191,6 +206,19 @@ class Strategy:
                                 freed=getattr(params, "freed", None),
                                 passes=reads_row_source)
         self.guard.install(p for _, p in self.named + self.frozen)
+
+    def _check_offload(self) -> None:
+        """ZeRO-Offload runs the built-in AdamW on the host shard (``offload``), at stages
+        1-3 and at stage 0 on one DP rank."""
+        if self.make_optimizer is not None:
+            raise ValueError("zero.offload_optimizer=cpu steps the built-in AdamW on the host "
+                             "(train.lr, beta1/beta2, eps, weight_decay); build_strategy("
+                             "optimizer=...) is not supported with it: drop optimizer= or set "
+                             "zero.offload_optimizer=none")
+        if self.stage == 0 and self.n_d > 1:
+            raise ValueError(f"zero.offload_optimizer=cpu at zero.stage=0 with DP {self.n_d} "
+                             f"keeps the whole optimizer on every rank's host: use zero.stage=1 "
+                             f"or 2 (each rank's host then holds 1/{self.n_d} of it)")
 
     def _place_frozen(self) -> FlatParams | None:
         """Stages 0-2: the frozen parameters, whole on every rank in the training dtype, in
@@ -270,11 +298,22 @@ class Strategy:
         # dynamic scaling: decided when the next backward reads the scale
         self.scaler.update(agreed if agreed is not None else False)
         t = self.train
-        # an overflow (agreed by every rank) skips the update on the device: parameters, Adam
-        # state and step count unchanged, the publish below moves the unchanged values
-        self.opt.step(self.params.chunks(), grads, mult, t.lr, (t.beta1, t.beta2), t.eps,
-                      t.weight_decay, on_chunk=self.params.start_param_sync,
-                      found_inf=None if agreed is None else agreed.found_inf)
+        if self.offload:
+            # the host steps on the host: it reads the agreed decision there (one wait, for
+            # numbers the host needs before it starts anyway)
+            if agreed is not None and agreed.overflow:
+                self.opt.discard()  # the gradients staged on the host are not used
+            else:
+                coef = 1.0 if agreed is None else clip.clip_coef(agreed.norm, self.zero.grad_clip)
+                self.opt.step(self.params.chunks(), grads, coef / scale, t.lr,
+                              (t.beta1, t.beta2), t.eps, t.weight_decay,
+                              on_chunk=self.params.start_param_sync)
+        else:
+            # an overflow (agreed by every rank) skips the update on the device: parameters,
+            # Adam state and step count unchanged, the publish below moves the unchanged values
+            self.opt.step(self.params.chunks(), grads, mult, t.lr, (t.beta1, t.beta2), t.eps,
+                          t.weight_decay, on_chunk=self.params.start_param_sync,
+                          found_inf=None if agreed is None else agreed.found_inf)
         self.params.start_param_sync()
         if agreed is not None:
             agreed.forget_device()  # nothing of the step's device scalars outlives it
@@ -284,6 +323,8 @@ class Strategy:
     def zero_grad(self) -> None:
         self.guard.grads_elsewhere = False
         self.grads.zero()
+        if self.offload:
+            self.opt.discard()
 
     def wait_params(self) -> None:
         """Block until the module's parameters hold the current values (an overlapped
@@ -350,7 +391,8 @@ class Strategy:
         try:
             lp = self.params.chunks()
             fp32 = dtype == torch.float32 or dtype is None and self.dtype == torch.float32
-            chunks = [self.opt.master_chunk(i, c).float() if fp32 else c
+            # the master may be in host memory (ZeRO-Offload): gathered on the device
+            chunks = [self.opt.master_chunk(i, c).float().to(self.device) if fp32 else c
                       for i, c in enumerate(lp)]
             i = 0
             for g in self.groups:
@@ -441,7 +483,7 @@ class Strategy:
                 full = torch.zeros(g.partition.padded_numel, dtype=torch.float32,
                                    device=g.flat.device)
                 for b in g.partition.buckets:
-                    mine = self.opt.master_chunk(i, lp_chunks[i]).float()
+                    mine = self.opt.master_chunk(i, lp_chunks[i]).float().to(full.device)
                     if g.partition.world == 1:
                         full[b.start:b.end].copy_(mine)
                     else:

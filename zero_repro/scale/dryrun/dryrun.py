@@ -27,7 +27,7 @@ in the 2019 Megatron layer and checkpointing and DeepSpeed 0.2's stage 1-2 alloc
 judged with its build (no ``empty_cache``: "max cached" from process start) against the device
 less the CUDA context + NCCL; ``DryRunResult.breakdown`` says where the memory went at the peak.
 Data-dependent reads answer 0 (finite gradients, no overflow: the most-allocating path). P_a+cpu
-host storages are excluded from device numbers (C5 under-counts one b·s·h/m·2-byte slice, 1 MB
+and ZeRO-Offload (``zero.offload_optimizer``) host storages are excluded from device numbers (C5 under-counts one b·s·h/m·2-byte slice, 1 MB
 at 100B). The fake group is process-global: ``dry_run`` creates and destroys it; inside a
 process that has a group use ``dry_run_subprocess``. Speeds: ``results/fig6_max_model/notes.md``.
 """
@@ -87,7 +87,7 @@ class DryRunResult:
     live_peak: int  # peak of live device bytes (exact sizes, no allocator rounding)
     live_peak_by_phase: dict  # phase -> peak live device bytes during it (all iterations)
     live_peak_by_iteration: dict  # iteration -> peak live device bytes (training phases)
-    host_bytes: int  # bytes identified as host memory (P_a+cpu)
+    host_bytes: int  # bytes identified as host memory (P_a+cpu, ZeRO-Offload's optimizer)
     allocator: dict  # training-phase replay through the caching-allocator model
     allocator_with_build: dict  # replay including the build phase (no empty_cache)
     timings: dict  # seconds: build, per iteration, total
@@ -293,6 +293,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                                   skeleton_scope=tracer.untracked, **builders(stack, cfg))
             model, ckpt, strategy = trainer.model, trainer.ckpt, trainer.strategy
             _build_host_sids(tracer, strategy, host)
+            _offload_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
@@ -370,6 +371,15 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
     strategy.release_host()
 
 
+def _offload_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
+    """Storages ZeRO-Offload's optimizer keeps in host memory (``zero.offload``: master, Adam
+    moments, the gradient staging, its scratch): host memory, not device."""
+    for t in getattr(getattr(strategy, "opt", None), "host_tensors", lambda: ())():
+        sid = tracer.sid_of(t)
+        if sid is not None:
+            host.add(sid)
+
+
 def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
     """The strategy's flat parameter buffers (and stage 3's slice buffers) are the storages it
     may resize in place (stage 3 releases a gathered unit with ``untyped_storage().resize_(0)``,
@@ -420,8 +430,9 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
                  ) -> list[dict]:
     """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
     config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
-    Module level, for ``launch.spawn``. Returns [{"ledger", "psi", "psi_padded",
-    "transport"}, ...] (``transport``: the ``dry_run(transport_of=...)`` of its DP buckets)."""
+    Module level, for ``launch.spawn``. Returns [{"ledger", "model_state_bytes" (device),
+    "host_model_state_bytes", "psi", "psi_padded", "transport"}, ...] (``transport``: the
+    ``dry_run(transport_of=...)`` of its DP buckets)."""
     out = []
     for d in cfg_dicts:
         cfg = schema.to_config(d)
@@ -431,6 +442,7 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
             _one_step(trainer, None, set(), cfg, it)
         ledger, strategy = trainer.memory_ledger(), trainer.strategy
         out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
+                    "host_model_state_bytes": ledger.host_model_states(),
                     "psi": sum(p.numel() for p in trainer.model.parameters()
                                if p.requires_grad),
                     "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),

@@ -9,8 +9,19 @@ shard) and N_d data-parallel ranks:
     P_os+g    lp·Ψ + (lp + K)·Ψ/N_d        = 2Ψ + 14Ψ/N_d
     P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
 
-The one statement of this formula: the memory model, the dry run's checks, Table 1's experiment
-and the runtime's ledger tests all call ``model_state_bytes``. ``STAGE_NOTATION`` is the one home
+With ZeRO-Offload (Ren et al. 2021; ``zero.offload_optimizer=cpu``, ``runtime.zero.offload``)
+the K bytes move to the host with a copy of the gradient shard (lp bytes: the buffer the
+gradients arrive in and the updated parameters leave from); the device keeps the stage's
+parameters and gradients (``offload_bytes``; stage 0 only at N_d = 1):
+
+              device                           host
+    baseline  2·lp·Ψ            = 4Ψ           (K + lp)·Ψ     = 14Ψ  (N_d = 1)
+    P_os      2·lp·Ψ            = 4Ψ           (K + lp)·Ψ/N_d = 14Ψ/N_d
+    P_os+g    lp·Ψ + lp·Ψ/N_d   = 2Ψ + 2Ψ/N_d  (K + lp)·Ψ/N_d = 14Ψ/N_d
+    P_os+g+p  2·lp·Ψ/N_d        = 4Ψ/N_d       (K + lp)·Ψ/N_d = 14Ψ/N_d
+
+The one statement of these formulas: the memory model, the dry run's checks, Table 1's experiment
+and the runtime's ledger tests all call ``model_state_bytes`` (and ``offload_bytes``). ``STAGE_NOTATION`` is the one home
 of the stages' names in the paper's notation; Table 1's column labels (``STAGE_NAMES``) derive
 from it.
 """
@@ -38,3 +49,15 @@ def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_byte
     if stage == 3:
         return (2 * lp_bytes + K) * psi / n_d
     raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
+
+
+def offload_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2
+                  ) -> dict[str, float]:
+    """Per-rank model-state bytes with the optimizer offloaded (module docstring):
+    {"device": the stage's lp parameters + lp gradients, "host": K + lp bytes per shard
+    element}. Stage 0 keeps the whole optimizer on the host of each rank (N_d = 1 only)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
+    device = model_state_bytes(psi, stage, n_d, 0, lp_bytes)
+    shard = psi if stage == 0 else psi / n_d
+    return {"device": device, "host": (K + lp_bytes) * shard}

@@ -1,0 +1,153 @@
+"""Table 1's offload column: per-GPU model states with the optimizer on the host (ZeRO-Offload,
+Ren et al. 2021; ``zero.offload_optimizer=cpu``), device and host apart (fp16 + Adam, K = 12,
+GB = 1e9 bytes).
+
+* analytic: the column at the paper's Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024 for P_os,
+  P_os+g, P_os+g+p (``scale.paper.table1.offload_bytes``): device 4Ψ / 2Ψ + 2Ψ/N_d / 4Ψ/N_d,
+  host (K + 2)Ψ/N_d = 14Ψ/N_d (the optimizer's 12 and the gradient copy the host step reads);
+* measured: the memory ledger of real runs on local gloo ranks (the ``small`` model, fp16, C_B
+  on, world = N_d in ``experiment.params.measured_nd``, TP 1, the stages in ``experiment.params.stages``
+  with the optimizer offloaded, stage 0 only at N_d = 1, two steps): its device model states
+  (``MemoryLedger.model_states``) and host model states (``host_model_states``) beside the
+  column at that run's Ψ (flat-buffer elements, padding included); ``matches_formula`` says
+  whether each equals it to the byte. On these CPU ranks host and device are the same memory:
+  the ledger says where each byte would live with a GPU.
+"""
+from __future__ import annotations
+
+from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.points import Point
+from zero_repro.runtime.comm.launch import spawn
+from zero_repro.scale.dryrun.dryrun import real_ledgers
+from zero_repro.scale.paper.table1 import (STAGE_NAMES, TABLE1_ND, TABLE1_PSI,
+                                           offload_bytes)
+
+FIGURE = "table1_offload"
+PAPER_FIGURE = "table1_offload"  # not in the paper: no paper rows
+GB = 1e9
+
+
+def plan(cfg) -> list[Point]:
+    p = cfg.experiment.params
+    pts = [Point(name="table1 offload analytic", params={"part": "analytic"}, mode="analytic")]
+    for n_d in p.get("measured_nd", [1, 2, 3, 4]):
+        pts.append(Point(name=f"{cfg.model.name} offload N_d={n_d}",
+                         params={"part": "measured", "n_d": int(n_d)},
+                         # the point's own stage is 1 (valid at every N_d with offload);
+                         # run_point builds each stage of ``stages`` in turn
+                         overrides={"parallel.world_size": int(n_d), "parallel.tp": 1,
+                                    "zero.dtype": "fp16", "zero.stage": 1,
+                                    "zero.offload_optimizer": "cpu"},
+                         mode="measured"))
+    return pts
+
+
+def run_point(cfg, point: Point) -> dict:
+    if point.mode == "analytic":
+        return {"cells": [{"model": m, "scheme": STAGE_NAMES[s], "n_d": n,
+                           **offload_bytes(psi, s, n)}
+                          for m, psi in TABLE1_PSI.items() for s in (1, 2, 3)
+                          for n in TABLE1_ND]}
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    n_d = cfg.parallel.world_size
+    stages = [s for s in cfg.experiment.params.get("stages", [0, 1, 2, 3])
+              if s != 0 or n_d == 1]
+    dicts = [OmegaConf.to_container(OmegaConf.structured(
+        dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s)))) for s in stages]
+    res = spawn(real_ledgers, n_d, dicts)[0]
+    return {"stages": stages, "runs": res, "n_d": n_d}
+
+
+def summarize(records) -> list[dict]:
+    rows = []
+    for r in records:
+        if r.status != "ok":
+            continue
+        if r.mode == "analytic":
+            for c in r.metrics["cells"]:
+                for where in ("device", "host"):
+                    rows.append({"figure": FIGURE,
+                                 "series": f"{c['model']} model {c['scheme']} {where}",
+                                 "x_name": "N_d", "x_value": c["n_d"],
+                                 "y_name": "model_state_memory_per_gpu",
+                                 "y_value": round(c[where] / GB, 4), "unit": "GB",
+                                 "kind": "analytic"})
+            continue
+        n_d = r.metrics["n_d"]
+        for stage, run in zip(r.metrics["stages"], r.metrics["runs"]):
+            want = offload_bytes(run["psi_padded"], stage, n_d)
+            got = {"device": run["model_state_bytes"],
+                   "host": run.get("host_model_state_bytes", 0)}
+            for where in ("device", "host"):
+                rows.append({"figure": f"{FIGURE}_measured",
+                             "series": f"{r.config['model']['name']} (Ψ={run['psi']}) "
+                                       f"{STAGE_NAMES[stage]} {where}",
+                             "x_name": "N_d", "x_value": n_d,
+                             "y_name": "model_state_bytes_per_gpu", "y_value": got[where],
+                             "unit": "bytes", "kind": "measured",
+                             "formula_bytes": want[where], "psi_padded": run["psi_padded"],
+                             "matches_formula": got[where] == want[where]})
+    return rows
+
+
+def conclude(table) -> list[str]:
+    """The measured ledgers against the column's formula, and at the largest measured N_d
+    each stage's device and host bytes per rank."""
+    out = []
+    meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
+    if "source" in meas:
+        mine = meas[meas["source"].astype(str) != "reference"]
+        meas = mine if len(mine) else meas
+    if not len(meas):
+        return out
+    match = meas["matches_formula"].astype(str) == "True"
+    n_ds = sorted({int(x) for x in meas["x_value"].astype(float)})
+    out.append(f"offload column, measured (real gloo runs, N_d {', '.join(map(str, n_ds))}): "
+               f"{int(match.sum())} of {len(meas)} ledgers (device and host) equal "
+               f"table1.offload_bytes to the byte")
+    top = meas[meas["x_value"].astype(float) == n_ds[-1]]
+    parts = [f"{str(row['series']).split(') ')[-1]} {float(row['y_value']) / 1e6:.1f}"
+             for _, row in top.iterrows()]
+    out.append(f"N_d {n_ds[-1]}: model states per rank [MB] " + ", ".join(parts))
+    return out
+
+
+COLOUR = {"Pos": "C1", "Pos+g": "C2", "Pos+g+p": "C3", "baseline": "C0"}
+
+
+def plot(table, out_dir: str) -> list[str]:
+    """Left: the analytic column for each of the paper's Ψ (device solid, host dashed, log
+    scales); right: the measured ledgers (o) against the formula (+), MB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ana = table[(table["figure"] == FIGURE) & (table["kind"] == "analytic")]
+    for series, g in ana.groupby("series", sort=False):
+        model, _, scheme, where = str(series).split(" ")
+        g = g.assign(x=pd.to_numeric(g["x_value"])).sort_values("x")
+        a1.plot(g["x"], g["y_value"], "-" if where == "device" else "--",
+                color=COLOUR[scheme], marker={"7.5B": "^", "128B": "s", "1T": "o"}[model],
+                markersize=4, label=f"{model} {scheme} {where}")
+    a1.set(xscale="log", yscale="log", xlabel="N_d", ylabel="model states per GPU [GB]",
+           title="offload column (analytic): device solid, host dashed")
+    a1.legend(fontsize=6, ncol=3, loc="lower left")
+    meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
+    for series, g in meas.groupby("series", sort=False):
+        scheme, where = str(series).split(") ")[-1].split(" ")
+        g = g.assign(x=pd.to_numeric(g["x_value"])).sort_values("x")
+        a2.plot(g["x"], g["y_value"] / 1e6, "-o" if where == "device" else "--o",
+                color=COLOUR[scheme], label=f"{scheme} {where}")
+        a2.plot(g["x"], g["formula_bytes"] / 1e6, "k+", markersize=10)
+    ok = bool(meas["matches_formula"].astype(str).eq("True").all()) if len(meas) else False
+    a2.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",
+           title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}")
+    a2.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, out_dir, FIGURE, dpi=150)

@@ -1,0 +1,89 @@
+"""Time of ZeRO-Offload's part of a step (Ren et al. 2021, §4; ``runtime.zero.offload``) for the
+modern step model (``scale.modern_step``): the host AdamW and the PCIe copies, per rank.
+
+With S = this rank's shard (Ψ/t/N_d, stage 0: Ψ/t), lp bytes per training-dtype element:
+
+    T_host = S / R_host,   R_host = min(c · r_core, e_dram · B_dram / HOST_BYTES)
+    T_pcie = lp·S / (B_pcie · e_pcie)                           each way (D2H gradients, H2D
+                                                                parameters: two copy engines)
+    stages 2-3: the D2H runs in backward as buckets land: exposed max(T_pcie - W_bwd, T_pcie / u)
+    stages 0-1: the D2H starts at the step, pipelined with the host step
+    step phase: max(T_host, T_pcie [, T_pcie of the D2H at stages 0-1]) + (the first chunk's
+                D2H at stages 0-1, the last chunk's H2D) = T_host + ``pcie_exposed``'s share
+
+(u the gradient buckets, stage 3 the blocks; c host cores per GPU, B_dram the host DRAM
+bandwidth per GPU, B_pcie the host<->device bandwidth per direction: the cluster's
+``host_cores``, ``host_memory_gbps``, ``pcie_gbps``). The host step is not overlapped with the
+device's compute (no delayed parameter update). Sources of the rates:
+
+  * r_core (``HOST_ADAM_PER_CORE``): measured on this project's machine by ``python -m
+    zero_repro.lab.host_adam --elements 64M --threads 1 --repeats 7`` (the runtime's own host
+    step, a 64M-element shard streamed from DRAM; four runs, results/offload/notes.md): the
+    band's edges are the slowest and fastest repeat, the middle the median of the runs'
+    medians. One core of an AMD EPYC (Zen 4 class, AVX-512) shared with other work (load 4-5
+    on 2 cores: the slow edge), torch 2.13; other CPUs differ (re-measure there; the GPU
+    proof's ``zero_offload`` part measures the GPU host's).
+  * HOST_BYTES: the host step's DRAM traffic per element: read the lp gradient 2, master 4,
+    m 4, v 4; write master 4, m 4, v 4, the lp parameter 2 = 28 B (the fp32 scratch block
+    stays in cache).
+  * e_dram (``DRAM_EFFICIENCY``): the fraction of the DRAM channels' line rate a streaming
+    kernel reaches; STREAM triad measures 74-78% of the wire rate on the DDR4 system of TI's
+    SPRAD45A (section 3.1.2); the band 0.6-0.8 widens it for many-core server sockets (not
+    measured here).
+  * e_pcie: ``kernels.link_efficiency(dk, "pcie")`` (BAM54: 12 of 16 GB/s Gen3, 25 of 32 GB/s
+    Gen4 measured).
+"""
+from __future__ import annotations
+
+import math
+
+from zero_repro.scale import kernels as K
+
+HOST_BYTES = 28.0  # DRAM bytes per element of the host step (module docstring)
+# elements/s of one core, the host step over a DRAM-resident shard (measured: module doc)
+HOST_ADAM_PER_CORE = {"low": 0.50e9, "mid": 0.96e9, "high": 1.00e9}
+HOST_ADAM_SOURCE = ("measured here: python -m zero_repro.lab.host_adam --elements 64M "
+                    "--threads 1 --repeats 7 (results/offload/notes.md)")
+DRAM_EFFICIENCY = {"low": 0.6, "mid": 0.7, "high": 0.8}
+
+
+def host_rate(cores: float, dram_bytes_s: float, point: str = "mid") -> float:
+    """Elements/s of the host step for one GPU's share of the host (module docstring); 0 when
+    the cluster does not say its host cores."""
+    if cores <= 0:
+        return 0.0
+    rate = cores * HOST_ADAM_PER_CORE[point]
+    if dram_bytes_s > 0:
+        rate = min(rate, DRAM_EFFICIENCY[point] * dram_bytes_s / HOST_BYTES)
+    return rate
+
+
+def shard_elements(w) -> float:
+    """This rank's optimizer shard (``perf_model.Workload``)."""
+    return w.params / w.tp / (w.dp if w.stage >= 1 else 1)
+
+
+def pcie_bytes(w) -> float:
+    """Bytes over PCIe per rank and step, both directions together."""
+    return 2.0 * w.lp_bytes * shard_elements(w) if w.offload else 0.0
+
+
+def terms(w, hw, dk, bwd_window: float, point: str = "mid") -> dict:
+    """``host_adam`` and ``pcie_exposed`` seconds of ``w`` (0 without offload) and the PCIe
+    copies' total ``pcie_total`` (module docstring)."""
+    if not w.offload:
+        return {"host_adam": 0.0, "pcie_exposed": 0.0, "pcie_total": 0.0}
+    s = shard_elements(w)
+    rate = host_rate(hw.host_cores, hw.host_mem_bw, point)
+    t_host = s / rate if rate > 0 else math.inf
+    bw = hw.pcie_bw * K.link_efficiency(dk, "pcie", point)
+    t_copy = w.lp_bytes * s / bw if bw > 0 else math.inf
+    units = w.n_layer if w.stage == 3 else max(1, math.ceil(w.params / w.tp / w.bucket_elems))
+    if w.stage >= 2:  # gradients leave during backward
+        d2h = max(t_copy - bwd_window, t_copy / units)
+        step = max(t_host, t_copy) + t_copy / units
+    else:  # gradients leave at the step, pipelined with the host step and the copies back
+        d2h = 0.0
+        step = max(t_host, t_copy) + 2 * t_copy / units
+    return {"host_adam": t_host, "pcie_exposed": d2h + step - t_host,
+            "pcie_total": 2 * t_copy}
