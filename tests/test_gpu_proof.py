@@ -116,7 +116,7 @@ def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatc
     ((cfg, _, plan),) = cli.check_args(
         ["+exp=gpu_proof", f"experiment.params.gpus={gpus}",
          f"experiment.results_dir={tmp_path}/r", f"hydra.run.dir={tmp_path}/h"])
-    assert plan.checked and len(plan.todo) == (7 if gpus == 1 else 3)
+    assert plan.checked and len(plan.todo) == (8 if gpus == 1 else 3)
     for pp in plan.points:
         c = pp.cfg.cluster
         assert (c.name, c.device, c.device_memory_mib, c.peak_tflops) == ("h100", "cuda",
@@ -127,7 +127,7 @@ def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatc
         assert all(pp.cfg.launcher.oversubscribe for pp in paper)
 
 
-@pytest.mark.parametrize("gpus,minutes", [(1, 4.4), (8, 2.5)])
+@pytest.mark.parametrize("gpus,minutes", [(1, 5.3), (8, 2.5)])
 def test_plan_command_on_a_mocked_h100_machine_prints_the_estimate(gpus, minutes, tmp_path):
     """The plan as printed (``experiment.action=plan``) with CUDA mocked in the subprocess."""
     p = subprocess.run([sys.executable, "-c", MOCK_CUDA, str(gpus), *map(str, H100),

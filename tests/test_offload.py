@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from zero_repro import config as C
+from zero_repro import validation
 from zero_repro.config import ModelConfig, TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.launch import spawn
@@ -221,17 +222,17 @@ def test_bad_offload_settings_fail_with_the_fix():
                         zero=C.ZeroConfig(**zero))
 
     with pytest.raises(ValueError, match="one of \\['none', 'cpu'\\]"):
-        C.validate(cfg(stage=2, offload_optimizer="nvme"))
+        validation.validate(cfg(stage=2, offload_optimizer="nvme"))
     with pytest.raises(ValueError, match="use zero.stage=1 or 2"):
-        C.validate(cfg(stage=0, offload_optimizer="cpu"))
+        validation.validate(cfg(stage=0, offload_optimizer="cpu"))
     bad = cfg(stage=2, offload_optimizer="cpu")
     bad.simulate.stack = "paper2020"
     with pytest.raises(ValueError, match="had no offload"):
-        C.validate(bad)
-    C.validate(cfg(stage=1, offload_optimizer="cpu"))
+        validation.validate(bad)
+    validation.validate(cfg(stage=1, offload_optimizer="cpu"))
     one = C.Config(parallel=C.ParallelConfig(world_size=1, tp=1),
                    zero=C.ZeroConfig(stage=0, offload_optimizer="cpu"))
-    C.validate(one)  # stage 0 on one DP rank: the whole optimizer on its one host
+    validation.validate(one)  # stage 0 on one DP rank: the whole optimizer on its one host
 
 
 def _optimizer_worker(rank: int, world: int) -> str:
