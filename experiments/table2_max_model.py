@@ -21,6 +21,7 @@ Cost: ``results/table2_max_model/notes.md``.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import textwrap
 
@@ -91,10 +92,14 @@ def run_point(cfg, point: Point) -> dict:
            "search_s": r.seconds, "dry_run_backend": r.backend, "capacity_bytes": r.capacity,
            "outside_point": cfg.simulate.outside_point,
            "judgements": [vars(j) for j in r.judgements]}
-    lo, hi = S.get(point.params.get("stack", "modern")).outside_bracket()
-    for end in ("low", "high") if hi > lo else ():  # the bracket of bytes outside the allocator
-        e = r if end == cfg.simulate.outside_point else maxsize.max_layers(
-            cfg, capacity=maxsize.capacity_of(cfg, end), iterations=its)
+    name = point.params.get("stack", "modern")
+    lo, hi = S.get(name).outside_bracket()
+    for end in ("low", "high") if hi > lo else ():  # the bracket (switches.bracket_end)
+        stack, where = S.bracket_end(name, end)
+        c = dataclasses.replace(cfg, simulate=dataclasses.replace(
+            cfg.simulate, stack=stack, outside_point=where))
+        e = r if (stack, where) == (name, cfg.simulate.outside_point) else maxsize.max_layers(
+            c, capacity=maxsize.capacity_of(c, where), iterations=its)
         out[f"max_params_outside_{end}"] = e.params
         out[f"max_n_layer_outside_{end}"] = e.n_layer
     return out

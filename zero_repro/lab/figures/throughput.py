@@ -82,6 +82,7 @@ DEFAULTS = {
     "unstated_configs": ["C4", "C5"],
     "cluster_steps": 8, "cluster_warmup": 3, "cluster_dtype": "fp16",
     "reduce_bucket": REDUCE_BUCKET, "allgather_bucket": ALLGATHER_BUCKET,  # C_B, elements
+    "local": True,  # the local measured points (false: the simulated series alone)
     "local_batch": 4,  # int, or max_fit (analytic model, pretend device of local_device_mb)
     "local_device_mb": 180, "local_max_batch": 8, "local_base_batch": 4,
     "local_repeats": 1,  # each local point measured this often (interleaved: repeat-major)
@@ -379,6 +380,8 @@ def plan_points(cfg, figure: str, local_fn) -> list[Point]:
     if cfg.cluster.device == "cuda":
         return pts + cluster_points(cfg, figure)
     p = params(cfg)
+    if not p["local"]:
+        return pts
     base = local_fn(cfg, p)
     local = list(base)
     for i in range(1, int(p["local_repeats"])):
