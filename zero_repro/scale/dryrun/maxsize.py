@@ -580,17 +580,9 @@ def max_batch(cfg: C.Config, capacity: float | None = None, seed: int = 8,
 
     def judge(b: int) -> bool:
         if b not in memo:
-            tb = time.perf_counter()
-            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                   micro_batch_size=b))
-            res = dry_run(c, iterations=iterations, keep_trace=True, details=False,
-                          allocator_capacity=cap)
-            j = BatchJudgement(b, not res.allocator["oom"], int(res.min_capacity()),
-                               int(res.allocator["peak_reserved"]), time.perf_counter() - tb)
+            j = judge_batch(cfg, b, cap, iterations)
             memo[b] = j
             order.append(j)
-            log.info("max-batch judge: batch %d -> %s (needs %.2f of %.2f GB, %.1f s)", b,
-                     "fits" if j.fits else "OOM", j.min_capacity / 1e9, cap / 1e9, j.seconds)
         return memo[b].fits
 
     i = max(0, max((k for k, g in enumerate(grid) if g <= max(1, seed)), default=0))
@@ -603,6 +595,21 @@ def max_batch(cfg: C.Config, capacity: float | None = None, seed: int = 8,
             i -= 1
         answer = grid[i - 1] if i > 0 else 0
     return MaxBatchResult(answer, cap, order, time.perf_counter() - t0)
+
+
+def judge_batch(cfg: C.Config, batch: int, capacity: float, iterations: int = 2
+                ) -> BatchJudgement:
+    """One batch judged as ``max_batch`` judges it: the dry run of ``cfg`` at ``batch`` per
+    GPU, its verdict at ``capacity`` and the capacity it needs."""
+    tb = time.perf_counter()
+    c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=batch))
+    res = dry_run(c, iterations=iterations, keep_trace=True, details=False,
+                  allocator_capacity=capacity)
+    j = BatchJudgement(batch, not res.allocator["oom"], int(res.min_capacity()),
+                       int(res.allocator["peak_reserved"]), time.perf_counter() - tb)
+    log.info("max-batch judge: batch %d -> %s (needs %.2f of %.2f GB, %.1f s)", batch,
+             "fits" if j.fits else "OOM", j.min_capacity / 1e9, capacity / 1e9, j.seconds)
+    return j
 
 
 # ------------------------------------------------------------------------------ depth scan
