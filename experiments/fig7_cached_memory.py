@@ -235,9 +235,9 @@ def plot(table, out_dir: str) -> list[str]:
                Patch(color="C1", alpha=0.45, hatch="//", label="100B, modern stack"),
                Line2D([], [], color="black", lw=1.2, label="peak allocated (same run)"),
                Line2D([], [], color="0.2", lw=0.9, label="max cached at the bracket's ends "
-                      "(paper2020: least-memory end = collective blocks reusable at their "
+                      "(paper2020: least-memory end = collective blocks reusable at their\n"
                       "free, step as at e67a3def0, outside bytes low; most-memory end = held "
-                      "until the next sync, step as at f2ac7eafd, outside bytes high)"),
+                      "until the next sync, step as at f2ac7eafd,\noutside bytes high)"),
                Line2D([], [], color="0.4", ls="--", lw=1,
                       label=f"V100-32GB as it reports itself: {dev:.2f} GiB"),
                Patch(color="C3", alpha=0.12,

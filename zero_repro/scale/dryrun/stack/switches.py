@@ -177,7 +177,7 @@ class Stack:
     stage2_step: str = _switch(
         "none", f"{DS_E67}:deepspeed/pt/deepspeed_zero_optimizer.py L1344-1351 (fp16 "
         "_flatten_dense_tensors of the gradient partition), L1406-1408 (gradients freed), "
-        "L1418-1424 (fused Adam: fp16 grads in, fp16 params out), L352-366 (fp16 zero "
+        "L1418-1425 (fused Adam: fp16 grads in, fp16 params out), L352-366 (fp16 zero "
         f"gradient at init) | {DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py L1078-1080 "
         "(_flatten_dense_tensors(...).to(fp32) while the fp16 partition lives), L1086-1088 "
         "(freed after), L1095 (fp32 Adam), L1100-1102 (fp32 -> fp16 copy), L349-363 (fp32 zero "
