@@ -277,7 +277,7 @@ def conclude(table, most: int = 4) -> list[str]:
 
 def _plot_mechanisms(mx, table) -> None:
     """Middle panel: what each Fidelity III mechanism adds (needed capacity: solid; max cached:
-    hatched) at each setup of ``MECHANISM_AT``, the category it moves most named at the bar."""
+    hatched) at each setup of ``MECHANISM_AT``."""
     mt = table[table["figure"] == f"{FIGURE}_mechanisms"]
     names = list(dict.fromkeys(mt["x_value"])) if len(mt) else []
     if not names:
@@ -293,14 +293,12 @@ def _plot_mechanisms(mx, table) -> None:
             mx.barh(pos, vals, width, color=f"C{j + 2}", hatch=hatch, edgecolor="white",
                     label=f"{label}: " + ("capacity needed" if y == "needs_change"
                                           else "max cached"))
-            for p_, v, n in zip(pos, vals, names):
-                cat = d["category_moved"].get(n, "") if y == "needs_change" else ""
-                mx.annotate(f"{v:+.2f}" + (f" ({cat})" if cat else ""), (max(v, 0.0), p_),
-                            va="center", fontsize=6, xytext=(3, 0),
-                            textcoords="offset points")
+            for p_, v in zip(pos, vals):
+                mx.annotate(f"{v:+.2f}", (max(v, 0.0), p_), va="center", fontsize=6,
+                            xytext=(3, 0), textcoords="offset points")
             k += 1
     lo, hi = mx.get_xlim()
-    mx.set_xlim(lo, hi + 0.45 * (hi - lo))  # room for the labels
+    mx.set_xlim(lo, hi + 0.12 * (hi - lo))  # room for the labels
     mx.set_yticks(range(len(names)), [n.replace(" (vs", "\n(vs") for n in names], fontsize=7)
     mx.invert_yaxis()
     mx.axvline(0, color="0.3", lw=0.8)
@@ -355,7 +353,8 @@ def plot(table, out_dir: str) -> list[str]:
                     bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none"})
     ax.axhline(DEVICE_GIB, color="0.4", ls="--", lw=1,
                label=f"V100-32GB as it reports itself: {DEVICE_GIB:.2f} GiB")
-    ax.set_xticks(range(len(series)), [s.replace(", ", "\n") for s in series], fontsize=8)
+    ax.set_xticks(range(len(series)), [s.replace(", ", "\n").replace(" 64GPUs", "\n64 GPUs")
+                                       for s in series], fontsize=7.5)
     ax.set_ylabel("Bytes per GPU at the peak of cached memory (GiB = 2^30 B)")
     ax.set_title("Where did the memory go (400 V100, MP 16; simulated)", fontsize=9.5)
     handles, labels = ax.get_legend_handles_labels()
