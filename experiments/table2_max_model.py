@@ -118,14 +118,16 @@ NOTE = ("Theoretical: model states only, Psi = 32e9 B (GB = 1e9, as the paper co
         "per parameter x MP. Dry run ('measured' here = the largest depth whose dry run fits, not "
         "a GPU measurement): hidden 4096/32 heads at MP <= 2, 8192/64 at MP >= 4 (the paper "
         "states no shapes), batch 1 per GPU, sequence 1024, vocabulary 50257, judged at the "
-        "V100's 31.75 GiB less the bytes outside the allocator (GiB = 2^30 B; bars and the "
-        "small numbers beside the paper2020 points: the answers, B params, at the sourced bracket's "
-        "high .. low end, 0.37..2.23 GiB). paper2020 P_os sits 20-23% under the paper: its stage 1 "
-        "(DeepSpeed zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's "
-        "gradient sub-partitions (2 Psi) before its reduce-scatter; the 'initial implementation "
-        "that used a global collective (all-reduce)' (DeepSpeed post of 2020-03-17; v0.1 "
-        "ec79b239: 5e8-element all-reduce buckets) holds no such copy. Which one measured Table 2 "
-        "is not public: the gap is left visible (results/table2_max_model/notes.md).")
+        "V100's 31.75 GiB less the bytes outside the allocator (GiB = 2^30 B; the small numbers "
+        "beside the paper2020 points: the answers, B params, at the bracket's most- .. "
+        "least-memory end: the 2020 stack's open choices and the outside bytes 0.37..2.23 GiB). "
+        "paper2020 P_os sits 21-24% under the paper: its stage 1 (DeepSpeed "
+        "zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's gradient "
+        "sub-partitions (2 Psi, padded to whole comm intervals) before its reduce-scatter; the "
+        "'initial implementation that used a global collective (all-reduce)' (DeepSpeed post of "
+        "2020-03-17; v0.1 ec79b239: 5e8-element all-reduce buckets) holds no such copy. Which one "
+        "measured Table 2 is not public: the gap is left visible "
+        "(results/table2_max_model/notes.md).")
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
