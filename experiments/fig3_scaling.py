@@ -48,6 +48,11 @@ SERIES_FAMILY: dict = {**PAPER_NAMES, **{k + T.PAPER_BATCH: v for k, v in PAPER_
 NEWEST_ONLY = True
 DISPLAY = {v: k for k, v in PAPER_NAMES.items()}  # the paper's rows drawn under plain names
 PAIRS = [(64, 128), (128, 256), (256, 400), (64, 400)]
+# the batches above Table 6's 16 at 64 GPUs that must not fit for 16 to be the largest: the
+# next on the search's grid (maxsize.BATCH_GRID) and the next of the paper harness's own 4-node
+# sweep (DSE@405ce794 Megatron-LM/scripts/hyperscale/config7_4node.dat: 2, 4, 8, 16, 32)
+SENSITIVITY_AT, SENSITIVITY_BATCHES = 64, (24, 32)
+GIB = 2**30
 TOKENS = "tokens_per_s_per_rank"
 TOKENS_AGG = "tokens_per_s"
 
@@ -109,7 +114,36 @@ def summarize(records) -> list[dict]:
         mine = [r for r in local if r["series"] == model]
         local += _aggregate_and_speedups(mine, model, f"{model} aggregate", pairs, "local ",
                                          y_name=TOKENS_AGG, unit="tokens/s")
-    return rows + local
+    return rows + local + sensitivity_rows(records)
+
+
+def sensitivity_rows(records) -> list[dict]:
+    """Bytes per GPU that would have to be missing from the allocator's share for Table 6's
+    batch at ``SENSITIVITY_AT`` GPUs to be the largest that fits: per configuration the
+    predicted-batch search judged and per batch of ``SENSITIVITY_BATCHES`` it judged, the
+    judged capacity less the capacity that batch needs (<= 0: it does not fit already)."""
+    rows = []
+    for r in TS.ok_records(records, "simulated"):
+        q, m = r.params, r.metrics
+        if q.get("setup") != f"{SENSITIVITY_AT} GPUs" or not m.get("alternatives"):
+            continue
+        for zc, alt in m["alternatives"].items():
+            srch = alt.get("search") or {}
+            cap = srch.get("capacity")
+            needs = {j["batch"]: j["min_capacity"] for j in srch.get("judgements", [])}
+            for b in SENSITIVITY_BATCHES:
+                if cap is None or b not in needs:
+                    continue
+                rows.append({"figure": f"{FIGURE}_sensitivity",
+                             "series": f"{SENSITIVITY_AT} GPUs, {zc}: bytes missing for batch "
+                                       f"{b} not to fit", "x_name": "batch_per_gpu",
+                             "x_value": b, "y_name": "missing_bytes",
+                             "y_value": round((cap - needs[b]) / GIB, 3), "unit": "GiB",
+                             "kind": "simulated", "zero_config": zc,
+                             "predicted_batch": alt.get("batch"),
+                             "capacity_GiB": round(cap / GIB, 3),
+                             "needs_GiB": round(needs[b] / GIB, 3)})
+    return rows
 
 
 def _source(series: str) -> str:
@@ -256,8 +290,47 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
                "that fits one per-rank budget, memory dry run)",
                "number of CPU ranks (DP degree)", TOKENS, TOKENS_AGG,
                "tokens/s per rank", "aggregate tokens/s", unit="rank")
+    sim = table[table["kind"] == "simulated"]
+    paper_up = {str(r.x_value): float(r.y_value) for r in table[
+        (table["kind"] == "paper") & (table["y_name"] == "speedup")].itertuples()}
+    said = _conclusion(table, sim, paper_up)
+    if said:  # the figure states its conclusion (simulated), right of the speed-up table
+        fig.text(0.99, 0.01, "simulated:\n" + "\n".join(said), va="bottom", ha="right",
+                 fontsize=7.2, bbox=dict(facecolor="lightyellow", edgecolor="0.7"))
     fig.tight_layout(rect=(0, 0.13, 1, 1))  # the bottom strip: the speed-up table
     return save_figure(fig, out_dir, "fig3_scaling", dpi=130)
+
+
+def _conclusion(table, sim, paper_up: dict) -> list[str]:
+    """Whether the super-linear 64->128 step emerges from memory, and the sensitivity line."""
+    per = sim[(sim["y_name"] == T.Y_NAME)
+              & ~sim["series"].astype(str).str.contains("(paper batch)", regex=False)]
+    b64 = per[per["x_value"].astype(float) == SENSITIVITY_AT]
+    sp = sim[sim["y_name"] == "speedup"]
+    step = "64->128"
+
+    def up(tag: bool):
+        g = sp[(sp["x_value"].astype(str) == step) & (sp["series"].astype(str).str.contains(
+            "(paper batch)", regex=False) == tag)]
+        return float(g["y_value"].iloc[0]) if len(g) else float("nan")
+
+    out = []
+    if len(b64) and "batch_per_gpu" in b64:
+        b = int(float(b64["batch_per_gpu"].iloc[0]))
+        pred, at_paper = up(False), up(True)
+        cap = "does not cap" if b > 16 else "caps"
+        out.append(f"conclusion: memory {cap} the 64-GPU batch at Table 6's 16 (the dry run "
+                   f"fits {b})")
+        out.append(f"conclusion: {step} is {pred:.2f}x at the predicted batches, "
+                   f"{at_paper:.2f}x at Table 6's (paper {paper_up.get(step, float('nan')):.2f}x)")
+    sen = table[table["figure"] == f"{FIGURE}_sensitivity"]
+    for zc, g in sen.groupby("zero_config", sort=False):
+        parts = [f"b{int(float(r.x_value))} {float(r.y_value):.2f} (needs "
+                 f"{float(r.needs_GiB):.2f}/{float(r.capacity_GiB):.2f})"
+                 for r in g.itertuples()]
+        out.append(f"sensitivity, {zc}, GiB/GPU missing for 16 to be the largest: "
+                   + ", ".join(parts))
+    return out
 
 
 def conclude(table: pd.DataFrame) -> list[str]:
@@ -292,6 +365,7 @@ def conclude(table: pd.DataFrame) -> list[str]:
                 f"{r.x_value} {float(r.y_value):.2f}x / "
                 f"{paper_up.get(str(r.x_value), float('nan')):.2f}x ({ideal(r.x_value)})"
                 for r in sp.itertuples()))
+    out += _conclusion(table, sim, paper_up)
     meas = table[table["kind"] == "measured"]
     for src, g in meas.groupby(meas["series"].astype(str).map(
             lambda s: s.split(" · ", 1)[1] if " · " in s else "these records"), sort=False):

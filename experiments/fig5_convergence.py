@@ -25,6 +25,7 @@ import os
 
 from zero_repro.config import ZeroRConfig
 from zero_repro.lab.figures import paper_compare
+from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.lab.records import loss_curve, skipped_steps_of
@@ -156,7 +157,8 @@ def _series_rows(r, prefix: str, ref_losses, is_ref: bool) -> tuple[list, list]:
     dtype = q.get("dtype", "fp32")
     series = f"{prefix}{label_of(q['config'])} {dtype}"
     extra = {"config": q["config"], "dtype": dtype, "grid": _grid_label(r),
-             "hardware": r.hardware.get("device_name", "")}
+             "hardware": r.hardware.get("device_name", ""),
+             "provenance": TS.provenance_label(r)}
     base = {"figure": FIGURE, "series": series, "x_name": "step", "unit": UNIT, "kind": r.mode}
     curve = loss_curve(r)  # (true step, loss): a resumed record starts at its start_step
     skipped = skipped_steps_of(r)  # fp16 overflow: optimizer step skipped

@@ -14,8 +14,14 @@ the paper's column; ``modern`` (this runtime) what today's runtime fits on the s
 point's params carry ``stack`` only when it is not ``modern`` (the modern keys are unchanged).
 Bucket sizes are the paper harness's (``zero_repro.scale.paper.buckets``; inferred,
 REFERENCE.md); ``experiment.params.iterations`` steps are traced per dry run (default 2; each
-judgement replays the second to the allocator's steady state). Search timings and fragmentation
-findings: ``results/fig6_max_model/notes.md``.
+judgement replays the second to the allocator's steady state). The reported depth is the
+increasing sweep's (``maxsize.increasing_sweep``: the paper grew the model until it failed); the
+depths above it that fit again up to the largest fit are the flip band (cross-hatched). The
+bracket (markers): the same search with every choice the 2020 sources leave open at its
+least-memory end (``paper2020_least``, outside-allocator bytes low) and at its most-memory end
+(``paper2020_most``, high; ``switches.bracket_end``). The paper's order of C1-C5 is read from
+``results/paper/reference.csv``. Search timings and fragmentation findings:
+``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.figures.wording import num, pct
 from zero_repro.lab.points import Point
-from zero_repro.scale.paper.setups import setups
+from zero_repro.scale.paper.setups import reference_rows, setups
 from zero_repro.scale.dryrun import maxsize
 from zero_repro.scale.dryrun.dryrun import setup_overrides
 from zero_repro.scale.dryrun.stack import switches as S
@@ -49,7 +55,13 @@ def stack_params(stack: str) -> dict:
 
 def stack_of(record) -> str:
     return record.params.get("stack", "modern")
-PAPER_ORDER = ("C1", "C3", "C2", "C4", "C5")  # ascending max size in the paper (40,50,60,140,150)
+
+
+def paper_order() -> tuple[str, ...]:
+    """C1-C5 in ascending order of the paper's largest model (results/paper/reference.csv)."""
+    vals = {r["x_value"]: float(r["y_value"]) for r in reference_rows(PAPER_FIGURE)
+            if r["y_name"] == "max_model_size"}
+    return tuple(sorted(vals, key=vals.get))
 
 
 def plan(cfg) -> list[Point]:
@@ -78,12 +90,16 @@ def _params(cfg, n: int) -> int:
     return flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
 
 
-def flip_band(judgements: list[dict], answer: int) -> tuple[int, int]:
-    """(lowest depth judged NOT to fit, highest judged to fit) among one search's judgements,
-    when a depth at or below the answer was judged not to fit (the verdict flips with depth:
-    fragmentation near the top); else (answer, answer)."""
-    fails = [j["n_layer"] for j in judgements if not j["fits"] and j["n_layer"] <= answer]
-    return (min(fails), answer) if fails else (answer, answer)
+def flip_band(judgements: list[dict], answer: int, largest_fit: int | None = None
+              ) -> tuple[int, int]:
+    """(lowest depth judged NOT to fit, highest judged to fit) when the verdict flips with depth
+    (fragmentation near the top): from the increasing sweep's first failure (``answer`` + 1)
+    to the largest depth judged to fit (``largest_fit``, default the largest in the
+    judgements); (answer, answer) when no depth above the answer fits."""
+    top = max((j["n_layer"] for j in judgements if j["fits"]), default=answer)
+    top = max(answer, top if largest_fit is None else largest_fit)
+    fails = [j["n_layer"] for j in judgements if not j["fits"] and answer < j["n_layer"] < top]
+    return (min(fails), top) if fails and top > answer else (answer, answer)
 
 
 def run_point(cfg, point: Point) -> dict:
@@ -91,29 +107,32 @@ def run_point(cfg, point: Point) -> dict:
     t0 = time.perf_counter()
     r = maxsize.max_layers(cfg, iterations=its)
     out = {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
+           "largest_fit": r.largest_fit, "sweep_start": r.sweep_start,
            "capacity_bytes": r.capacity, "outside_point": cfg.simulate.outside_point,
            "device_bytes": device_bytes(cfg.cluster),
            "seed": r.seed, "seed_from": r.seed_from,
            "analytic_seed": r.analytic_seed, "probes": r.probes, "n_dry_runs": r.n_dry_runs,
            "search_s": r.seconds, "dry_run_backend": r.backend,
            "judgements": [vars(j) for j in r.judgements]}
-    out["flip_band"] = flip_band(out["judgements"], r.n_layer)
-    # the same search at both ends of the outside-allocator bracket (dry runs shared in this
-    # process): the depths the unsourced part of the capacity leaves open
-    lo, hi = S.get(point.params.get("stack", "modern")).outside_bracket()
+    out["flip_band"] = flip_band(out["judgements"], r.n_layer, r.largest_fit)
+    # the same search at both ends of the bracket: the stack's open choices and the bytes
+    # outside the allocator at their least- / most-memory end (switches.bracket_end)
+    name = point.params.get("stack", "modern")
+    lo, hi = S.get(name).outside_bracket()
     ends = {}
     for end in ("low", "high") if hi > lo else ():
-        if end == cfg.simulate.outside_point:
-            ends[end] = (r.n_layer, out["flip_band"], r.capacity)
-            continue
-        e = maxsize.max_layers(cfg, capacity=maxsize.capacity_of(cfg, end), iterations=its)
-        ends[end] = (e.n_layer, flip_band([vars(j) for j in e.judgements], e.n_layer),
-                     e.capacity)
-    for end, (n, band, cap) in ends.items():
+        stack, where = S.bracket_end(name, end)
+        c = dataclasses.replace(cfg, simulate=dataclasses.replace(
+            cfg.simulate, stack=stack, outside_point=where))
+        e = maxsize.max_layers(c, capacity=maxsize.capacity_of(c, where), iterations=its)
+        ends[end] = (e.n_layer, flip_band([vars(j) for j in e.judgements], e.n_layer,
+                                          e.largest_fit), e.capacity, stack)
+    for end, (n, band, cap, stack) in ends.items():
         out[f"n_layer_outside_{end}"] = n
         out[f"params_B_outside_{end}"] = _params(cfg, n) / 1e9
         out[f"flip_band_outside_{end}"] = band
         out[f"capacity_outside_{end}"] = cap
+        out[f"stack_{end}"] = stack
     out["total_s"] = time.perf_counter() - t0
     return out
 
@@ -133,13 +152,14 @@ def summarize(records) -> list[dict]:
                      "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"],
                      "search_s": round(r.metrics.get("search_s", 0.0), 1),
                      **_band_columns(r)})
+    order = paper_order()
     for stack in [s for s in STACKS if s in sizes]:
-        if len(sizes[stack]) == len(PAPER_ORDER):
+        if len(sizes[stack]) == len(order):
             ours = tuple(sorted(sizes[stack], key=lambda k: sizes[stack][k]))
             rows.append({"figure": f"{FIGURE}_order",
                          "series": f"ascending order of C1-C5, {stack} stack",
                          "x_name": "zero_config", "x_value": " < ".join(ours),
-                         "y_name": "order_matches_paper", "y_value": float(ours == PAPER_ORDER),
+                         "y_name": "order_matches_paper", "y_value": float(ours == order),
                          "unit": "bool", "kind": "simulated", "stack": stack})
     return rows
 
@@ -155,7 +175,8 @@ def _band_columns(r) -> dict:
     if "flip_band" in m:
         lo, hi = m["flip_band"]
         out["flip_layers"] = f"{lo}-{hi}"
-        out["flip_B_low"] = round(_b(r, lo), 2)
+        out["flip_B_high"] = round(_b(r, hi), 2)
+        out["largest_fit"] = m.get("largest_fit", hi)
     if "outside_point" in m:
         out["outside_point"] = m["outside_point"]
         out["capacity_GiB"] = round(m["capacity_bytes"] / 2**30, 3)
@@ -191,7 +212,7 @@ def conclude(table) -> list[str]:
             for r, e in zip(g.itertuples(), err)))
     order = table[table["figure"] == f"{FIGURE}_order"]
     if len(order):
-        out.append(f"the paper's ascending order {' < '.join(PAPER_ORDER)}: " + ", ".join(
+        out.append(f"the paper's ascending order {' < '.join(paper_order())}: " + ", ".join(
             f"{getattr(r, 'stack', r.series)} " + (
                 "reproduces it" if float(r.y_value) == 1.0 else f"DIFFERS ({r.x_value})")
             for r in order.itertuples()))
@@ -255,6 +276,7 @@ def plot(table, out_dir: str) -> list[str]:
             xc = b.get_x() + b.get_width() / 2
             top = b.get_height()
             at_high, at_low = col(ours, "B_outside_high", c), col(ours, "B_outside_low", c)
+            fb = col(ours, "flip_B_high", c)
             if at_high is not None and at_low is not None:
                 has_band = True
                 ax.plot([xc, xc], [min(at_high, at_low, top), max(at_high, at_low, top)],
@@ -262,12 +284,13 @@ def plot(table, out_dir: str) -> list[str]:
                 ax.plot([xc], [at_high], marker="v", color="black", ms=5, zorder=4)
                 ax.plot([xc], [at_low], marker="^", color="black", ms=5, zorder=4)
                 top = max(top, at_high, at_low)
-            tops.append(top)
-            fb = col(ours, "flip_B_low", c)
-            if fb is not None and fb < b.get_height():
+            tops.append(max(top, fb or 0))
+            fb = col(ours, "flip_B_high", c)
+            if fb is not None and fb > b.get_height():
                 has_flip = True
-                ax.bar(xc, b.get_height() - fb, w, bottom=fb, color="none", edgecolor="black",
-                       hatch="xxxx", lw=0.6, zorder=2)
+                ax.bar(xc, fb - b.get_height(), w, bottom=b.get_height(), color="none",
+                       edgecolor=style[stack]["color"], hatch="xxxx", lw=0.6, zorder=2)
+                top = max(top, fb)
             err = col(ours, "rel_error_vs_paper", c)
             if err is not None:
                 ax.annotate(f"{100 * err:+.0f}%", (xc, top), ha="center", va="bottom",
@@ -275,8 +298,8 @@ def plot(table, out_dir: str) -> list[str]:
             n = col(ours, "n_layer", c)
             flips = ours["flip_layers"].get(c) if "flip_layers" in ours else None
             if n is not None:
-                band = (f" (flips {flips})" if isinstance(flips, str)
-                        and flips != f"{int(n)}-{int(n)}" else "")
+                band = (f" (OOM {flips.split('-')[0]}, fits to {flips.split('-')[1]})"
+                        if isinstance(flips, str) and flips != f"{int(n)}-{int(n)}" else "")
                 ax.annotate(f"{int(n)} L{band}", (xc, 0), ha="center", va="bottom", fontsize=6.5,
                             color="white", xytext=(0, 3), textcoords="offset points",
                             rotation=90)
@@ -298,25 +321,31 @@ def plot(table, out_dir: str) -> list[str]:
     handles, _ = ax.get_legend_handles_labels()
     if has_band:
         handles += [Line2D([], [], marker="v", color="black", lw=0, ms=5,
-                           label="answer with the outside-allocator bytes at the bracket's high "
-                                 "end (least capacity)"),
+                           label="bracket, most-memory end: blocks held until the harness's "
+                                 "next sync, stage 2's step as at f2ac7eafd, outside-allocator "
+                                 "bytes high"),
                     Line2D([], [], marker="^", color="black", lw=0, ms=5,
-                           label="answer at the bracket's low end (most capacity)")]
+                           label="bracket, least-memory end: blocks reusable at their free, "
+                                 "step as at e67a3def0, outside-allocator bytes low")]
     if has_flip:
         handles.append(Patch(facecolor="none", edgecolor="black", hatch="xxxx", lw=0.6,
-                             label="verdict flips with depth: from the lowest depth judged not "
-                                   "to fit to the answer (\"flips 62-64\": layers)"))
+                             label="the verdict flips with depth: the bar is the increasing "
+                                   "sweep's answer (one below its first OOM); hatched: the "
+                                   "depths up to the largest one judged to fit"))
     fig.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, 0.31),
                ncol=1, frameon=False)
     caption = (
         "Units: model size in B parameters (1e9); memory in GiB (2^30 B). \"N L\" = layers of "
-        "the largest model that fits, at the hidden size and heads of its Table 7 row; percent = "
-        "error vs the paper. Allocator capacity = the V100-SXM3-32GB as it reports itself "
-        "(32510 MiB = 31.75 GiB) less the bytes outside the caching allocator: paper2020 at the "
-        "middle of their sourced bracket (CUDA context + NCCL 2.4.8 buffers, 0.37..2.23 GiB), "
-        "modern none. The verdict is not monotone in depth or in capacity (the replayed "
-        "allocator is path-dependent): an end of the bracket can sit below the bar. Simulated "
-        "order: " + "; ".join(notes) + ".")
+        "the increasing sweep's answer (the paper grew the model until the first OOM), at the "
+        "hidden size and heads of its Table 7 row; percent = error vs the paper. Allocator "
+        "capacity = the V100-SXM3-32GB as it reports itself (32510 MiB = 31.75 GiB) less the "
+        "bytes outside the caching allocator: paper2020 at the middle of their sourced bracket "
+        "(CUDA context + NCCL 2.4.8 buffers, 0.37..2.23 GiB), modern none. paper2020 = "
+        "DeepSpeed 0.2 + 2019 Megatron-LM + PyTorch 1.x's allocator with its collective "
+        "streams (blocks held until the harness's next sync), stage 2's step as at e67a3def0. "
+        "The verdict is not monotone in depth or in capacity (the replayed allocator is "
+        "path-dependent): an end of the bracket can sit below the bar. Simulated order: "
+        + "; ".join(notes) + ".")
     fig.text(0.5, 0.01, textwrap.fill(caption, 150), ha="center", va="bottom", fontsize=7)
     paths = save_figure(fig, out_dir, 'fig6_max_model', dpi=150)
     return paths

@@ -7,8 +7,12 @@ fitted): one dry run of the real runtime per setup (rank 0 of a fake 400-rank gr
 replayed through the caching-allocator model (``zero_repro.scale.dryrun.allocator``) with the
 allocator's share of the device: the V100-32GB as it reports itself (31.75 GiB,
 ``scale.hardware``) less the stack's bytes outside the allocator at ``simulate.outside_point`` of
-their sourced bracket (``scale.dryrun.stack.outside``), repeated at both ends of the bracket (the
-whiskers). ``max_cached_memory`` = the peak reserved bytes (PyTorch's ``max_memory_cached`` /
+their sourced bracket (``scale.dryrun.stack.outside``); the whiskers: the bracket's ends, for
+paper2020 a dry run with every choice the 2020 sources leave open at its least-memory end
+(``paper2020_least``: collective blocks reusable at their free, stage 2's step as at e67a3def0)
+judged with the outside bytes low, and at its most-memory end (``paper2020_most``: blocks held
+until the harness's next sync, step as at f2ac7eafd) judged with them high
+(``switches.bracket_end``). ``max_cached_memory`` = the peak reserved bytes (PyTorch's ``max_memory_cached`` /
 ``max_memory_reserved``, what the paper plots); also peak allocated, the exact live peak,
 fragmentation and the ledger. ``c4_to_c5`` rows check the paper's §10.5 statement (no decrease
 from C4 to C5 at 40B, a decrease at 100B).
@@ -73,15 +77,22 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=True)
+    its = int(point.params.get("iterations", 2))
+    r = dry_run(cfg, iterations=its, keep_trace=True)
     a = r.allocator
-    stack = S.get(point.params.get("stack", "modern"))
+    name = point.params.get("stack", "modern")
     ends = {}
     for end in ("low", "high"):
-        cap = stack.capacity_bytes(device_bytes(cfg.cluster), end)
-        e = a if cap == r.capacity else r.replay(cap)
+        st, where = S.bracket_end(name, end)
+        cap = S.get(st).capacity_bytes(device_bytes(cfg.cluster), where)
+        if st == name:
+            e = a if cap == r.capacity else r.replay(cap)
+        else:  # another stack: its own dry run
+            e = dry_run(cfg, iterations=its, keep_trace=False, details=False,
+                        stack=S.get(st), allocator_capacity=cap).allocator
         ends[f"outside_{end}"] = {"capacity_bytes": cap, "max_cached_memory_GB":
-                                  e["peak_reserved"] / GB, "oom": bool(e["oom"])}
+                                  e["peak_reserved"] / GB, "oom": bool(e["oom"]),
+                                  "stack": st}
     return {"metrics": {"max_cached_memory_GB": a["peak_reserved"] / GB,
                         "outside_point": cfg.simulate.outside_point, "bracket_ends": ends,
                         "peak_allocated_GB": a["peak_allocated"] / GB,
@@ -223,8 +234,10 @@ def plot(table, out_dir: str) -> list[str]:
                Patch(color="C1", label="100B (125 x 8192, batch 32/GPU), paper2020 stack"),
                Patch(color="C1", alpha=0.45, hatch="//", label="100B, modern stack"),
                Line2D([], [], color="black", lw=1.2, label="peak allocated (same run)"),
-               Line2D([], [], color="0.2", lw=0.9, label="max cached with the outside-"
-                      "allocator bracket's low .. high end (where they differ)"),
+               Line2D([], [], color="0.2", lw=0.9, label="max cached at the bracket's ends "
+                      "(paper2020: least-memory end = collective blocks reusable at their\n"
+                      "free, step as at e67a3def0, outside bytes low; most-memory end = held "
+                      "until the next sync, step as at f2ac7eafd,\noutside bytes high)"),
                Line2D([], [], color="0.4", ls="--", lw=1,
                       label=f"V100-32GB as it reports itself: {dev:.2f} GiB"),
                Patch(color="C3", alpha=0.12,

@@ -15,10 +15,17 @@ own: the low end of its sourced bracket and the rest up to the high end
 ``experiment.params.in_context=true``, ``paper2020`` without it: the peak-reserved change "alone"
 and "in context", in GiB (switches acting only inside another one's path show 0 alone).
 ``memory_breakdown_live_peak`` rows: the same categories at the peak of live bytes (for
-paper2020 the reserved peak can be the build's, whose cached blocks the step then reuses). Unit:
-GiB = 2^30 B (the paper's harness printed max_memory_cached in GiB).
+paper2020 the reserved peak can be the build's, whose cached blocks the step then reuses).
+mechanism points (``MECHANISMS``): at 40B C1 (Table 8's setup) and at 60B on 64 GPUs (Table
+6's setup: batch 16, C5 as the harness's config7 ran it), paper2020 with one 2020 mechanism at
+each of its values: what it adds to the capacity a run needs (``min_capacity``) and to its max
+cached, and the category it changes (``memory_breakdown_mechanisms`` rows). Time-only switches
+(category ``time``) have no memory points. Unit: GiB = 2^30 B (the paper's harness printed
+max_memory_cached in GiB).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from zero_repro.lab import records as R
 from zero_repro.lab.figures.figures import save_figure
@@ -33,16 +40,31 @@ FIGURE = "memory_breakdown"
 GIB = 2**30
 DEVICE_GIB = device_bytes(load_cluster("dgx2_v100")) / GIB
 STACKS = ("paper2020", "modern")
-SETUPS = ("40B C4", "100B C5")
+SETUPS = ("40B C1", "40B C4", "100B C5", "60B 64GPUs C5")
 SWITCH_AT = "40B C4"
-ROWS = S.CATEGORIES + ("allocator_slack", "cached_free")
+ROWS = S.CATEGORIES + ("allocator_slack", "stream_held", "cached_free")
 # switch points of an earlier revision counted DeepSpeed 0.2's host copies of the fp16
 # parameters on the device; they stay in points.jsonl as history, the table uses this one
-REV = 3  # 3: the outside-allocator bytes became a sourced bracket (switch outside_allocator)
+REV = 4  # 4: Fidelity III (streams, stage-1 intervals, stage-2 step per commit, reentrant)
+# the 2020 mechanisms of Fidelity III: (switch, value without it, value with it)
+MECHANISMS = (("collective_stream_reuse", "at_free", "after_sync"),
+              ("stage1_interval_layout", False, True),
+              ("stage2_step", "e67a3def0", "f2ac7eafd"),
+              ("reentrant_checkpointing", False, True),
+              ("fp32_model_on_gpu_before_half", False, True))
+MECHANISM_AT = ("40B C1", "60B 64GPUs C5")
+SHORT = {"collective_stream_reuse": "streams", "stage1_interval_layout": "intervals",
+         "stage2_step": "f2ac7eafd step", "reentrant_checkpointing": "reentrant",
+         "fp32_model_on_gpu_before_half": "fp32 build"}
 
 
 def _setup(label: str):
-    size, zc = label.split()
+    """'40B C4' (Table 8) or '60B 64GPUs C5' (Table 6: Figure 3's 64-GPU point)."""
+    words = label.split()
+    if len(words) == 3:
+        s = next(s for s in setups("fig3") if s.gpus == int(words[1].removesuffix("GPUs")))
+        return s, words[2]
+    size, zc = words
     s = next(s for s in setups("fig7") if s.size_label == size)
     return s, zc
 
@@ -60,10 +82,23 @@ def plan(cfg) -> list[Point]:
                              params={"part": "breakdown", "setup": label, "stack": stack,
                                      "cluster": cluster, "iterations": its},
                              overrides={**ov, "simulate.stack": stack}, mode="simulated"))
+    if p.get("mechanisms", True):
+        for label in MECHANISM_AT:
+            s, zc = _setup(label)
+            ov = {**setup_overrides(s, cluster, zero_config=zc), "simulate.stack": "paper2020"}
+            for name, without, with_ in MECHANISMS:
+                for value in (without, with_):
+                    pts.append(Point(name=f"{label} {name}={value}",
+                                     params={"part": "mechanism", "setup": label,
+                                             "switch": name, "value": value,
+                                             "cluster": cluster, "iterations": its,
+                                             "rev": REV},
+                                     overrides=ov, mode="simulated"))
     if p.get("switches", True):
         s, zc = _setup(SWITCH_AT)
         ov = setup_overrides(s, cluster, zero_config=zc)
-        names = list(S.paper2020().switches())
+        names = [n for n in S.paper2020().switches()
+                 if S.describe(n)["category"] != S.TIME]
         hows = ("alone", "in_context") if p.get("in_context", False) else ("alone",)
         for name in names:
             for how in hows:
@@ -78,7 +113,20 @@ def plan(cfg) -> list[Point]:
 
 
 def run_point(cfg, point: Point) -> dict:
-    r = dry_run(cfg, iterations=int(point.params.get("iterations", 2)), keep_trace=False)
+    q = point.params
+    if q["part"] == "mechanism":
+        stack = dataclasses.replace(S.paper2020(), **{q["switch"]: q["value"]})
+        r = dry_run(cfg, iterations=int(q.get("iterations", 2)), keep_trace=True, stack=stack)
+        b = r.breakdown
+        return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
+                "needs_bytes": r.min_capacity(), "peak_held": r.allocator["peak_held"],
+                "capacity_bytes": r.capacity, "categories": b["categories"],
+                "allocator_slack": b["allocator_slack"], "stream_held": b["stream_held"],
+                "stream_held_categories": b["stream_held_categories"],
+                "cached_free": b["cached_free"], "live_peak": r.live_peak,
+                "build_live_peak": r.live_peak_by_phase.get("build", 0),
+                "total_s": r.timings["total_s"]}
+    r = dry_run(cfg, iterations=int(q.get("iterations", 2)), keep_trace=False)
     b = r.breakdown
     return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
@@ -87,6 +135,7 @@ def run_point(cfg, point: Point) -> dict:
             "outside_bracket": list(S.get(point.params["stack"]).outside_bracket())
             if point.params.get("stack") else [0, 0],
             "categories": b["categories"], "allocator_slack": b["allocator_slack"],
+            "stream_held": b.get("stream_held", 0), "peak_held": r.allocator.get("peak_held", 0),
             "cached_free": b["cached_free"], "breakdown_peak_reserved": b["peak_reserved"],
             "live_peak": b["live_peak"], "live_peak_categories": b["live_peak_categories"],
             "at_phase_event": b["at_event"], "total_s": r.timings["total_s"]}
@@ -107,6 +156,7 @@ def summarize(records) -> list[dict]:
         series = f"{p['setup']}, {p['stack']}"
         vals = dict(m["categories"])
         vals["allocator_slack"], vals["cached_free"] = m["allocator_slack"], m["cached_free"]
+        vals["stream_held"] = m.get("stream_held", 0)
         for cat in ROWS:
             rows.append({"figure": FIGURE, "series": series, "x_name": "category",
                          "x_value": cat, "y_name": "bytes_at_peak",
@@ -129,6 +179,7 @@ def summarize(records) -> list[dict]:
                          "x_value": name, "y_name": "bytes_at_peak",
                          "y_value": round(v / GIB, 4), "unit": "GiB", "kind": "simulated",
                          "setup": p["setup"], "stack": p["stack"], "bytes": int(v)})
+    rows += _mechanism_rows(newest)
     for r in newest:
         m, p = r.metrics, r.params
         if p["part"] != "switch" or p.get("rev") != REV:
@@ -147,6 +198,38 @@ def summarize(records) -> list[dict]:
                      "unit": "GiB", "kind": "simulated", "setup": p["setup"], "how": p["how"],
                      "category": meta["category"], "capacity_change_GiB": -extra / GIB,
                      "oom": m["oom"], "source": meta["source"]})
+    return rows
+
+
+def _mechanism_rows(newest) -> list[dict]:
+    """Per mechanism and setup: needed capacity and max cached with the mechanism's value as
+    the 2020 code ran it minus without (GiB), and the categories at the peak that moved."""
+    got = {(r.params["setup"], r.params["switch"], r.params["value"]): r.metrics
+           for r in newest if r.params["part"] == "mechanism" and r.params.get("rev") == REV}
+    rows = []
+    for label in MECHANISM_AT:
+        for name, without, with_ in MECHANISMS:
+            a, b = got.get((label, name, with_)), got.get((label, name, without))
+            if a is None or b is None:
+                continue
+            moved = {c: a["categories"].get(c, 0) - b["categories"].get(c, 0)
+                     for c in set(a["categories"]) | set(b["categories"])}
+            moved["stream_held"] = a.get("stream_held", 0) - b.get("stream_held", 0)
+            top = max(moved, key=lambda c: abs(moved[c]))
+            meta = S.describe(name)
+            for y, va, vb in (("needs_change", a["needs_bytes"], b["needs_bytes"]),
+                              ("max_cached_change", a["peak_reserved"], b["peak_reserved"])):
+                rows.append({"figure": f"{FIGURE}_mechanisms", "series": f"{label}, {y}",
+                             "x_name": "switch", "x_value": f"{name}={with_} (vs {without})",
+                             "y_name": y, "y_value": round((va - vb) / GIB, 3),
+                             "unit": "GiB", "kind": "simulated", "setup": label,
+                             "switch": name, "with": str(with_), "without": str(without),
+                             "needs_with_GiB": round(a["needs_bytes"] / GIB, 3),
+                             "needs_without_GiB": round(b["needs_bytes"] / GIB, 3),
+                             "peak_held_GiB": round(a.get("peak_held", 0) / GIB, 3),
+                             "category_moved": top,
+                             "category_moved_GiB": round(moved[top] / GIB, 3),
+                             "source": meta["source"]})
     return rows
 
 
@@ -176,6 +259,11 @@ def conclude(table, most: int = 4) -> list[str]:
         out.append(f"{series} {num(peak.max())}: " + ", ".join(
             f"{x} {num(y)}" for x, y in zip(top["x_value"], top["_y"]))
             + (f", rest {num(rest)}" if rest > 0 else ""))
+    mt = table[table["figure"] == f"{FIGURE}_mechanisms"]
+    for series, g in mt.groupby("series", sort=False):
+        out.append(f"mechanisms, {series} [GiB]: " + ", ".join(
+            f"{SHORT.get(str(x).split('=')[0], x)} {float(y):+.2f}"
+            for x, y in zip(g["x_value"], g["y_value"])))
     sw = table[table["figure"] == f"{FIGURE}_switches"]
     for series, g in sw.groupby("series", sort=False):
         g = g.assign(_y=column(g, "y_value")).sort_values("_y", ascending=False)
@@ -187,11 +275,47 @@ def conclude(table, most: int = 4) -> list[str]:
     return out
 
 
+def _plot_mechanisms(mx, table) -> None:
+    """Middle panel: what each Fidelity III mechanism adds (needed capacity: solid; max cached:
+    hatched) at each setup of ``MECHANISM_AT``."""
+    mt = table[table["figure"] == f"{FIGURE}_mechanisms"]
+    names = list(dict.fromkeys(mt["x_value"])) if len(mt) else []
+    if not names:
+        mx.set_axis_off()
+        return
+    width = 0.8 / (2 * len(MECHANISM_AT))
+    k = 0
+    for j, label in enumerate(MECHANISM_AT):
+        for y, hatch in (("needs_change", None), ("max_cached_change", "///")):
+            d = mt[(mt["setup"] == label) & (mt["y_name"] == y)].set_index("x_value")
+            vals = [float(d["y_value"].get(n, 0.0)) for n in names]
+            pos = [i + (k - (2 * len(MECHANISM_AT) - 1) / 2) * width for i in range(len(names))]
+            mx.barh(pos, vals, width, color=f"C{j + 2}", hatch=hatch, edgecolor="white",
+                    label=f"{label}: " + ("capacity needed" if y == "needs_change"
+                                          else "max cached"))
+            for p_, v in zip(pos, vals):
+                mx.annotate(f"{v:+.2f}", (max(v, 0.0), p_), va="center", fontsize=6,
+                            xytext=(3, 0), textcoords="offset points")
+            k += 1
+    lo, hi = mx.get_xlim()
+    mx.set_xlim(lo, hi + 0.12 * (hi - lo))  # room for the labels
+    mx.set_yticks(range(len(names)), [n.replace(" (vs", "\n(vs") for n in names], fontsize=7)
+    mx.invert_yaxis()
+    mx.axvline(0, color="0.3", lw=0.8)
+    mx.set_xlabel("paper2020 with the mechanism minus without (GiB)")
+    mx.set_title("What each 2020 mechanism adds (simulated)\n40B C1 = Table 8, 60B on 64 GPUs "
+                 "b16 C5 = Table 6", fontsize=9)
+    mx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1,
+              frameon=False)
+    mx.grid(True, axis="x", alpha=0.3)
+
+
 def plot(table, out_dir: str) -> list[str]:
     """Stacked bars: per setup x stack, the bytes at the peak of cached memory by category
-    (GiB), the CUDA context + NCCL outside the allocator hatched on top, the V100's 32 GB as a
-    line; right panel: each paper2020 switch's change of max cached at 40B C4 (alone vs
-    modern, in context vs paper2020)."""
+    (GiB; stream_held: blocks held for a collective's stream), the CUDA context + NCCL outside
+    the allocator hatched on top, the V100's 32 GB as a line; middle panel: what each Fidelity
+    III mechanism adds at Table 8's and Table 6's setups; right panel: each paper2020 switch's
+    change of max cached at 40B C4 (alone vs modern, in context vs paper2020)."""
 
     import matplotlib
 
@@ -200,7 +324,9 @@ def plot(table, out_dir: str) -> list[str]:
 
     t = table[table["figure"] == FIGURE]
     series = list(dict.fromkeys(t["series"]))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.5, 6.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (ax, mx, bx) = plt.subplots(1, 3, figsize=(21, 7.2),
+                                     gridspec_kw={"width_ratios": [1.25, 1, 1.1]})
+    _plot_mechanisms(mx, table)
     cats = [c for c in ROWS if (t[t["x_value"] == c]["y_value"] > 0).any()]
     cmap = plt.get_cmap("tab20")
     for i, s in enumerate(series):
@@ -227,7 +353,8 @@ def plot(table, out_dir: str) -> list[str]:
                     bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none"})
     ax.axhline(DEVICE_GIB, color="0.4", ls="--", lw=1,
                label=f"V100-32GB as it reports itself: {DEVICE_GIB:.2f} GiB")
-    ax.set_xticks(range(len(series)), [s.replace(", ", "\n") for s in series], fontsize=8)
+    ax.set_xticks(range(len(series)), [s.replace(", ", "\n").replace(" 64GPUs", "\n64 GPUs")
+                                       for s in series], fontsize=7.5)
     ax.set_ylabel("Bytes per GPU at the peak of cached memory (GiB = 2^30 B)")
     ax.set_title("Where did the memory go (400 V100, MP 16; simulated)", fontsize=9.5)
     handles, labels = ax.get_legend_handles_labels()

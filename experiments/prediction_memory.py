@@ -10,7 +10,9 @@ the allocator, a sourced bracket (``scale.dryrun.stack.outside``): the verdict i
 mid and high end. A setup that does not fit under paper2020 is one the paper could not have run as
 modelled (``tests/test_paper_runs_fit.py`` requires every one to fit). Figure 8's rows follow
 ``scale.paper.table9``'s default order (``experiment.params.table9_orders`` adds the other
-reading); "ZeRO" rows of Figures 2-3 take the configuration the paper states for the same workload
+reading); ``paper2020_most`` (every choice the 2020 sources leave open at its most-memory end,
+``switches.paper2020_most``) is judged at the high end of the outside bracket: where the paper's
+own runs exclude that end, the bracket's end is not what ran; "ZeRO" rows of Figures 2-3 take the configuration the paper states for the same workload
 elsewhere (170B: Figure 8's C5 run, §10.5), else ``calibrate.zero_config_for``'s. Unit: GiB = 2^30
 B. Nothing here is compared with withheld values.
 """
@@ -31,7 +33,7 @@ from zero_repro.scale.hardware import Hardware
 
 FIGURE = "prediction_memory"
 GIB = 2**30
-STACKS = ("paper2020", "modern")
+STACKS = ("paper2020", "modern", "paper2020_most")
 FIGURES = ("fig2", "fig3", "fig4", "fig6", "fig8")
 
 
@@ -199,6 +201,17 @@ def plot(table, out_dir: str) -> list[str]:
                          "outside it (CUDA context + NCCL, sourced bracket)")
         ax.axvline(dev, color="0.4", ls="--", lw=1,
                    label=f"V100-32GB as it reports itself: {dev:.2f} GiB")
+    most = t[t["stack"] == "paper2020_most"].set_index("label")
+    if len(most):
+        ys = [j - 0.19 for j in range(len(labels))]
+        vals = [float(most["needs_GiB"].get(lab, float("nan"))) for lab in labels]
+        ax.plot(vals, ys, ls="none", marker=">", ms=4, color="C3", mfc="white",
+                label="paper2020 at the bracket's most-memory end (blocks held until sync, "
+                      "step as at f2ac7eafd): capacity needed")
+        for y, lab, v in zip(ys, labels, vals):
+            if lab in most.index and not bool(most["fits_high"].get(lab, True)):
+                ax.annotate("OOM at the most-memory end", (v, y), fontsize=6, va="center",
+                            xytext=(5, 0), textcoords="offset points", color="C3")
     for k, (stack, col) in enumerate((("paper2020", "C3"), ("modern", "C0"))):
         d = t[t["stack"] == stack].set_index("label")
         ys = [j + (k - 0.5) * 0.38 for j in range(len(labels))]

@@ -11,6 +11,7 @@ Adam, GB = 1e9 bytes) for Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024.
 """
 from __future__ import annotations
 
+from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
@@ -73,7 +74,8 @@ def summarize(records) -> list[dict]:
                          "y_value": run["model_state_bytes"], "unit": "bytes",
                          "kind": "measured", "formula_bytes": formula,
                          "psi_padded": run["psi_padded"],
-                         "matches_formula": run["model_state_bytes"] == formula})
+                         "matches_formula": run["model_state_bytes"] == formula,
+                         "provenance": TS.provenance_label(r)})
     return rows
 
 

@@ -21,6 +21,7 @@ Cost: ``results/table2_max_model/notes.md``.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import textwrap
 
@@ -91,10 +92,14 @@ def run_point(cfg, point: Point) -> dict:
            "search_s": r.seconds, "dry_run_backend": r.backend, "capacity_bytes": r.capacity,
            "outside_point": cfg.simulate.outside_point,
            "judgements": [vars(j) for j in r.judgements]}
-    lo, hi = S.get(point.params.get("stack", "modern")).outside_bracket()
-    for end in ("low", "high") if hi > lo else ():  # the bracket of bytes outside the allocator
-        e = r if end == cfg.simulate.outside_point else maxsize.max_layers(
-            cfg, capacity=maxsize.capacity_of(cfg, end), iterations=its)
+    name = point.params.get("stack", "modern")
+    lo, hi = S.get(name).outside_bracket()
+    for end in ("low", "high") if hi > lo else ():  # the bracket (switches.bracket_end)
+        stack, where = S.bracket_end(name, end)
+        c = dataclasses.replace(cfg, simulate=dataclasses.replace(
+            cfg.simulate, stack=stack, outside_point=where))
+        e = r if (stack, where) == (name, cfg.simulate.outside_point) else maxsize.max_layers(
+            c, capacity=maxsize.capacity_of(c, where), iterations=its)
         out[f"max_params_outside_{end}"] = e.params
         out[f"max_n_layer_outside_{end}"] = e.n_layer
     return out
@@ -113,14 +118,16 @@ NOTE = ("Theoretical: model states only, Psi = 32e9 B (GB = 1e9, as the paper co
         "per parameter x MP. Dry run ('measured' here = the largest depth whose dry run fits, not "
         "a GPU measurement): hidden 4096/32 heads at MP <= 2, 8192/64 at MP >= 4 (the paper "
         "states no shapes), batch 1 per GPU, sequence 1024, vocabulary 50257, judged at the "
-        "V100's 31.75 GiB less the bytes outside the allocator (GiB = 2^30 B; bars and the "
-        "small numbers beside the paper2020 points: the answers, B params, at the sourced bracket's "
-        "high .. low end, 0.37..2.23 GiB). paper2020 P_os sits 20-23% under the paper: its stage 1 "
-        "(DeepSpeed zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's "
-        "gradient sub-partitions (2 Psi) before its reduce-scatter; the 'initial implementation "
-        "that used a global collective (all-reduce)' (DeepSpeed post of 2020-03-17; v0.1 "
-        "ec79b239: 5e8-element all-reduce buckets) holds no such copy. Which one measured Table 2 "
-        "is not public: the gap is left visible (results/table2_max_model/notes.md).")
+        "V100's 31.75 GiB less the bytes outside the allocator (GiB = 2^30 B; the small numbers "
+        "beside the paper2020 points: the answers, B params, at the bracket's most- .. "
+        "least-memory end: the 2020 stack's open choices and the outside bytes 0.37..2.23 GiB). "
+        "paper2020 P_os sits 21-24% under the paper: its stage 1 (DeepSpeed "
+        "zero_optimizer_stage1.py@f2ac7eafd, public 2020-05-19) flattens every rank's gradient "
+        "sub-partitions (2 Psi, padded to whole comm intervals) before its reduce-scatter; the "
+        "'initial implementation that used a global collective (all-reduce)' (DeepSpeed post of "
+        "2020-03-17; v0.1 ec79b239: 5e8-element all-reduce buckets) holds no such copy. Which one "
+        "measured Table 2 is not public: the gap is left visible "
+        "(results/table2_max_model/notes.md).")
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)

@@ -126,3 +126,44 @@ def test_only_a_closed_step_is_repeated():
     assert not A.closed_from(DRIFT[:-1], 0)  # keeps d into the next step
     assert not A.closed_from([("free", 9, MiB, "forward", 1)] + DRIFT, 0)  # frees older state
     assert A.closed_from([("alloc", 9, MiB, "build", 0)] + DRIFT, 1)
+
+
+# ------------------------------------------------------------------ streams (PyTorch 1.x)
+def test_held_block_is_reused_only_after_a_sync():
+    """A block freed while a collective's stream may use it is not handed out, not merged,
+    counted in neither allocated nor free bytes, until a sync returns it to the pool."""
+    a = A.CachingAllocator()
+    x = a.malloc(12 * MiB)  # its own 12 MiB segment
+    a.free(x, 12 * MiB, held=True)
+    assert a.held == 12 * MiB and a.allocated == 0 and a.result.peak_held == 12 * MiB
+    y = a.malloc(12 * MiB)  # the held block cannot serve it: a second segment
+    assert a.reserved == 24 * MiB and y.addr != x.addr
+    a.sync()
+    assert a.held == 0
+    z = a.malloc(12 * MiB)  # back in the pool: reused
+    assert z.addr == x.addr and a.reserved == 24 * MiB
+
+
+def test_failed_allocation_first_reclaims_held_blocks_then_releases_segments():
+    """free_cached_blocks: synchronize_and_free_events (held blocks to the pool), release the
+    completely free segments, retry the cudaMalloc once; the pool is not searched again."""
+    a = A.CachingAllocator(capacity=30 * MiB)
+    x = a.malloc(12 * MiB)
+    a.free(x, 12 * MiB, held=True)
+    a.malloc(14 * MiB)  # 26 MiB reserved
+    a.malloc(12 * MiB)  # 38 > 30: reclaim the held block, release its segment, retry
+    r = a.result
+    assert r.n_reclaims == 1 and r.n_releases == 1 and not r.oom and a.reserved == 26 * MiB
+
+
+def test_replay_of_held_frees_and_sync_events():
+    ev = [("alloc", 1, 12 * MiB, "backward", 0), ("free_held", 1, 12 * MiB, "backward", 0),
+          ("alloc", 2, 12 * MiB, "backward", 0), ("free", 2, 12 * MiB, "backward", 0),
+          ("sync", -1, 0, "backward", 0), ("alloc", 3, 24 * MiB, "step", 0),
+          ("free", 3, 24 * MiB, "step", 0)]
+    r = A.replay(ev)
+    assert r.peak_held == 12 * MiB and r.peak_reserved == 24 * MiB + 24 * MiB
+    at_free = A.replay([(("free",) + e[1:]) if e[0] == "free_held" else e
+                        for e in ev if e[0] != "sync"])
+    assert at_free.peak_reserved == 12 * MiB + 24 * MiB  # the same block reused at once
+    assert A.closed_from(ev, 0)

@@ -70,7 +70,8 @@ def test_fig6_per_stack_sizes_and_signed_errors_beside_the_papers():
                              for r in mine.itertuples())
         assert line_with(lines, f"simulated, {stack} [B]: ") == (
             f"simulated, {stack} [B]: {expected}")
-    order = line_with(lines, "the paper's ascending order C1 < C3 < C2 < C4 < C5")
+    from experiments.fig6_max_model import paper_order
+    order = line_with(lines, f"the paper's ascending order {' < '.join(paper_order())}")
     assert order.count("reproduces it") == int(
         (t.loc[t["figure"] == "fig6_order", "y_value"] == 1.0).sum())
     # a stack that orders the five differently says so, with its order

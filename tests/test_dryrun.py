@@ -221,6 +221,9 @@ def test_max_layers_search_is_tight():
     # probes and judgements share dry runs; at most one speculative parallel run is unused
     assert r.n_dry_runs <= len(r.judgements) + 3
     assert r.n_layer >= 3 and verdict[r.n_layer] and not verdict[r.n_layer + 1]
+    # the increasing sweep's answer: every depth from its start up to it judged to fit
+    assert r.sweep_start <= r.n_layer <= r.largest_fit
+    assert all(verdict[d] for d in range(max(r.sweep_start, 1), r.n_layer + 1))
     assert all(j.peak_allocated <= 2.0e9 for j in r.judgements if j.fits)
     assert r.params > 12 * r.n_layer * 8192**2  # weights of the blocks + embeddings
     # the scan writes the same judgements out (the dry runs are shared in the process)
@@ -323,6 +326,30 @@ def test_search_answer_is_the_largest_fit_below_two_that_do_not(pairs):
     probes = [(21, band.need(21)), (42, band.need(42))]
     n = maxsize._search(band, 180, 2000, probes, band.cap, pairs=pairs)
     assert n == 178 and not band.memo[179].fits and not band.memo[180].fits, band.calls
+
+
+class _SweepJudge(_BandJudge):
+    """The band judge with needs falling one GB per 8 layers below the band."""
+
+    def __call__(self, n: int) -> bool:
+        fits = super().__call__(n)
+        if fits and n < 170:
+            self.memo[n] = dataclasses.replace(self.memo[n], min_capacity=int(
+                self.cap - (170 - n) * 0.13e9))
+        return fits
+
+
+def test_increasing_sweep_stops_at_the_first_failure():
+    """The paper grew the model until it failed (ds_gpt_experiment_loop.sh): the answer is one
+    below the smallest depth judged not to fit, found walking down from the search's largest
+    fit until a depth fits with a margin; monotone: the search's answer."""
+    band = _SweepJudge(176, holes={171, 172, 175}, islands={178})
+    n, start = maxsize.increasing_sweep(band, band.cap, 178)
+    assert n == 170 and start < 170
+    assert band.memo[start].min_capacity <= band.cap - maxsize.SAFE_MARGIN
+    assert all(band.memo[d].fits for d in range(start, 171))
+    mono = _SweepJudge(176)
+    assert maxsize.increasing_sweep(mono, mono.cap, 176)[0] == 176
 
 
 def test_min_capacity_is_the_fit_threshold_the_search_steers_on():

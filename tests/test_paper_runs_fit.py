@@ -120,5 +120,7 @@ def test_fig6_flip_band_reads_the_judged_depths():
 
     j = [{"n_layer": n, "fits": f} for n, f in ((50, True), (54, False), (55, True),
                                                  (59, True), (60, False), (61, False))]
-    assert flip_band(j, 59) == (54, 59)  # 54 does not fit below the answer
+    # the increasing sweep stops at 54 (answer 53); 55-59 fit again
+    assert flip_band(j, 53, 59) == (54, 59)
+    assert flip_band(j, 53) == (54, 59)  # the largest fit read from the judgements
     assert flip_band(j[:1] + j[-2:], 50) == (50, 50)  # monotone: no band

@@ -53,11 +53,18 @@ def test_switches_cite_sources_and_categories():
     for name in p.switches():
         meta = S.describe(name)
         assert meta["source"] and meta["doc"]
-        assert "@" in meta["source"]
-        assert meta["category"] in S.CATEGORIES + (S.OUTSIDE,)
+        assert "@" in meta["source"] or "PyTorch 1.x" in meta["source"]
+        assert meta["category"] in S.CATEGORIES + (S.OUTSIDE, S.TIME)
     flags = {n: v for n, v in p.switches().items() if isinstance(v, bool)}
     assert [n for n, v in flags.items() if not v] == ["fp32_model_on_gpu_before_half"]
     assert not any(v for v in S.modern().switches().values() if isinstance(v, bool))
+    assert (p.stage2_step, p.collective_stream_reuse) == ("e67a3def0", "after_sync")
+    assert (S.modern().stage2_step, S.modern().collective_stream_reuse) == ("none", "at_free")
+    least, most = S.get("paper2020_least"), S.get("paper2020_most")
+    assert (least.collective_stream_reuse, least.stage2_step) == ("at_free", "e67a3def0")
+    assert (most.collective_stream_reuse, most.stage2_step) == ("after_sync", "f2ac7eafd")
+    assert S.bracket_end("paper2020", "low") == ("paper2020_least", "low")
+    assert S.bracket_end("modern", "high") == ("modern", "high")
     lo, hi = p.outside_bracket()
     assert 0 < lo < hi and S.modern().outside_bracket() == (0, 0)
     assert p.capacity_bytes(32e9, "low") == 32e9 - lo == 32e9 - p.outside_bytes("low")
@@ -183,18 +190,82 @@ def test_stage2_build_moves_params_to_host_and_caches_their_blocks():
             == b["peak_reserved"])
 
 
-def test_stage2_gradient_path_single_bucket_and_fp32_partition():
+def _step_live_peak(tr) -> int:
+    live = peak = 0
+    for kind, _sid, nbytes, phase, _ in tr.events:
+        live += nbytes if kind == "alloc" else -nbytes
+        if phase == "step":
+            peak = max(peak, live)
+    return peak
+
+
+def test_stage2_gradient_path_single_bucket_and_step_per_commit():
     n, rows, cols = 6, 1024, 768
     bucket = 4 * rows * cols
-    stack = dataclasses.replace(S.paper2020(), stage2_reduce_bucket_size=bucket)
-    tr, ds, _ = _ds_trace(2, stack, n, rows, cols)
-    allocs = {e[1]: e for e in tr.events if e[0] == "alloc"}
-    cats = {}
-    for sid, e in allocs.items():
-        cats.setdefault((tr.category_of[sid], e[3]), []).append(e[2])
-    assert cats[(S.BUCKETS, "backward")] == [bucket * 2]  # one ipg bucket (no overlap_comm)
-    assert cats[(S.GRAD_PARTITION, "backward")].count(n * rows * cols * 2) == 1  # N_d = 1
-    assert n * rows * cols * 4 in cats[(S.STEP_TEMP, "step")]  # the fp32 gradient partition
+    psi = n * rows * cols
+    traces = {}
+    for commit in ("e67a3def0", "f2ac7eafd"):
+        stack = dataclasses.replace(S.paper2020(), stage2_reduce_bucket_size=bucket,
+                                    stage2_step=commit)
+        tr, ds, _ = _ds_trace(2, stack, n, rows, cols)
+        traces[commit] = tr
+        allocs = {e[1]: e for e in tr.events if e[0] == "alloc"}
+        cats = {}
+        for sid, e in allocs.items():
+            cats.setdefault((tr.category_of[sid], e[3]), []).append(e[2])
+        assert cats[(S.BUCKETS, "backward")] == [bucket * 2]  # one ipg bucket (no overlap_comm)
+        assert cats[(S.GRAD_PARTITION, "backward")].count(psi * 2) == 1  # N_d = 1
+        step = cats[(S.STEP_TEMP, "step")]
+        assert (psi * 4 in step) == (commit == "f2ac7eafd")  # the fp32 gradient partition
+        assert psi * 2 in step  # the flat fp16 copy of the gradient partition
+        assert rows * cols * 8 in step  # the norm's per-tensor fp64 copy
+    # f2ac7eafd: .to(fp32) while the fp16 partition lives: 2 + 2 + 4 bytes per element at once
+    # (e67a3def0: 2 + 2); the other live bytes (params, master, Adam) are the same
+    assert _step_live_peak(traces["f2ac7eafd"]) - _step_live_peak(traces["e67a3def0"]) == psi * 4
+
+
+def test_stage1_interval_layout_pads_to_whole_comm_intervals():
+    from zero_repro.scale.dryrun.stack.deepspeed02_stage1 import interval_layout
+    assert interval_layout(1000, 4, 100) == (25, 10, 1000)
+    # 1010 elements: sub-partitions of 25 -> 41 of them, not a multiple of N_d = 4: a whole
+    # 11th interval, padded to 11 * 4 * 25
+    assert interval_layout(1010, 4, 100) == (25, 11, 1100)
+    assert interval_layout(50, 4, 100) == (12, 2, 96)  # fewer elements than one interval
+
+
+def test_stage1_intervals_flatten_every_rank_sub_partition_separately():
+    """After backward: one ``sub``-element tensor per (rank, interval), one interval-sized
+    staging tensor per reduce-scatter; none of them a 2Ψ flat."""
+    from zero_repro.scale.dryrun.stack.deepspeed02_stage1 import Stage1Intervals
+    launch.init_fake(0, 4)
+    try:
+        topo = Topology.build(1)  # DP 4
+        stack = dataclasses.replace(S.paper2020(), stage1_max_elements_per_comm=4000)
+        tr = K.CategoryTracer()
+        with FakeTensorMode(), tr:
+            params = [torch.empty(100, 25, dtype=torch.float16) for _ in range(4)]  # Ψ 10000
+            ds = Stage1Intervals(params, topo.dp_group, stack)
+            ds.build()
+            with tr.in_phase("backward", 0):
+                for i, p in enumerate(params):
+                    ds.grad_ready(i, torch.empty_like(p))
+                ds.backward_end()
+            with tr.in_phase("step", 0):
+                ds.step()
+        assert (ds.sub, ds.n_int, ds.padded) == (1000, 3, 12000)
+        bwd = [e[2] for e in tr.events if e[0] == "alloc" and e[3] == "backward"
+               and tr.category_of[e[1]] == S.BUCKETS]
+        # N_d x n_int sub-partitions (fp16), and one torch.cat per own parameter (here each
+        # own parameter's part is one sub-partition long)
+        assert bwd.count(ds.sub * 2) == 4 * 3 + len(ds._own_params())
+        assert bwd.count(ds.sub * 4 * 2) == 3  # one staging interval per reduce-scatter
+        assert max(bwd) < ds.padded * 2
+        adam = [e[2] for e in tr.events if e[0] == "alloc" and e[3] == "step"
+                and tr.category_of[e[1]] == S.MASTER_ADAM]
+        assert adam == [ds.sub * 4] * (2 * ds.n_int)  # Adam's state at the first step
+        assert ds.ledger_sizes()["params_lp"] == 12000 * 2
+    finally:
+        comm.destroy_process_group()
 
 
 def test_stage1_keeps_per_param_grads_and_flattens_them_again():
@@ -216,17 +287,21 @@ def test_stage1_keeps_per_param_grads_and_flattens_them_again():
     assert build_peak >= 4 * psi  # stage 1 flattens while the per-parameter tensors live
 
 
-def test_fp32_model_on_gpu_switch_caches_fp32_blocks():
-    n, rows, cols = 4, 1024, 768
-    off, _, _ = _ds_trace(2, S.paper2020(), n, rows, cols)
-    on, _, _ = _ds_trace(2, dataclasses.replace(S.paper2020(),
-                                                fp32_model_on_gpu_before_half=True),
-                         n, rows, cols)
-    fp32 = [e for e in on.events if e[0] == "alloc" and e[2] == rows * cols * 4
-            and on.category_of[e[1]] == S.BUILD]
-    assert len(fp32) == n
-    assert (A.replay(on.events).peak_reserved - A.replay(off.events).peak_reserved
-            >= n * A.segment_size(rows * cols * 4) - n * A.segment_size(rows * cols * 2))
+def test_fp32_model_on_gpu_switch_builds_the_whole_fp32_model_first():
+    """DSE@07d1ce0d: model.cuda() in fp32 (every parameter at 4 B at once), then halved one
+    parameter at a time: the build's live peak is the fp32 model plus one fp16 parameter."""
+    base = DR.dry_run(_tiny_cfg("C4", stack="paper2020"))
+    on = DR.dry_run(_tiny_cfg("C4", stack="paper2020"),
+                    stack=dataclasses.replace(S.paper2020(), fp32_model_on_gpu_before_half=True))
+    psi = base.psi
+    fp32 = sum(e[2] for e in on.trace if e[0] == "alloc" and e[1] not in on.host_sids
+               and on.category_of.get(e[1]) == S.BUILD and e[3] == "build")
+    assert fp32 == 4 * psi  # every parameter once in fp32
+    dev = [e for e in on.trace if e[1] not in on.host_sids]
+    last = max(i for i, e in enumerate(dev) if e[0] == "alloc"
+               and on.category_of.get(e[1]) == S.BUILD)
+    live = sum(e[2] if e[0] == "alloc" else -e[2] for e in dev[:last + 1])
+    assert live >= 4 * psi  # the whole fp32 model on the device at once
 
 
 @pytest.fixture
@@ -340,7 +415,12 @@ def test_pa_per_layer_checkpoints_keep_one_tensor_per_layer_and_zeroed_full_inpu
     base = DR.dry_run(_tiny_cfg("C4", n_layer=n))
     one = DR.dry_run(_tiny_cfg("C4", only=["pa_per_layer_checkpoints"], n_layer=n))
     ck = lambda r: [sid for sid, c in r.category_of.items() if c == S.CHECKPOINTS]  # noqa: E731
-    assert len(ck(base)) == 1 and len(ck(one)) == n  # arena vs per-layer partitions
+    # an arena vs a list of n per-layer partitions made anew every step (mpu/random.py: the
+    # list is dropped at the first backward), all n allocated together at the first forward
+    assert len(ck(base)) == 1 and len(ck(one)) == 2 * n
+    sids = set(ck(one))
+    allocs = [i for i, e in enumerate(one.trace) if e[0] == "alloc" and e[1] in sids]
+    assert allocs[n - 1] - allocs[0] == n - 1 and allocs[-1] - allocs[n] == n - 1
     full = b * s * h * 2
     count = lambda r: sum(1 for k, _, nb, ph, _ in r.trace  # noqa: E731
                           if k == "alloc" and nb == full and ph == "backward")
@@ -365,3 +445,57 @@ def test_paper2020_stage2_uses_deepspeed02_and_judges_with_build():
 def test_only_switches_rejects_unknown_names():
     with pytest.raises(ValueError):
         DR.stack_of(_tiny_cfg(only=["no_such_switch"]))
+
+
+def _backward_peak(r) -> int:
+    return r.live_peak_by_phase["backward"]
+
+
+def test_reentrant_checkpointing_keeps_the_recomputed_output_through_the_layer_backward():
+    """mpu/random.py L492-502: the recomputed output stays alive through the inner backward
+    (b·s·h fp16 more at the backward peak of this layer)."""
+    b, s, h = 2, 32, 64
+    for zc in ("C3", "C4"):
+        base = DR.dry_run(_tiny_cfg(zc, only=["report_gib"], n_layer=3))
+        one = DR.dry_run(_tiny_cfg(zc, only=["reentrant_checkpointing"], n_layer=3))
+        assert _backward_peak(one) - _backward_peak(base) == b * s * h * 2
+        assert one.live_peak_by_phase["forward"] == base.live_peak_by_phase["forward"]
+
+
+def test_streams_hold_collective_blocks_until_the_next_sync():
+    """A block a collective touched, freed with work queued on its stream, is held until the
+    next synchronisation point: free_held / sync events under paper2020, none under modern;
+    the live bytes are the same either way."""
+    base = DR.dry_run(_tiny_cfg("C4", only=["report_gib"], n_layer=3))
+    one = DR.dry_run(_tiny_cfg("C4", only=["collective_stream_reuse"], n_layer=3))
+    kinds = lambda r: {e[0] for e in r.trace}  # noqa: E731
+    assert kinds(base) == {"alloc", "free"} and kinds(one) == {"alloc", "free", "free_held",
+                                                                 "sync"}
+    assert one.live_peak_by_phase == base.live_peak_by_phase
+    assert one.allocator["peak_held"] > 0 and base.allocator["peak_held"] == 0
+    assert one.breakdown["stream_held"] >= 0
+    b = one.breakdown
+    assert (sum(b["categories"].values()) + b["allocator_slack"] + b["stream_held"]
+            + b["cached_free"] == b["peak_reserved"])
+
+
+def test_tracer_marks_collective_storages_held_until_sync():
+    from zero_repro.scale.dryrun.tracer import AllocationTracer
+    launch.init_fake(0, 2)
+    try:
+        topo = Topology.build(2)
+        tr = AllocationTracer(on_meta=True, streams=True)
+        with torch.device("meta"), tr:
+            a = torch.empty(1000, dtype=torch.float16)
+            comm.all_reduce(a, topo.tp_group)
+            del a  # the stream has work queued since the last sync: held
+            b = torch.empty(1000, dtype=torch.float16)
+            comm.all_reduce(b, topo.tp_group)
+            tr.sync()
+            del b  # the stream's work finished at the sync: a plain free
+            c = torch.empty(1000, dtype=torch.float16)
+            del c  # never touched by a collective
+        kinds = [e[0] for e in tr.events]
+        assert kinds == ["alloc", "free_held", "alloc", "sync", "free", "alloc", "free"]
+    finally:
+        comm.destroy_process_group()

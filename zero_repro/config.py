@@ -42,7 +42,7 @@ MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 # timeout) takes longer than a second on a loaded machine: below this nothing can run
 MIN_COLLECTIVE_TIMEOUT_S = 1.0
 # software stacks of the paper-scale dry run (zero_repro.scale.dryrun.stack.switches.STACKS)
-SIM_STACKS = ("modern", "paper2020")
+SIM_STACKS = ("modern", "paper2020", "paper2020_least", "paper2020_most")
 # Record identity, declared on the fields (``identity``). Every field identifies a run point
 # unless its metadata holds ``identity: False``; ``ABSENT`` is the value a record made before
 # the field existed ran with (default: the field's default). A schema change that alters

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from zero_repro.scale.analytic import ZERO_CONFIGS, fits
+from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.buckets import ALLGATHER_BUCKET, REDUCE_BUCKET
 from zero_repro.scale.paper.setups import PaperSetup, paper_values
@@ -67,14 +68,20 @@ def zero_config_for(s: PaperSetup, hw: Hardware) -> str:
 
 
 def workload_for(s: PaperSetup, hw: Hardware, zero_config: str | None = None,
-                 **overrides) -> Workload:
+                 stack: S.Stack | None = None, **overrides) -> Workload:
     """The performance model's workload of setup ``s`` under ``zero_config`` (default: the
-    configuration ``zero_config_for`` assumes); ``overrides``: Workload fields."""
+    configuration ``zero_config_for`` assumes) and the software stack's time switches
+    (default: ``paper2020``, the stack that ran the paper; ``scale.dryrun.stack.switches``);
+    ``overrides``: Workload fields."""
     cfg = zero_config or zero_config_for(s, hw)
     mc = ZERO_CONFIGS[cfg]
+    st = S.paper2020() if stack is None else stack
     kw = dict(n_layer=s.n_layer, hidden=s.hidden, heads=s.heads, gpus=s.gpus, tp=s.tp,
               batch_per_gpu=s.batch_per_gpu, stage=mc.stage, checkpointing=mc.checkpointing,
-              p_a=mc.p_a and s.tp > 1, p_a_cpu=mc.cpu)
+              p_a=mc.p_a and s.tp > 1, p_a_cpu=mc.cpu,
+              step_commit=st.stage2_step if st.zero_step_time and st.stage2_step != "none"
+              else "", rooted_reduce=st.stage2_rooted_reduces,
+              pa_cpu_sync=st.pa_cpu_pageable_sync)
     kw.update(overrides)
     return Workload(**kw)
 

@@ -2,7 +2,7 @@
 TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication, §10 Figures 2, 3, 4,
 8). ``step_time(workload, hardware, params)``, ``simulate``:
 
-    T = T_compute + T_tp + T_dp,exposed + T_Pa + T_cpu
+    T = T_compute + T_tp + T_dp,exposed + T_Pa + T_cpu + T_step
 
 * Compute: a roofline of the 2019 Megatron layer on one GPU: every GEMM at the tensor-core roof
   (``peak``: V100 125 TFLOPs, NVIDIA Tesla V100 datasheet) times ``e_max`` with a wave tail, the
@@ -30,10 +30,18 @@ TFLOPs/GPU for a ZeRO / Megatron training point (paper §7-8 communication, §10
   and reduce-scatters, overlapped likewise.
 * P_a: one TP all-gather of b·s·h per block in backward (§8); P_a+cpu: 2x the partitioned
   checkpoint bytes over PCIe, the device->host copy overlapping forward, host->device in
-  backward synchronous.
+  backward synchronous (``pa_cpu_sync``: both synchronous, as 2019 Megatron's pageable copies).
+* The 2020 stack's per-step terms that do not shrink with the batch (each a Workload field, set
+  from ``scale.dryrun.stack.switches``): ``step_commit``, the ZeRO step's memory-bound passes
+  (overflow check, gradient norm, flatten, casts, Adam, copies) at the HBM roof, bytes per
+  element in ``STEP_BYTES`` (DeepSpeed's code at that commit); ``rooted_reduce``, stage 2's
+  gradient reduction as one rooted ``dist.reduce`` per destination rank (DeepSpeed@f2ac7eafd
+  deepspeed_zero_optimizer.py L616-629, e67a3def0 L653-666): a ring reduce moves its whole
+  slice over every link, so the bucket costs S/B instead of (n-1)/n·S/B, plus n(n-1)α.
 
-Not modelled: the optimizer step, pipeline bubbles, allocator stalls and fragmentation,
-stragglers. Alternatives tried and their errors: ``results/fig2_throughput/notes.md``.
+Not modelled: pipeline bubbles, allocator stalls and fragmentation, stragglers, the host's
+launch gaps after each synchronisation (no sourced number). Alternatives tried and their errors:
+``results/fig2_throughput/notes.md``.
 """
 from __future__ import annotations
 
@@ -77,6 +85,11 @@ class Workload:
     # ZeRO-Offload (zero.offload_optimizer=cpu): AdamW on the host, the shard over PCIe
     # (the modern step model's terms, ``scale.offload_time``; the paper2020 model has none)
     offload: bool = False
+    # the 2020 stack's per-step terms (module doc): the ZeRO step's passes at this DeepSpeed
+    # commit ("" = not modelled), rooted reduces for stage 2, synchronous P_a+cpu copies
+    step_commit: str = ""
+    rooted_reduce: bool = False
+    pa_cpu_sync: bool = False
 
     @property
     def dp(self) -> int:
@@ -222,6 +235,36 @@ MEM_BYTES = {"scores": (25, 27), "hidden": (38, 38), "mlp": (20, 18), "qkv": (4,
              "logits": (46, 14)}
 
 
+# Bytes per parameter element moved by the ZeRO step's memory-bound passes (an fp16 element 2 B,
+# fp32 4, fp64 8; an elementwise op reads its inputs and writes its output), keyed by the
+# DeepSpeed commit (``Workload.step_commit``). (per element of this rank's partition Ψ/(MP·N_d),
+# per element of the rank's whole model Ψ/MP).
+#   stage 2, both commits: overflow check x.float().sum() 2+4+4 = 10 (f2ac7eafd
+#     deepspeed_zero_optimizer.py L1229), norm g.double().norm() 2+8+8 = 18 (L952), flatten
+#     2+2 = 4 (L1078); per element of Ψ/MP: the gradient copied into the ipg bucket 2+2 and the
+#     list all-gather's flattened output copied back 2+2 = 8.
+#   e67a3def0: fused Adam on fp16 gradients writing the fp16 parameters (L1418-1425): read
+#     g 2, p m v 12, write p m v 12, p16 2 = 28  -> 60 per partition element
+#   f2ac7eafd: .to(fp32) 2+4 (L1078-1080), unscale 4+4 (L1171-1177), fp32 Adam read p g m v
+#     16, write p m v 12 (L1095), fp32 -> fp16 copy 4+2 (L1100-1102) -> 80
+#   stage 1 (zero_optimizer_stage1.py@f2ac7eafd): overflow x.float().sum() and norm
+#     .float().norm() over every gradient, 10 + 10 per element of Ψ/MP (deepspeed_utils.py L89,
+#     L158-162), every rank's sub-partitions flattened and copied into the reduce-scatter's
+#     staging, the all-gather's output copied back, 4 + 4 + 4 = 12 per element of Ψ/MP
+#     (L479, L571-577, L686-690); per partition element: pieces .to(fp32) 2+4, fp32 flatten
+#     4+4, unscale 4+4, fp32 Adam 28, fp32 -> fp16 4+2 -> 56
+STEP_BYTES = {"e67a3def0": (60.0, 8.0), "f2ac7eafd": (80.0, 8.0), "stage1": (56.0, 32.0)}
+
+
+def step_pass_time(w: Workload, hw: Hardware) -> float:
+    """Seconds of the ZeRO step's memory-bound passes (``STEP_BYTES``) at the HBM roof."""
+    if not w.step_commit or w.stage not in (1, 2) or hw.hbm_bw <= 0:
+        return 0.0
+    part, whole = STEP_BYTES["stage1" if w.stage == 1 else w.step_commit]
+    psi = w.params / w.tp
+    return (part * psi / max(1, w.dp) + whole * psi) / hw.hbm_bw
+
+
 def memory_bound_bytes(w: Workload) -> float:
     """HBM bytes of the memory-bound kernels of one iteration on one GPU (``MEM_BYTES``): the
     blocks' forward runs twice with activation checkpointing, the loss once."""
@@ -265,11 +308,13 @@ def step_time(w: Workload, hw: Hardware, p: PerfParams) -> dict[str, float]:
     if w.p_a_cpu:
         ckpt = w.n_layer * act_msg / (w.tp if w.p_a else 1)
         pcie = hw.pcie_bw * eta
-        t_cpu = max(0.0, ckpt / pcie - t_fwd) + ckpt / pcie
+        d2h = ckpt / pcie if w.pa_cpu_sync else max(0.0, ckpt / pcie - t_fwd)
+        t_cpu = d2h + ckpt / pcie
+    t_step = step_pass_time(w, hw)
 
-    total = t_compute + t_tp + t_dp + t_pa + t_cpu
+    total = t_compute + t_tp + t_dp + t_pa + t_cpu + t_step
     return {"compute": t_compute, "gemm": t_gemm, "memory_bound": t_mem, "tp_comm": t_tp, "dp_comm": t_dp, "pa_comm": t_pa,
-            "cpu_offload": t_cpu, "total": total,
+            "cpu_offload": t_cpu, "zero_step": t_step, "total": total,
             "tflops_per_gpu": f_gpu / total / 1e12}
 
 
@@ -281,6 +326,8 @@ def _dp_exposed(w: Workload, hw: Hardware, eta: float, t_fwd: float, t_bwd: floa
     bw, alpha = dp_link(w, hw, eta)
     calls = max(1, math.ceil(w.params / w.tp / w.bucket_elems))
     rs = ring_reduce_scatter_time(grad_bytes, w.dp, bw, alpha) + (calls - 1) * (w.dp - 1) * alpha
+    if w.rooted_reduce and w.stage == 2:  # one rooted ring reduce per destination rank
+        rs = grad_bytes / bw + calls * w.dp * (w.dp - 1) * alpha
     ag = ring_all_gather_time(grad_bytes, w.dp, bw, alpha) + (calls - 1) * (w.dp - 1) * alpha
     hide = (lambda t, window: max(0.0, t - window)) if w.overlap_comm else (lambda t, _: t)
     if w.stage == 0:  # ring all-reduce = reduce-scatter + all-gather; DDP buckets can overlap

@@ -83,6 +83,7 @@ DEFAULTS = {
     "unstated_configs": ["C4", "C5"],
     "cluster_steps": 8, "cluster_warmup": 3, "cluster_dtype": "fp16",
     "reduce_bucket": REDUCE_BUCKET, "allgather_bucket": ALLGATHER_BUCKET,  # C_B, elements
+    "local": True,  # the local measured points (false: the simulated series alone)
     "local_batch": 4,  # int, or max_fit (analytic model, pretend device of local_device_mb)
     "local_device_mb": 180, "local_max_batch": 8, "local_base_batch": 4,
     "local_repeats": 1,  # each local point measured this often (interleaved: repeat-major)
@@ -380,6 +381,8 @@ def plan_points(cfg, figure: str, local_fn) -> list[Point]:
     if cfg.cluster.device == "cuda":
         return pts + cluster_points(cfg, figure)
     p = params(cfg)
+    if not p["local"]:
+        return pts
     base = local_fn(cfg, p)
     local = list(base)
     for i in range(1, int(p["local_repeats"])):
@@ -444,8 +447,18 @@ def _search(key: str, judge: str) -> dict:
         return {"batch": max(grid, default=0), "capacity": cap, "judgements": [],
                 "seconds": 0.0, "next_capacity": None, "judge": "analytic memory model"}
     res = maxsize.max_batch(cfg, seed=max(1, seed))
+    # the sensitivity of the answer (Figure 3's line): the capacity each of the ABOVE grid
+    # batches above the paper's batch needs, judged where the walk did not
+    judged = {j.batch for j in res.judgements}
+    paper_b = int(d.get("paper_batch") or 0)
+    above = [g for g in maxsize.BATCH_GRID if paper_b and paper_b < g < res.batch][:ABOVE]
+    res.judgements += [maxsize.judge_batch(cfg, b, res.capacity) for b in above
+                       if b not in judged]
     return {**res.as_dict(), "next_capacity": res.next_capacity(),
             "judge": f"memory dry run ({cfg.simulate.stack})"}
+
+
+ABOVE = 2  # grid batches above the paper's judged for the sensitivity of a predicted batch
 
 
 class _S:  # the fields of a PaperSetup ``_analytic_fits`` reads, from JSON
@@ -462,7 +475,8 @@ def max_fit_search(s: PaperSetup, zc: str, p: dict) -> dict:
     seed = largest_true(_analytic_fits(hw.device_bytes, _S(sd), zc, pp))
     cfg = dryrun_config(s, zc, p)
     key = json.dumps({"cfg": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-                      "seed": seed, "setup": sd, "zc": zc, "p": pp}, sort_keys=True, default=str)
+                      "seed": seed, "setup": sd, "zc": zc, "p": pp,
+                      "paper_batch": s.batch_per_gpu}, sort_keys=True, default=str)
     return _search(key, p["sim_judge"])
 
 

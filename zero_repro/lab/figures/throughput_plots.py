@@ -161,11 +161,22 @@ def split(table):
 
 
 def local_title(local) -> str:
+    """The local panel's title: the machine, what each series' collectives ran over (a
+    record's ``transport``: ZeRO's DP over shared memory or gloo, Megatron's TP over gloo) and
+    the repeats."""
     hw = next((h for h in local.get("hardware", []) if isinstance(h, str) and h), "")
     reps = pd.to_numeric(local["repeats"], errors="coerce").max() if "repeats" in local else 1
     rep = (f"\nbars: median of {int(reps)} runs, whiskers: their range" if reps == reps
            and reps > 1 else "")
-    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90] + rep
+    how = ""
+    if "transport" in local:
+        pairs = dict.fromkeys((str(s).split(":")[0], t) for s, t, y in zip(
+            local["series"], local["transport"], local["y_name"])
+            if isinstance(t, str) and t and y != "speedup")
+        how = "".join(f"\n{s}: {t}" for s, t in pairs)
+        for t in {t for _, t in pairs}:
+            hw = hw.replace(f"{t}, ", "")
+    return "local scaled-down analogue (measured)\n" + hw.replace("measured: ", "")[:90] + how + rep
 
 
 def plot_standard(table, out_dir: str, name: str, title: str, categorical: bool,

@@ -16,6 +16,24 @@ _WORKLOAD_COLUMNS = ("n_layer", "hidden", "heads", "gpus", "mp", "batch_per_gpu"
                      "checkpointing", "p_a", "p_a_cpu", "overlap_comm")
 
 
+_TRANSPORTS = {"shm": "shared memory", "gloo": "gloo", "pairwise": "gloo point-to-point",
+               "native": "gloo's collectives"}
+
+
+def transports(rec) -> str:
+    """What a CPU record's collectives ran over: ZeRO's DP buckets over the transport the
+    record names (``hardware.dp_transport``: shared memory where every rank maps every segment),
+    Megatron's TP all-reduces over gloo."""
+    hw, topo = rec.hardware or {}, rec.topology or {}
+    parts = []
+    if int(topo.get("dp", 1) or 1) > 1:
+        dp = hw.get("dp_transport")
+        parts.append(f"DP over {_TRANSPORTS.get(dp, dp or 'an unrecorded transport')}")
+    if int(topo.get("tp", 1) or 1) > 1:
+        parts.append("TP over gloo")
+    return ", ".join(parts) or "one rank, no collectives"
+
+
 def hardware_label(rec) -> str:
     """What a record ran on, for the table's ``hardware`` column."""
     if rec.mode == "simulated":
@@ -25,17 +43,35 @@ def hardware_label(rec) -> str:
     world = topo.get("world_size", "?")
     if hw.get("device") == "cpu" or rec.config.get("cluster", {}).get("device") == "cpu":
         cpu = hw.get("cpu_model") or hw.get("device_name", "cpu")
-        return (f"measured: CPU ranks x {hw.get('threads_per_rank', '?')} thread, gloo, {cpu}, "
-                f"{hw.get('cpu_count', '?')} cores, torch {hw.get('torch', '?')}")
+        return (f"measured: CPU ranks x {hw.get('threads_per_rank', '?')} thread, "
+                f"{transports(rec)}, {cpu}, {hw.get('cpu_count', '?')} cores, "
+                f"torch {hw.get('torch', '?')}")
     return (f"measured: {world} x {hw.get('device_name', 'GPU')}, "
             f"{topo.get('nodes', '?')} node(s), torch {hw.get('torch', '?')}")
+
+
+def provenance_label(rec) -> str:
+    """Whether a measured record can be traced to its code and its machine's load: its code
+    signature (``lab.provenance``: committed trees, '+dirty' = uncommitted changes, none =
+    made before signatures) and the load recorded while it ran (``records.load_between``)."""
+    if rec.mode != "measured":
+        return ""
+    code = (rec.provenance or {}).get("code")
+    words = ["no code signature" if not code else
+             ("measured from uncommitted code" if "dirty" in code else "committed code")]
+    load = getattr(rec, "load", None) or {}
+    words.append(f"load average {load.get('loadavg_start')}->{load.get('loadavg_end')}"
+                 if load else "machine load not recorded")
+    return "; ".join(words)
 
 
 def base_row(rec, figure: str, series: str, x, y, y_name=Y_NAME, unit=UNIT) -> dict:
     q, m = rec.params, rec.metrics
     return {"figure": figure, "series": series, "x_name": X_NAME[figure], "x_value": x,
             "y_name": y_name, "y_value": y, "unit": unit, "kind": rec.mode,
-            "hardware": hardware_label(rec), "point": rec.point,
+            "hardware": hardware_label(rec), "provenance": provenance_label(rec),
+            "transport": transports(rec) if rec.mode == "measured" else "",
+            "point": rec.point,
             "num_gpus": rec.topology.get("world_size"), "mp": rec.topology.get("tp"),
             "batch_per_gpu": m.get("batch", q.get("batch")),
             "batch_source": m.get("batch_source", q.get("batch_source", "")),

@@ -3,7 +3,7 @@
 and the fragmentation M_D removes (§6.3).
 
 Rules modelled (c10/cuda/CUDACachingAllocator.cpp, default configuration: no max_split_size, no
-expandable segments, one stream):
+expandable segments, one allocation stream):
 
   * request rounding: ``round_size(n) = max(512, 512·ceil(n/512))`` (kMinBlockSize = 512 B);
     zero-byte requests allocate nothing;
@@ -20,6 +20,18 @@ expandable segments, one stream):
     ``release_cached_blocks`` does) and the allocation retried once; if it still does not fit
     the replay records an OOM (and makes the allocation anyway, so ``peak_reserved`` says by
     how much it overflowed).
+  * streams (PyTorch 1.x ``recordStream``, events ``free_held`` / ``sync`` of
+    ``tracer``): a block freed while a collective's stream may still use it (``free_held``) is
+    *held*: not handed out, not merged with its neighbours (``event_count > 0``), counted in
+    neither allocated nor free bytes, until the next ``sync`` event returns it to the pool (as
+    ``process_events`` does once the stream's event completed); an allocation that would fail
+    first returns every held block to the pool (``free_cached_blocks`` ->
+    ``synchronize_and_free_events``), then releases the completely free segments and retries
+    the ``cudaMalloc`` once -- the pool is not searched again (PyTorch 1.4-1.5
+    ``DeviceCachingAllocator::malloc`` / ``free`` / ``free_cached_blocks``; PyTorch's
+    ``record_stream`` docs). Today's PyTorch keeps a collective's tensors alive in its ``Work``
+    instead (``TORCH_NCCL_AVOID_RECORD_STREAMS``, then always, pytorch/pytorch#76861, #194701):
+    the ``modern`` stack's traces carry no held frees.
 
 Steady state (``replay(..., repeat_from=i)``): ``events[i:]`` must be one closed iteration
 (``closed_from``: every storage it allocates it frees, or it leaves alive for the next one
@@ -35,6 +47,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+
+HELD, SYNC = "free_held", "sync"  # event kinds of a stream-aware trace (``tracer``)
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" request
@@ -101,6 +115,8 @@ class ReplayResult:
     n_segments_peak: int = 0
     n_mallocs: int = 0
     n_releases: int = 0  # segments released on allocation failure
+    peak_held: int = 0  # bytes of blocks held for a collective's stream, high-water mark
+    n_reclaims: int = 0  # failed allocations that first returned the held blocks to the pool
     oom: bool = False
     oom_request: int = 0  # first request that did not fit (rounded bytes)
     capacity: float | None = None
@@ -133,6 +149,8 @@ class CachingAllocator:
         self._next_addr = 0
         self._next_seg = 0
         self.reserved = self.allocated = self.requested = 0
+        self.held = 0  # bytes of blocks held for a collective's stream (module docstring)
+        self._held: list[_Block] = []
         self.result = ReplayResult(capacity=capacity)
 
     # ------------------------------------------------------------------ free lists
@@ -164,6 +182,13 @@ class CachingAllocator:
         self.result.n_mallocs += 1
         return b
 
+    def sync(self) -> None:
+        """Every held block goes back to the pool (a synchronisation point)."""
+        held, self._held, self.held = self._held, [], 0
+        for b in held:
+            b.allocated = False
+            self._merge_insert(b)
+
     def release_cached(self) -> int:
         """cudaFree every segment that holds no allocated block; returns bytes released."""
         freed = 0
@@ -182,10 +207,11 @@ class CachingAllocator:
         pool and its blocks' (size, in use). Two equal states make the same decisions for the
         same requests (best fit breaks ties by address order, not by address)."""
         out = []
+        held = {id(b) for b in self._held}
         for seg in sorted(self._segments, key=lambda k: self._segments[k][0]):
             b, blocks = self._seg_head[seg], []
             while b is not None:
-                blocks.append((b.size, b.allocated))
+                blocks.append((b.size, b.allocated, id(b) in held))
                 b = b.next
             out.append((self._segments[seg][2], tuple(blocks)))
         return tuple(out)
@@ -204,6 +230,9 @@ class CachingAllocator:
         else:
             b = self._malloc_segment(small, rounded)
             if b is None:
+                if self._held:  # free_cached_blocks: synchronize_and_free_events first
+                    self.result.n_reclaims += 1
+                    self.sync()
                 self.release_cached()
                 b = self._malloc_segment(small, rounded)
             if b is None:  # a real run stops here with "CUDA out of memory"
@@ -236,12 +265,23 @@ class CachingAllocator:
             r.n_segments_peak = len(self._segments)
         return b
 
-    def free(self, b: _Block | None, nbytes: int = 0) -> None:
+    def free(self, b: _Block | None, nbytes: int = 0, held: bool = False) -> None:
+        """``held``: the block waits for a collective's stream (module docstring): it stays
+        marked in use until ``sync``."""
         if b is None:
             return
-        b.allocated = False
         self.allocated -= b.size
         self.requested -= nbytes
+        if held:
+            self._held.append(b)
+            self.held += b.size
+            if self.held > self.result.peak_held:
+                self.result.peak_held = self.held
+            return
+        b.allocated = False
+        self._merge_insert(b)
+
+    def _merge_insert(self, b: _Block) -> None:
         prev, nxt = b.prev, b.next  # merge with free neighbours of the same segment
         if prev is not None and not prev.allocated:
             self._remove_free(prev)
@@ -263,6 +303,8 @@ def closed_from(events, start: int) -> bool:
     born: dict = {}
     carried_in: dict = {}
     for ev in events[start:]:
+        if ev[0] == SYNC:
+            continue
         if ev[0] == "alloc":
             born[ev[1]] = ev[2]
         elif ev[1] in born:
@@ -292,10 +334,12 @@ def replay(events, capacity: float | None = None, repeat_from: int | None = None
                 live[sid] = (alloc.malloc(nbytes), nbytes)
                 if stop_at_oom and res.oom:
                     return False
+            elif kind == SYNC:
+                alloc.sync()
             else:
                 blk = live.pop(sid, None)
                 if blk is not None:
-                    alloc.free(*blk)
+                    alloc.free(*blk, held=kind == HELD)
         return True
 
     ok = run(events)

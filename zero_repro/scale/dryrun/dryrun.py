@@ -60,12 +60,13 @@ from zero_repro.scale.paper.setups import PaperSetup
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import allocator as A
 from zero_repro.scale.dryrun.stack import categories as K
-from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019
+from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019, streams
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.dryrun.trace import (  # noqa: F401 (re-exported)
     build_events, device_events, judged_trace, live_peaks, repeat_start, steady_peak,
     without_teardown)
 from zero_repro.scale.dryrun.tracer import ALLOC, FREE, AllocationTracer  # noqa: F401 (re-exported)
+from zero_repro.runtime.model import model_class
 from zero_repro.runtime.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -209,11 +210,18 @@ def builders(stack: S.Stack, cfg: C.Config) -> dict:
     runtime as it is)."""
     # the 2020 build made the whole model before DeepSpeed flattened it (no partitioned
     # construction): where the stack models that build, so does the dry run
-    kw: dict = {"partitioned": not stack.build_sequence}
+    fp32_first = stack.fp32_model_on_gpu_before_half
+    kw: dict = {"partitioned": not (stack.build_sequence or fp32_first)}
     if changes_layer(stack):
         kw["make_model"] = lambda c, topo, device, dtype: megatron2019.GPT2019(
             c.model, stack, topo.tp_group, device=device, dtype=dtype)
-    if stack.pa_per_layer_checkpoints or stack.contiguous_ckpt_only_with_pa:
+    if fp32_first:
+        kw["make_model"] = megatron2019.fp32_then_half(
+            kw.get("make_model") or (lambda c, topo, device, dtype: model_class(c.model)(
+                c.model, tp_group=topo.tp_group, device=device, dtype=dtype)))
+    if (stack.pa_per_layer_checkpoints or stack.contiguous_ckpt_only_with_pa
+            or stack.reentrant_checkpointing
+            or stack.collective_stream_reuse == streams.AFTER_SYNC):  # its per-layer syncs
         kw["make_ckpt"] = checkpoint2019.make_ckpt(stack)
     if deepspeed02.uses_deepspeed02(stack, cfg.zero.stage):
         kw["make_strategy"] = deepspeed02.make_strategy(stack)
@@ -274,7 +282,8 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if backend not in BACKENDS:
         raise ValueError(f"dry-run backend {backend!r}: choose one of {BACKENDS}")
     on_meta = backend.startswith("meta")
-    tracer = K.CategoryTracer(on_meta=on_meta, cache=backend == "meta")
+    tracer = K.CategoryTracer(on_meta=on_meta, cache=backend == "meta",
+                              streams=stack.collective_stream_reuse == streams.AFTER_SYNC)
     host: set[int] = set()
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -423,7 +432,16 @@ def _one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
     batches = ((torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)),
                 torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len)))
                for _ in range(t.grad_accum))
-    trainer.step(batches, phase=phase, after_forward=after_forward)
+
+    @contextlib.contextmanager
+    def synced(name: str):
+        # the training loop's phase boundaries are synchronisation points (DeepSpeed's timers,
+        # ``stack.streams``; a no-op without the streams switch)
+        with phase(name):
+            yield
+            streams.sync(f"{name} end")
+
+    trainer.step(batches, phase=synced, after_forward=after_forward)
 
 
 def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2

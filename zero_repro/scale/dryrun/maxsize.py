@@ -10,9 +10,17 @@ M(l) <= C.
 Search: M is close to affine in l once the gradient buckets are full (``probe_depths``), so two
 probes seed l* = l_b + (C - M(l_b)) / slope; full-size dry runs then judge, secant steps close
 the bracket [fits, does not fit] (two depths per round with 2+ cores, one in a helper process),
-and once at most ``ENDGAME`` depths are open ``_plan`` picks the deciding ones. Near the top the
-verdict is not monotone in depth (fragmentation): the answer is the largest depth judged to fit
-whose next ``LOOKAHEAD`` = 2 depths do not (``scan`` judges a range). The analytic model
+and once at most ``ENDGAME`` depths are open ``_plan`` picks the deciding ones; it finds the
+largest depth judged to fit whose next ``LOOKAHEAD`` = 2 depths do not (``largest_fit``).
+
+Reported answer: what the paper's harness did -- grow the model until it fails (DSE@405ce794
+Megatron-LM/scripts/ds_gpt_experiment_loop.sh L141-145: the sweep of a ``.dat`` file stops at
+the first "CUDA out of memory"). Near the top the verdict is not monotone in depth
+(fragmentation), so the increasing sweep can stop below ``largest_fit``: ``increasing_sweep``
+walks down from ``largest_fit`` judging every depth until one fits with its needed capacity at
+least ``SAFE_MARGIN`` below the capacity (from there down every depth is taken to fit: the
+needed capacity is ~affine in depth, its jitter well under the margin), and reports one below
+the smallest depth judged not to fit above it (``n_layer``; ``scan`` judges a range). The analytic model
 (``zero_repro.scale.analytic``) is logged beside the seed and is the fallback. Returns the depth
 and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process.
 Judged trace: ``modern`` after ``empty_cache()`` following the build, the build judged by its
@@ -83,7 +91,7 @@ class Judgement:
 
 @dataclass
 class MaxSizeResult:
-    n_layer: int  # largest number of layers that fits (0: not even one)
+    n_layer: int  # the increasing sweep's answer: one below its first failure (0: none fits)
     params: int  # parameter count of that model (TP 1, padded vocabulary)
     capacity: float
     seed: int
@@ -94,6 +102,8 @@ class MaxSizeResult:
     probes: list = field(default_factory=list)  # [(n_layer, peak_allocated, seconds)]
     n_dry_runs: int = 0  # dry runs actually executed (probes + judgements, cache misses)
     backend: str = "meta"  # how the dry runs ran without data (dry_run's backend)
+    largest_fit: int = 0  # the largest depth judged to fit with LOOKAHEAD failures above it
+    sweep_start: int = 0  # the increasing sweep's start: every depth up to it taken to fit
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -315,13 +325,40 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     seed = min(max(seed, 1), max_n)
     log.info("max-layers seed %d (%s; analytic %d)", seed, seed_from, n_analytic)
     try:
-        n = _search(judge, seed, max_n, points, cap, pairs=parallel)
+        top = _search(judge, seed, max_n, points, cap, pairs=parallel)
+        n, start = increasing_sweep(judge, cap, top)
     finally:
         judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
     return MaxSizeResult(n, params, cap, seed, seed_from, list(judge.order),
                          time.perf_counter() - t0, n_analytic, probe_log, judge.n_runs,
-                         judge.backend)
+                         judge.backend, top, start)
+
+
+SAFE_MARGIN = 2**30  # below capacity - this, a depth's verdict is taken as monotone
+
+
+def increasing_sweep(judge, capacity: float, top: int,
+                     margin: float = SAFE_MARGIN) -> tuple[int, int]:
+    """(answer, start) of the paper's increasing sweep (module docstring) given the search's
+    ``top`` (largest depth judged to fit): depths from ``top`` down are judged until one fits
+    needing at most ``capacity - margin`` (``start``; depth 0 if none); the answer is one
+    below the smallest depth in (start, top + 1] judged not to fit (``top + 1`` is, by the
+    search's look-ahead)."""
+    if top <= 0:
+        return 0, 0
+    memo = getattr(judge, "memo", {})
+    start = top
+    while start > 0:
+        fits = judge(start)
+        need = memo[start].min_capacity if start in memo else None
+        if need is None and start in memo and hasattr(judge, "steer"):
+            need = judge.steer(memo[start])[0]
+        if fits and need is not None and need <= capacity - margin:
+            break
+        start -= 1
+    fails = [d for d in range(start + 1, top + 1) if not judge(d)]
+    return (min(fails) - 1 if fails else top), start
 
 
 LOOKAHEAD = 2  # the answer's LOOKAHEAD depths above it are judged not to fit
@@ -544,17 +581,9 @@ def max_batch(cfg: C.Config, capacity: float | None = None, seed: int = 8,
 
     def judge(b: int) -> bool:
         if b not in memo:
-            tb = time.perf_counter()
-            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                   micro_batch_size=b))
-            res = dry_run(c, iterations=iterations, keep_trace=True, details=False,
-                          allocator_capacity=cap)
-            j = BatchJudgement(b, not res.allocator["oom"], int(res.min_capacity()),
-                               int(res.allocator["peak_reserved"]), time.perf_counter() - tb)
+            j = judge_batch(cfg, b, cap, iterations)
             memo[b] = j
             order.append(j)
-            log.info("max-batch judge: batch %d -> %s (needs %.2f of %.2f GB, %.1f s)", b,
-                     "fits" if j.fits else "OOM", j.min_capacity / 1e9, cap / 1e9, j.seconds)
         return memo[b].fits
 
     i = max(0, max((k for k, g in enumerate(grid) if g <= max(1, seed)), default=0))
@@ -567,6 +596,21 @@ def max_batch(cfg: C.Config, capacity: float | None = None, seed: int = 8,
             i -= 1
         answer = grid[i - 1] if i > 0 else 0
     return MaxBatchResult(answer, cap, order, time.perf_counter() - t0)
+
+
+def judge_batch(cfg: C.Config, batch: int, capacity: float, iterations: int = 2
+                ) -> BatchJudgement:
+    """One batch judged as ``max_batch`` judges it: the dry run of ``cfg`` at ``batch`` per
+    GPU, its verdict at ``capacity`` and the capacity it needs."""
+    tb = time.perf_counter()
+    c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=batch))
+    res = dry_run(c, iterations=iterations, keep_trace=True, details=False,
+                  allocator_capacity=capacity)
+    j = BatchJudgement(batch, not res.allocator["oom"], int(res.min_capacity()),
+                       int(res.allocator["peak_reserved"]), time.perf_counter() - tb)
+    log.info("max-batch judge: batch %d -> %s (needs %.2f of %.2f GB, %.1f s)", batch,
+             "fits" if j.fits else "OOM", j.min_capacity / 1e9, capacity / 1e9, j.seconds)
+    return j
 
 
 # ------------------------------------------------------------------------------ depth scan

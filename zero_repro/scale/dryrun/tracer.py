@@ -16,6 +16,14 @@ kernels follow the CUDA kernels' dtype rules (``native_layer_norm`` of fp16 inpu
 statistics, as ``layer_norm_kernel.cu``). ``on_meta=False``: on top of ``FakeTensorMode`` (fake
 CPU tensors), the reference the meta path is tested against. Speeds:
 ``results/fig6_max_model/notes.md``.
+
+``streams=True`` (PyTorch 1.x's ``recordStream`` on collectives, ``stack.streams``): a storage
+an NCCL collective (a ``c10d`` op) touched is *used* on that process group's stream; freed
+while its stream has work issued since the last synchronisation point (``sync``), its free is
+recorded as ``free_held`` (the block returns to the pool only after the stream's event: at the
+next ``sync`` event, or when an allocation fails, ``allocator``). Event kinds: ``alloc``,
+``free``, ``free_held`` (a free: every consumer that only tells ``alloc`` from the rest sees
+it as one) and ``sync`` (sid -1, 0 bytes).
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 ALLOC, FREE = "alloc", "free"
+HELD, SYNC = "free_held", "sync"  # streams (module docstring)
+SYNC_SID = -1
 
 
 # ------------------------------------------------------------------------------ the tracer
@@ -37,9 +47,14 @@ class AllocationTracer(TorchDispatchMode):
     sequence number per storage (Python ids are reused, sids are not)."""
 
     def __init__(self, on_meta: bool = False, cache: bool = True, poll_all: bool = False,
-                 real_data: bool = False) -> None:
+                 real_data: bool = False, streams: bool = False) -> None:
         super().__init__()
         self.on_meta = on_meta
+        # recordStream semantics of PyTorch 1.x NCCL (module docstring)
+        self.streams = streams
+        self._uses: dict[int, set] = {}  # sid -> process groups whose stream used it
+        self._busy: set = set()  # process groups with collectives since the last sync
+        self._held = 0  # held frees since the last sync event
         # tensors with data (a real run measured): ``.item()`` reads them instead of answering 0
         self.real_data = real_data
         # every storage polled before every allocating op: blind to no resize, whoever makes it
@@ -106,6 +121,39 @@ class AllocationTracer(TorchDispatchMode):
         self._watched.add(sid)
         self._check_size(sid, st)
 
+    def sync(self) -> None:
+        """A synchronisation point (``torch.cuda.synchronize()``, a blocking copy): every
+        collective issued so far has finished; blocks held for them go back to the pool."""
+        self._busy.clear()
+        if self._held:
+            self._held = 0
+            self._record(SYNC, SYNC_SID, 0)
+
+    def record_use(self, t: torch.Tensor, stream="copy") -> None:
+        """``t``'s storage is used on ``stream`` (``recordStream`` made by PyTorch 1.x beyond
+        the collective's own arguments, e.g. the copy-back of a list all-gather's outputs)."""
+        if not self.streams:
+            return
+        st = t.untyped_storage()
+        self._see(st)
+        self._uses.setdefault(self._sid_of[id(st)], set()).add(stream)
+        self._busy.add(stream)
+
+    def _collective(self, args, kwargs) -> None:
+        group = None
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    pg = torch.distributed.ProcessGroup.unbox(a)
+                except RuntimeError:  # the reduce op, not the group
+                    continue
+                group = getattr(pg, "group_name", None) or id(pg)
+                break
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.record_use(t, group)
+        self._busy.add(group)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
         # metadata queries (prim.device), which only pass through
@@ -132,6 +180,8 @@ class AllocationTracer(TorchDispatchMode):
             out = self._cache.call(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        if self.streams and func.namespace == "c10d":
+            self._collective(args, kwargs)
         # outputs: new storages; mutated inputs: storages that may have been resized in place
         if how == "mutable":
             flat = tree_flatten((out, args, kwargs))[0]
@@ -183,7 +233,7 @@ class AllocationTracer(TorchDispatchMode):
             return
         # an in-place storage resize (stage 3 release/materialize): free + allocate
         if old:
-            self._record(FREE, sid, old)
+            self._record(self._free_kind(sid), sid, old)
         if nbytes:
             self._record(ALLOC, sid, nbytes)
         self._size[sid] = nbytes
@@ -197,7 +247,16 @@ class AllocationTracer(TorchDispatchMode):
         self._resized.discard(sid)
         nbytes = self._size.pop(sid, 0)
         if nbytes:
-            self._record(FREE, sid, nbytes)
+            self._record(self._free_kind(sid), sid, nbytes)
+
+    def _free_kind(self, sid: int) -> str:
+        """``free_held`` when a stream that used ``sid`` has work issued since the last sync
+        (its block waits for that work), else ``free``."""
+        uses = self._uses.pop(sid, None)
+        if uses and not uses.isdisjoint(self._busy):
+            self._held += 1
+            return HELD
+        return FREE
 
 
 META = torch.device("meta")

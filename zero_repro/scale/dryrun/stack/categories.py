@@ -9,11 +9,13 @@ attributed by phase (build -> build_transient, step -> step_transient, else othe
 
 ``breakdown(events, category_of, host_sids)`` replays the device trace through the caching-
 allocator model and reports, at the event where the reserved bytes peak (among those, the most
-handed out), the live requested bytes per category plus two allocator terms:
+handed out), the live requested bytes per category plus three allocator terms:
     allocator_slack   = handed-out (rounded) bytes - requested bytes   (512 B rounding, unsplit
                         block remainders <= 1 MiB)
-    cached_free       = reserved - handed-out bytes
-Invariant: sum(categories) + allocator_slack + cached_free == peak_reserved exactly.
+    stream_held       = blocks freed by Python but held for a collective's stream (PyTorch 1.x
+                        recordStream, ``allocator`` module docstring; 0 without streams)
+    cached_free       = reserved - handed-out - held bytes
+Invariant: sum(categories) + allocator_slack + stream_held + cached_free == peak_reserved.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import contextlib
 import torch
 
 from zero_repro.scale.dryrun import allocator as A
-from zero_repro.scale.dryrun.tracer import ALLOC, AllocationTracer
+from zero_repro.scale.dryrun.tracer import ALLOC, HELD, SYNC, AllocationTracer
 from zero_repro.scale.dryrun.stack import switches as S
 
 _ACTIVE: list["CategoryTracer"] = []  # the tracer(s) currently recording, innermost last
@@ -140,30 +142,46 @@ def breakdown(events, category_of: dict[int, str], host_sids=frozenset(),
     """Per-category bytes at the peak of reserved memory of the device trace ``events``.
 
     Returns {"peak_reserved", "at_event", "categories": {cat: bytes}, "allocator_slack",
-    "cached_free", "live_peak", "live_peak_categories"} (bytes)."""
+    "stream_held", "stream_held_categories" (the held blocks' bytes by the category of the
+    storage that held them), "cached_free", "live_peak", "live_peak_categories"} (bytes)."""
     dev = [e for e in events if e[1] not in host_sids]
     alloc = A.CachingAllocator(capacity)
     blocks: dict[int, tuple] = {}
-    best = (-1, 0, 0, 0)  # (reserved, index, allocated, requested)
+    held: dict[int, tuple] = {}  # block id -> (sid, block size) of the held blocks
+    best = (-1, 0, 0, 0, 0, {})  # (reserved, index, allocated, requested, held, held blocks)
     live = live_best = live_at = 0
     for i, (kind, sid, nbytes, *_rest) in enumerate(dev):
         if kind == ALLOC:
             blocks[sid] = (alloc.malloc(nbytes), nbytes)
+            if not alloc._held:
+                held.clear()  # returned to the pool (an allocation that failed reclaims)
             live += nbytes
             # the fullest moment of the peak: max reserved, then the most of it handed out
             if (alloc.reserved, alloc.allocated) > (best[0], best[2]):
-                best = (alloc.reserved, i + 1, alloc.allocated, alloc.requested)
+                best = (alloc.reserved, i + 1, alloc.allocated, alloc.requested, alloc.held,
+                        dict(held))
             if live > live_best:
                 live_best, live_at = live, i + 1
+        elif kind == SYNC:
+            alloc.sync()
+            held.clear()
         else:
             blk = blocks.pop(sid, None)
             if blk is not None:
-                alloc.free(*blk)
+                if kind == HELD:
+                    held[id(blk[0])] = (sid, blk[0].size)
+                alloc.free(*blk, held=kind == HELD)
                 live -= blk[1]
-    reserved, at, allocated, requested = best
+    reserved, at, allocated, requested, held_bytes, held_at = best
+    by_cat: dict[str, int] = {}
+    for sid, size in held_at.values():
+        cat = category_of.get(sid, S.OTHER)
+        by_cat[cat] = by_cat.get(cat, 0) + size
     return {"peak_reserved": max(reserved, 0), "at_event": at,
             "categories": live_by_category(dev, category_of, at),
-            "allocator_slack": allocated - requested, "cached_free": reserved - allocated,
+            "allocator_slack": allocated - requested, "stream_held": held_bytes,
+            "stream_held_categories": by_cat,
+            "cached_free": reserved - allocated - held_bytes,
             "live_peak": live_best,
             "live_peak_categories": live_by_category(dev, category_of, live_at)}
 
@@ -171,7 +189,8 @@ def breakdown(events, category_of: dict[int, str], host_sids=frozenset(),
 def format_breakdown(b: dict, unit: float = 2**30) -> str:
     """A small table (GiB by default) of ``breakdown``'s result."""
     rows = sorted(b["categories"].items(), key=lambda kv: -kv[1])
-    rows += [("allocator_slack", b["allocator_slack"]), ("cached_free", b["cached_free"])]
+    rows += [("allocator_slack", b["allocator_slack"]),
+             ("stream_held", b.get("stream_held", 0)), ("cached_free", b["cached_free"])]
     lines = [f"{name:<20s} {v / unit:10.3f}" for name, v in rows]
     lines.append(f"{'peak_reserved':<20s} {b['peak_reserved'] / unit:10.3f}")
     return "\n".join(lines)

@@ -176,6 +176,18 @@ class _MegatronCE(torch.autograd.Function):
         return softmax, None, None, None
 
 
+def fp32_then_half(make):
+    """``make_model`` as DSE@07d1ce0d pretrain_gpt2.py L76-80 built it (switch
+    ``fp32_model_on_gpu_before_half``): the model made in fp32 on the device (``model.cuda()``),
+    then halved parameter by parameter by ``FP16_Module`` (``module.half()``: each fp16 copy
+    made before its fp32 tensor is freed, the fp32 blocks left in the allocator's cache)."""
+    def _make(cfg, topo, device, dtype):
+        with category(S.BUILD):
+            model = make(cfg, topo, device, torch.float32)
+        return model.to(dtype)
+    return _make
+
+
 class GPT2019(GPT):
     """``GPT`` with ``Block2019`` blocks and, with ``fp32_logits``, FP16_Module's fp32 output and
     the 2019 cross entropy. Built without ever creating ``gpt.Block``s (a dry run would trace

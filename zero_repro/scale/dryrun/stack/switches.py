@@ -12,6 +12,9 @@ does not. Each behaviour is one named switch below; each field's metadata says
 Sources (full hashes; read with ``git show COMMIT:PATH`` in the repository snapshots):
   DS   = microsoft/DeepSpeed
          f2ac7eafd54c49acb8981650637dedd939e96c14  2020-05-19 "ZeRO-2 (#217)"
+         e67a3def0e29ee7e81501bac3958519562438141  2020-05-01 "Squased dev zero (#14)" (the
+                                                   dev-zero branch squashed; committed on
+                                                   ccaa9901 of 2020-05-14)
          ec79b2390101273e3636e64bafb40fdc5c1954c5  2020-02-03 (v0.1)
          01e848b336b90e7a281206e7b8f070ec0e9bfd34  2020-05-27 contiguous_gradients default -> False
   DSE  = microsoft/DeepSpeedExamples
@@ -47,6 +50,7 @@ BUILD = "build_transient"
 STEP_TEMP = "step_transient"
 OUTSIDE = "outside_allocator"
 OTHER = "other"
+TIME = "time"  # a switch of the performance model's step time (scale.perf_model), no memory
 CATEGORIES = (FP16_PARAMS, MASTER_ADAM, GRAD_PARTITION, BUCKETS, CHECKPOINTS, WORKING_LAYER,
               LOGITS_LOSS, GATHER, BUILD, STEP_TEMP, OTHER)
 
@@ -57,6 +61,7 @@ CATEGORIES = (FP16_PARAMS, MASTER_ADAM, GRAD_PARTITION, BUCKETS, CHECKPOINTS, WO
 DEFAULT_POINT = "mid"
 
 DS_F2A = "DeepSpeed@f2ac7eafd"
+DS_E67 = "DeepSpeed@e67a3def0"
 DS_01E = "DeepSpeed@01e848b33"
 DSE_405 = "DeepSpeedExamples@405ce794"
 DSE_07D = "DeepSpeedExamples@07d1ce0d"
@@ -116,14 +121,16 @@ class Stack:
         "per-parameter tensors are alive); the freed per-parameter blocks stay in PyTorch's "
         "cache and 'max cached' counts from process start.")
     fp32_model_on_gpu_before_half: bool = _switch(
-        False, f"{DSE_405}:Megatron-LM/pretrain_gpt2.py (get_model: model.half() then "
-        f".cuda()) vs {DSE_07D}:Megatron-LM/pretrain_gpt2.py (model.cuda() then FP16_Module)",
-        BUILD,
-        "Default False: the paper's harness (405ce794, branch samyamr/scripts-for-automation, "
-        "commit 06c0082a of 2020-03-25 'make sure model converts to half before moving to gpu') "
-        "halves on the host first; True models the public master of Jan-May 2020 (07d1ce0d), "
-        "which put the fp32 model on the GPU (4 B/param cached) before halving and could not "
-        "build the largest models at all.")
+        False, f"{DSE_07D}:Megatron-LM/pretrain_gpt2.py L76-80 (get_model: model.cuda() in "
+        f"fp32, then FP16_Module -> module.half()) vs {DSE_405}:Megatron-LM/pretrain_gpt2.py "
+        "L81-85 (model.half() then .cuda())", BUILD,
+        "True: the whole fp32 model is put on the device (4 B/param, ``model.cuda()``), then "
+        "halved parameter by parameter (``nn.Module.half``: each fp16 copy made before its fp32 "
+        "tensor is freed), the fp32 blocks left in the cache. Default False: the paper's "
+        "harness (405ce794, branch samyamr/scripts-for-automation, commit 06c0082a of "
+        "2020-03-25 'make sure model converts to half before moving to gpu') halves on the host "
+        "first; the public master of Jan-May 2020 (07d1ce0d) did not, and could not build the "
+        "largest models at all. Which one each figure ran is not known: a setting.")
     # ---------------------------------------------------------------- ZeRO-DP gradient path
     stage1_per_param_grads: bool = _switch(
         False, f"{DS_F2A}:deepspeed/pt/zero_optimizer_stage1.py (no gradient buffer; "
@@ -138,6 +145,23 @@ class Stack:
         "transient), then one reduce_scatter per 5e8-element interval, each with PyTorch 1.x "
         "NCCL's flattened input copy (interval·2 B); the step flattens this rank's gradient "
         "sub-partitions to fp32 (4Ψ/N_d).")
+    stage1_interval_layout: bool = _switch(
+        False, f"{DS_F2A}:deepspeed/pt/zero_optimizer_stage1.py L13-93 "
+        "(flatten_dense_tensors_sub_partition_aligned: padded to whole comm intervals), "
+        "L406-496 (get_flat_sub_partitions: one _flatten_dense_tensors per interval, L479), "
+        "L536-547 and L571-577 (reduce_scatter_gradients: every rank's sub-partitions, one "
+        "dist.reduce_scatter per interval), L585-602 (torch.cat per own parameter), L604-699 "
+        "(step: overflow/norm per parameter, fp32 sub-partitions per interval, optimizer.step, "
+        "dist.all_gather per interval; no initialize_optimizer_states: Adam's state at the "
+        "first step); the same at DS@e67a3def0", BUCKETS,
+        "P_os as DeepSpeed laid it out: the flat fp16 buffer padded to a whole number of "
+        "comm intervals (max_elements_per_comm rounded down to N_d sub-partitions), so Ψ "
+        "grows to ceil(Ψ / interval)·interval; after backward one sub-partition tensor per "
+        "(rank, interval) instead of one 2Ψ tensor, each reduce-scatter staged through "
+        "PyTorch 1.x NCCL's flattened copy of its interval; at the step per-parameter fp32 "
+        "copies for the overflow check and the norm, this rank's fp32 gradient "
+        "sub-partitions built interval by interval, Adam's state made at the first step, and "
+        "one list all-gather per interval. Off: one contiguous 2Ψ flat, padded to N_d.")
     stage1_max_elements_per_comm: int = int(5e8)
     stage2_single_ipg_bucket: bool = _switch(
         False, f"{DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py (backward: ipg_buffer of "
@@ -150,14 +174,24 @@ class Stack:
         "every backward, freed at its end (cached); per-parameter autograd gradients copied "
         "into it; a 2Ψ/N_d fp16 gradient partition allocated lazily per backward.")
     stage2_reduce_bucket_size: int = int(5e8)
-    stage2_fp32_grad_partition_at_step: bool = _switch(
-        False, f"{DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py (step: _flatten_dense_"
-        "tensors(averaged_gradients).to(fp32); get_grad_norm_direct: g.double() per tensor; "
-        "_has_inf_or_nan: x.float() per tensor; dist.all_gather of lists per allgather shard)",
-        STEP_TEMP,
-        "At the step: an fp16 flat copy of the gradient partition (2Ψ/N_d, transient) cast to "
-        "an fp32 gradient partition (4Ψ/N_d) alive through Adam, plus per-tensor fp32/fp64 "
-        "temporaries of the overflow check and the norm, and the all-gather's flattened list.")
+    stage2_step: str = _switch(
+        "none", f"{DS_E67}:deepspeed/pt/deepspeed_zero_optimizer.py L1344-1351 (fp16 "
+        "_flatten_dense_tensors of the gradient partition), L1406-1408 (gradients freed), "
+        "L1418-1425 (fused Adam: fp16 grads in, fp16 params out), L352-366 (fp16 zero "
+        f"gradient at init) | {DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py L1078-1080 "
+        "(_flatten_dense_tensors(...).to(fp32) while the fp16 partition lives), L1086-1088 "
+        "(freed after), L1095 (fp32 Adam), L1100-1102 (fp32 -> fp16 copy), L349-363 (fp32 zero "
+        "gradient at init); both: _has_inf_or_nan x.float() per tensor (f2ac7eafd L1229), "
+        "g.double().norm() per tensor (f2ac7eafd L952), a list all_gather per allgather shard "
+        "(f2ac7eafd L1111-1144)", STEP_TEMP,
+        "P_os+g's step at the commit that ran: 'e67a3def0' (the squashed dev-zero branch, "
+        "authored 2020-05-01, the paper's era: the ZeRO-100B runs predate the public "
+        "f2ac7eafd of 2020-05-19): the fp16 gradient partition (2Ψ/N_d) and its fp16 flat "
+        "copy (2Ψ/N_d) feed a fused Adam that writes the fp16 parameters; 'f2ac7eafd' (the "
+        "public ZeRO-2 release): the flat copy is cast to fp32 (4Ψ/N_d) while the fp16 "
+        "partition still lives, 8Ψ/N_d at that moment. Both add per-tensor fp32 / fp64 "
+        "temporaries of the overflow check and the norm. 'none' (modern): the update upcasts "
+        "one all-gather shard at a time.")
     allgather_bucket_size: int = _switch(
         0, f"{DSE_405}:Megatron-LM/scripts/hyperscale/*.dat (allgather-bucket 2e8); "
         f"{DS_F2A}:deepspeed/pt/deepspeed_zero_config.py (default 5e8)", GATHER,
@@ -177,11 +211,48 @@ class Stack:
         "(configure(): assert PARTITION_ACTIVATIONS)", CHECKPOINTS,
         "Without P_a (C1, C3) checkpoints are the plain saved layer inputs; M_D for "
         "activations exists only with P_a.")
+    reentrant_checkpointing: bool = _switch(
+        False, f"{DSE_405}:Megatron-LM/mpu/random.py L437-509 (CheckpointFunction.backward: "
+        "recompute under enable_grad L492-493, torch.autograd.backward(outputs, args) L502, "
+        "grads returned L509)", WORKING_LAYER,
+        "2019 checkpointing was reentrant: a layer's backward recomputes its forward and runs "
+        "an inner torch.autograd.backward, keeping the recomputed output and the incoming "
+        "gradient (b·s·h each) alive through the whole layer backward. Off: today's "
+        "non-reentrant checkpointing (torch.utils.checkpoint use_reentrant=False).")
+    collective_stream_reuse: str = _switch(
+        "at_free", "PyTorch 1.x c10d ProcessGroupNCCL (recordStream on collective inputs, "
+        "outputs and flattened staging tensors) + CUDACachingAllocator (free -> insert_events, "
+        "process_events, free_cached_blocks -> synchronize_and_free_events); pytorch/pytorch"
+        "#76861; the harness's synchronisation points with file@commit:line: stack.streams",
+        OTHER,
+        "When a block an NCCL collective touched can be reused. 'after_sync' (PyTorch 1.x, the "
+        "host ahead of the device): freed while its stream has work issued since the last "
+        "synchronisation point, it is held until the next one of the 2020 harness (per "
+        "layer, DeepSpeed's timers, the step's .item() reads), or returned to the pool when "
+        "an allocation would fail; 'at_free' (the device keeps up; today's PyTorch keeps the "
+        "tensors in the collective's Work instead): reusable at its Python free.")
     pa_cpu_pageable_sync: bool = _switch(
-        False, f"{DSE_405}:Megatron-LM/mpu/random.py (partition.cpu(); "
-        "new_empty(..., device='cpu'))", CHECKPOINTS,
+        False, f"{DSE_405}:Megatron-LM/mpu/random.py L354-369 (buffers new_empty(..., "
+        "device='cpu'), copy_ into them / partition.cpu()), L278-285 (copy_ back in "
+        "get_full_inputs)", CHECKPOINTS,
         "P_a+cpu copies partitions to pageable host memory synchronously (no pinned memory, no "
-        "side stream): no device memory held across the copy; a time cost, not a memory one.")
+        "side stream): no device memory held across the copy; a time cost, not a memory one "
+        "(scale.perf_model ``pa_cpu_sync``: both copies exposed).")
+    zero_step_time: bool = _switch(
+        False, f"{DS_E67} / {DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py step (overflow "
+        "check, norm, flatten, casts, Adam, copies; lines in scale.perf_model.STEP_BYTES); "
+        f"{DS_F2A}:deepspeed/pt/zero_optimizer_stage1.py L604-699", TIME,
+        "The ZeRO step's memory-bound passes over the partition (and, for stage 1, over every "
+        "gradient) at the HBM roof, at the commit ``stage2_step`` names: per step, not per "
+        "sample (scale.perf_model ``step_commit``).")
+    stage2_rooted_reduces: bool = _switch(
+        False, f"{DS_F2A}:deepspeed/pt/deepspeed_zero_optimizer.py L616-629 (average_tensor: one "
+        f"dist.reduce per destination rank's slice of the bucket); {DS_E67}: the same, "
+        "L653-666", TIME,
+        "P_os+g reduces each bucket with one rooted NCCL reduce per destination rank instead of "
+        "a reduce-scatter: a ring reduce moves its slice over every link (S/B per bucket "
+        "instead of (n-1)/n·S/B), n·(n-1) ring steps of latency (scale.perf_model "
+        "``rooted_reduce``).")
     outside_allocator: str = _switch(
         "none", "stack.outside (NVIDIA/nccl@v2.4.8 buffers; pytorch/pytorch#20532, #28394 "
         "measured CUDA contexts)", OUTSIDE,
@@ -235,13 +306,45 @@ def paper2020() -> Stack:
     return Stack(name="paper2020", materialized_scores=True, dropout_masks=True,
                  tanh_gelu_intermediates=True, fp32_logits=True, build_sequence=True,
                  fp32_model_on_gpu_before_half=False, stage1_per_param_grads=True,
-                 stage1_flatten_reduce_scatter=True, stage2_single_ipg_bucket=True,
-                 stage2_fp32_grad_partition_at_step=True, allgather_bucket_size=int(2e8),
+                 stage1_flatten_reduce_scatter=True, stage1_interval_layout=True,
+                 stage2_single_ipg_bucket=True, stage2_step="e67a3def0",
+                 allgather_bucket_size=int(2e8), reentrant_checkpointing=True,
+                 collective_stream_reuse="after_sync", zero_step_time=True,
+                 stage2_rooted_reduces=True,
                  pa_per_layer_checkpoints=True, contiguous_ckpt_only_with_pa=True,
                  pa_cpu_pageable_sync=True, outside_allocator="paper2020", report_gib=True)
 
 
-STACKS = {"modern": modern, "paper2020": paper2020}
+def paper2020_least() -> Stack:
+    """paper2020 with every choice the 2020 sources leave open at its least-memory end: the
+    device keeps up with the collectives (``collective_stream_reuse='at_free'``), stage 2's
+    step as at e67a3def0. Judged with the outside-allocator bytes at their low end
+    (``BRACKET``)."""
+    return dataclasses.replace(paper2020(), name="paper2020_least",
+                               collective_stream_reuse="at_free", stage2_step="e67a3def0")
+
+
+def paper2020_most() -> Stack:
+    """paper2020 with every open choice at its most-memory end: blocks held until the
+    harness's next synchronisation, stage 2's step as at f2ac7eafd; judged with the
+    outside-allocator bytes at their high end."""
+    return dataclasses.replace(paper2020(), name="paper2020_most",
+                               collective_stream_reuse="after_sync", zero_step_time=True,
+                 stage2_rooted_reduces=True, stage2_step="f2ac7eafd")
+
+
+STACKS = {"modern": modern, "paper2020": paper2020, "paper2020_least": paper2020_least,
+          "paper2020_most": paper2020_most}
+# the bracket a paper2020 answer is drawn with: end -> (stack, outside-allocator point)
+BRACKET = {"low": ("paper2020_least", "low"), "high": ("paper2020_most", "high")}
+
+
+def bracket_end(name: str, end: str) -> tuple[str, str]:
+    """(stack, outside point) of ``end`` (low | high) of stack ``name``'s bracket: the
+    paper2020 ambiguities (``BRACKET``); other stacks: the same stack at that outside point."""
+    if name == "paper2020":
+        return BRACKET[end]
+    return name, end
 
 
 def get(name: str) -> Stack:
