@@ -23,10 +23,9 @@ from zero_repro.config import (
     TrainConfig,
     ZeroConfig,
     ZeroRConfig,
-    register_configs,
-    to_config,
-    validate,
 )
+from zero_repro.schema import register_configs, to_config
+from zero_repro.validation import validate
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.step import train_step
