@@ -237,9 +237,11 @@ PEAK = "peak_reserved (max cached)"
 
 
 def conclude(table, most: int = 4) -> list[str]:
-    """The table in words: per setup and stack the max cached memory and the ``most`` largest
-    categories that hold it (the rest summed), the bytes outside the allocator per stack (the
-    bracket's low .. high end), and the ``paper2020`` switches that cost the most alone."""
+    """The table in words: the bytes outside the allocator per stack (the bracket's low .. high
+    end); at the paper's own runs (``MECHANISM_AT``: Table 8's 40B C1, Table 6's 60B on 64 GPUs)
+    per stack the max cached memory and the ``most`` largest categories that hold it (the rest
+    summed); the two 2020 mechanisms that move the needed capacity most at each; and the
+    ``paper2020`` switches that cost the most alone. The other setups are in the table."""
     t = table[(table["figure"] == FIGURE) & (table["y_name"] == "bytes_at_peak")]
     out = []
     if len(t):
@@ -251,7 +253,8 @@ def conclude(table, most: int = 4) -> list[str]:
             outside.setdefault(stack, f"{num(lo)}..{num(hi)}" if hi > lo else num(lo))
         out.append(f"{t['kind'].iloc[0]} (dry run): max cached [GiB] by category; outside the "
                    "allocator: " + ", ".join(f"{k} {v}" for k, v in outside.items()))
-    for series, g in t.groupby("series", sort=False):
+    shown = t["series"].astype(str).str.rpartition(", ")[0].isin(MECHANISM_AT)
+    for series, g in t[shown].groupby("series", sort=False):
         peak = column(g[g["x_value"] == PEAK], "y_value")
         cats = g[~g["x_value"].astype(str).isin([PEAK, S.OUTSIDE, f"{S.OUTSIDE} (to high end)"])]
         cats = cats.assign(_y=column(cats, "y_value")).sort_values("_y", ascending=False)
@@ -259,11 +262,17 @@ def conclude(table, most: int = 4) -> list[str]:
         out.append(f"{series} {num(peak.max())}: " + ", ".join(
             f"{x} {num(y)}" for x, y in zip(top["x_value"], top["_y"]))
             + (f", rest {num(rest)}" if rest > 0 else ""))
-    mt = table[table["figure"] == f"{FIGURE}_mechanisms"]
-    for series, g in mt.groupby("series", sort=False):
-        out.append(f"mechanisms, {series} [GiB]: " + ", ".join(
-            f"{SHORT.get(str(x).split('=')[0], x)} {float(y):+.2f}"
-            for x, y in zip(g["x_value"], g["y_value"])))
+    mt = table[(table["figure"] == f"{FIGURE}_mechanisms")
+               & (table["y_name"] == "needs_change")]
+    if len(mt):
+        parts = []
+        for setup, g in mt.groupby("setup", sort=False):
+            g = g.assign(_y=column(g, "y_value"))
+            g = g.reindex(g["_y"].abs().sort_values(ascending=False).index).head(2)
+            parts.append(f"{setup} " + ", ".join(
+                f"{SHORT.get(str(x).split('=')[0], x)} {y:+.2f}"
+                for x, y in zip(g["x_value"], g["_y"])))
+        out.append("mechanisms, needs [GiB]: " + "; ".join(parts))
     sw = table[table["figure"] == f"{FIGURE}_switches"]
     for series, g in sw.groupby("series", sort=False):
         g = g.assign(_y=column(g, "y_value")).sort_values("_y", ascending=False)

@@ -147,8 +147,9 @@ def _dedup(label: str) -> str:
 def conclude(table) -> list[str]:
     """The table in words (the paper reports none of these numbers: nothing to compare): per
     stack how many of the paper's setups fit a V100-32GB at the paper's batch (at the judged
-    capacity and at both ends of the outside-allocator bracket), the range of what they need
-    per figure, and the setup with the least headroom."""
+    capacity and at both ends of the outside-allocator bracket) and the setup with the least
+    headroom; for a whole stack (not a bracket end, ``_least`` / ``_most``) also the range of
+    what they need per figure."""
     t = table[(table["figure"] == FIGURE) & (table["y_name"] == "max_cached_memory")]
     out = []
     for kind in dict.fromkeys(t["kind"]):
@@ -169,6 +170,8 @@ def conclude(table) -> list[str]:
                 line += (f"; tightest: {fig[i]} {_dedup(g.loc[i, 'x_value'])} needs "
                          f"{num(need[i], 4)}")
             out.append(line)
+            if str(stack).endswith(("_least", "_most")):
+                continue  # a bracket end: its count and tightest run; the figure has the rest
             out.append(f"{stack}, needs per figure [GiB]: " + ", ".join(
                 f"{f} {num(need[h.index].min())}..{num(need[h.index].max())}"
                 for f, h in sorted(g.groupby(fig, sort=False), key=lambda kv: str(kv[0]))))

@@ -39,7 +39,7 @@ def line_with(lines: list[str], start: str) -> str:
 @pytest.mark.parametrize("name", NAMES)
 def test_a_few_short_lines_the_cli_prints_as_they_are(name):
     lines = lines_of(name)
-    assert 2 <= len(lines) <= 6, lines
+    assert 2 <= len(lines) <= 7, lines
     assert all(isinstance(ln, str) and ln.strip() and len(ln) <= 120 for ln in lines), lines
     assert all("nan" not in ln.lower().split() for ln in lines), lines
     # the CLI prints the experiment's own lines, not the generic fallback
@@ -136,8 +136,10 @@ def test_fig4_and_fig8_say_withheld_and_hold_each_value_with_its_batch():
         ", ".join(f"{c} {num(y)} b{int(b)}"
                   for c, y, b in zip(fit["x_value"], fit["y_value"], fit["batch_per_gpu"])))
     assert sum(ln.count("(in-sample)") for ln in lines) == int(t8["in_sample"].notna().sum()) == 1
+    big = t8[t8["in_sample"].notna()]  # Table 9's 170B run at its batch: Fig 2's fitted point
+    assert len(big) == 1 and big["series"].iloc[0].startswith("170B")
     assert line_with(lines, "170B (400 GPUs, MP 16), Table 9's batch").endswith(
-        "C5 24 b12 (in-sample)")
+        f"C5 {num(big['y_value'].iloc[0])} b12 (in-sample)")
 
 
 def test_fig7_cached_memory_per_config_and_an_out_of_memory_verdict():
@@ -198,8 +200,10 @@ def test_prediction_memory_counts_what_fits_and_names_the_tightest():
 def test_memory_breakdown_largest_categories_add_up_to_the_peak():
     t = committed("memory_breakdown")
     lines = lines_of("memory_breakdown")
-    peaks = t[t["x_value"] == "peak_reserved (max cached)"]
-    assert len(peaks) == 4
+    mod = importlib.import_module("experiments.memory_breakdown")
+    peaks = t[(t["x_value"] == "peak_reserved (max cached)")
+              & t["series"].str.rpartition(", ")[0].isin(mod.MECHANISM_AT)]
+    assert len(peaks) == 2 * len(mod.MECHANISM_AT) == 4  # the paper's runs x both stacks
     for r in peaks.itertuples():
         line = line_with(lines, f"{r.series} {num(r.y_value)}: ")
         parts = [p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split(", ")]
@@ -208,7 +212,18 @@ def test_memory_breakdown_largest_categories_add_up_to_the_peak():
         slack = sum(0.5 * 10 ** (math.floor(math.log10(float(v))) - 2) for _, v in parts)
         assert math.isclose(sum(float(v) for _, v in parts), r.y_value, abs_tol=slack), line
     sw = line_with(lines, "switches, 40B C4, alone [GiB]: ")
-    assert sw.startswith("switches, 40B C4, alone [GiB]: build_sequence +6.25, ")
+    switches = t[t["figure"] == "memory_breakdown_switches"]
+    top = switches.loc[switches["y_value"].astype(float).idxmax()]
+    assert top["x_value"] == "build_sequence"  # the whole-model build costs the most alone
+    assert sw.startswith(f"switches, 40B C4, alone [GiB]: build_sequence {float(top['y_value']):+.3g}, ")
+    # the mechanisms line: the two that move the capacity needed most, per paper run
+    needs = t[(t["figure"] == "memory_breakdown_mechanisms") & (t["y_name"] == "needs_change")]
+    mech = line_with(lines, "mechanisms, needs [GiB]: ")
+    for setup in mod.MECHANISM_AT:
+        g = needs[needs["setup"] == setup]
+        x = g.loc[g["y_value"].astype(float).abs().idxmax()]
+        assert f"{setup} {mod.SHORT.get(x['x_value'].split('=')[0], x['x_value'])} " \
+               f"{float(x['y_value']):+.2f}" in mech, mech
 
 
 def test_the_calibration_log_line_is_rounded(monkeypatch, caplog):

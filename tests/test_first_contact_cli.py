@@ -340,9 +340,14 @@ def test_fig3_concludes_speedups_against_the_paper_and_the_ideal():
     assert (f"{first['x_value']} {first['y_value']:.2f}x / {first['paper_value']:.2f}x (2)"
             in lines[1])
     assert lines[2].startswith("simulated, paper batch:") and "paper batch / paper" in lines[3]
+    # the figure's conclusion (does memory make the step super-linear?) and its sensitivity
+    concl = [ln for ln in lines if ln.startswith("conclusion: ")]
+    assert len(concl) == 2 and "Table 6's 16" in concl[0]
+    assert f"{first['y_value']:.2f}x at the predicted batches" in concl[1]
+    assert [ln.split(",")[1] for ln in lines if ln.startswith("sensitivity, ")] == [" C4", " C5"]
     ups = table[(table["kind"] == "measured") & (table["y_name"] == "speedup")]
-    assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[4]
-    assert len(lines) == 5 and all(len(line) < 200 for line in lines)
+    assert f"1->2 ranks {ups['y_value'].iloc[0]:.2f}x (ideal 2)" in lines[-1]
+    assert lines[-1].startswith("measured") and all(len(line) < 200 for line in lines)
 
 
 def test_a_plan_of_many_points_gives_one_sbatch_line_per_shape(tmp_path, capsys):
