@@ -15,7 +15,7 @@ point's params carry ``stack`` only when it is not ``modern`` (the modern keys a
 Bucket sizes are the paper harness's (``zero_repro.scale.paper.buckets``; inferred,
 REFERENCE.md); ``experiment.params.iterations`` steps are traced per dry run (default 2; each
 judgement replays the second to the allocator's steady state). The reported depth is the
-increasing sweep's (``maxsize.increasing_sweep``: the paper grew the model until it failed); the
+increasing sweep's (``depth_search.increasing_sweep``: the paper grew the model until it failed); the
 depths above it that fit again up to the largest fit are the flip band (cross-hatched). The
 bracket (markers): the same search with every choice the 2020 sources leave open at its
 least-memory end (``paper2020_least``, outside-allocator bytes low) and at its most-memory end

@@ -15,7 +15,7 @@ from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
-from zero_repro.scale.dryrun.dryrun import real_ledgers
+from zero_repro.scale.dryrun.real_run import real_ledgers
 from zero_repro.scale.analytic import model_state_bytes
 from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale import analytic

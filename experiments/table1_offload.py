@@ -18,7 +18,7 @@ from __future__ import annotations
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
-from zero_repro.scale.dryrun.dryrun import real_ledgers
+from zero_repro.scale.dryrun.real_run import real_ledgers
 from zero_repro.scale.paper.table1 import (STAGE_NAMES, TABLE1_ND, TABLE1_PSI,
                                            offload_bytes)
 

@@ -24,17 +24,19 @@ from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.table1 import model_state_bytes
 from zero_repro.scale.paper.table3 import zero_r_config
 from zero_repro.scale.dryrun import allocator as A
-from zero_repro.scale.dryrun import maxsize
+from zero_repro.scale.dryrun import depth_search, maxsize
 from zero_repro.scale.dryrun.dryrun import (
     apply_overrides,
     device_events,
     dry_run,
-    last_step_peak_categories,
     live_peaks,
-    real_ledgers,
-    real_live_peaks,
     repeat_start,
     steady_peak,
+)
+from zero_repro.scale.dryrun.real_run import (
+    last_step_peak_categories,
+    real_ledgers,
+    real_live_peaks,
 )
 
 MODEL_STATES = ("params_lp", "grads", "master_fp32", "adam_m", "adam_v")
@@ -266,7 +268,7 @@ def test_search_with_noisy_capacity_ends_in_few_judgements(seed, last):
     between them and 0 layers (never judged) cost 8 extra dry runs before this was fixed."""
     judge = _NoisyJudge(last=last)
     probes = [(21, judge.need(21)), (42, judge.need(42))]
-    n = maxsize._search(judge, seed, 2000, probes, judge.cap)
+    n = depth_search.search(judge, seed, 2000, probes, judge.cap)
     assert n == last
     assert len(judge.calls) <= 7, judge.calls  # incl. the LOOKAHEAD check above the answer
     assert last + 2 in judge.calls
@@ -289,8 +291,8 @@ class _PairedJudge(_NoisyJudge):
 def test_paired_search_finds_the_same_depth_in_fewer_rounds(seed, last):
     paired, single = _PairedJudge(last), _NoisyJudge(last)
     probes = [(21, single.need(21)), (42, single.need(42))]
-    n2 = maxsize._search(paired, seed, 2000, probes, paired.cap, pairs=True)
-    n1 = maxsize._search(single, seed, 2000, probes, single.cap)
+    n2 = depth_search.search(paired, seed, 2000, probes, paired.cap, pairs=True)
+    n1 = depth_search.search(single, seed, 2000, probes, single.cap)
     assert n2 == n1 == last
     rounds = len(paired.calls) - len(paired.prefetched)
     assert set(paired.prefetched) <= set(paired.calls)  # every prefetched depth is judged
@@ -324,7 +326,7 @@ def test_search_answer_is_the_largest_fit_below_two_that_do_not(pairs):
     if not pairs:
         del band.prefetch
     probes = [(21, band.need(21)), (42, band.need(42))]
-    n = maxsize._search(band, 180, 2000, probes, band.cap, pairs=pairs)
+    n = depth_search.search(band, 180, 2000, probes, band.cap, pairs=pairs)
     assert n == 178 and not band.memo[179].fits and not band.memo[180].fits, band.calls
 
 
@@ -344,12 +346,12 @@ def test_increasing_sweep_stops_at_the_first_failure():
     below the smallest depth judged not to fit, found walking down from the search's largest
     fit until a depth fits with a margin; monotone: the search's answer."""
     band = _SweepJudge(176, holes={171, 172, 175}, islands={178})
-    n, start = maxsize.increasing_sweep(band, band.cap, 178)
+    n, start = depth_search.increasing_sweep(band, band.cap, 178)
     assert n == 170 and start < 170
-    assert band.memo[start].min_capacity <= band.cap - maxsize.SAFE_MARGIN
+    assert band.memo[start].min_capacity <= band.cap - depth_search.SAFE_MARGIN
     assert all(band.memo[d].fits for d in range(start, 171))
     mono = _SweepJudge(176)
-    assert maxsize.increasing_sweep(mono, mono.cap, 176)[0] == 176
+    assert depth_search.increasing_sweep(mono, mono.cap, 176)[0] == 176
 
 
 def test_min_capacity_is_the_fit_threshold_the_search_steers_on():
@@ -480,9 +482,9 @@ def test_search_answer_holds_for_every_fit_pattern_near_the_top():
         for seed in (100, 104, 108):
             judge = _PatternJudge(dict(zip(range(101, 109), bits)))
             probes = [(20, judge.need(20)), (40, judge.need(40))]
-            n = maxsize._search(judge, seed, 2000, probes, judge.CAP, pairs=True)
+            n = depth_search.search(judge, seed, 2000, probes, judge.CAP, pairs=True)
             assert judge.fits(n) and not any(judge.fits(n + k)
-                                             for k in range(1, maxsize.LOOKAHEAD + 1))
+                                             for k in range(1, depth_search.LOOKAHEAD + 1))
             assert not [d for d in judge.calls if d > n and judge.fits(d)], (bits, seed)
             assert set(judge.prefetched) <= set(judge.calls)
             rounds.append(len(judge.calls) - len(judge.prefetched))
@@ -492,9 +494,9 @@ def test_search_answer_holds_for_every_fit_pattern_near_the_top():
 def test_plan_finishes_a_bracket_with_its_look_ahead_in_one_round():
     # paper2020 C5's end: 192 fits, 196 and 198 do not; 195 and 197 decide it (if 195 fits
     # and 197 does not: 195) where bisecting took three rounds (193+194, 195, 197)
-    assert maxsize._plan({192: True, 196: False, 198: False, 202: False}, 2, 2000) == (197, 195)
-    assert maxsize._plan({100: True, 102: False}, 1, 2000) == (101,)  # serial: the one open
-    assert maxsize._plan({100: True, 101: False, 102: False}, 2, 2000) == ()  # decided
+    assert depth_search.plan({192: True, 196: False, 198: False, 202: False}, 2, 2000) == (197, 195)
+    assert depth_search.plan({100: True, 102: False}, 1, 2000) == (101,)  # serial: the one open
+    assert depth_search.plan({100: True, 101: False, 102: False}, 2, 2000) == ()  # decided
 
 
 def test_dry_run_without_details_judges_the_same():

@@ -55,9 +55,9 @@ def test_estimate_matches_real_cpu_runs_tp2():
 
 def test_tracer_sees_releases_between_ops():
     """The measurement's own check: a storage resized to 0 and back between two ops that do
-    not touch it is seen at the op where it happened (the dry run's tracer sees such a resize
+    not touch it is seen at the next op (the dry run's tracer sees such a resize
     only in the storages it watches)."""
-    tr = LP.LiveStorageTracer()
+    tr = LP.live_tracer()
     with tr:
         a = torch.ones(1000)  # 4000 B
         st = a.untyped_storage()

@@ -17,7 +17,7 @@ from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.model.gpt import causal_attention
 from zero_repro.scale.paper.overrides import paper_overrides
 from zero_repro.scale.paper.table3 import zero_r_config
-from zero_repro.scale.dryrun.dryrun import _one_step, apply_overrides, dry_run
+from zero_repro.scale.dryrun.dryrun import apply_overrides, dry_run, one_step
 from zero_repro.scale.dryrun.tracer import AllocationTracer
 from zero_repro.runtime.train.trainer import Trainer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,7 +118,7 @@ def test_strategies_put_every_buffer_on_the_model_device(stage, zr, dtype):
             # the default device is set for the batch only (the backward hooks run in the
             # autograd engine's thread, where it is not set)
             with torch.device("meta"), _NoData():
-                _one_step(trainer, None, set(), cfg, 0)
+                one_step(trainer, None, set(), cfg, 0)
         opt = strategy.opt
         tensors += [t for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._step_t)
                     if t is not None]

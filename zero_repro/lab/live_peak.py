@@ -3,20 +3,19 @@ the bytes of every tensor storage a rank holds at the fullest moment of its trai
 (the build's survivors included, the build's transients not), measured on real tensors on
 CPU ranks over gloo -- the quantity the dry run's live peak predicts.
 
-Mechanism: ``LiveStorageTracer``, the dry run's allocation tracer (``scale.dryrun.tracer``)
-on real tensors, with two changes: data-dependent values are the real ones (``.item()`` is not
-answered with 0), and after every op the size of every live storage is read again, so a
-storage resized in place (stage 3 releases a gathered unit by resizing its storage to 0 bytes
-and materialises it again before the next use) is seen at the op where it happened, whether
-or not an op touches it (the dry run's tracer notices a resize only on a storage an op
-touches). Same build and step as the dry run (``train.build.build``; two steps by default,
+Mechanism: the dry run's allocation tracer (``scale.dryrun.tracer``) on real tensors, as the
+dry run's own real counterpart uses it (``scale.dryrun.real_run``): data-dependent values are
+the real ones (``real_data``: ``.item()`` is not answered with 0), and before every op the size
+of every live storage is read again (``poll_all``), so a storage resized in place (stage 3
+releases a gathered unit by resizing its storage to 0 bytes and materialises it again before
+the next use) is seen at the op after it happened, whether or not an op touches it (the dry
+run's tracer notices a resize only on a storage it watches). Same build and step as the dry run (``train.build.build``; two steps by default,
 the second the steady one), the buckets travelling point-to-point over gloo
 (``ZR_CPU_TRANSPORT=pairwise``: the dry run accounts it with ``transport_of="gloo"``).
 """
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 from omegaconf import OmegaConf
@@ -33,30 +32,10 @@ TRANSPORT = "pairwise"  # ZR_CPU_TRANSPORT of the measured ranks
 MODELS_AS = "gloo"  # the dry run's transport_of for them
 
 
-class LiveStorageTracer(AllocationTracer):
-    """``AllocationTracer`` on real tensors: real scalars, every live storage re-read after
-    every op (module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__(on_meta=False, cache=False)
-        self._how[torch.ops.aten._local_scalar_dense.default] = "plain"  # the real .item()
-        self._live: dict[int, weakref.ref] = {}
-
-    def _see(self, st) -> None:
-        fresh = id(st) not in self._sid_of
-        super()._see(st)
-        if fresh:
-            self._live[self._sid_of[id(st)]] = weakref.ref(st)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        for sid, ref in list(self._live.items()):
-            st = ref()
-            if st is None or sid not in self._size:
-                del self._live[sid]
-            else:
-                self._check_size(sid, st)
-        return out
+def live_tracer() -> AllocationTracer:
+    """The tracer a real run is measured with (module docstring): real tensors and scalars,
+    every storage polled before every op, no output cache."""
+    return AllocationTracer(on_meta=False, cache=False, poll_all=True, real_data=True)
 
 
 def _batches(cfg: C.Config, step: int):
@@ -69,14 +48,14 @@ def _batches(cfg: C.Config, step: int):
 
 def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
     """On an initialised gloo group (``launch.spawn``): for each config, build and train
-    ``iterations`` steps under ``LiveStorageTracer``; per config {"live_peak" (bytes, training
+    ``iterations`` steps under the polling tracer (module docstring); per config {"live_peak" (bytes, training
     steps), "by_iteration", "build_peak" (the build's own live peak), "transport"}. Module
     level, for ``launch.spawn``."""
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
         cfg = schema.to_config(d)
-        tracer = LiveStorageTracer()
+        tracer = live_tracer()
         with tracer:
             trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
             for it in range(iterations):

@@ -308,7 +308,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
                 t0 = time.perf_counter()
-                _one_step(trainer, tracer, host, cfg, it)
+                one_step(trainer, tracer, host, cfg, it)
                 K.tag_strategy(tracer, strategy)
                 timings[f"iteration{it}_s"] = time.perf_counter() - t0
             for h in hooks:
@@ -414,7 +414,7 @@ def _geometry(strategy) -> tuple[int, int]:
             sum(len(g.partition.buckets) for g in groups))
 
 
-def _one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
+def one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
               cfg: C.Config, it: int) -> None:
     """One optimizer step exactly as ``train.loop.train`` drives the strategy (``tracer``
     None: a real run, e.g. ``real_ledgers``)."""
@@ -442,75 +442,6 @@ def _one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
             streams.sync(f"{name} end")
 
     trainer.step(batches, phase=synced, after_forward=after_forward)
-
-
-def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
-                 ) -> list[dict]:
-    """The real counterpart of ``dry_run`` on an initialised (gloo) process group: for each
-    config, ``train.build.build`` + ``iterations`` steps on real tensors, then the same ledgers.
-    Module level, for ``launch.spawn``. Returns [{"ledger", "model_state_bytes" (device),
-    "host_model_state_bytes", "psi", "psi_padded", "transport"}, ...] (``transport``: the
-    ``dry_run(transport_of=...)`` of its DP buckets)."""
-    out = []
-    for d in cfg_dicts:
-        cfg = schema.to_config(d)
-        # every stage is built at every N_d, DP 1 included (Table 1's first column): no warning
-        trainer = Trainer(cfg, warn_dp1=False)
-        for it in range(iterations):
-            _one_step(trainer, None, set(), cfg, it)
-        ledger, strategy = trainer.memory_ledger(), trainer.strategy
-        out.append({"ledger": ledger.as_dict(), "model_state_bytes": ledger.model_states(),
-                    "host_model_state_bytes": ledger.host_model_states(),
-                    "psi": sum(p.numel() for p in trainer.model.parameters()
-                               if p.requires_grad),
-                    "psi_padded": sum(g.partition.padded_numel for g in strategy.groups),
-                    "transport": strategy.transport.name})
-        trainer.close()
-    return out
-
-
-def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
-                    ) -> list[dict]:
-    """The real counterpart of ``dry_run``'s live-byte accounting on an initialised (gloo)
-    process group: for each config, ``train.build.build`` + ``iterations`` steps on real CPU
-    tensors under a ``CategoryTracer`` that polls every storage before every allocating op
-    (``poll_all``: it misses no in-place resize, whoever makes it; no watch list, no meta
-    kernels, no output cache, real collectives). Module level, for ``launch.spawn``. Returns
-    [{"by_iteration": {it: live peak bytes}, "categories": {cat: bytes at the last step's
-    live peak}, "transport"}, ...]."""
-    out = []
-    for d in cfg_dicts:
-        cfg = schema.to_config(d)
-        tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
-        with tracer:
-            with tracer.category(S.FP16_PARAMS):
-                trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
-            hooks = K.tag_model(tracer, trainer.model)
-            for it in range(iterations):
-                _one_step(trainer, tracer, set(), cfg, it)
-                K.tag_strategy(tracer, trainer.strategy)
-            for h in hooks:
-                h.remove()
-            transport = trainer.strategy.transport.name
-            trainer.close()
-            del trainer
-        events = without_teardown(tracer.events)
-        _peak, _by_phase, by_iter = live_peaks(events)
-        out.append({"by_iteration": by_iter, "transport": transport,
-                    "categories": last_step_peak_categories(events, tracer.category_of)})
-    return out
-
-
-def last_step_peak_categories(events, category_of: dict) -> dict:
-    """Live bytes per category at the last training iteration's live peak."""
-    last = max(e[4] for e in events if e[3] != "build")
-    live = best = 0
-    at = 0
-    for i, (kind, _sid, nbytes, phase, it) in enumerate(events):
-        live += nbytes if kind == ALLOC else -nbytes
-        if phase != "build" and it == last and live > best:
-            best, at = live, i + 1
-    return K.live_by_category(events, category_of, at)
 
 
 # ------------------------------------------------------------------------------ subprocess
