@@ -213,9 +213,13 @@ def _mechanism_rows(newest) -> list[dict]:
             if a is None or b is None:
                 continue
             moved = {c: a["categories"].get(c, 0) - b["categories"].get(c, 0)
-                     for c in set(a["categories"]) | set(b["categories"])}
+                     for c in sorted(set(a["categories"]) | set(b["categories"]))}
             moved["stream_held"] = a.get("stream_held", 0) - b.get("stream_held", 0)
+            # the category that moved most; "none" when nothing moved (no tie to break by
+            # the order of a set, which changes with the interpreter's hash seed)
             top = max(moved, key=lambda c: abs(moved[c]))
+            if moved[top] == 0:
+                top, moved["none"] = "none", 0
             meta = S.describe(name)
             for y, va, vb in (("needs_change", a["needs_bytes"], b["needs_bytes"]),
                               ("max_cached_change", a["peak_reserved"], b["peak_reserved"])):
