@@ -24,9 +24,9 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
-from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from zero_repro.lab.figures.figures import plt, save_figure
+from zero_repro.lab.figures import scaling_panel as SP
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
@@ -146,101 +146,6 @@ def sensitivity_rows(records) -> list[dict]:
     return rows
 
 
-def _source(series: str) -> str:
-    """``, <source>: <hw>`` of a series labelled by ``lab.figures.regenerate`` (`` · this machine: ...``)."""
-    return f", {series.split(' · ', 1)[1]}" if " · " in series else ""
-
-
-def _log2_gpu_axis(ax, xs: list[int], label: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.minorticks_off()
-    ax.set_xlim(xs[0] / 2 ** 0.5, xs[-1] * 2 ** 0.5)
-    ax.set_xlabel(label + " (log2 scale)")
-
-
-def _bars_log(ax, per, xs, palette) -> None:
-    """Grouped bars on a log2 x axis: each group spans a fixed fraction of an octave."""
-    groups = list(dict.fromkeys(zip(per["series"], per["kind"])))
-    colors = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(per["series"]))}
-    span = 0.6 / max(1, len(groups))  # octaves per bar
-    for i, (series, kind) in enumerate(groups):
-        g = per[(per["series"] == series) & (per["kind"] == kind)]
-        off = (i - (len(groups) - 1) / 2) * span
-        x = g["x_value"].astype(float)
-        left, right = x * 2 ** (off - span / 2), x * 2 ** (off + span / 2)
-        paper = kind == "paper"
-        ys = g["y_value"].astype(float)
-        ax.bar(left, ys, right - left, align="edge", label=TP.label(series, kind),
-               hatch={"paper": "///", "measured": ".."}.get(kind, ""),
-               color="white" if paper else colors[series],
-               edgecolor=colors[series] if paper else "black", linewidth=1.0 if paper else 0.5)
-        if "y_min" in g and g["y_min"].notna().any():
-            mid = (left * right) ** 0.5
-            ax.errorbar(mid, ys, yerr=[ys - g["y_min"].astype(float),
-                                       g["y_max"].astype(float) - ys],
-                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
-
-
-LINESTYLES = ["-", "--", "-.", ":"]
-
-
-def _panel(ax, df, title: str, xlabel: str, y_per: str, y_agg: str, per_label: str,
-           agg_label: str, unit: str = "GPU") -> None:
-    """Bars: per-GPU (per-rank) throughput on the left axis; lines on a log2 right axis: the
-    aggregate, and perfect linear scaling from the smallest count (straight on log-log)."""
-    per = df[df["y_name"] == y_per]
-    xs = sorted({int(x) for x in per["x_value"]})
-    _bars_log(ax, per.assign(x_value=per["x_value"].astype(int)), xs,
-              ["tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
-    _log2_gpu_axis(ax, xs, xlabel)
-    ax.set_ylabel(per_label + " (bars)")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax2 = ax.twinx()
-    agg = df[df["y_name"] == y_agg].copy()
-    agg["_x"] = agg["x_value"].astype(float)
-    styles = {"paper": ("X", "none"), "simulated": ("s", "--"), "measured": ("o", "-")}
-    greens = ["tab:green", "darkgreen", "yellowgreen", "teal"]
-    blues = ["tab:blue", "navy", "deepskyblue", "slateblue"]
-    lines = {}
-    for (series, kind), g in agg.groupby(["series", "kind"], sort=False):
-        g = g.sort_values("_x")
-        m, ls = styles.get(kind, ("o", "-"))
-        if series == LINEAR:
-            ax2.plot(g["_x"], g["y_value"].astype(float), ":", color="black", lw=1.2,
-                     label=TP.label(series + " (paper's line)", kind))
-            continue
-        k = len(lines)
-        lines[series] = k
-        ax2.plot(g["_x"], g["y_value"].astype(float), marker=m, linestyle=ls,
-                 color=greens[k % len(greens)], markersize=9 if kind == "paper" else 5,
-                 label=TP.label(series, kind))
-    ours = agg[agg["kind"].isin(["simulated", "measured"]) & (agg["series"] != LINEAR)]
-    for series, g in ours.groupby("series", sort=False):  # our own perfect-linear reference
-        r = g.sort_values("_x").iloc[0]
-        x0 = float(r["_x"])
-        k = lines.get(series, 0)
-        ax2.plot(xs, [float(r["y_value"]) * x / x0 for x in xs], LINESTYLES[k % 4],
-                 color=blues[k % len(blues)], lw=1.0,
-                 label=f"perfect linear scaling from the {x0:g}-{unit} value of: "
-                       + TP.label(series.split(' · ')[0] + _source(series), r["kind"]))
-    if len(agg):
-        ax2.set_yscale("log", base=2)
-        ax2.yaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
-        ax2.yaxis.set_minor_locator(NullLocator())
-        ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax2.set_ylabel(agg_label + " (lines, log2 scale)")
-    top = pd.to_numeric(per["y_max"] if "y_max" in per and per["y_max"].notna().any()
-                        else per["y_value"], errors="coerce").max()
-    top = max(top, pd.to_numeric(per["y_value"], errors="coerce").max())
-    if top == top:
-        ax.set_ylim(0, 1.45 * top)  # room above the bars for the notes
-    ax.set_title(title, fontsize=9)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    TP.legend_below(ax, h1 + h2, l1 + l2, fontsize=7)
-
-
 def _speedup_text(table) -> str:
     sp = table[table["y_name"] == "speedup"]
     lines = ["aggregate speed-up  paper  | predicted batch | paper batch"]
@@ -273,8 +178,8 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
         if e.notna().any():
             title += f"\nper-GPU vs paper, {name}: mean |err| {100 * e.mean():.0f}%, max " \
                      f"{100 * e.max():.0f}%"
-    _panel(ax, big, title, TP.axis_label("num_gpus"), T.Y_NAME, T.AGG_NAME,
-           TP.axis_label(T.Y_NAME), TP.axis_label(T.AGG_NAME))
+    SP.panel(ax, big, title, TP.axis_label("num_gpus"), T.Y_NAME, T.AGG_NAME,
+           TP.axis_label(T.Y_NAME), TP.axis_label(T.AGG_NAME), linear=LINEAR)
     bs = per[per["series"] == BARS][["x_value", "batch_per_gpu", "zero_config"]]
     note = ", ".join(f"{int(x)}: b{int(b)} {c}" for x, b, c in bs.itertuples(index=False))
     fig.text(0.01, 0.01, _speedup_text(pd.concat([sp, table[(table["kind"] == "paper") & (
@@ -286,10 +191,10 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
         lt = local[local["y_name"] == TOKENS]
         bl = ", ".join(f"{int(x)} rank(s): batch {int(b)}" for x, b in
                        lt[["x_value", "batch_per_gpu"]].drop_duplicates().itertuples(index=False))
-        _panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl} (largest "
+        SP.panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl} (largest "
                "that fits one per-rank budget, memory dry run)",
                "number of CPU ranks (DP degree)", TOKENS, TOKENS_AGG,
-               "tokens/s per rank", "aggregate tokens/s", unit="rank")
+               "tokens/s per rank", "aggregate tokens/s", unit="rank", linear=LINEAR)
     sim = table[table["kind"] == "simulated"]
     paper_up = {str(r.x_value): float(r.y_value) for r in table[
         (table["kind"] == "paper") & (table["y_name"] == "speedup")].itertuples()}
