@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from zero_repro.lab.figures import convergence as CF
 from zero_repro.lab.figures import regenerate as plot
 from zero_repro.lab import registry as base
 from experiments import fig5_convergence as F
@@ -106,7 +107,7 @@ def test_summarize_rows_and_deviation(tmp_path):
     table = pd.read_csv(out["table"])
     assert "paper" not in set(table["kind"])  # never joined with our (incomparable) numbers
     assert [os.path.basename(p) for p in out["figures"]] == [f"{NAME}.png", f"{NAME}.pdf"]
-    ctx = F._paper_context(os.path.join(tmp_path, NAME))
+    ctx = CF.paper_context(os.path.join(tmp_path, NAME), F.PAPER_FIG)
     assert set(ctx["kind"]) == {"paper"} and len(ctx) == 12  # 2 curves x 6 digitized points
     assert ctx["y_value"].between(8, 12).all()
 
