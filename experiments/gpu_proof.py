@@ -51,6 +51,8 @@ from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.lab.checks import gpu
 from zero_repro.lab.checks import offload as zero_offload
+from zero_repro.lab.checks.device import (  # noqa: F401 (gpu_cluster: the experiment's interface)
+    cluster_name, cluster_overrides, gpu_cluster)
 from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
     FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
 from zero_repro.lab.points import Point
@@ -58,7 +60,6 @@ from zero_repro.lab.sweep import point_config
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.model import flops
 from zero_repro.scale.dryrun.dryrun import setup_overrides
-from zero_repro.scale.hardware import device_bytes, load_cluster
 from zero_repro.scale.paper.setups import setups
 
 GB = 1e9
@@ -86,88 +87,6 @@ def _params(cfg) -> tuple[dict, str, int]:
     return p, dev, gpus
 
 
-# conf/cluster/<name> of a GPU, from torch.cuda.get_device_name: (tokens all in the name,
-# tokens none of which is in it); the device memory then has to agree within CLUSTER_MEMORY_RTOL
-# (an A100's 40 and 80 GB, an H100 NVL's 94 GB, a MIG slice). PCIe/NVL variants have a lower
-# peak than the SXM part a cluster file describes: not matched.
-GPU_CLUSTERS = {"h200": (("H200",), ("NVL", "PCIE")), "h100": (("H100",), ("NVL", "PCIE")),
-                "dgx_a100_80g": (("A100",), ("PCIE",)), "dgx_a100_40g": (("A100",), ("PCIE",)),
-                "dgx2_v100": (("V100", "32GB"), ("PCIE",)), "l40s_pcie": (("L40S",), ())}
-CLUSTER_MEMORY_RTOL = 0.05
-
-
-def gpu_cluster(name: str, total_memory: int) -> str | None:
-    """The ``conf/cluster`` name of a GPU reporting ``name`` (``torch.cuda.get_device_name``)
-    and ``total_memory`` bytes (``get_device_properties``), or None when none matches."""
-    up = name.upper()
-    for cluster, (need, exclude) in GPU_CLUSTERS.items():
-        if all(t in up for t in need) and not any(t in up for t in exclude):
-            want = device_bytes(load_cluster(cluster))
-            if abs(total_memory - want) <= CLUSTER_MEMORY_RTOL * want:
-                return cluster
-    return None
-
-
-def _this_gpu() -> tuple[str, int] | None:
-    """(name, total memory in bytes) of CUDA device 0, or None without CUDA."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return None
-    return torch.cuda.get_device_name(0), int(torch.cuda.get_device_properties(0).total_memory)
-
-
-def cluster_name(p) -> str:
-    """``experiment.params.cluster`` resolved (its peak and device memory go into every
-    record): ``auto`` is this machine's GPU (``gpu_cluster``); a named ``conf/cluster`` must be
-    a CUDA cluster and, on a machine with a GPU, that GPU (by name, else by memory for a GPU
-    no cluster names). ValueError naming the setting to pass otherwise."""
-    want = str(p.get("cluster", "auto"))
-    gpu = _this_gpu()
-    if want == "auto":
-        if gpu is None:
-            raise ValueError("experiment.params.cluster=auto reads the GPU model, and this "
-                             "machine shows no CUDA device: name the GPU to plan for, e.g. "
-                             f"experiment.params.cluster=h100 (one of {sorted(GPU_CLUSTERS)})")
-        found = gpu_cluster(*gpu)
-        if found is None:
-            raise ValueError(f"this machine's GPU is {_gpu_words(gpu)}, which matches no GPU "
-                             f"of conf/cluster (by name and memory): add conf/cluster/<name>.yaml"
-                             f" for it and pass experiment.params.cluster=<name>")
-        return found
-    try:
-        c = load_cluster(want)
-    except ValueError:
-        raise ValueError(f"experiment.params.cluster={want!r} is no conf/cluster/<name>.yaml: "
-                         f"choose auto (this machine's GPU) or one of "
-                         f"{sorted(GPU_CLUSTERS)}") from None
-    if c.device != "cuda":
-        raise ValueError(f"experiment.params.cluster={want} is not a GPU cluster: choose auto "
-                         f"(this machine's GPU) or one of {sorted(GPU_CLUSTERS)}")
-    if gpu is None:
-        return want  # a plan for that GPU, made anywhere
-    found = gpu_cluster(*gpu)
-    if found is not None and found != want:
-        raise ValueError(f"experiment.params.cluster={want} but this machine's GPU is "
-                         f"{_gpu_words(gpu)}, i.e. {found}: pass experiment.params.cluster="
-                         f"{found} (or auto)")
-    want_bytes = device_bytes(c)
-    if found is None and abs(gpu[1] - want_bytes) > CLUSTER_MEMORY_RTOL * want_bytes:
-        raise ValueError(f"experiment.params.cluster={want} has {want_bytes / 2**30:.1f} GiB "
-                         f"per device but this machine's GPU is {_gpu_words(gpu)}: pass the "
-                         f"cluster of this GPU")
-    return want
-
-
-def _gpu_words(gpu: tuple[str, int]) -> str:
-    return f"{gpu[0]!r} ({gpu[1] / 2**30:.1f} GiB)"
-
-
-def _cluster_overrides(name: str) -> dict:
-    c = load_cluster(name)
-    return {f"cluster.{k}": getattr(c, k) for k in ("name", "device", "backend",
-                                                     "gpus_per_node", "device_memory_gb",
-                                                     "device_memory_mib", "peak_tflops")}
-
-
 def _model_overrides(spec) -> dict:
     spec = schema.model_conf(spec) if isinstance(spec, str) else dict(spec)
     return {f"model.{k}": v for k, v in spec.items()}
@@ -178,7 +97,7 @@ def plan(cfg) -> list[Point]:
     cuda = dev == "cuda"
     world = gpus if cuda else CPU_WORLD[gpus]
     base = {"parallel.world_size": world, "parallel.tp": 1, "train.progress": False,
-            **(_cluster_overrides(cluster_name(p)) if cuda else {})}
+            **(cluster_overrides(cluster_name(p)) if cuda else {})}
     tag = {"device": dev, "gpus": gpus}
     eq = dict(p.get("equivalence") or {})
     pts = [Point(name="probe", params={"part": "probe", **tag}, overrides=dict(base)),
@@ -226,7 +145,7 @@ def _one_gpu_points(p, cuda: bool, base: dict, tag: dict) -> list[Point]:
             continue
         ov = setup_overrides(s, cluster)
         if cuda:
-            ov.update(_cluster_overrides(cluster))
+            ov.update(cluster_overrides(cluster))
             n = int((pp.get("layers") or {}).get(label, s.n_layer))
         else:  # a tiny stand-in of the same point: TP 16, its ZeRO-R config, a tiny shape
             small = dict(pp.get("cpu_shape") or {})
