@@ -5,7 +5,7 @@ between offloaded and not; bad settings fail with the fix.
 
 On these CPU ranks host and device are the same memory and torch's fused AdamW runs the same
 CPU kernel either way, so the offloaded run is bit-identical to the plain one here (asserted);
-the issue's tolerances (fp32 1e-6 on the fp32 master, the training dtype within one of its
+the tolerances set for it (fp32 1e-6 on the fp32 master, the training dtype within one of its
 ulps) are what a GPU, whose CUDA kernel rounds otherwise, is held to (``TOL``, ``lp_close``).
 """
 from __future__ import annotations
