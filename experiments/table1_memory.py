@@ -14,8 +14,7 @@ from __future__ import annotations
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
-from zero_repro.runtime.comm.launch import spawn
-from zero_repro.scale.dryrun.real_run import real_ledgers
+from zero_repro.scale.dryrun.real_run import ledgers_per_stage
 from zero_repro.scale.analytic import model_state_bytes
 from zero_repro.scale.paper.table1 import STAGE_NAMES
 from zero_repro.scale import analytic
@@ -40,15 +39,7 @@ def plan(cfg) -> list[Point]:
 def run_point(cfg, point: Point) -> dict:
     if point.mode == "analytic":
         return {"cells": [vars(c) for c in analytic.table1()]}
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    stages = list(cfg.experiment.params.get("stages", [0, 1, 2, 3]))
-    dicts = [OmegaConf.to_container(OmegaConf.structured(
-        dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s)))) for s in stages]
-    res = spawn(real_ledgers, cfg.parallel.world_size, dicts)[0]
-    return {"stages": stages, "runs": res, "n_d": cfg.parallel.world_size}
+    return ledgers_per_stage(cfg, cfg.experiment.params.get("stages", [0, 1, 2, 3]))
 
 
 def summarize(records) -> list[dict]:

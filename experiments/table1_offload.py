@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.points import Point
-from zero_repro.runtime.comm.launch import spawn
-from zero_repro.scale.dryrun.real_run import real_ledgers
+from zero_repro.scale.dryrun.real_run import ledgers_per_stage
 from zero_repro.scale.paper.table1 import (STAGE_NAMES, TABLE1_ND, TABLE1_PSI,
                                            offload_bytes)
 
@@ -48,17 +47,9 @@ def run_point(cfg, point: Point) -> dict:
                            **offload_bytes(psi, s, n)}
                           for m, psi in TABLE1_PSI.items() for s in (1, 2, 3)
                           for n in TABLE1_ND]}
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
     n_d = cfg.parallel.world_size
-    stages = [s for s in cfg.experiment.params.get("stages", [0, 1, 2, 3])
-              if s != 0 or n_d == 1]
-    dicts = [OmegaConf.to_container(OmegaConf.structured(
-        dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s)))) for s in stages]
-    res = spawn(real_ledgers, n_d, dicts)[0]
-    return {"stages": stages, "runs": res, "n_d": n_d}
+    return ledgers_per_stage(cfg, [s for s in cfg.experiment.params.get("stages", [0, 1, 2, 3])
+                                   if s != 0 or n_d == 1])  # stage 0 offloads only at DP 1
 
 
 def summarize(records) -> list[dict]:

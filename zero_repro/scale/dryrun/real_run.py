@@ -7,7 +7,12 @@ run's own (``dryrun.one_step``, through the runtime's ``Trainer``). Module-level
 """
 from __future__ import annotations
 
+import dataclasses
+
+from omegaconf import OmegaConf
+
 from zero_repro import schema
+from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.scale.dryrun.dryrun import one_step
 from zero_repro.scale.dryrun.stack import categories as K
@@ -83,3 +88,15 @@ def last_step_peak_categories(events, category_of: dict) -> dict:
         if phase != "build" and it == last and live > best:
             best, at = live, i + 1
     return K.live_by_category(events, category_of, at)
+
+
+def ledgers_per_stage(cfg, stages) -> dict:
+    """``real_ledgers`` of ``cfg`` at each ZeRO stage of ``stages`` (paper §5 Table 1's columns),
+    on ``cfg.parallel.world_size`` gloo ranks spawned for it; rank 0's:
+    {"stages", "runs" (one ``real_ledgers`` entry per stage), "n_d"}."""
+    stages = list(stages)
+    dicts = [OmegaConf.to_container(OmegaConf.structured(
+        dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s)))) for s in stages]
+    n_d = cfg.parallel.world_size
+    return {"stages": stages, "runs": spawn(real_ledgers, n_d, dicts)[0], "n_d": n_d}
+
