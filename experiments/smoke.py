@@ -107,12 +107,16 @@ def coinciding(curves: dict) -> list[list[str]]:
     return [g for g in groups if len(g) > 1]
 
 
+FEW_STEPS = 50  # up to this many logged steps: a marker and a tick per step
+
+
 def plot(table, out_dir: str) -> list[str]:
     """Loss vs step per series; coinciding series get distinct styles and a note."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     import pandas as pd
 
 
@@ -124,16 +128,19 @@ def plot(table, out_dir: str) -> list[str]:
     markers = ["o", "s", "^", "x", "D", "v"]
     for i, (s, c) in enumerate(curves.items()):
         xs = sorted(c)
-        ax.plot(xs, [c[x] for x in xs], styles[i % 4], marker=markers[i % 6], color=f"C{i % 10}",
-                markersize=7 - (i % 3) * 1.5, label=s)
+        ax.plot(xs, [c[x] for x in xs], styles[i % 4], color=f"C{i % 10}", label=s,
+                marker=markers[i % 6] if len(xs) <= FEW_STEPS else None,
+                markersize=7 - (i % 3) * 1.5)
     groups = coinciding(curves)
     if groups:
         ax.text(0.01, 0.02, "drawn over each other (|Δloss| <= 1e-6 at every step):\n"
                 + "\n".join(" = ".join(_distinct(g)) for g in groups),
                 transform=ax.transAxes, fontsize=8, va="bottom")
     xs = sorted(ours["x"].unique())
-    if xs:
+    if xs and len(xs) <= FEW_STEPS:  # a tick per step; a long run gets matplotlib's integer ones
         ax.set_xticks(xs)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="optimizer step (as logged)", ylabel="training loss [nats]",
            title="smoke: loss per step (local CPU ranks, measured)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)

@@ -23,3 +23,28 @@ def test_summary_steps_start_at_one_and_name_the_data():
     rows = summarize([r])
     assert [row["x_value"] for row in rows] == [1, 2]
     assert rows[0]["series"].endswith("synthetic data")
+
+
+def test_a_long_run_gets_a_readable_axis_not_a_tick_per_step(monkeypatch):
+    """A tick and a marker per step suit a few steps; 5000 of them made the figure unreadable
+    and took matplotlib ~40 s to lay out (the Slurm signal test trains thousands of steps)."""
+    import pandas as pd
+
+    import experiments.smoke as smoke
+
+    drawn = {}
+
+    def keep(fig, out_dir, name, dpi):
+        drawn["ax"] = fig.axes[0]
+        return []
+
+    monkeypatch.setattr(smoke, "save_figure", keep)
+    for steps, most_ticks in ((4, 4), (5000, 15)):
+        table = pd.DataFrame({"kind": "measured", "series": "GPT", "x_value": range(1, steps + 1),
+                              "y_value": [6.0 - s / steps for s in range(steps)]})
+        smoke.plot(table, "unused")
+        ax = drawn["ax"]
+        ticks = [t for t in ax.get_xticks() if 1 <= t <= steps]
+        assert 2 <= len(ticks) <= most_ticks, (steps, ticks)
+        assert all(float(t).is_integer() for t in ticks)
+        assert (ax.lines[0].get_marker() in (None, "None", "")) == (steps > smoke.FEW_STEPS)
