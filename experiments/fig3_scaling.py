@@ -25,9 +25,7 @@ import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
 
-from zero_repro.lab.figures.figures import plt, save_figure
-from zero_repro.lab.figures import scaling_panel as SP
-from zero_repro.lab.figures import throughput_plots as TP
+from zero_repro.lab.figures import scaling as SF
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
@@ -146,96 +144,12 @@ def sensitivity_rows(records) -> list[dict]:
     return rows
 
 
-def _speedup_text(table) -> str:
-    sp = table[table["y_name"] == "speedup"]
-    lines = ["aggregate speed-up  paper  | predicted batch | paper batch"]
-    for a, b in PAIRS:
-        x = f"{a}->{b}"
-        got = {}
-        for _, r in sp[sp["x_value"].astype(str) == x].iterrows():
-            key = "paper" if r["kind"] == "paper" else (
-                "pb" if str(r["series"]).endswith(T.PAPER_BATCH) else "mf")
-            got[key] = float(r["y_value"])
-        f = lambda k: f"{got[k]:.2f}x" if k in got else "  -  "  # noqa: E731
-        lines.append(f"{x:>8} (ideal {b / a:.2f}x): {f('paper')} | {f('mf')} | {f('pb')}")
-    return "\n".join(lines)
-
-
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    TS.write_predictions(table, out_dir)
-    big, local = TP.split(table)
-    sp = big[big["y_name"] == "speedup"]
-    big = big[big["y_name"].isin([T.Y_NAME, T.AGG_NAME])].copy()
-    big["series"] = big["series"].map(lambda s: DISPLAY.get(s, s))
-    n = 1 + bool(len(local))
-    fig, axes = plt.subplots(1, n, figsize=(7.8 * n, 8.6), squeeze=False)
-    ax = axes[0][0]
-    per = big[(big["y_name"] == T.Y_NAME) & (big["kind"] != "paper")]
-    err = pd.to_numeric(per.get("rel_error_vs_paper"), errors="coerce").abs()
-    title = "Fig 3: 60B model, 64-400 V100 GPUs (paper scale; simulated = predicted)"
-    for sfx, name in (("", "predicted batch"), (T.PAPER_BATCH, "paper batch")):
-        e = err[per["series"] == BARS + sfx]
-        if e.notna().any():
-            title += f"\nper-GPU vs paper, {name}: mean |err| {100 * e.mean():.0f}%, max " \
-                     f"{100 * e.max():.0f}%"
-    SP.panel(ax, big, title, TP.axis_label("num_gpus"), T.Y_NAME, T.AGG_NAME,
-           TP.axis_label(T.Y_NAME), TP.axis_label(T.AGG_NAME), linear=LINEAR)
-    bs = per[per["series"] == BARS][["x_value", "batch_per_gpu", "zero_config"]]
-    note = ", ".join(f"{int(x)}: b{int(b)} {c}" for x, b, c in bs.itertuples(index=False))
-    fig.text(0.01, 0.01, _speedup_text(pd.concat([sp, table[(table["kind"] == "paper") & (
-        table["y_name"] == "speedup")]])) + ("\npredicted batch/GPU (memory dry run, "
-                                              "paper2020): " + note if note else ""),
-            va="bottom", ha="left", fontsize=7.5, family="monospace",
-            bbox=dict(facecolor="white", edgecolor="0.7"))  # under the legend, off the data
-    if len(local):
-        lt = local[local["y_name"] == TOKENS]
-        bl = ", ".join(f"{int(x)} rank(s): batch {int(b)}" for x, b in
-                       lt[["x_value", "batch_per_gpu"]].drop_duplicates().itertuples(index=False))
-        SP.panel(axes[0][1], local, TP.local_title(local) + f"\nbatch per rank: {bl} (largest "
-               "that fits one per-rank budget, memory dry run)",
-               "number of CPU ranks (DP degree)", TOKENS, TOKENS_AGG,
-               "tokens/s per rank", "aggregate tokens/s", unit="rank", linear=LINEAR)
-    sim = table[table["kind"] == "simulated"]
-    paper_up = {str(r.x_value): float(r.y_value) for r in table[
-        (table["kind"] == "paper") & (table["y_name"] == "speedup")].itertuples()}
-    said = _conclusion(table, sim, paper_up)
-    if said:  # the figure states its conclusion (simulated), right of the speed-up table
-        fig.text(0.99, 0.01, "simulated:\n" + "\n".join(said), va="bottom", ha="right",
-                 fontsize=7.2, bbox=dict(facecolor="lightyellow", edgecolor="0.7"))
-    fig.tight_layout(rect=(0, 0.13, 1, 1))  # the bottom strip: the speed-up table
-    return save_figure(fig, out_dir, "fig3_scaling", dpi=130)
-
-
-def _conclusion(table, sim, paper_up: dict) -> list[str]:
-    """Whether the super-linear 64->128 step emerges from memory, and the sensitivity line."""
-    per = sim[(sim["y_name"] == T.Y_NAME)
-              & ~sim["series"].astype(str).str.contains("(paper batch)", regex=False)]
-    b64 = per[per["x_value"].astype(float) == SENSITIVITY_AT]
-    sp = sim[sim["y_name"] == "speedup"]
-    step = "64->128"
-
-    def up(tag: bool):
-        g = sp[(sp["x_value"].astype(str) == step) & (sp["series"].astype(str).str.contains(
-            "(paper batch)", regex=False) == tag)]
-        return float(g["y_value"].iloc[0]) if len(g) else float("nan")
-
-    out = []
-    if len(b64) and "batch_per_gpu" in b64:
-        b = int(float(b64["batch_per_gpu"].iloc[0]))
-        pred, at_paper = up(False), up(True)
-        cap = "does not cap" if b > 16 else "caps"
-        out.append(f"conclusion: memory {cap} the 64-GPU batch at Table 6's 16 (the dry run "
-                   f"fits {b})")
-        out.append(f"conclusion: {step} is {pred:.2f}x at the predicted batches, "
-                   f"{at_paper:.2f}x at Table 6's (paper {paper_up.get(step, float('nan')):.2f}x)")
-    sen = table[table["figure"] == f"{FIGURE}_sensitivity"]
-    for zc, g in sen.groupby("zero_config", sort=False):
-        parts = [f"b{int(float(r.x_value))} {float(r.y_value):.2f} (needs "
-                 f"{float(r.needs_GiB):.2f}/{float(r.capacity_GiB):.2f})"
-                 for r in g.itertuples()]
-        out.append(f"sensitivity, {zc}, GiB/GPU missing for 16 to be the largest: "
-                   + ", ".join(parts))
-    return out
+    """Figure 3 (``lab.figures.scaling``): the paper-scale scaling panel with the speed-up table
+    and the simulated conclusion, the local panel beside it when there are local points."""
+    return SF.plot(table, out_dir, "fig3_scaling", figure=FIGURE, bars=BARS, display=DISPLAY,
+                   linear=LINEAR, pairs=PAIRS, at=SENSITIVITY_AT, tokens=TOKENS,
+                   tokens_agg=TOKENS_AGG)
 
 
 def conclude(table: pd.DataFrame) -> list[str]:
@@ -270,7 +184,7 @@ def conclude(table: pd.DataFrame) -> list[str]:
                 f"{r.x_value} {float(r.y_value):.2f}x / "
                 f"{paper_up.get(str(r.x_value), float('nan')):.2f}x ({ideal(r.x_value)})"
                 for r in sp.itertuples()))
-    out += _conclusion(table, sim, paper_up)
+    out += SF.conclusion(table, sim, paper_up, FIGURE, SENSITIVITY_AT)
     meas = table[table["kind"] == "measured"]
     for src, g in meas.groupby(meas["series"].astype(str).map(
             lambda s: s.split(" · ", 1)[1] if " · " in s else "these records"), sort=False):

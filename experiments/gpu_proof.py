@@ -47,28 +47,21 @@ import time
 
 import torch
 
-from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.lab.checks import gpu
+from zero_repro.lab.checks import gpu_time as GT
 from zero_repro.lab.checks import offload as zero_offload
 from zero_repro.lab.checks.device import (  # noqa: F401 (gpu_cluster: the experiment's interface)
     cluster_name, cluster_overrides, gpu_cluster)
 from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
     FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
 from zero_repro.lab.points import Point
-from zero_repro.lab.sweep import point_config
 from zero_repro.runtime.comm.launch import spawn
-from zero_repro.runtime.model import flops
 from zero_repro.scale.dryrun.dryrun import setup_overrides
 from zero_repro.scale.paper.setups import setups
 
 GB = 1e9
 CPU_WORLD = {1: 1, 8: 4}  # gloo ranks of the CPU dry path per ``gpus``
-# time-estimate constants (``estimate_s``; the records' wall_s are the measurement)
-SPAWN_S = 20.0  # a spawned point: interpreter + torch import + CUDA context + NCCL init
-DEVICE_INIT_PER_S = 5e9  # the same on a GPU (conservative)
-EAGER_EFFICIENCY = 0.35  # fraction of the bf16 peak an eager 1.5B step reaches (estimate)
-DRY_RUN_S_PER_LAYER = 0.3  # paper-scale dry run, 2 iterations (0.23 s/layer on 2 cores)
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -180,61 +173,24 @@ def _node_point(p, cuda: bool, base: dict, tag: dict) -> Point:
 
 
 # -------------------------------------------------------------------------- time estimate
-def estimate_s(cfg, point: Point) -> float:
-    """Seconds ``point`` (of ``cfg``'s plan, its config ``point_cfg``) is expected to take on the
-    cluster's GPUs: process start, initialisation and steps at ``EAGER_EFFICIENCY`` of the
-    peak (the constants above). On the CPU dry path: 0 (not estimated)."""
-    q = point.params
-    if q["device"] != "cuda":
-        return 0.0
-    pc = _point_cfg(cfg, point)
-    m, peak = pc.model, max(pc.cluster.peak_tflops, 1.0) * 1e12
-    psi = flops.param_count(m)
-    step_flops = flops.hardware_flops_per_iteration(
-        pc.train.micro_batch_size, m.seq_len, m.n_layer, m.n_embd, C.padded_vocab(m, 1),
-        pc.zero_r.activation_checkpointing)
-    compute = step_flops / (EAGER_EFFICIENCY * peak)
-    part = q["part"]
-    if part == "probe":
-        return SPAWN_S + 5
-    if part == "equivalence":
-        return SPAWN_S + 4.0 * len(q["tps"]) * len(q["stages"])
-    if part == "offload":
-        return SPAWN_S + 2 * (psi / DEVICE_INIT_PER_S + q["steps"] * (compute + 1.0))
-    if part == zero_offload.PART:
-        return zero_offload.estimate_s(q, psi, compute, SPAWN_S, DEVICE_INIT_PER_S)
-    if part == "throughput":  # built on the device (train.build), the real trainer's steps
-        return SPAWN_S + psi / DEVICE_INIT_PER_S + 10 + pc.train.steps * compute
-    if part == "paper":
-        tp = pc.parallel.tp
-        return (psi / DEVICE_INIT_PER_S + q["iterations"] * compute / tp + 10
-                + DRY_RUN_S_PER_LAYER * m.n_layer)
-    # node: per stage a build on the device, warm-up + timed + one profiled step
-    return SPAWN_S + len(q["stages"]) * (psi / DEVICE_INIT_PER_S + 10
-                                         + (q["warmup"] + q["steps"] + 1) * compute)
-
-
-def _point_cfg(cfg, point: Point):
-    return point_config(cfg, point.overrides)
-
-
 def plan_note(cfg, points: list[Point]) -> list[str]:
-    """Lines the plan prints under the points: the time estimate against the budget."""
+    """Lines the plan prints under the points: the time estimate (``lab.checks.gpu_time``)
+    against the budget."""
     p, dev, gpus = _params(cfg)
     if dev != "cuda":
         return ["CPU dry path (tiny sizes on gloo): no time estimate; the GPU run is "
                 "experiment.params.device=cuda"]
     budget = float(p.get("budget_min", 10)) * 60
-    est = [(pt.name, estimate_s(cfg, pt)) for pt in points]
+    est = [(pt.name, GT.estimate_s(cfg, pt)) for pt in points]
     total = sum(s for _, s in est)
     name = cluster_name(p)
     lines = [f"time estimate on {gpus} x {name} GPU(s): {total / 60:.1f} min of the "
              f"{budget / 60:.0f} min budget (experiment.params.budget_min), parts in the "
              f"order above:",
              "  " + " | ".join(f"{n} {s / 60:.1f}" for n, s in est),
-             f"  (an estimate: {SPAWN_S:.0f} s per spawned point, weights drawn on the "
-             f"device at {DEVICE_INIT_PER_S / 1e9:.0f}G samples/s, steps at "
-             f"{EAGER_EFFICIENCY:.0%} of the peak, the dry run {DRY_RUN_S_PER_LAYER} s per "
+             f"  (an estimate: {GT.SPAWN_S:.0f} s per spawned point, weights drawn on the "
+             f"device at {GT.DEVICE_INIT_PER_S / 1e9:.0f}G samples/s, steps at "
+             f"{GT.EAGER_EFFICIENCY:.0%} of the peak, the dry run {GT.DRY_RUN_S_PER_LAYER} s per "
              f"layer; each record's wall_s is the measurement)"]
     if total > budget:
         lines.append(f"  WARNING: over the budget by {(total - budget) / 60:.1f} min")
@@ -267,7 +223,7 @@ def run_point(cfg, point: Point) -> dict:
         "part": part, "device": q["device"], "gpus": q["gpus"],
         "device_name": torch.cuda.get_device_name(0) if q["device"] == "cuda"
         else f"cpu ({torch.__version__})", "wall_s":
-        time.perf_counter() - t0, "estimate_s": estimate_s(cfg, point),
+        time.perf_counter() - t0, "estimate_s": GT.estimate_s(cfg, point),
         # world 1 = DP 1: every collective returns early, no NCCL communicator moves a bucket
         "nccl_exercised": q["device"] == "cuda" and world > 1 and part not in ("paper",)})
     return out

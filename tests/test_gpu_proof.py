@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
 from zero_repro.lab.checks import gpu
+from zero_repro.lab.checks import gpu_time as GT
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation
@@ -91,7 +92,7 @@ def test_plan_for_gpus_equivalence_first_within_the_budget(gpus, no_cuda):
             48, 1600, "bf16", True, 50_000_000)
     else:
         assert names[2:] == ["node stages 0-3"] and pts[2].overrides["parallel.world_size"] == 8
-    total = sum(G.estimate_s(cfg, p) for p in pts)
+    total = sum(GT.estimate_s(cfg, p) for p in pts)
     assert 60 < total <= 600, total
     note = "\n".join(G.plan_note(cfg, pts))
     assert f"time estimate on {gpus} x h200" in note and "of the 10 min budget" in note

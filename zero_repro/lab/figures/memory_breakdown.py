@@ -1,11 +1,13 @@
 """The memory breakdown figure (``experiments/memory_breakdown.py``; paper §3, §5-§6: where a
 GPU's memory goes): per setup x stack the bytes at the peak of cached memory by category, the
 bytes outside the caching allocator on top, the device as it reports itself; what each 2020
-mechanism adds; each ``paper2020`` switch's cost alone. Reads the experiment's table only.
+mechanism adds; each ``paper2020`` switch's cost alone; and the same in words (``conclude``).
+Reads the experiment's table only.
 """
 from __future__ import annotations
 
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.figures.wording import column, num
 from zero_repro.scale.dryrun.stack import switches as S
 
 
@@ -133,3 +135,56 @@ def plot(table, out_dir: str, figure: str, rows, mechanism_at, device_gib: float
     bx.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, out_dir, figure, dpi=150)
+
+
+PEAK = "peak_reserved (max cached)"
+
+
+def conclude(table, figure: str, mechanism_at, short: dict, most: int = 4) -> list[str]:
+    """The table in words (``experiments/memory_breakdown.py``'s result lines): the bytes
+    outside the allocator per stack (the bracket's low .. high end); at the paper's own runs
+    (``mechanism_at``: Table 8's 40B C1, Table 6's 60B on 64 GPUs) per stack the max cached
+    memory and the ``most`` largest categories that hold it (the rest summed); the two 2020
+    mechanisms that move the needed capacity most at each (named as ``short`` shortens them);
+    and the ``paper2020`` switches that cost the most alone. The other setups are in the
+    table. Rows: ``figure``'s, ``figure``_mechanisms' and ``figure``_switches'."""
+    t = table[(table["figure"] == figure) & (table["y_name"] == "bytes_at_peak")]
+    out = []
+    if len(t):
+        outside = {}
+        for series, g in t.groupby("series", sort=False):
+            stack = str(series).rpartition(", ")[2]
+            lo = column(g[g["x_value"] == S.OUTSIDE], "y_value").sum()
+            hi = lo + column(g[g["x_value"] == f"{S.OUTSIDE} (to high end)"], "y_value").sum()
+            outside.setdefault(stack, f"{num(lo)}..{num(hi)}" if hi > lo else num(lo))
+        out.append(f"{t['kind'].iloc[0]} (dry run): max cached [GiB] by category; outside the "
+                   "allocator: " + ", ".join(f"{k} {v}" for k, v in outside.items()))
+    shown = t["series"].astype(str).str.rpartition(", ")[0].isin(mechanism_at)
+    for series, g in t[shown].groupby("series", sort=False):
+        peak = column(g[g["x_value"] == PEAK], "y_value")
+        cats = g[~g["x_value"].astype(str).isin([PEAK, S.OUTSIDE, f"{S.OUTSIDE} (to high end)"])]
+        cats = cats.assign(_y=column(cats, "y_value")).sort_values("_y", ascending=False)
+        top, rest = cats.head(most), cats["_y"].iloc[most:].sum()
+        out.append(f"{series} {num(peak.max())}: " + ", ".join(
+            f"{x} {num(y)}" for x, y in zip(top["x_value"], top["_y"]))
+            + (f", rest {num(rest)}" if rest > 0 else ""))
+    mt = table[(table["figure"] == f"{figure}_mechanisms")
+               & (table["y_name"] == "needs_change")]
+    if len(mt):
+        parts = []
+        for setup, g in mt.groupby("setup", sort=False):
+            g = g.assign(_y=column(g, "y_value"))
+            g = g.reindex(g["_y"].abs().sort_values(ascending=False).index).head(2)
+            parts.append(f"{setup} " + ", ".join(
+                f"{short.get(str(x).split('=')[0], x)} {y:+.2f}"
+                for x, y in zip(g["x_value"], g["_y"])))
+        out.append("mechanisms, needs [GiB]: " + "; ".join(parts))
+    sw = table[table["figure"] == f"{figure}_switches"]
+    for series, g in sw.groupby("series", sort=False):
+        g = g.assign(_y=column(g, "y_value")).sort_values("_y", ascending=False)
+        costs = g[(g["_y"] != 0) | (column(g, "capacity_change_GiB").fillna(0) != 0)]
+        out.append(f"switches, {series} [GiB]: " + ", ".join(
+            f"{x} {y:+.3g}" for x, y in zip(costs["x_value"].head(2), costs["_y"].head(2)))
+            + (f", +{len(costs) - 2} more" if len(costs) > 2 else "")
+            + f"; {len(g) - len(costs)} of {len(g)} change nothing")
+    return out
