@@ -3,11 +3,6 @@ P_os+g's model states shrink as 2Ψ + 14Ψ/N_d, so a larger DP degree buys a lar
 (Table 6: 16 -> 48 -> 48 -> 64) and higher arithmetic intensity: per-GPU throughput rises and the
 aggregate more than doubles from 64 to 128 GPUs (paper: 2.93x).
 
-The paper's explanation: P_os+g shrinks model-state memory per GPU as 2Ψ + 14Ψ/N_d, so a
-larger DP degree frees memory for a larger batch per GPU (Table 6: 16 -> 48 -> 48 -> 64), which
-raises arithmetic intensity; per-GPU throughput rises and the aggregate more than doubles from
-64 to 128 GPUs (paper: 2.93x).
-
 * simulated (paper scale): Table 6 setups through the performance model calibrated on Figure 2
   only, in two series: at the batch per GPU the paper2020 memory dry run says fits (the
   largest on the batch grid; C4 or C5, whichever is faster at its own largest batch), and at
@@ -24,7 +19,6 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.lab.figures import throughput as T
-
 from zero_repro.lab.figures import scaling as SF
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS

@@ -60,7 +60,6 @@ from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.dryrun.dryrun import setup_overrides
 from zero_repro.scale.paper.setups import setups
 
-GB = 1e9
 CPU_WORLD = {1: 1, 8: 4}  # gloo ranks of the CPU dry path per ``gpus``
 
 
