@@ -11,6 +11,7 @@ what it allocated; a peer that never answers fails the wait after the collective
 from __future__ import annotations
 
 import gc
+import os
 import time
 import weakref
 
@@ -159,11 +160,13 @@ def test_native_in_place_requests_hold_at_most_two_chunks_of_scratch(monkeypatch
         assert r["held"] == 2 * CHUNK * 4 and r["first_done"]
 
 
-def _peer_never_sends(rank: int, world: int) -> str:
+def _peer_never_sends(rank: int, world: int, done: str) -> str:
     topo = Topology.build(tp=1)
     t = bucket_transport(topo.dp_group)
-    if rank == 1:
-        time.sleep(8)  # alive, but never takes part
+    if rank == 1:  # alive, but never takes part, until rank 0's wait ended (8 s at most)
+        end = time.monotonic() + 8
+        while not os.path.exists(done) and time.monotonic() < end:
+            time.sleep(0.05)
         return "idle"
     full = torch.zeros(2 * CHUNK)
     t0 = time.monotonic()
@@ -171,13 +174,15 @@ def _peer_never_sends(rank: int, world: int) -> str:
         t.all_gather(full, full[:CHUNK]).wait()
     except RuntimeError as e:
         return f"raised after {time.monotonic() - t0:.1f} s: {e}"
+    finally:
+        open(done, "w").close()
     return "returned"
 
 
 @pytest.mark.parametrize("mode", ["pairwise", "shm"])
-def test_a_silent_peer_fails_the_wait_after_the_collective_timeout(monkeypatch, mode):
+def test_a_silent_peer_fails_the_wait_after_the_collective_timeout(monkeypatch, mode, tmp_path):
     monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
-    res = spawn(_peer_never_sends, 2, timeout_s=2.0)
+    res = spawn(_peer_never_sends, 2, str(tmp_path / "rank0_done"), timeout_s=2.0)
     assert res[0].startswith("raised after"), res[0]
     waited = float(res[0].split()[2])
     assert 1.5 <= waited <= 6.0, res[0]
