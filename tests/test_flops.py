@@ -117,3 +117,32 @@ def test_flops_recompute_ratio_and_tflops():
     assert flops.tflops_per_gpu(4e15, 2.0, 50) == pytest.approx(40.0)
     with pytest.raises(ValueError):
         flops.tflops_per_gpu(1.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("ckpt,peak", [(True, 0.0), (False, 125.0)])
+def test_rates_are_the_three_numerators_over_the_runs_gpus(ckpt, peak):
+    """``Rates.of``: B = micro-batch x accumulation x DP sequences of s tokens on DP x TP GPUs;
+    the paper's TFLOPs count the recompute when checkpointing is on, MFU's never, HFU's when
+    it runs; mfu / hfu only against a known peak."""
+    from zero_repro import config as C
+
+    cfg = C.Config()
+    cfg.model = ModelConfig(name="r", n_layer=4, n_embd=128, n_head=4, seq_len=64,
+                            vocab_size=1000)
+    cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.parallel.tp = 3, 2, 2
+    cfg.zero_r.activation_checkpointing = ckpt
+    r = flops.Rates.of(cfg, dp=5)
+    b, gpus, dt = 3 * 2 * 5, 10, 0.25
+    assert (r.tokens_per_step, r.n_gpus) == (b * 64, gpus)
+    at = r.at(dt, peak)
+    assert at["tokens_per_s"] == b * 64 / dt
+    assert at["tflops_per_gpu"] == flops.tflops_per_gpu(
+        flops.flops_per_iteration_cfg(cfg.model, b, recompute=ckpt), dt, gpus)
+    assert at["model_tflops_per_gpu"] == flops.tflops_per_gpu(
+        flops.flops_per_iteration_cfg(cfg.model, b, recompute=False, causal=True), dt, gpus)
+    assert at["hardware_tflops_per_gpu"] == flops.tflops_per_gpu(
+        flops.flops_per_iteration_cfg(cfg.model, b, recompute=ckpt, causal=True), dt, gpus)
+    assert (at["hardware_tflops_per_gpu"] > at["model_tflops_per_gpu"]) == ckpt
+    assert ("mfu" in at) == ("hfu" in at) == (peak > 0)
+    if peak:
+        assert at["mfu"] == at["model_tflops_per_gpu"] / peak

@@ -364,12 +364,12 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
     watchdog = Watchdog(run_dir, rank, world_size, cfg.launcher.collective_timeout_s)
     watchdog.start()
     try:
-        return _rank_run(cfg, rank, world_size, device, run_dir, watchdog)
+        return _rank_run(cfg, rank, device, run_dir, watchdog)
     finally:
         watchdog.stop()
 
 
-def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, run_dir: str,
+def _rank_run(cfg: C.Config, rank: int, device: torch.device, run_dir: str,
               watchdog: Watchdog) -> dict:
     trainer = Trainer(cfg, device=device)
     topo, strategy = trainer.topo, trainer.strategy
@@ -382,13 +382,7 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
         trainer.resume(resumed, cfg.checkpoint.verify,
                        trust=cfg.checkpoint.allow_untrusted)
 
-    m, t = cfg.model, cfg.train
-    tokens_per_step = t.micro_batch_size * t.grad_accum * topo.dp * m.seq_len
-    batch = t.micro_batch_size * t.grad_accum * topo.dp
-    recompute = cfg.zero_r.activation_checkpointing
-    fl = flops.flops_per_iteration_cfg(m, batch, recompute=recompute)
-    fl_model = flops.flops_per_iteration_cfg(m, batch, recompute=False, causal=True)
-    fl_hw = flops.flops_per_iteration_cfg(m, batch, recompute=recompute, causal=True)
+    rates = flops.Rates.of(cfg, topo.dp)
     # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
     live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
 
@@ -403,21 +397,19 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
 
     def step_log(step, loss, dt, info):
         if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
-            log.info(step_line(step, cfg.train.steps, loss, info, dt, tokens_per_step,
-                               flops.tflops_per_gpu(fl, dt, world_size),
-                               cfg.cluster.peak_tflops,
+            log.info(step_line(step, cfg.train.steps, loss, info, dt, rates.tokens_per_step,
+                               rates.tflops(dt), cfg.cluster.peak_tflops,
                                memory_text(memory_parts(strategy.memory_ledger().as_dict()),
                                            table1),
                                device, topo.dp, cfg.zero.dtype,
-                               flops.tflops_per_gpu(fl_model, dt, world_size),
-                               transport_note))
+                               rates.model_tflops(dt), transport_note))
 
     def metrics_log(step, loss, dt, info):
         if live.active:
             live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
                           loss_scale=float(info.loss_scale), step_time_s=dt,
-                          tokens_per_s=tokens_per_step / dt,
-                          tflops_per_gpu=flops.tflops_per_gpu(fl, dt, world_size),
+                          tokens_per_s=rates.tokens_per_step / dt,
+                          tflops_per_gpu=rates.tflops(dt),
                           **memory_series(device))
 
     try:
@@ -438,26 +430,23 @@ def _rank_run(cfg: C.Config, rank: int, world_size: int, device: torch.device, r
     metrics = {
         "losses": res.losses, "loss_first": res.losses[0], "loss_last": res.losses[-1],
         "step_time_s": step_s, "step_times_s": res.step_times,
-        "tokens_per_s": tokens_per_step / step_s,
-        "tflops_per_gpu": flops.tflops_per_gpu(fl, step_s, world_size),
+        "tokens_per_s": rates.tokens_per_step / step_s, "tflops_per_gpu": rates.tflops(step_s),
         "skipped_steps": res.skipped_steps, "skipped_at": res.skipped_at,
         "start_step": res.start_step, "resumed_from": resumed or "",
         "losses_before_start": trainer.history["losses"],
         "skipped_before_start": trainer.history["skipped_at"],
         "grad_norms": res.grad_norms,
         "loss_scales": res.loss_scales,
-        "params_total": flops.param_count(m),
+        "params_total": flops.param_count(cfg.model),
         # Table 1 (paper §5) for this run beside the ledger's model states
         "model_state_bytes": mem.model_states(), "table1_model_state_bytes": table1["bytes"],
         "table1_formula": table1["formula"], "psi": table1["psi"],
     }
     # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
     # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's convention
-    metrics["model_tflops_per_gpu"] = flops.tflops_per_gpu(fl_model, step_s, world_size)
-    metrics["hardware_tflops_per_gpu"] = flops.tflops_per_gpu(fl_hw, step_s, world_size)
-    if cfg.cluster.peak_tflops > 0:
-        metrics["mfu"] = metrics["model_tflops_per_gpu"] / cfg.cluster.peak_tflops
-        metrics["hfu"] = metrics["hardware_tflops_per_gpu"] / cfg.cluster.peak_tflops
+    rated = rates.at(step_s, cfg.cluster.peak_tflops)
+    metrics.update({k: rated[k] for k in ("model_tflops_per_gpu", "hardware_tflops_per_gpu",
+                                          "mfu", "hfu") if k in rated})
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
     if topo.rank == 0:

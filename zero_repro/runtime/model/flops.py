@@ -35,11 +35,14 @@ forward once more with recompute. GPT's shapes (k = h, f = 4h, two MLP matrices)
 formulas above.
 
 Entry points: ``param_count``, ``flops_per_iteration``, ``model_flops_per_iteration``,
-``flops_per_iteration_cfg`` (either family; ``causal`` for MFU/HFU), ``tflops_per_gpu``.
+``flops_per_iteration_cfg`` (either family; ``causal`` for MFU/HFU), ``tflops_per_gpu``;
+``Rates``: a run's three numerators at once, turned into its per-step rates.
 """
 from __future__ import annotations
 
-from zero_repro.config import ModelConfig, ffn_width, kv_heads, padded_vocab
+from dataclasses import dataclass
+
+from zero_repro.config import Config, ModelConfig, ffn_width, kv_heads, padded_vocab
 
 
 def param_count_formula(n_layer: int, hidden: int, vocab: int, seq: int) -> int:
@@ -164,3 +167,53 @@ def tflops_per_gpu(flops_per_iter: float, step_time_s: float, n_gpus: int) -> fl
     if step_time_s <= 0 or n_gpus <= 0:
         raise ValueError(f"step_time_s={step_time_s} and n_gpus={n_gpus} must be positive")
     return flops_per_iter / (step_time_s * n_gpus) / 1e12
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One run's throughput from a step time: tokens per step (B·s, B the global batch of
+    micro-batch x accumulation x DP) and the three FLOPs numerators of the module docstring,
+    each over the run's ``n_gpus`` (``tflops_per_gpu``): the paper's convention (``flops``,
+    recompute counted when checkpointing is on), MFU's (``model_flops``) and HFU's
+    (``hardware_flops``)."""
+
+    tokens_per_step: int
+    n_gpus: int
+    flops: float
+    model_flops: float
+    hardware_flops: float
+
+    @classmethod
+    def of(cls, cfg: Config, dp: int) -> "Rates":
+        """The rates of ``cfg``'s run at DP degree ``dp`` on ``dp`` x TP GPUs (its vocabulary as
+        built at TP 1)."""
+        m, t = cfg.model, cfg.train
+        batch = t.micro_batch_size * t.grad_accum * dp
+        recompute = cfg.zero_r.activation_checkpointing
+        return cls(tokens_per_step=batch * m.seq_len, n_gpus=dp * cfg.parallel.tp,
+                   flops=flops_per_iteration_cfg(m, batch, recompute=recompute),
+                   model_flops=flops_per_iteration_cfg(m, batch, recompute=False, causal=True),
+                   hardware_flops=flops_per_iteration_cfg(m, batch, recompute=recompute,
+                                                          causal=True))
+
+    def tflops(self, step_time_s: float) -> float:
+        """TFLOPs per GPU in the paper's convention at ``step_time_s``."""
+        return tflops_per_gpu(self.flops, step_time_s, self.n_gpus)
+
+    def model_tflops(self, step_time_s: float) -> float:
+        """MFU's TFLOPs per GPU (model FLOPs: no recompute, causal) at ``step_time_s``."""
+        return tflops_per_gpu(self.model_flops, step_time_s, self.n_gpus)
+
+    def at(self, step_time_s: float, peak_tflops: float = 0.0) -> dict:
+        """``tokens_per_s``, ``tflops_per_gpu``, ``model_tflops_per_gpu``,
+        ``hardware_tflops_per_gpu`` at ``step_time_s``, and ``mfu`` / ``hfu`` (fractions of
+        ``peak_tflops``) when the peak is known (> 0)."""
+        out = {"tokens_per_s": self.tokens_per_step / step_time_s,
+               "tflops_per_gpu": self.tflops(step_time_s),
+               "model_tflops_per_gpu": self.model_tflops(step_time_s),
+               "hardware_tflops_per_gpu": tflops_per_gpu(self.hardware_flops, step_time_s,
+                                                         self.n_gpus)}
+        if peak_tflops > 0:
+            out["mfu"] = out["model_tflops_per_gpu"] / peak_tflops
+            out["hfu"] = out["hardware_tflops_per_gpu"] / peak_tflops
+        return out
