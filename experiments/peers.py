@@ -7,7 +7,7 @@ Points (one record each): ``same_kernel`` (the headline: every peer's AdamW is
 bound and the single-process reference on ``model``, gpt_20m), ``as_shipped`` (the peers'
 default optimizers), ``size`` (stage 2 and 3 frameworks on larger models, fused kernel, no
 reference), ``memory`` (every framework alone in processes of its own: its per-rank live-storage
-peak, ``peers.memory.LivePeak``, beside the max RSS) and ``budget`` (the largest model of a ladder
+peak, ``lab.live_peak.live_tracer``, beside the max RSS) and ``budget`` (the largest model of a ladder
 each framework trains at world 2 within a per-rank live-peak budget: the paper's Figure 6
 question). The race's tables carry each framework's live peak over its untimed steps beside its
 step time. A point runs one ``launch.spawn`` per process set (``runners.process_sets``);

@@ -124,25 +124,35 @@ def test_deepspeed_peers_match_reference():
 
 
 def test_live_peak_counts_what_a_framework_creates(tmp_path):
-    """Storages created while the tracker is active count until they die; views of storages
-    from before do not; ``resize_`` changes the count, whenever it happens; a shared file
-    mapping counts 1/N on each of the N ranks mapping it."""
-    from zero_repro.lab.peers.memory import LivePeak
+    """The race's tracer (``live_peak.live_tracer``): storages created while it is active count
+    until they die; views of and in-place ops on storages from before do not, nor a fake
+    tensor (DTensor's sharding propagation makes them: no memory); ``resize_`` changes the
+    count, whenever it happens (seen at the tracer's next op); a shared file mapping counts 1/N
+    on each of the N ranks mapping it; the peak is read online and agrees with the events."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zero_repro.lab.live_peak import live_tracer
+    from zero_repro.scale.dryrun.trace import live_peaks
 
     before = torch.ones(1000)
-    m = LivePeak(world=2)
+    m = live_tracer(world=2)
     with m:
         a = torch.empty(1000)  # 4000 bytes
         before.view(10, 100).add_(1)  # a view and an in-place op: nothing new
         c = a + 1  # 4000 more: the peak
         del c
+        with FakeTensorMode():
+            torch.empty(10_000)  # a fake CPU tensor: its storage is meta, no memory
         d = torch.zeros(10)
         d.untyped_storage().resize_(0)
         path = tmp_path / "segment"
         path.write_bytes(b"\0" * 800)
         e = torch.from_file(str(path), shared=True, size=800, dtype=torch.uint8)
-    assert (m.live, m.peak) == (4000 + 400, 8000)
-    d.untyped_storage().resize_(80)  # outside the tracker: still its storage
+    assert (m.live, m.peak) == (4000 + 400, 8000) == (m.live, live_peaks(m.events)[0])
+    d.untyped_storage().resize_(80)  # outside the tracer: still its storage
+    with m:  # entered again (the race's next untimed step)
+        torch.zeros(0)
+    assert m.live == 4000 + 400 + 80
     del a, e
     assert m.live == 80
 

@@ -1,15 +1,27 @@
-"""The live-storage peak of a real training run, to hold the estimate to (``scale.estimate``):
-the bytes of every tensor storage a rank holds at the fullest moment of its training steps
-(the build's survivors included, the build's transients not), measured on real tensors on
-CPU ranks over gloo -- the quantity the dry run's live peak predicts.
+"""The live-storage peak of a real training run: the bytes of every tensor storage a rank holds
+at its fullest moment, measured on real tensors on CPU ranks over gloo. One tool, two users:
+the estimate is held to it (``measure``, ``compare``: the training steps' peak, the build's
+survivors included, the build's transients not -- the quantity the dry run's live peak
+predicts), and the peers race measures every framework with it (``lab.peers.runners``: one
+tracer per framework, entered for its build and each untimed step, its peak read online).
 
-Mechanism: the dry run's allocation tracer (``scale.dryrun.tracer``) on real tensors, as the
-dry run's own real counterpart uses it (``scale.dryrun.real_run``): data-dependent values are
-the real ones (``real_data``: ``.item()`` is not answered with 0), and before every op the size
-of every live storage is read again (``poll_all``), so a storage resized in place (stage 3
-releases a gathered unit by resizing its storage to 0 bytes and materialises it again before
-the next use) is seen at the op after it happened, whether or not an op touches it (the dry
-run's tracer notices a resize only on a storage it watches). Same build and step as the dry run (``train.build.build``; two steps by default,
+Mechanism (``live_tracer``): the dry run's allocation tracer (``scale.dryrun.tracer``) on real
+tensors, as the dry run's own real counterpart uses it (``scale.dryrun.real_run``):
+data-dependent values are the real ones (``real_data``: ``.item()`` is not answered with 0),
+and before every op the size of every live storage is read again (``poll_all``), so a storage
+resized in place (stage 3 and FSDP2 release a gathered unit by resizing its storage to 0 bytes
+and materialise it again before the next use) is seen at the op after it happened, whether or
+not an op touches it (the dry run's tracer notices a resize only on a storage it watches).
+Only the storages created under the tracer count (``created_only``: the outputs of an op that
+alias none of its inputs, on a device with memory -- a ``FakeTensor`` made by DTensor's
+sharding propagation has a meta storage: none), so what existed before (the race's batches,
+another framework's state) is not a framework's. A file every rank of a group maps shared
+(``from_file(shared=True)``: zero_repro's shared-memory buckets) counts 1/``world`` of its
+bytes on each of the ``world`` ranks, as the kernel's proportional set size does. DTensor ops
+pass through to their local ops. torch's ``MemTracker`` (torch/distributed/_tools/
+mem_tracker.py) takes the same approach, with per-module attribution neither user needs.
+
+``measure`` runs the dry run's build and step (``train.build.build``; two steps by default,
 the second the steady one), the buckets travelling point-to-point over gloo
 (``ZR_CPU_TRANSPORT=pairwise``: the dry run accounts it with ``transport_of="gloo"``).
 """
@@ -32,10 +44,12 @@ TRANSPORT = "pairwise"  # ZR_CPU_TRANSPORT of the measured ranks
 MODELS_AS = "gloo"  # the dry run's transport_of for them
 
 
-def live_tracer() -> AllocationTracer:
+def live_tracer(world: int = 1) -> AllocationTracer:
     """The tracer a real run is measured with (module docstring): real tensors and scalars,
-    every storage polled before every op, no output cache."""
-    return AllocationTracer(on_meta=False, cache=False, poll_all=True, real_data=True)
+    every storage polled before every op, no output cache, only the storages created under
+    it; a file ``world`` ranks map shared counts 1/``world`` of its bytes."""
+    return AllocationTracer(on_meta=False, cache=False, poll_all=True, real_data=True,
+                            created_only=True, shared_world=world)
 
 
 def _batches(cfg: C.Config, step: int):

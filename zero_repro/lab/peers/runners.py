@@ -14,8 +14,9 @@ forward + backward without communication plus the fused AdamW on Ψ/N_d. A frame
 torch for the whole process (``PATCHES_TORCH``) runs in a process set of its own
 (``process_sets``); the lower bound runs in every set. One untimed step per framework is counted
 under ``CommCounter`` in a ``comm.CommLedger`` (§7 convention). Memory, one accounting for every
-framework (``memory.LivePeak``): the peak live bytes of the storages a framework created over its
-build and untimed steps, the distinct storages of its parameters, gradients and optimizer state
+framework (``lab.live_peak.live_tracer``, one tracer per framework, entered for its build and
+each untimed step): the peak live bytes of the storages a framework created over its build and
+untimed steps, the distinct storages of its parameters, gradients and optimizer state
 after the last step, and the process's max RSS (a cross-check where a framework runs alone).
 ``run_budget``: the largest model of a ladder a framework trains within a per-rank budget.
 """
@@ -35,7 +36,8 @@ from zero_repro.runtime.train.data import make_source, rank_batch
 from zero_repro.lab.peers.frameworks import RUNNERS, CommCounter, Reference, Runner
 from zero_repro.lab.peers.spec import (  # noqa: F401 (PeerSpec: the runners' entry type)
     FRAMEWORKS, LOWER_BOUND, PATCHES_TORCH, PeerSpec)
-from zero_repro.lab.peers.memory import LivePeak, max_rss, rss
+from zero_repro.lab.live_peak import live_tracer
+from zero_repro.lab.peers.memory import max_rss, rss
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Trace:
     dparam: list = field(default_factory=list)  # per step: (max |Δ|, tensor) or None
     comm: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
-    # the live-storage peak (``memory.LivePeak``) over build + untimed steps, bytes
+    # the live-storage peak (``live_peak.live_tracer``) over build + untimed steps, bytes
     live_peak: int = 0
     build_s: float = 0.0
 
@@ -136,11 +138,11 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
     ref = Reference(spec, rank, world_size) if spec.reference else None
     runners: dict[str, Runner] = {}
     traces: dict[str, Trace] = {}
-    trackers: dict[str, LivePeak] = {}
+    trackers: dict = {}  # framework -> its live_tracer
     rss_before = rss()
     for name in spec.frameworks:
         t0 = time.perf_counter()
-        with trackers.setdefault(name, LivePeak(world_size)):
+        with trackers.setdefault(name, live_tracer(world_size)):
             runners[name] = RUNNERS[name](spec, rank, world_size)
         traces[name] = Trace(build_s=time.perf_counter() - t0)
     comm_step = spec.comm_step if spec.comm_step >= 0 else max(0, t.warmup_steps - 1)
@@ -185,7 +187,7 @@ def run_peers(rank: int, world_size: int, spec: PeerSpec) -> dict:
 def run_budget(rank: int, world_size: int, spec: PeerSpec, ladder: list[ModelConfig],
                budget: float) -> dict:
     """The ladder's models (smallest first) trained by ``spec.frameworks[0]`` alone, each for
-    ``spec.train.warmup_steps`` steps under its own ``LivePeak``, until one's peak exceeds
+    ``spec.train.warmup_steps`` steps under its own ``live_tracer``, until one's peak exceeds
     ``budget`` bytes on some rank (every rank agrees: the largest peak over ranks decides).
     Returns ``{"rank", "sizes": [{"model", "live_peak", "max_rss", "fits"}, ...]}``; the max
     RSS after a size is the process's peak so far (sizes grow, so it is that size's)."""
@@ -196,7 +198,7 @@ def run_budget(rank: int, world_size: int, spec: PeerSpec, ladder: list[ModelCon
     for m in ladder:
         s = replace(spec, model=m)
         source = make_source(t.data, m.seq_len, m.vocab_size, t.seed)
-        tracker = LivePeak(world_size)
+        tracker = live_tracer(world_size)
         with tracker:
             runner = RUNNERS[name](s, rank, world_size)
             for step in range(t.warmup_steps):

@@ -24,10 +24,21 @@ recorded as ``free_held`` (the block returns to the pool only after the stream's
 next ``sync`` event, or when an allocation fails, ``allocator``). Event kinds: ``alloc``,
 ``free``, ``free_held`` (a free: every consumer that only tells ``alloc`` from the rest sees
 it as one) and ``sync`` (sid -1, 0 bytes).
+
+A real run measured (real tensors: ``real_data``, ``poll_all``): ``live`` and ``peak`` follow
+the events online (bytes held now, their peak), so one tracer can be entered again and again
+(each untimed step of a framework) and read between. ``created_only``: a storage counts only
+if an op creates it under the tracer (an output aliasing none of the op's inputs, not on the
+meta device: a ``FakeTensor``'s storage is meta); one met first as an input (made before, or
+under another tracer) is not the run's, and an input already counted is checked for a resize.
+``shared_world=N``: a storage mapped from a file with ``from_file(shared=True)`` (memory the
+N ranks of a group map) counts 1/N of its bytes, the kernel's proportional set size. An op
+on a DTensor is declined (``NotImplemented``): DTensor runs its local ops under the tracer.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -47,9 +58,18 @@ class AllocationTracer(TorchDispatchMode):
     sequence number per storage (Python ids are reused, sids are not)."""
 
     def __init__(self, on_meta: bool = False, cache: bool = True, poll_all: bool = False,
-                 real_data: bool = False, streams: bool = False) -> None:
+                 real_data: bool = False, streams: bool = False, created_only: bool = False,
+                 shared_world: int = 1) -> None:
         super().__init__()
         self.on_meta = on_meta
+        # a real run's own storages only (module docstring: a measured run)
+        self.created_only = created_only
+        self.shared_world = shared_world  # ranks mapping a shared file: 1/N of it counts here
+        self._share: dict[int, int] = {}  # sid -> the divisor of a shared file mapping
+        self.live = self.peak = 0  # bytes held now and their peak, online
+        # a storage may die in another thread (gloo's worker drops a collective's last buffer
+        # reference): its free is recorded there, so recording takes a (re-entrant) lock
+        self._lock = threading.RLock()
         # recordStream semantics of PyTorch 1.x NCCL (module docstring)
         self.streams = streams
         self._uses: dict[int, set] = {}  # sid -> process groups whose stream used it
@@ -157,6 +177,8 @@ class AllocationTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the hot path: ~10^5 ops per iteration at paper scale, most of them views and
         # metadata queries (prim.device), which only pass through
+        if types and any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # DTensor runs its local ops under this mode
         if self._off:
             return func(*args, **(kwargs or {}))
         self.n_ops += 1
@@ -182,6 +204,13 @@ class AllocationTracer(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.streams and func.namespace == "c10d":
             self._collective(args, kwargs)
+        if how == "file":  # every rank of a group maps it when shared: 1/N of it is this rank's
+            shared = kwargs.get("shared", args[1] if len(args) > 1 else False)
+            self._see(out.untyped_storage(), self.shared_world if shared else 1)
+            return out
+        if self.created_only:
+            self._see_created(out, args, kwargs, how == "mutable")
+            return out
         # outputs: new storages; mutated inputs: storages that may have been resized in place
         if how == "mutable":
             flat = tree_flatten((out, args, kwargs))[0]
@@ -201,25 +230,53 @@ class AllocationTracer(TorchDispatchMode):
                 break
             except RuntimeError:  # a storage's finalizer (run by the collector) dropped an entry
                 continue
-        for sid, ref in items:
+        size = self._size
+        for sid, ref in items:  # the hot loop of ``poll_all``: every storage, every op
             st = ref()
-            if st is not None:
+            if st is not None and st.nbytes() != size.get(sid):
                 self._check_size(sid, st)
+
+    def _see_created(self, out, args, kwargs, mutable: bool) -> None:
+        """``created_only``: an output storage is new unless it is an input's (an in-place op,
+        an alias); an input is only checked for a resize, and only if counted already."""
+        inputs = None
+        for t in _tensors(out, []):
+            st = t.untyped_storage()
+            sid = self._sid_of.get(id(st))
+            if sid is not None:
+                self._check_size(sid, st)
+                continue
+            if inputs is None:
+                inputs = {x.untyped_storage()._cdata for x in _tensors((args, kwargs), [])}
+            if st._cdata not in inputs and st.device.type != "meta":  # meta: no memory
+                self._see(st)
+        if mutable:
+            for t in _tensors((args, kwargs), []):
+                st = t.untyped_storage()
+                sid = self._sid_of.get(id(st))
+                if sid is not None:
+                    self._check_size(sid, st)
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, kind: str, sid: int, nbytes: int) -> None:
-        self.events.append((kind, sid, nbytes, self.phase, self.iteration))
+        with self._lock:
+            self.live += nbytes if kind == ALLOC else -nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+            self.events.append((kind, sid, nbytes, self.phase, self.iteration))
 
-    def _see(self, st) -> None:
+    def _see(self, st, share: int = 1) -> None:
         sid = self._sid_of.get(id(st))
         if sid is not None:
             self._check_size(sid, st)
             return
-        nbytes = st.nbytes()
+        nbytes = st.nbytes() // share
         sid = self._next
         self._next += 1
         self._sid_of[id(st)] = sid
         self._size[sid] = nbytes
+        if share != 1:
+            self._share[sid] = share
         if nbytes:
             self._record(ALLOC, sid, nbytes)
         weakref.finalize(st, self._on_free, id(st), sid)
@@ -228,6 +285,8 @@ class AllocationTracer(TorchDispatchMode):
 
     def _check_size(self, sid: int, st) -> None:
         nbytes = st.nbytes()
+        if self._share:
+            nbytes //= self._share.get(sid, 1)
         old = self._size[sid]
         if nbytes == old:
             return
@@ -245,6 +304,7 @@ class AllocationTracer(TorchDispatchMode):
         self._resizable.pop(sid, None)
         self._watched.discard(sid)
         self._resized.discard(sid)
+        self._share.pop(sid, None)
         nbytes = self._size.pop(sid, 0)
         if nbytes:
             self._record(self._free_kind(sid), sid, nbytes)
@@ -362,11 +422,27 @@ def _build(spec):
     return tree_unflatten([_build_leaf(x) for x in leaves], tree)
 
 
+def _tensors(x, out: list) -> list:
+    """The tensors in ``x`` (nested tuples, lists, dicts: an op's arguments or outputs) appended
+    to ``out``; a cheaper ``tree_flatten`` for the per-op path."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
 def _classify(func) -> str:
     if func is torch.ops.aten._local_scalar_dense.default:
         return "scalar"
     if getattr(func, "is_view", False) or func.namespace == "prim":
         return "view"
+    if func is torch.ops.aten.from_file.default:
+        return "file"
     return "mutable" if func._schema.is_mutable else "plain"
 
 
