@@ -45,6 +45,7 @@ def plot(table, out_dir: str) -> list[str]:
     if "measured_at" in t:
         t = (t.sort_values("measured_at", kind="stable")
              .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
+    t = own_tables_first(t)
     t["y"] = pd.to_numeric(t["y_value"], errors="coerce")
     fig, axes = plt.subplots(2, 3, figsize=(18, 10.4),
                              gridspec_kw={"width_ratios": [2.2, 1, 1.2]})
@@ -71,6 +72,11 @@ def _errbar(ys, reps):
     return [[max(0, v) for v in lo], [max(0, v) for v in hi]]
 
 
+def _models(d) -> str:
+    """The model(s) a panel's rows are of, for its title."""
+    return ", ".join(sorted(set(d["model"].astype(str)))) or "not measured"
+
+
 def _panel_bound(ax, t) -> None:
     d = t[(t["table"] == "same_kernel") & (t["y_name"] == "ratio_to_bound")]
     d = d.sort_values(["stage", "x_value"])
@@ -86,7 +92,7 @@ def _panel_bound(ax, t) -> None:
     top = max([1.2] + [max(r) for r in reps if r] + list(d["y"].dropna()))
     ax.set_ylim(0, top * 1.08)  # whiskers included
     ax.set_ylabel("step time / lower bound [x], same fused AdamW")
-    ax.set_title("(a) distance to the lower bound (gpt_20m)", fontsize=9)
+    ax.set_title(f"(a) distance to the lower bound ({_models(d)})", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
 
@@ -114,7 +120,7 @@ def _panel_best_peer(ax, t) -> None:
     tops = [max(r) for v in d["repeats"] for r in [_reps(v)] if r]
     ax.set_ylim(0, max([1.3] + tops) * 1.45)  # room for the legend above the bars
     ax.set_ylabel("zero_repro / best peer at the stage [x]")
-    ax.set_title("(b) step time vs the best peer (gpt_20m)", fontsize=9)
+    ax.set_title(f"(b) step time vs the best peer ({_models(d)})", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
 
@@ -137,6 +143,18 @@ def _panel_size(ax, t) -> None:
     ax.set_title("(c) size series, stages 2 (solid) and 3 (dashed)", fontsize=9)
     ax.legend(fontsize=6)
     ax.grid(True, alpha=0.3)
+
+
+def own_tables_first(t):
+    """A user's table beside the committed reference set (``lab.figures.regenerate``, column
+    ``source``): a table the user measured shows the user's rows only (its panels compare the
+    frameworks of one race on one model; the reference set's race is of another model or day),
+    a table the user did not measure shows the reference set's."""
+    if "source" not in t:
+        return t
+    own = t["source"].fillna("") != "reference"
+    mine = set(t.loc[own, "table"])
+    return t[own | ~t["table"].isin(mine)]
 
 
 def _memory_source(t):
