@@ -4,6 +4,7 @@ best peer, the size series, live-storage peaks, the largest model within the per
 """
 from __future__ import annotations
 
+import pandas as pd
 
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.peers import report
@@ -42,9 +43,7 @@ def plot(table, out_dir: str) -> list[str]:
     t = table[table["kind"] != "paper"].copy()
     # records of a point that differ in a config knob (e.g. a default that changed) come as
     # separate variants (lab.figures.regenerate): the figure and report show the newest race
-    if "measured_at" in t:
-        t = (t.sort_values("measured_at", kind="stable")
-             .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
+    t = newest(t)
     t = own_tables_first(t)
     t["y"] = pd.to_numeric(t["y_value"], errors="coerce")
     fig, axes = plt.subplots(2, 3, figsize=(18, 10.4),
@@ -143,6 +142,18 @@ def _panel_size(ax, t) -> None:
     ax.set_title("(c) size series, stages 2 (solid) and 3 (dashed)", fontsize=9)
     ax.legend(fontsize=6)
     ax.grid(True, alpha=0.3)
+
+
+def newest(t):
+    """The newest row per table, model, framework and quantity (by ``measured_at``); the budget
+    table's per framework and quantity (its ``model`` is the result: the largest model that
+    fitted, which a new race may change)."""
+    if "measured_at" not in t:
+        return t
+    t = t.sort_values("measured_at", kind="stable")
+    key = t["model"].astype(str).where(t["table"] != "budget", "")
+    return t[~pd.DataFrame({"table": t["table"], "model": key, "x": t["x_value"],
+                            "y": t["y_name"]}).duplicated(keep="last")]
 
 
 def own_tables_first(t):
@@ -280,9 +291,7 @@ def conclude(table) -> list[str]:
     import re
 
     t = table[table["kind"] == "measured"]
-    if "measured_at" in t:  # the newest race of every table, as the figure and report show
-        t = (t.sort_values("measured_at", kind="stable")
-             .drop_duplicates(["table", "model", "x_value", "y_name"], keep="last"))
+    t = newest(t)  # the newest race of every table, as the figure and report show
     source = t["series"].astype(str).map(
         lambda s: f" ({s.split(' · ', 1)[1].split(':')[0]})" if " · " in s else "")
     out = []
