@@ -157,3 +157,89 @@ def test_smoke_end_to_end(tmp_path):
                 f"hydra.run.dir={tmp_path / 'hydra2'}")
     assert q.returncode == 0 and "1 already done here (reused, not run again: " \
         "experiment.force=true re-runs them), ran 0" in q.stdout
+
+
+# ------------------------------------------------------------------ the config composed once
+_COUNTING = """
+import sys
+import hydra
+from zero_repro.lab import jobs, cli
+calls = []
+compose = jobs.compose
+def counted(*a, **k):
+    calls.append(k.get("overrides"))
+    return compose(*a, **k)
+jobs.compose = counted
+def no_main(*a, **k):
+    raise AssertionError("composed again through @hydra.main")
+hydra.main = no_main
+sys.argv = ["run.py"] + sys.argv[1:]
+try:
+    cli.main()
+finally:
+    print("COMPOSED", len(calls), file=sys.stderr)
+"""
+
+
+def test_each_job_is_composed_once_and_run_in_its_own_hydra_folder(tmp_path):
+    """A two-job multirun composes its config twice in all (once per job, never again through
+    ``@hydra.main``); each job runs in ``<sweep dir>/<num>`` with Hydra's files there, the
+    point files the plan writes included."""
+    env = dict(os.environ, ZERO_REPRO_HOME=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", _COUNTING, "-m", "+exp=smoke",
+                        "experiment.action=plan", "train.seed=1,2",
+                        f"experiment.results_dir={tmp_path / 'res'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "COMPOSED 2" in p.stderr, p.stderr
+    (sweep,) = glob.glob(str(tmp_path / "multirun" / "smoke" / "*"))
+    assert sorted(os.listdir(sweep)) == ["0", "1", "multirun.yaml"]
+    for num, seed in ((0, 1), (1, 2)):
+        job = os.path.join(sweep, str(num))
+        overrides = open(os.path.join(job, ".hydra", "overrides.yaml")).read()
+        assert f"train.seed={seed}" in overrides
+        saved = open(os.path.join(job, ".hydra", "config.yaml")).read()
+        assert f"seed: {seed}" in saved and "hydra:" not in saved
+        assert glob.glob(os.path.join(job, "points", "*.yaml")), os.listdir(job)
+        assert os.path.isfile(os.path.join(job, "cli.log"))
+    assert p.stdout.count("point file: ") == 2
+    # a single job: one composition, the folder under outputs/
+    p = subprocess.run([sys.executable, "-c", _COUNTING, "+exp=smoke", "experiment.action=plan",
+                        f"experiment.results_dir={tmp_path / 'res'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and "COMPOSED 1" in p.stderr, p.stderr
+    (run,) = glob.glob(str(tmp_path / "outputs" / "smoke" / "*"))
+    assert os.path.isfile(os.path.join(run, ".hydra", "hydra.yaml"))
+    assert glob.glob(os.path.join(run, "points", "*.yaml"))
+
+
+def test_a_failed_job_does_not_stop_the_multirun_and_the_command_ends_with_it(tmp_path,
+                                                                              monkeypatch):
+    """``jobs.run``: job 0 fails (an exception, then a non-ok exit), job 1 still runs, and the
+    command ends with the first failure; a usage error (exit 2) or Ctrl-C stops at once."""
+    from zero_repro.lab import jobs
+
+    monkeypatch.setattr(jobs, "configure_log", lambda *a, **k: None)  # leave pytest's logging
+    schema.register_configs()
+    overrides = [["+exp=smoke", f"train.seed={s}", f"hydra.sweep.dir={tmp_path}"]
+                 for s in (1, 2)]
+
+    def composed():
+        with jobs.composing(conf_dir()):
+            return [jobs.compose_job(o, n, True) for n, o in enumerate(overrides)]
+
+    for failure, stops in ((RuntimeError("boom"), False), (SystemExit(1), False),
+                           (SystemExit(2), True), (KeyboardInterrupt(), True)):
+        ran = []
+
+        def task(job):
+            ran.append((job.num, os.getcwd(), job.output_dir))
+            if job.num == 0:
+                raise failure
+
+        with pytest.raises(type(failure)) as e:
+            jobs.run(composed(), task, multirun=True)
+        assert e.value is failure
+        assert [r[0] for r in ran] == ([0] if stops else [0, 1]), (failure, ran)
+        assert all(r[2] == str(tmp_path / str(r[0])) for r in ran)
+    assert sorted(os.listdir(tmp_path)) == ["0", "1", "multirun.yaml"]

@@ -191,6 +191,19 @@ def test_runtime_imports_nothing_of_scale_or_lab():
     assert not bad, "\n".join(bad)
 
 
+def test_no_private_hydra_import():
+    """The lab uses Hydra's public API only (compose, ``HydraConfig``, ``core.utils``, the
+    override parser): ``hydra._internal`` changes without notice between releases."""
+    bad = []
+    for f in project_files():
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(ROOT)}:{node.lineno}: imports {n}" for n in names
+                    if n.split(".")[:2] == ["hydra", "_internal"]]
+    assert not bad, "\n".join(bad)
+
+
 def test_runtime_imports_no_hydra_or_omegaconf():
     """What a ZeRO user imports is torch only: the runtime's configs are plain dataclasses
     (``zero_repro.config``); Hydra and OmegaConf are the lab's (``zero_repro.schema``). Checked

@@ -1,9 +1,14 @@
 """Command line: ``python run.py +exp=NAME [overrides]`` (Hydra) -> validate -> plan -> run.
 
-Every paper figure or table (§10) is ``conf/exp/NAME.yaml`` + ``experiments/NAME.py``. Hydra
-composes ``conf/config.yaml`` (schema: ``zero_repro.config``) -> ``schema.to_config`` ->
-``validation.validate`` -> the points are planned and each point's config validated -> only then does
-anything run. ``experiment.action``: ``run`` (default; the points not yet recorded, through
+Every paper figure or table (§10) is ``conf/exp/NAME.yaml`` + ``experiments/NAME.py``. Each job
+of the command line (one, or every job of a ``-m`` multirun) is composed once from
+``conf/config.yaml`` (schema: ``zero_repro.config``) through Hydra's compose API
+(``zero_repro.lab.jobs``) -> ``schema.to_config`` -> ``validation.validate`` -> the points are
+planned and each point's config validated -> only then does anything run, and ``jobs.run`` runs
+that very job object in its Hydra folder (no second composition). Information flags
+(``--cfg``, ``--info``) and Hydra's launcher / sweeper plugins (``hydra/launcher=submitit_slurm``)
+go through ``@hydra.main``: the plugin composes each job where it runs it.
+``experiment.action``: ``run`` (default; the points not yet recorded, through
 ``zero_repro.lab.sweep.run_sweep``, ``experiment.force=true`` re-runs; W&B mirror; table and
 figure regenerated, then a few lines stating the result: the experiment's optional
 ``conclude(table) -> list[str]``, else ``default_conclusion``; exit 1 if a point that ran ended
@@ -16,8 +21,8 @@ experiments and exits 2.
 Contract: a user error prints one ``error: <message>`` line naming the setting and exits 2 before
 any rank starts (``check_args``: every job of the command line composed, validated and planned;
 for ``action=run`` every point that starts ranks here pre-flighted, ``zero_repro.lab.preflight``,
-and the output directories checked writable); that plan is the one the job runs (planned
-once, handed on). Results go to ``experiment.results_dir`` (default
+and the output directories checked writable); that plan is the one the job runs (composed and
+planned once, handed on). Results go to ``experiment.results_dir`` (default
 ``results/local/`` of the repository, ``zero_repro.paths.results_path``; Hydra's folders too sit
 under ``paths.home()``: nothing is written into the working directory); a recorded point is reused only at this code and, if measured, on this
 machine (``zero_repro.lab.provenance``); ``experiment.publish=true`` writes the reference set
@@ -35,17 +40,16 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
 
 from zero_repro import schema
 from zero_repro.runtime.comm import launch
-from zero_repro.lab import sweep
+from zero_repro.lab import jobs, sweep
 from zero_repro.lab.figures import regenerate
 from zero_repro.lab.wandb_runs import WandbMirror
 
 from zero_repro.lab.cli_checks import (  # noqa: F401 (the command's checks, named here too)
     _INFO_FLAGS, _PLAIN_FLAGS, MAX_VALIDATED_JOBS, USAGE_ERROR, UserError, _jobs, _overrides,
-    _task_of, check_args,
+    check_args, compose_and_check, is_multirun, job_overrides, runs_here,
     check_command_line, check_conf_dir, check_group_choices, check_keys, check_params,
     conf_dir, experiment_params, fail, launcher_rank, names_an_experiment, prepare,
     refuse_nested_launch, refuse_no_experiment)
@@ -101,18 +105,15 @@ def main() -> None:
     try:
         check_group_choices(argv, conf_dir())
         schema.register_configs()
-        # the plans check_args makes, by each job's overrides, handed to the jobs Hydra runs
-        # (planned once)
-        plans: dict[tuple, tuple] = {}
-        if not any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv):
-            try:
-                for job, prepared, composed in check_args(argv, keep=True):
-                    plans[_task_of(job)] = (prepared, composed)
-            except UserError as e:
-                fail(str(e))
-        # a Hydra launcher plugin (hydra/launcher=submitit_slurm) pickles the task for other
-        # machines: they plan their job there (the plans hold live objects)
-        _run_hydra({} if any(a.startswith("hydra/launcher=") for a in argv) else plans)
+        info = any(a in _INFO_FLAGS or a.startswith("--cfg=") for a in argv)
+        checked = [] if info else _check(argv)  # every job composed once, checked, planned
+        if info or not runs_here(argv):
+            # Hydra prints what was asked (--cfg, --info) and runs no job, or its launcher /
+            # sweeper plugin composes the jobs where it runs them
+            _run_hydra()
+            return
+        multirun = is_multirun(argv, job_overrides(argv))
+        jobs.run(_all_jobs(argv, checked, multirun), _run_job, multirun)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through launch.Terminated
         signum = getattr(e, "signum", signal.SIGINT)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -121,13 +122,45 @@ def main() -> None:
         sys.exit(128 + int(signum))
 
 
-def _run_hydra(plans: dict[tuple, tuple]) -> None:
+def _check(argv: list[str]) -> list:
+    """``check_args`` (the jobs composed once, checked and planned); a UserError is the one
+    ``error:`` line and exit 2."""
+    try:
+        return check_args(argv, keep=True)
+    except UserError as e:
+        fail(str(e))
+        return []
+
+
+def _all_jobs(argv: list[str], checked: list, multirun: bool):
+    """The checked jobs, then (a multirun past ``MAX_VALIDATED_JOBS``) the rest, each composed
+    and checked as it comes."""
+    yield from checked
+    rest = job_overrides(argv)[len(checked):]
+    sweep = jobs.sweep_dir(checked[0]) if checked else None
+    for num, job in enumerate(rest, start=len(checked)):
+        try:
+            with jobs.composing(conf_dir()):
+                composed = compose_and_check(argv, job, num, multirun, sweep)
+        except UserError as e:
+            fail(str(e))
+        yield composed
+
+
+def _run_job(job) -> None:
+    """Run one composed and checked job (``jobs.run`` calls this in its output folder)."""
+    dispatch(job.prepared, job.output_dir)
+
+
+def _run_hydra() -> None:
+    """Hand the command line to ``@hydra.main`` (information flags, Hydra's launcher and
+    sweeper plugins): each job is checked and planned in ``_hydra_task``."""
     started = {"task": False}
 
     @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
     def _task(dcfg) -> None:
         started["task"] = True
-        dispatch(dcfg, plans)
+        _hydra_task(dcfg)
 
     try:
         _task()
@@ -140,35 +173,28 @@ def _run_hydra(plans: dict[tuple, tuple]) -> None:
         raise
 
 
-def _prepared_for(dcfg, plans: dict[tuple, tuple]):
-    """The plan ``check_args`` made for this job (``plans``, by the job's overrides), if it is
-    this very config (planned once)."""
+def _hydra_task(dcfg) -> None:
+    """A job Hydra composed (a launcher plugin's, on the machine that runs it): checked,
+    planned and dispatched."""
     try:
-        job = tuple(HydraConfig.get().overrides.task)
-    except ValueError:  # not under Hydra
-        return None
-    prepared, composed = plans.pop(job, (None, None))
-    return prepared if composed == OmegaConf.to_container(dcfg) else None
+        check_keys(dcfg)
+        prepared = prepare(dcfg)
+    except UserError as e:
+        fail(str(e))
+        return
+    dispatch(prepared, HydraConfig.get().runtime.output_dir)
 
 
-def dispatch(dcfg, plans: dict[tuple, tuple] | None = None) -> None:
-    """Run the job ``dcfg`` with its plan from ``plans`` (``main``'s checks), or checked and
-    planned here (a job they did not see)."""
-    prepared = _prepared_for(dcfg, plans or {})
-    if prepared is None:  # a job check_args did not see (more than MAX_VALIDATED_JOBS)
-        try:
-            check_keys(dcfg)
-            prepared = prepare(dcfg)
-        except UserError as e:
-            fail(str(e))
-            return
+def dispatch(prepared: tuple, output_dir: str | None = None) -> None:
+    """Do what ``experiment.action`` says with a checked, planned job ``(cfg, experiment,
+    plan)``; ``output_dir`` is the job's folder (a plan's point files go there)."""
     cfg, experiment, plan = prepared
     logging.getLogger().setLevel(cfg.logging.level.upper())
     action = cfg.experiment.action
     if action == "list":
         print_experiments(conf_dir())
     elif action == "plan":
-        print_plan(cfg, experiment, plan)
+        print_plan(cfg, experiment, plan, output_dir)
     elif action == "plot":
         print_outputs(_regenerate(cfg, experiment), experiment)
     else:

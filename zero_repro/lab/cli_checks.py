@@ -17,15 +17,13 @@ import typing
 
 from zero_repro import paths
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from zero_repro import config
 from zero_repro import schema
-from zero_repro.lab import registry, sweep
+from zero_repro.lab import jobs, registry, sweep
 from zero_repro.lab.launcher import check_config, check_writable
 
 from zero_repro.lab.cli_output import print_experiments
@@ -319,41 +317,64 @@ def _first_line(e: BaseException) -> str:
     return head
 
 
-def check_args(argv: list[str], keep: bool = False) -> list[tuple]:
-    """Everything ``main`` checks before Hydra runs a job (see the module docstring), in this
-    process; UserError with one line naming the setting. Returns (cfg, experiment, plan) per
-    job, or with ``keep`` (job overrides, that, the composed config) for ``dispatch``."""
+def is_multirun(argv: list[str], jobs: list[list[str]]) -> bool:
+    return len(jobs) > 1 or any(a in ("-m", "--multirun") for a in argv)
+
+
+def runs_here(argv: list[str]) -> bool:
+    """Does this process run the jobs (``jobs.run``)? Not when a Hydra launcher or sweeper
+    plugin is chosen (``hydra/launcher=submitit_slurm``): that plugin composes its jobs
+    where it runs them (this machine's share is checked there)."""
+    return not any(a.lstrip("+~").startswith(("hydra/launcher=", "hydra/sweeper="))
+                   for a in argv)
+
+
+def check_args(argv: list[str], keep: bool = False) -> list:
+    """Everything ``main`` checks before a job runs (see the module docstring), in this
+    process; UserError with one line naming the setting. Composes the first
+    ``MAX_VALIDATED_JOBS`` jobs once (``jobs.compose_job``), checks and plans each
+    (``check_job``). Returns (cfg, experiment, plan) per job, or with ``keep`` the
+    ``jobs.Job`` objects themselves (``prepared`` set), which ``cli`` runs as they are."""
     check_command_line(argv)
+    schema.register_configs()  # the schema's config groups (idempotent)
+    overrides = job_overrides(argv)
+    multirun = is_multirun(argv, overrides)
+    out: list = []
+    with jobs.composing(conf_dir()):
+        for num, job in enumerate(overrides[:MAX_VALIDATED_JOBS]):
+            out.append(compose_and_check(argv, job, num, multirun,
+                                         jobs.sweep_dir(out[0]) if multirun and out else None))
+    return out if keep else [j.prepared for j in out]
+
+
+def job_overrides(argv: list[str]) -> list[list[str]]:
+    """Every job's overrides (``_jobs``), Hydra's grammar errors as UserError."""
     try:
-        jobs = _jobs(argv)
+        return _jobs(argv)
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001 - Hydra's override grammar errors
         raise UserError(_first_line(e)) from None
-    multirun = len(jobs) > 1 or any(a in ("-m", "--multirun") for a in argv)
-    # a Hydra launcher plugin (hydra/launcher=submitit_slurm) runs the jobs on other machines:
-    # they check this machine's share there
-    here = not any(a.startswith("hydra/launcher=") for a in argv)
-    out = []
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3", job_name="check"):
-        for job in jobs[:MAX_VALIDATED_JOBS]:
-            try:
-                dcfg = compose("config", overrides=job, return_hydra_config=True)
-                out_dir = OmegaConf.select(dcfg, "hydra.sweep.dir" if multirun
-                                           else "hydra.run.dir")
-                with open_dict(dcfg):
-                    del dcfg["hydra"]
-            except Exception as e:  # noqa: BLE001 - every composition error is a usage error
-                raise _unknown_key(e, job) or UserError(_first_line(e)) from None
-            prefix = f"job {job}: " if multirun else ""
-            try:
-                check_keys(dcfg)
-                check_writable(out_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir")
-                prepared = prepare(dcfg, machine=here, job=job)
-            except (UserError, ValueError) as e:
-                raise UserError(prefix + _first_line(e)) from None
-            out.append((job, prepared, OmegaConf.to_container(dcfg)) if keep else prepared)
-    GlobalHydra.instance().clear()
-    return out
+
+
+def compose_and_check(argv: list[str], job: list[str], num: int, multirun: bool,
+                      sweep: str | None) -> "jobs.Job":
+    """Compose job ``num`` (inside ``jobs.composing``) and check and plan it: the ``Job``
+    with ``prepared`` set; UserError (prefixed with the job in a multirun) if it is wrong."""
+    try:
+        composed = jobs.compose_job(job, num, multirun, sweep)
+    except Exception as e:  # noqa: BLE001 - every composition error is a usage error
+        raise _unknown_key(e, job) or UserError(_first_line(e)) from None
+    prefix = f"job {job}: " if multirun else ""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        dcfg = composed.task_config()
+        check_keys(dcfg)
+        check_writable(jobs.sweep_dir(composed) if multirun else composed.output_dir, key)
+        composed.prepared = prepare(dcfg, machine=runs_here(argv), job=job)
+    except (UserError, ValueError) as e:
+        raise UserError(prefix + _first_line(e)) from None
+    return composed
 
 
 def prepare(dcfg, machine: bool = True, job: list[str] | None = None):
@@ -371,8 +392,3 @@ def prepare(dcfg, machine: bool = True, job: list[str] | None = None):
     except (ValueError, OmegaConfBaseException) as e:
         raise UserError(_first_line(e)) from None
     return cfg, experiment, plan
-
-
-def _task_of(job: list[str]) -> tuple:
-    """A job's overrides as Hydra's ``overrides.task`` lists them (without hydra's own)."""
-    return tuple(o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/")))

@@ -11,7 +11,6 @@ import os
 from zero_repro import paths
 
 import pandas as pd
-from hydra.core.hydra_config import HydraConfig
 
 from zero_repro.lab import rank, registry, slurm, sweep
 from zero_repro.lab import records as R
@@ -136,7 +135,7 @@ def short_series(series: str, most: int = 90) -> str:
     return name if len(name) <= most else name[:most - 3] + "..."
 
 
-def print_plan(cfg, experiment, plan) -> None:
+def print_plan(cfg, experiment, plan, output_dir: str | None = None) -> None:
     planned, done = plan.points, plan.done
     print(f"experiment {cfg.experiment.name}: {len(planned)} points "
           f"(launcher={cfg.launcher.name}, cluster={cfg.cluster.name})")
@@ -154,9 +153,9 @@ def print_plan(cfg, experiment, plan) -> None:
     note = getattr(experiment, "plan_note", None)  # optional: e.g. a time estimate
     for line in note(cfg, [pp.point for pp in planned]) if callable(note) else []:
         print(line)
-    try:
-        out_dir = os.path.join(HydraConfig.get().runtime.output_dir, "points")
-    except ValueError:  # not under Hydra (called from Python)
+    if output_dir is not None:  # the job's folder
+        out_dir = os.path.join(output_dir, "points")
+    else:  # called from Python
         out_dir = os.path.join(cfg.experiment.results_dir, cfg.experiment.name, "runs", "plan")
     skip = done
     try:
