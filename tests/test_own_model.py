@@ -222,8 +222,21 @@ def guard_worker(rank: int, world: int) -> dict:
     return seen
 
 
-def test_touching_a_freed_or_gradientless_parameter_raises_a_clear_error():
-    seen = spawn(guard_worker, 2)[0]
+def probes_worker(rank: int, world: int) -> dict:
+    """``guard_worker`` and ``gathered_worker`` on one pair of ranks (each builds its own
+    models, Topology and strategy)."""
+    return {"guard": guard_worker(rank, world), "gathered": gathered_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world2_probes() -> dict:
+    """Rank 0's ``probes_worker`` results: one spawn of two ranks for the guard test and the
+    FSDP2 comparison, not two."""
+    return spawn(probes_worker, 2)[0]
+
+
+def test_touching_a_freed_or_gradientless_parameter_raises_a_clear_error(world2_probes):
+    seen = world2_probes["guard"]
     for key in ("sum", "print", "state_dict"):  # state_dict(): the first parameter it reads
         assert "strategy.gathered()" in seen[key] and "full_state_dict()" in seen[key], key
     assert "layers.1.fc1.weight" in seen["sum"] and "layers.1.fc1.weight" in seen["print"]
@@ -353,11 +366,11 @@ def gathered_worker(rank: int, world: int) -> dict:
     return peaks
 
 
-def test_stage3_gathers_per_layer_as_much_as_fsdp2_per_block():
+def test_stage3_gathers_per_layer_as_much_as_fsdp2_per_block(world2_probes):
     """On the foreign model (no ``blocks``) stage 3 finds the layers by itself and holds what
     FSDP2 with one ``fully_shard`` per layer holds: the root and one layer (not the whole
     model); its ledger's gathered peak over forward and backward is the same."""
-    p = spawn(gathered_worker, 2)[0]
+    p = world2_probes["gathered"]
     assert p["zero3"] == p["fsdp2"] == p["ledger_elements"], p
     assert p["fsdp2"] < 0.45 * p["total"], p
 
