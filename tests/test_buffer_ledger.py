@@ -11,6 +11,7 @@ before it, on every transport, C_B on and off.
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections import deque
 from pathlib import Path
@@ -95,17 +96,44 @@ def _run(rank: int, world: int, configs: list[tuple], model_cfg: ModelConfig = C
     return out
 
 
+LEDGER_CONFIGS = [(stage, constant, b) for stage in range(4) for constant in (True, False)
+                  for b in (BUCKETS if constant else BUCKETS[:1])]
+# stage 3 again on a model whose tied table is larger than a block: read in row slices,
+# a unit with a bucket grid of its own
+WIDE_CONFIGS = [(3, constant, b) for constant in (True, False) for b in BUCKETS[:1]]
+
+
+def _on_transport(rank: int, world: int, mode: str) -> dict:
+    """Everything the tests below run on the CPU transport ``mode``, on one pair of ranks
+    (``ZR_CPU_TRANSPORT`` is read when a strategy picks its transport): the ledger runs
+    (``_run``: ``LEDGER_CONFIGS`` on ``CFG``, ``WIDE_CONFIGS`` on ``WIDE_VOCAB``) and the
+    stage ordering's totals (``_totals``)."""
+    os.environ["ZR_CPU_TRANSPORT"] = mode
+    return {"ledger": _run(rank, world, LEDGER_CONFIGS)
+            + _run(rank, world, WIDE_CONFIGS, WIDE_VOCAB),
+            "totals": _totals(rank, world, 20_000)}
+
+
+@pytest.fixture(scope="module")
+def on_transport():
+    """``on_transport(mode)``: ``_on_transport``'s results per rank, one spawn per transport
+    shared by the ledger and the stage-ordering tests (two ranks start three times, not
+    nine)."""
+    cache: dict[str, list[dict]] = {}
+
+    def get(mode: str) -> list[dict]:
+        if mode not in cache:
+            cache[mode] = spawn(_on_transport, 2, mode)
+        return cache[mode]
+
+    return get
+
+
 @pytest.mark.parametrize("mode,name", [("shm", "shm"), ("pairwise", "gloo"),
                                        ("native", "native")])
-def test_ledger_is_the_formula_and_the_live_storages(monkeypatch, mode, name):
-    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
-    configs = [(stage, constant, b) for stage in range(4) for constant in (True, False)
-               for b in (BUCKETS if constant else BUCKETS[:1])]
-    # stage 3 again on a model whose tied table is larger than a block: read in row slices,
-    # a unit with a bucket grid of its own
-    wide = [(3, constant, b) for constant in (True, False) for b in BUCKETS[:1]]
-    for rank_res in spawn(_run, 2, configs) + spawn(_run, 2, wide, WIDE_VOCAB):
-        for r in rank_res:
+def test_ledger_is_the_formula_and_the_live_storages(on_transport, mode, name):
+    for rank_res in on_transport(mode):
+        for r in rank_res["ledger"]:
             led, label = r["ledger"], f"{mode}: stage/C_B/(R, A) {r['config']}"
             assert r["transport"] == name, label
             assert led["comm_buffers"] == r["formula"], (label, led["comm_buffers"], r["formula"])
@@ -144,12 +172,19 @@ def _totals(rank: int, world: int, bucket: int, model_cfg: ModelConfig = DEEP,
     return out
 
 
+def _tied_totals(rank: int, world: int) -> tuple[dict, dict]:
+    """``_totals`` on ``WIDE_VOCAB`` with ``zero.slice_vocab_gather`` on, then off (one
+    spawn)."""
+    return (_totals(rank, world, 20_000, WIDE_VOCAB),
+            _totals(rank, world, 20_000, WIDE_VOCAB, False))
+
+
 @pytest.mark.parametrize("mode", ["shm", "pairwise", "native"])
-def test_no_stage_holds_more_than_the_one_before(monkeypatch, mode):
+def test_no_stage_holds_more_than_the_one_before(on_transport, mode):
     """Stage k's ledger (model states, buffers, the transport's own, stage 3's gathered peak) is
     at most stage k-1's on every rank, C_B on (buckets far below Ψ) and off (one bucket)."""
-    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
-    for res in spawn(_totals, 2, 20_000):
+    for rank_res in on_transport(mode):
+        res = rank_res["totals"]
         for constant in (True, False):
             t = [res[(constant, k)] for k in range(4)]
             assert t == sorted(t, reverse=True), (mode, constant, t)
@@ -159,13 +194,12 @@ def test_stage3_holds_no_more_than_stage2_when_the_tied_embedding_dominates():
     """Stage 3 reads the tied table a row slice at a time (``zero.slice_vocab_gather``): at
     N_d = 2 a unit of 84% of Ψ gathered whole would outweigh the Ψ/N_d of parameters stage 3
     saves (the knob off: the ordering breaks, C_B on and off)."""
-    for res in spawn(_totals, 2, 20_000, WIDE_VOCAB):
+    for sliced, whole in spawn(_tied_totals, 2):
         for constant in (True, False):
-            t = [res[(constant, k)] for k in range(4)]
+            t = [sliced[(constant, k)] for k in range(4)]
             assert t == sorted(t, reverse=True), (constant, t)
-    for res in spawn(_totals, 2, 20_000, WIDE_VOCAB, False):
         for constant in (True, False):
-            assert res[(constant, 3)] > res[(constant, 2)], (constant, res)
+            assert whole[(constant, 3)] > whole[(constant, 2)], (constant, whole)
 
 
 def test_stages_see_only_the_transport_contract():

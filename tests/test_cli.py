@@ -92,14 +92,27 @@ def test_user_errors_exit_2_with_one_line_and_start_nothing(tmp_path):
         assert not results.exists(), f"{case}: something ran"  # no record, no run dir
 
 
-def test_hydra_type_error_is_a_usage_error(tmp_path):
-    p = run_cli("+exp=smoke", "zero.stage=abc", f"experiment.results_dir={tmp_path}")
+@pytest.fixture(scope="module")
+def two_quick_commands(tmp_path_factory) -> dict:
+    """The run.py commands of the two tests below, started at once (two cores; each is mostly
+    interpreter, torch and Hydra start-up), each with a results directory of its own. By
+    test: (the finished process, its results directory)."""
+    bad, plan = tmp_path_factory.mktemp("type_error"), tmp_path_factory.mktemp("plan")
+    with cf.ThreadPoolExecutor(2) as pool:
+        type_error = pool.submit(run_cli, "+exp=smoke", "zero.stage=abc",
+                                 f"experiment.results_dir={bad}")
+        planned = pool.submit(run_cli, "+exp=smoke", "experiment.action=plan",
+                              f"experiment.results_dir={plan}", f"hydra.run.dir={plan / 'hydra'}")
+        return {"type_error": (type_error.result(), bad), "plan": (planned.result(), plan)}
+
+
+def test_hydra_type_error_is_a_usage_error(two_quick_commands):
+    p, _ = two_quick_commands["type_error"]
     assert p.returncode == 2 and "zero.stage" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_plan_lists_points_and_writes_point_files(tmp_path):
-    p = run_cli("+exp=smoke", "experiment.action=plan", f"experiment.results_dir={tmp_path}",
-                f"hydra.run.dir={tmp_path / 'hydra'}")
+def test_plan_lists_points_and_writes_point_files(two_quick_commands):
+    p, tmp_path = two_quick_commands["plan"]
     assert p.returncode == 0, p.stderr
     assert "fp32 stage 0 w2=tp1xdp2 8 steps" in p.stdout and "todo" in p.stdout
     files = glob.glob(str(tmp_path / "hydra" / "points" / "*.yaml"))

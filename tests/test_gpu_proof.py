@@ -128,16 +128,42 @@ def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatc
         assert all(pp.cfg.launcher.oversubscribe for pp in paper)
 
 
+PLAN_GPUS = (1, 8)
+
+
+@pytest.fixture(scope="module")
+def mocked_plan_commands(tmp_path_factory) -> dict:
+    """``experiment.action=plan`` with CUDA mocked as ``gpus`` H100s in a subprocess, for each
+    of ``PLAN_GPUS``: both started at once (two cores; each is mostly interpreter, torch and
+    Hydra start-up), each in its own directories. By gpus: (exit status, stdout, stderr)."""
+    procs = {}
+    for gpus in PLAN_GPUS:
+        tmp = tmp_path_factory.mktemp(f"plan{gpus}")
+        procs[gpus] = subprocess.Popen(
+            [sys.executable, "-c", MOCK_CUDA, str(gpus), *map(str, H100), "+exp=gpu_proof",
+             "experiment.action=plan", f"experiment.params.gpus={gpus}",
+             f"hydra.run.dir={tmp}", f"experiment.results_dir={tmp}/r"], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    try:
+        for gpus, p in procs.items():
+            out, err = p.communicate(timeout=120)
+            results[gpus] = (p.returncode, out, err)
+        return results
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("gpus,minutes", [(1, 5.3), (8, 2.5)])
-def test_plan_command_on_a_mocked_h100_machine_prints_the_estimate(gpus, minutes, tmp_path):
+def test_plan_command_on_a_mocked_h100_machine_prints_the_estimate(gpus, minutes,
+                                                                   mocked_plan_commands):
     """The plan as printed (``experiment.action=plan``) with CUDA mocked in the subprocess."""
-    p = subprocess.run([sys.executable, "-c", MOCK_CUDA, str(gpus), *map(str, H100),
-                        "+exp=gpu_proof", "experiment.action=plan",
-                        f"experiment.params.gpus={gpus}", f"hydra.run.dir={tmp_path}",
-                        f"experiment.results_dir={tmp_path}/r"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    (est,) = [ln for ln in p.stdout.splitlines() if ln.startswith("time estimate on")]
+    returncode, stdout, stderr = mocked_plan_commands[gpus]
+    assert returncode == 0, stderr[-2000:]
+    (est,) = [ln for ln in stdout.splitlines() if ln.startswith("time estimate on")]
     assert est.startswith(f"time estimate on {gpus} x h100 GPU(s): {minutes} min of the 10 min")
 
 

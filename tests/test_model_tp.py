@@ -139,14 +139,22 @@ def _worker_world4(rank: int, world: int) -> str:
     tp4 = Topology.build(tp=4)
     _check_equivalence(tp4.tp_group, tp4.ledger, batch_seed=11)
     _check_cross_entropy(tp4.tp_group)
+    _check_scatter_gather(tp4.tp_group)
     grid = Topology.build(tp=2)  # 2 x 2: TP pairs {0,1}, {2,3}; each DP rank its own batch
     assert (grid.dp, grid.tp) == (2, 2)
     _check_equivalence(grid.tp_group, grid.ledger, batch_seed=100 + grid.dp_rank)
     assert grid.ledger.volume(group_name="dp") == 0  # the model itself never talks over DP
+    # what the world-2 test checks at TP 2, on both TP pairs of the grid
+    _check_cross_entropy(grid.tp_group)
+    _check_scatter_gather(grid.tp_group)
     return "ok"
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1():
+    """TP 2 alone (DP 1). In the default suite the 2 x 2 grid of
+    ``test_tp4_and_2x2_grid_match_tp1`` runs every check of this one at TP 2 (model
+    equivalence, vocab-parallel cross-entropy, column -> row linears) on both TP pairs."""
     assert spawn(_worker_world2, 2) == ["ok"] * 2
 
 

@@ -103,10 +103,38 @@ def _dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+# (world, dtype) of test_ledger_splits_host_and_device_as_table1s_offload_column
+LEDGER_CASES = [(1, "bf16"), (2, "fp16"), (3, "bf16"), (2, "fp32")]
+
+
+def _world_worker(rank: int, world: int, cases: list, dtypes: list) -> dict:
+    """Both tests below at this world size on the same ranks: the equivalence cases
+    (``_equivalence_worker``), then the ledger for each of ``dtypes`` (``_ledger_worker``);
+    every run builds its own ``Topology`` and strategy, as in a spawn of its own."""
+    return {"equivalence": _equivalence_worker(rank, world, cases),
+            "ledger": {d: _ledger_worker(rank, world, d) for d in dtypes}}
+
+
+@pytest.fixture(scope="module")
+def by_world():
+    """``by_world(world)``: ``_world_worker``'s results per rank, one spawn per world size for
+    both tests (three spawns, not seven)."""
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cases = CASES + ([(0, "fp32", 1, None, 8), (0, "bf16", 2, None, 8)]
+                             if world == 1 else [])
+            dtypes = [d for w, d in LEDGER_CASES if w == world]
+            cache[world] = spawn(_world_worker, world, cases, dtypes, timeout_s=120)
+        return cache[world]
+
+    return get
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_offloaded_parameters_equal_the_same_stage_without_offload(world):
-    cases = CASES + ([(0, "fp32", 1, None, 8), (0, "bf16", 2, None, 8)] if world == 1 else [])
-    res = spawn(_equivalence_worker, world, cases, timeout_s=120)
+def test_offloaded_parameters_equal_the_same_stage_without_offload(by_world, world):
+    res = [r["equivalence"] for r in by_world(world)]
     for rank_res in res:
         for r in rank_res:
             stage, dtype = r["case"][:2]
@@ -135,9 +163,9 @@ def _ledger_worker(rank: int, world: int, dtype: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,dtype", [(1, "bf16"), (2, "fp16"), (3, "bf16"), (2, "fp32")])
-def test_ledger_splits_host_and_device_as_table1s_offload_column(world, dtype):
-    res = spawn(_ledger_worker, world, dtype, timeout_s=120)
+@pytest.mark.parametrize("world,dtype", LEDGER_CASES)
+def test_ledger_splits_host_and_device_as_table1s_offload_column(by_world, world, dtype):
+    res = [r["ledger"][dtype] for r in by_world(world)]
     lp = LP[dtype]
     for r in res:
         for stage, got in r.items():

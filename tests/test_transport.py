@@ -89,11 +89,31 @@ def _rank(rank: int, world: int, slot_bytes: int) -> dict:
             t.channel.region_of(buf) is not None}
 
 
+def _every_mode(rank: int, world: int) -> dict:
+    """``_rank`` for each of ``MODES`` in turn on the same three ranks, each on groups of its
+    own (``Topology.build``): ``ZR_CPU_TRANSPORT`` is read when ``bucket_transport`` picks the
+    transport, and ``shm.SLOT_BYTES`` when a channel is mapped and used."""
+    out = {}
+    for mode, _, slot_bytes in MODES:
+        os.environ["ZR_CPU_TRANSPORT"] = mode
+        try:
+            out[(mode, slot_bytes)] = _rank(rank, world, slot_bytes)
+        except Exception as e:
+            raise RuntimeError(f"ZR_CPU_TRANSPORT={mode}, SLOT_BYTES={slot_bytes}: {e}") from e
+        gc.collect()  # this mode's transport and its segments go before the next one's
+    return out
+
+
+@pytest.fixture(scope="module")
+def world3_every_mode() -> list[dict]:
+    """``_every_mode`` on three ranks: one spawn for the four cases below, not four."""
+    return spawn(_every_mode, 3)
+
+
 @pytest.mark.parametrize("mode,kind,slot_bytes", MODES)
-def test_bucket_collectives_are_exact_at_world_3(monkeypatch, mode, kind, slot_bytes):
-    monkeypatch.setenv("ZR_CPU_TRANSPORT", mode)
+def test_bucket_collectives_are_exact_at_world_3(world3_every_mode, mode, kind, slot_bytes):
     world = 3
-    res = spawn(_rank, world, slot_bytes)
+    res = [r[(mode, slot_bytes)] for r in world3_every_mode]
     n = CHUNK * world
     total = sum(r + 1 for r in range(world))  # rank r contributes (r + 1) * value
     for k in range(N_BUCKETS):  # the all-reduce: the same bits on every rank, the right sum

@@ -2,13 +2,15 @@
 
 ``config.validate`` is checked case by case (fast, in process); the CLI path (one line
 ``error: ...``, exit status 2, nothing run) is checked once for the cases added with the
-checkpoint/fault sections and for unknown config-group names (tests/test_cli.py covers the
-rest of the CLI mechanism).
+checkpoint/fault sections and for unknown config-group names, through ``cli.main`` in process
+(as real ``python run.py`` processes with ``-m slow``; tests/test_cli.py covers the rest of the
+CLI mechanism).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
 import subprocess
 import sys
 
@@ -84,12 +86,57 @@ def test_resume_latest_without_checkpoint_fails_before_spawning(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
-def test_cli_new_cases_are_one_line_usage_errors(tmp_path):
-    results = tmp_path / "results"
-    cases = [(["model=gpt_nosuch"], "unknown model 'gpt_nosuch'"),
+# the command lines of the cases added with the checkpoint/fault sections and for unknown
+# config-group names, with the line each must print
+CLI_CASES = [(["model=gpt_nosuch"], "unknown model 'gpt_nosuch'"),
              (["cluster=dgx9"], "unknown cluster 'dgx9'"),
              (["checkpoint.resume=/nonexistent/ck"], "checkpoint.resume='/nonexistent/ck'"),
              (["fault.rank=7"], "fault.rank=7 is not a rank")]
+
+
+def test_cli_entry_refuses_the_new_cases_with_one_line_and_exit_2(tmp_path, monkeypatch,
+                                                                   capsys):
+    """The same command lines through the CLI's entry point (``cli.main``) in this process,
+    nothing allowed to start: exit status 2, one ``error:`` line naming the case, nothing
+    written. That the real ``python run.py`` prints only that line and exits 2 is proven in
+    tests/test_bad_inputs.py (``test_real_cli_prints_one_error_line_and_exits_2``); these four
+    as real processes: ``test_cli_new_cases_are_one_line_usage_errors`` (``-m slow``)."""
+    from zero_repro.lab import cli
+    from zero_repro.runtime.comm import launch
+
+    def refuse(*a, **k):
+        raise AssertionError("a process was started for a bad input")
+
+    for owner, name in [(launch, "spawn"), (subprocess, "run"), (subprocess, "Popen")]:
+        monkeypatch.setattr(owner, name, refuse)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    results = tmp_path / "results"
+    try:
+        for i, (args, message) in enumerate(CLI_CASES):
+            monkeypatch.setattr(sys, "argv", [
+                "run.py", "+exp=smoke", *args, f"experiment.results_dir={results}",
+                f"hydra.run.dir={tmp_path / 'hydra' / str(i)}"])
+            with pytest.raises(SystemExit) as e:
+                cli.main()
+            err = capsys.readouterr().err
+            lines = err.strip().splitlines()
+            assert e.value.code == 2, (args, e.value.code, err[-1500:])
+            assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+                (args, err[-1500:])
+            assert not results.exists()
+    finally:
+        for s, h in handlers.items():  # cli.main installs its own
+            signal.signal(s, h)
+        cli._signalled.clear()
+
+
+@pytest.mark.slow
+def test_cli_new_cases_are_one_line_usage_errors(tmp_path):
+    """The four command lines above as real ``python run.py`` processes (in the default suite:
+    ``test_cli_entry_refuses_the_new_cases_with_one_line_and_exit_2`` in process, and
+    tests/test_bad_inputs.py's real-CLI test for the process's one line and exit status)."""
+    results = tmp_path / "results"
+    cases = CLI_CASES
     def one(i):  # each its own Hydra run directory: two run at once
         return subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "+exp=smoke",
                                *cases[i][0], f"experiment.results_dir={results}",

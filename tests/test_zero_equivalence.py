@@ -17,6 +17,7 @@ checks (tests in test_zero_precision.py use the same worker).
 """
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -135,8 +136,20 @@ def run_config(c: dict, rank: int) -> dict:
 
 
 def worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    """``run_config`` for each config in turn; a config's ``"transport"`` is the
+    ``ZR_CPU_TRANSPORT`` its strategy is built under (read when it picks its bucket
+    transport), else the one this rank inherited."""
     torch.manual_seed(0)
-    return [run_config(c, rank) for c in configs]
+    inherited = os.environ.get("ZR_CPU_TRANSPORT")
+    out = []
+    for c in configs:
+        transport = c.get("transport", inherited)
+        if transport is None:
+            os.environ.pop("ZR_CPU_TRANSPORT", None)
+        else:
+            os.environ["ZR_CPU_TRANSPORT"] = transport
+        out.append(run_config(c, rank))
+    return out
 
 
 def layouts(world: int) -> list[int]:
@@ -218,23 +231,56 @@ def run_world(world: int, steps: int, full: bool, configs: list[dict] | None = N
     return results
 
 
+def native_configs(world: int) -> list[dict]:
+    return [{"stage": s, "tp": tp, "steps": 3} for tp in layouts(world) for s in range(4)]
+
+
+@pytest.fixture(scope="module")
+def world4_runs() -> dict:
+    """World 4's runs of both tests below in one spawn (four ranks start once): the default
+    transport's equivalence and ledger configs, then the same for the native transport (each
+    config built under ``ZR_CPU_TRANSPORT=native``, ``worker``). By test: (equivalence
+    configs, all configs, results per rank)."""
+    default = equivalence_configs(4, 3, False)
+    native = [dict(c, transport="native") for c in native_configs(4) + ledger_configs()]
+    configs = default + ledger_configs() + native
+    results = spawn(worker, 4, configs)
+    n = len(configs) - len(native)
+    return {"default": (default, configs[:n], [r[:n] for r in results]),
+            "native": (native[:len(native) - len(ledger_configs())], native,
+                       [r[n:] for r in results])}
+
+
+def check_world4(runs: tuple) -> list:
+    eq, configs, results = runs
+    check_equivalence(results, eq)
+    check_ledgers(results, configs)
+    return results
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_stages_match_adamw_reference(world):
+def test_stages_match_adamw_reference(world, request):
     """Stages 0-3 (× tp 2 at world 4; clipping, accumulation and ZeRO-R knobs off at world 2),
     3 steps each vs the AdamW reference; plus fp16 ledger ÷ Table 1 and comm ÷ §7."""
-    run_world(world, steps=3, full=False)
+    if world == 4:
+        check_world4(request.getfixturevalue("world4_runs")["default"])
+    else:
+        run_world(world, steps=3, full=False)
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow),
                                    pytest.param(3, marks=pytest.mark.slow), 4])
-def test_native_transport_matches_adamw_reference(monkeypatch, world):
+def test_native_transport_matches_adamw_reference(monkeypatch, request, world):
     """The NCCL-shaped transport (native reduce-scatter / all-gather into separate outputs,
     in-place requests staged through scratch) forced onto gloo: stages 0-3 (× tp 2 at world 4:
     DP 4 and DP 2) vs the AdamW reference, plus the fp16 ledger and §7 checks; worlds 2 and 3
-    with ``-m slow``."""
-    monkeypatch.setenv("ZR_CPU_TRANSPORT", "native")
-    configs = [{"stage": s, "tp": tp, "steps": 3} for tp in layouts(world) for s in range(4)]
-    results = run_world(world, steps=3, full=False, configs=configs)
+    with ``-m slow``. World 4 runs in the spawn of ``test_stages_match_adamw_reference[4]``
+    (``world4_runs``), its configs built under ``ZR_CPU_TRANSPORT=native``."""
+    if world == 4:
+        results = check_world4(request.getfixturevalue("world4_runs")["native"])
+    else:
+        monkeypatch.setenv("ZR_CPU_TRANSPORT", "native")
+        results = run_world(world, steps=3, full=False, configs=native_configs(world))
     assert {r["transport"] for rank in results for r in rank} == {"native"}
 
 

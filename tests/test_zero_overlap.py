@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from zero_repro.lab import bench
@@ -76,8 +77,20 @@ def _identical_worker(rank: int, world: int) -> list[str]:
     return bad
 
 
-def test_overlap_knobs_are_bit_identical_and_leave_the_ledger_alone():
-    for bad in spawn(_identical_worker, 2):
+def _both(rank: int, world: int) -> dict:
+    """The two distributed checks below on one pair of ranks (each run builds its own
+    Topology and strategy)."""
+    return {"identical": _identical_worker(rank, world), "inflight": _inflight_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """``_both`` per rank: one spawn of two ranks for both tests, not two."""
+    return spawn(_both, 2)
+
+
+def test_overlap_knobs_are_bit_identical_and_leave_the_ledger_alone(world2):
+    for bad in (r["identical"] for r in world2):
         assert not bad, bad
 
 
@@ -105,8 +118,8 @@ def _inflight_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_stage12_param_gather_in_flight_after_step_and_waited_by_its_readers():
-    for r in spawn(_inflight_worker, 2):
+def test_stage12_param_gather_in_flight_after_step_and_waited_by_its_readers(world2):
+    for r in (res["inflight"] for res in world2):
         for stage, (n, after_step, after_fwd, before_sd, after_sd) in r.items():
             assert n > 2, stage  # several buckets: the race is real
             assert after_step > 0, f"stage {stage}: step() waited for the gather itself"

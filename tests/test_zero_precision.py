@@ -37,10 +37,24 @@ def precision_configs() -> list[dict]:
     return cs
 
 
+def _world2(rank: int, world: int, configs: list[dict], stages: list[int]) -> tuple:
+    """The precision configs (``worker``), then the overflow streaks (``overflow_worker``) on
+    the same pair of ranks; every run builds its own Topology and strategy."""
+    return worker(rank, world, configs), overflow_worker(rank, world, stages)
+
+
+OVERFLOW_STAGES = [0, 1, 2, 3]
+
+
 @pytest.fixture(scope="module")
-def world2_results():
-    configs = precision_configs()
-    return configs, spawn(worker, 2, configs)
+def world2_both():
+    """``_world2`` per rank: one spawn of two ranks for every distributed test here."""
+    return spawn(_world2, 2, precision_configs(), OVERFLOW_STAGES)
+
+
+@pytest.fixture(scope="module")
+def world2_results(world2_both):
+    return precision_configs(), [r[0] for r in world2_both]
 
 
 def test_low_precision_tracks_fp32(world2_results):
@@ -180,9 +194,9 @@ def overflow_worker(rank: int, world: int, stages: list[int]) -> list[dict]:
     return out
 
 
-def test_overflow_streak_leaves_no_trace():
-    stages = [0, 1, 2, 3]
-    results = spawn(overflow_worker, 2, stages)
+def test_overflow_streak_leaves_no_trace(world2_both):
+    stages = OVERFLOW_STAGES
+    results = [r[1] for r in world2_both]
     for i, stage in enumerate(stages):
         ref = results[0][i]["infos"]
         for rank, rank_results in enumerate(results):

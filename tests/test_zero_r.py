@@ -96,9 +96,14 @@ def _train(topo: Topology, kw: dict | None) -> dict:
         end = topo.ledger.as_dict()
         if step == 0:
             fwd, bwd = _diff(start, mid), _diff(mid, end)
-        for p in model.parameters():  # plain DP: average gradients
-            comm.all_reduce(p.grad, topo.dp_group)
-            p.grad.div_(topo.dp)
+        # plain DP: average gradients, in one all-reduce of them all (one collective per
+        # parameter made the DP 4 runs spend most of their time waiting on peers)
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, topo.dp_group)
+        flat.div_(topo.dp)
+        for g, avg in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(avg.view_as(g))
         opt.step()
         opt.zero_grad(set_to_none=True)
     ledger = MemoryLedger()
