@@ -112,8 +112,9 @@ def main() -> None:
             # sweeper plugin composes the jobs where it runs them
             _run_hydra()
             return
-        multirun = is_multirun(argv, job_overrides(argv))
-        jobs.run(_all_jobs(argv, checked, multirun), _run_job, multirun)
+        overrides = job_overrides(argv)
+        multirun = is_multirun(argv, overrides)
+        jobs.run(_all_jobs(argv, overrides, checked, multirun), _run_job, multirun)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through launch.Terminated
         signum = getattr(e, "signum", signal.SIGINT)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,11 +133,11 @@ def _check(argv: list[str]) -> list:
         return []
 
 
-def _all_jobs(argv: list[str], checked: list, multirun: bool):
-    """The checked jobs, then (a multirun past ``MAX_VALIDATED_JOBS``) the rest, each composed
-    and checked as it comes."""
+def _all_jobs(argv: list[str], overrides: list[list[str]], checked: list, multirun: bool):
+    """The checked jobs, then (a multirun past ``MAX_VALIDATED_JOBS``) the rest of
+    ``overrides``, each composed and checked as it comes."""
     yield from checked
-    rest = job_overrides(argv)[len(checked):]
+    rest = overrides[len(checked):]
     sweep = jobs.sweep_dir(checked[0]) if checked else None
     for num, job in enumerate(rest, start=len(checked)):
         try:

@@ -333,7 +333,7 @@ def check_args(argv: list[str], keep: bool = False) -> list:
     """Everything ``main`` checks before a job runs (see the module docstring), in this
     process; UserError with one line naming the setting. Composes the first
     ``MAX_VALIDATED_JOBS`` jobs once (``jobs.compose_job``), checks and plans each
-    (``check_job``). Returns (cfg, experiment, plan) per job, or with ``keep`` the
+    (``compose_and_check``). Returns (cfg, experiment, plan) per job, or with ``keep`` the
     ``jobs.Job`` objects themselves (``prepared`` set), which ``cli`` runs as they are."""
     check_command_line(argv)
     schema.register_configs()  # the schema's config groups (idempotent)

@@ -1,6 +1,6 @@
 """The jobs of one command line, composed once and run here (``cli``'s contract).
 
-``compose`` turns a job's overrides into its config, Hydra's node included, through Hydra's
+``compose_job`` turns a job's overrides into its config, Hydra's node included, through Hydra's
 public compose API; ``cli_checks.check_args`` checks and plans it; ``run`` runs the same
 object: the steps of Hydra's ``run_job`` (hydra/core/utils.py, Hydra 1.3) done on the config
 already composed instead of composing it again:
