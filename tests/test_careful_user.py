@@ -39,7 +39,7 @@ def _checkpoint(path, step: int, payload: bytes = b"shard bytes") -> str:
     doc = {"format": checkpoint.FORMAT, "step": step, "tp": 1, "params": {},
            "files": {"shard_0.distcp": hashlib.sha256(payload).hexdigest()}, "extra": {}}
     with open(os.path.join(path, checkpoint.MANIFEST), "w") as f:
-        json.dump(doc, f)
+        f.write(checkpoint.files.sealed(doc))
     return str(path)
 
 

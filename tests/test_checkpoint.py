@@ -273,3 +273,67 @@ def test_save_keeps_last_n_and_manifest_describes_state(tmp_path):
     man = json.load(open(tmp_path / "step_00000003" / ck.MANIFEST))
     assert (man["step"], man["stage"], man["dp"], man["tp"], man["opt_step"]) == (3, 2, 1, 1, 3)
     assert man["params"] == {n: list(p.shape) for n, p in strat.module.named_parameters()}
+
+
+def test_a_damaged_manifest_is_refused_and_passed_over_for_the_intact_one(tmp_path):
+    """One bit of the manifest flipped (``"step": 4`` -> 5: '4' is 0x34, '5' 0x35) is refused
+    by its own digest, naming the file; the lab's resume passes it over for step 2."""
+    from zero_repro.config import Config
+    from zero_repro.lab import launcher
+    topo, strat = _single(stage=2)
+    for step in (2, 4):
+        train(strat, topo, [step])
+        ck.save(str(tmp_path), strat, topo, step=step, keep=0)
+    mpath = tmp_path / "step_00000004" / ck.MANIFEST
+    text = mpath.read_text()
+    assert text.count('"step": 4,') == 1
+    mpath.write_text(text.replace('"step": 4,', '"step": 5,'))
+    t2, s2 = _single(stage=2)
+    with pytest.raises(ck.CheckpointError, match=f"manifest '{mpath}' is damaged"):
+        ck.load(str(tmp_path / "step_00000004"), s2, t2)
+    with pytest.raises(ck.CheckpointError, match="is damaged"):  # verify=false checks it too
+        ck.read_manifest(str(tmp_path / "step_00000004"), verify=False)
+    cfg = Config()
+    cfg.checkpoint.dir, cfg.checkpoint.resume = str(tmp_path), "latest"
+    cfg.model = CFG
+    assert launcher.resolve_resume(cfg, str(tmp_path)) == str(tmp_path / "step_00000002")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 96 KiB filesystem (tmpfs; needs root), or a skip saying why not."""
+    import subprocess
+    d = tmp_path / "tiny"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_a_full_disk_is_said_before_the_save_with_bytes_needed_and_free(tiny_disk):
+    topo, strat = _single(stage=0)
+    train(strat, topo, range(1))
+    with pytest.raises(ck.CheckpointError,
+                       match=r"not enough disk space .* needs [\d,]+ bytes .* [\d,]+ are free"):
+        ck.save(str(tiny_disk / "ck"), strat, topo, step=1)
+    assert ck.committed(str(tiny_disk / "ck")) == []
+
+
+def test_a_truncated_shard_loaded_unverified_names_its_cause(tmp_path):
+    topo, strat = _single(stage=1)
+    train(strat, topo, range(1))
+    path = ck.save(str(tmp_path), strat, topo, step=1)
+    data = next(f for f in os.listdir(path) if f.endswith(".distcp"))
+    with open(os.path.join(path, data), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    t2, s2 = _single(stage=1)
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.load(path, s2, t2, verify=False)
+    msg = str(e.value)
+    assert "rank 0: " in msg and "ranks:dict_keys" not in msg, msg
+    assert "verify=false" in msg and f"file '{data}' does not match its SHA-256" in msg, msg

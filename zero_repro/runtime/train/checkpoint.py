@@ -6,7 +6,10 @@ parameter its fp32 master and each per-element optimizer state (the built-in Ada
 tensors of its TP-local size (``master/tp{t}/{param}``, ...); training-dtype parameters are the
 master cast down and are not saved; a torch optimizer's scalar states and param groups go into
 the manifest. Scalars (data position, Adam step, loss-scaler state, the layout) and a SHA-256 per file
-go into ``manifest.json``; per-rank RNG states into ``rng/rank{r}``.
+go into ``manifest.json``, itself sealed by a SHA-256 of its own content (``digest``); per-rank RNG
+states into ``rng/rank{r}``; ``stateful={"sched": scheduler, ...}`` (any object with
+``state_dict`` / ``load_state_dict``, DCP's ``Stateful``) into ``stateful_rank{r}.pt``, restored
+by ``load(..., stateful=...)`` (the same rank's, or rank 0's when the world size changed).
 
 Resharding: a rank's shard (``zero/partition.py``: interleaved bucket chunks) intersected with
 the parameter slots gives ``Piece``s (param, offset, length); each rank hands DCP a
@@ -24,7 +27,9 @@ never remove each other's saves in progress: a save removes only interrupted sav
 free, keeps a ``step_N`` another run committed first, and prunes committed checkpoints past
 ``keep`` that no load is reading (a load holds a shared lock on their manifest). A missing
 manifest, a hash mismatch, a different model or TP degree raise ``CheckpointError`` before any
-tensor is loaded.
+tensor is loaded; a damaged manifest (its digest) is refused, naming the file. A save first checks
+that every rank's bytes fit on the filesystem (a full disk is said in one line, with the bytes
+needed and free); DCP's per-rank failures are reported with their cause.
 
 Trust: directories are written 0700 and files 0600; ``load`` refuses (``CheckpointError``) a
 checkpoint whose directory, files or parent another account owns or may write, unless
@@ -60,7 +65,8 @@ from zero_repro.runtime.zero.partition import intersect
 
 log = logging.getLogger(__name__)
 
-FORMAT = "zero-repro-dcp/1"
+FORMAT = "zero-repro-dcp/2"  # /2: the manifest carries its own digest
+OLD_FORMATS = ("zero-repro-dcp/1",)  # read with a warning: no digest
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -187,10 +193,11 @@ def _lock_of(partial_name: str) -> str:
 
 
 def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
-         extra: dict | None = None) -> str:
+         extra: dict | None = None, stateful: dict | None = None) -> str:
     """Collective over ``topo.world``: save the training state after ``step`` steps (the data
     position to resume from) into ``root/step_{step}`` (``root`` made 0700 if new); return
-    that directory."""
+    that directory. ``extra``: JSON data for the manifest; ``stateful``: name -> object with
+    ``state_dict()`` (an LR scheduler, a data position), each rank's own."""
     final = os.path.join(root, f"step_{step:08d}")
     coordinator = topo.world.rank == 0
     lock, name = None, ""
@@ -200,14 +207,33 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
         lock = files.hold_lock(root, _lock_of(name))
         os.mkdir(os.path.join(root, name), 0o700)
     try:
-        # the coordinator's directory for this save, made before anybody writes
-        partial = os.path.join(root, comm.all_gather_object(name, topo.world)[0])
         sd = strategy.state_dict()
         state = _state_tensors(sd, topo.tp_rank, comm.world_rank(), writer=topo.dp_rank == 0)
         state[f"rng/rank{topo.rank}"] = _rng_state()
-        with _quiet():
-            dcp = _dcp()[0]
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_kwargs(topo))
+        # the coordinator's directory for this save, made before anybody writes, and whether
+        # every rank's bytes fit there (decided once, by the coordinator, for every rank)
+        gathered = comm.all_gather_object((name, _nbytes(state)), topo.world)
+        partial = os.path.join(root, gathered[0][0])
+        full = None
+        if coordinator:
+            try:
+                files.check_space(partial, sum(n for _, n in gathered) + SPACE_MARGIN, step)
+            except CheckpointError as e:
+                full = str(e)
+        full = comm.all_gather_object(full, topo.world)[0]
+        if full is not None:
+            raise CheckpointError(full)
+        if stateful:
+            files.save_stateful(partial, topo.rank, stateful)
+        try:
+            with _quiet():
+                dcp = _dcp()[0]
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial),
+                         **_dcp_kwargs(topo))
+        # DCP wraps per-rank failures in its own type (a BaseException)
+        except (Exception, _checkpoint_exception()) as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step} could not be written to {partial!r}"
+                                  f": {files.cause(e)}") from e
         if coordinator:
             files.make_private(partial)
             manifest = {
@@ -218,7 +244,7 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
                 "params": {n: list(shape) for g in sd["groups"] for n, _, _, shape in g["slots"]},
                 "files": {f: _sha256(os.path.join(partial, f)) for f in _files(partial)},
                 "extra": extra or {}}
-            files.write_private(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
+            files.write_private(os.path.join(partial, MANIFEST), files.sealed(manifest))
             _commit(partial, final)
             _write_latest(root, os.path.basename(final))
             _prune(root, keep)
@@ -229,6 +255,37 @@ def save(root: str, strategy, topo: Topology, step: int, keep: int = 2,
             lock.release()
     comm.barrier(topo.world)  # the checkpoint is committed before anyone goes on
     return final
+
+
+SPACE_MARGIN = 1 << 20  # DCP's metadata file and the manifest, over the shards' own bytes
+
+
+def _damaged(path: str, manifest: dict) -> str:
+    """After a failed unverified load: which of the checkpoint's files fail their SHA-256."""
+    bad = [name for name, digest in manifest.get("files", {}).items()
+           if not os.path.isfile(os.path.join(path, name))
+           or _sha256(os.path.join(path, name)) != digest]
+    if not bad:
+        return "every file matches its SHA-256"
+    return (f"file {bad[0]!r}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''} does not "
+            f"match its SHA-256 in {MANIFEST}: truncated or damaged")
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
+
+
+def _nbytes(state: dict) -> int:
+    """Bytes this rank writes of DCP state ``state`` (its local shards and tensors)."""
+    n = 0
+    for v in state.values():
+        shards = getattr(v, "local_shards", None)
+        if shards is not None:  # a ShardedTensor: its local shards
+            n += sum(s.tensor.numel() * s.tensor.element_size() for s in shards())
+        else:
+            n += v.numel() * v.element_size()
+    return n
 
 
 def _commit(partial: str, final: str) -> None:
@@ -355,9 +412,14 @@ def read_manifest(path: str, verify: bool = True) -> dict:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path!r}: unreadable {MANIFEST} ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r} has format {manifest.get('format')!r}, "
-                              f"expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, *OLD_FORMATS):
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"checkpoint {path!r} has format {got!r}, expected {FORMAT!r}")
+    if manifest["format"] == FORMAT:
+        files.check_sealed(manifest, mpath)
+    else:
+        log.warning("checkpoint %s was written in format %s: its manifest carries no digest "
+                    "(damage to it cannot be seen)", path, manifest["format"])
     if verify:
         for name, digest in manifest["files"].items():
             fpath = os.path.join(path, name)
@@ -391,15 +453,21 @@ def check_compatible(manifest: dict, sd: dict, topo: Topology, path: str) -> Non
                               f"{extra[0]!r} (and {len(extra) - 1} more) not in this model")
 
 
-def load(path: str, strategy, topo: Topology, verify: bool = True, trust: bool = False) -> dict:
+def load(path: str, strategy, topo: Topology, verify: bool = True, trust: bool = False,
+         stateful: dict | None = None) -> dict:
     """Collective over ``topo.world``: restore ``strategy`` (any stage, any DP size) from
     checkpoint ``path`` saved at the same TP degree; returns the manifest (``step`` = the data
     position to continue from). Unless ``trust``, ``check_trusted`` first. While it loads, no
-    save prunes ``path`` (a shared lock on its manifest)."""
+    save prunes ``path`` (a shared lock on its manifest). ``stateful``: the objects ``save``
+    was given, restored in place (this rank's, or rank 0's if the world size changed)."""
     if not trust:
         files.check_trusted(path)
     with _reading(path):
-        return _load(path, strategy, topo, verify)
+        manifest = _load(path, strategy, topo, verify)
+        if stateful:
+            same = manifest["world_size"] == topo.world_size
+            files.load_stateful(path, topo.rank if same else 0, stateful, path)
+        return manifest
 
 
 @contextmanager
@@ -432,17 +500,16 @@ def _load(path: str, strategy, topo: Topology, verify: bool) -> dict:
     same_world = manifest["world_size"] == topo.world_size
     if same_world:
         state[rng_key] = _rng_state()
-    from torch.distributed.checkpoint.api import CheckpointException
     try:
         with _quiet():
             dcp = _dcp()[0]
             dcp.load(state, storage_reader=files.reader(path), planner=files.planner(),
                      **_dcp_kwargs(topo))
     # DCP wraps per-rank failures in its own type (a BaseException)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path!r} could not be read: "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
-                              ) from e
+    except (Exception, _checkpoint_exception()) as e:  # noqa: BLE001
+        unchecked = "" if verify else f" (loaded with verify=false; {_damaged(path, manifest)})"
+        raise CheckpointError(f"checkpoint {path!r} could not be read: {files.cause(e)}"
+                              f"{unchecked}") from e
     sd["step"] = manifest["opt_step"]
     if manifest["dtype"] != sd["dtype"]:
         log.warning("checkpoint %s was saved in %s, resuming in %s: fp32 master and Adam "

@@ -3,15 +3,21 @@ locks a process holds while it writes (``flock``: released however it ends), pri
 (0700 / 0600), the check that nobody else could have written a checkpoint before it is loaded
 (``check_trusted``), and DCP's reader and load planner restricted to the format's own data
 (metadata unpickled with its data types only; no byte entry, which DCP would unpickle with
-``weights_only=False``).
+``weights_only=False``); the manifest's own digest (``sealed`` / ``check_sealed``), the free
+space a save needs (``check_space``), the cause inside DCP's per-rank failures (``cause``), and
+the stateful objects' file per rank (``save_stateful`` / ``load_stateful``: a scheduler, a data
+position, anything with ``state_dict`` / ``load_state_dict``, as DCP's ``Stateful``).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import enum
+import errno
 import fcntl
+import hashlib
 import io
+import json
 import os
 import pickle
 import stat
@@ -175,3 +181,103 @@ def planner():
                                   f"bytes, not a tensor: not a zero-repro checkpoint")
 
     return Planner()
+
+
+# ------------------------------------------------------------------ the manifest's own digest
+DIGEST = "digest"  # the manifest's key holding the SHA-256 of the rest of it
+
+
+def _canonical(doc: dict) -> bytes:
+    return json.dumps({k: v for k, v in doc.items() if k != DIGEST}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def sealed(doc: dict) -> str:
+    """``doc`` as the manifest's text, with the SHA-256 of its canonical JSON (sorted keys, no
+    spaces, ``digest`` left out) under ``digest``: a flipped bit anywhere in it is seen."""
+    return json.dumps({**doc, DIGEST: hashlib.sha256(_canonical(doc)).hexdigest()}, indent=1)
+
+
+def check_sealed(doc: dict, mpath: str) -> None:
+    """CheckpointError unless ``doc`` (read from ``mpath``) carries its own intact digest."""
+    if hashlib.sha256(_canonical(doc)).hexdigest() != doc.get(DIGEST):
+        what = "has no digest" if DIGEST not in doc else "does not match its own digest"
+        raise CheckpointError(f"checkpoint manifest {mpath!r} is damaged: it {what} (a changed "
+                              f"byte in it, e.g. its step, would resume the wrong state); "
+                              f"resume from an earlier checkpoint")
+
+
+# ------------------------------------------------------------------ space and causes
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still write on ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(directory: str, need: int, step: int) -> None:
+    """CheckpointError before a save of ``need`` bytes (every rank's) that cannot fit."""
+    free = free_bytes(directory)
+    if need > free:
+        raise CheckpointError(
+            f"checkpoint step {step}: not enough disk space in {directory!r}: the save needs "
+            f"{need:,} bytes (every rank's shards), {free:,} are free; free some space, lower "
+            f"checkpoint.keep, or save elsewhere (checkpoint.dir)")
+
+
+def cause(e: BaseException) -> str:
+    """One line naming what went wrong inside a DCP call: its per-rank failures (``rank r:
+    Type: message``) where DCP wrapped them in a ``CheckpointException``, else ``e`` itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {_one_line(inner)}")
+        return "; ".join(parts)
+    return _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        text += " (the disk is full)"
+    elif isinstance(e, EOFError):
+        text += " (a file ended early)"
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+# ------------------------------------------------------------------ stateful objects
+def stateful_name(rank: int) -> str:
+    return f"stateful_rank{rank}.pt"
+
+
+def save_stateful(directory: str, rank: int, stateful: dict) -> None:
+    """Each object's ``state_dict()`` into ``directory/stateful_rank{rank}.pt`` (0600)."""
+    states = {}
+    for key, obj in stateful.items():
+        if not callable(getattr(obj, "state_dict", None)) or \
+                not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"stateful[{key!r}]: a {type(obj).__name__} has no state_dict() / "
+                            f"load_state_dict(); pass a scheduler, a data position, or any "
+                            f"object with both")
+        states[key] = obj.state_dict()
+    path = os.path.join(directory, stateful_name(rank))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(states, f)
+
+
+def load_stateful(directory: str, rank: int, stateful: dict, path_for_msg: str) -> None:
+    """Restore each object of ``stateful`` from ``directory/stateful_rank{rank}.pt`` (plain
+    data only: ``weights_only``)."""
+    path = os.path.join(directory, stateful_name(rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path_for_msg!r} holds no stateful objects (saved "
+                              f"without stateful=); cannot restore {sorted(stateful)}")
+    states = torch.load(path, weights_only=True)
+    missing = sorted(set(stateful) - set(states))
+    if missing:
+        raise CheckpointError(f"checkpoint {path_for_msg!r} holds the stateful objects "
+                              f"{sorted(states)}, not {missing}")
+    for key, obj in stateful.items():
+        obj.load_state_dict(states[key])

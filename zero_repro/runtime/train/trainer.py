@@ -99,17 +99,21 @@ class Trainer:
         return [sum(v) / len(v) for v in zip(*per_dp)]
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: str, step: int, extra: dict | None = None) -> str:
-        """Collective: checkpoint after ``step`` steps into ``root`` (``checkpoint.save``)."""
+    def save(self, root: str, step: int, extra: dict | None = None,
+             stateful: dict | None = None) -> str:
+        """Collective: checkpoint after ``step`` steps into ``root`` (``checkpoint.save``;
+        ``stateful``: schedulers, data positions)."""
         return checkpoint.save(root, self.strategy, self.topo, step, self.cfg.checkpoint.keep,
-                               extra=extra)
+                               extra=extra, stateful=stateful)
 
-    def resume(self, path: str, verify: bool = True, trust: bool = False) -> dict:
+    def resume(self, path: str, verify: bool = True, trust: bool = False,
+               stateful: dict | None = None) -> dict:
         """Collective: the state of checkpoint ``path`` (any stage or DP size) and its data
         position; the steps before it (their losses, the skipped ones) into ``history``.
         Returns the manifest. ValueError when it is at or past ``train.steps``; ``trust``:
         load a checkpoint another account owns or may write (``checkpoint.load``)."""
-        manifest = checkpoint.load(path, self.strategy, self.topo, verify, trust=trust)
+        manifest = checkpoint.load(path, self.strategy, self.topo, verify, trust=trust,
+                                   stateful=stateful)
         start = manifest["step"]
         if start >= self.cfg.train.steps:
             raise ValueError(f"checkpoint {path} is at step {start}: nothing left to do with "

@@ -78,7 +78,7 @@ from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import held_bytes_of
 from zero_repro.runtime.zero.build_init import Init
-from zero_repro.runtime.zero.optim import Factory
+from zero_repro.runtime.zero.optim import OptimizerArg
 from zero_repro.runtime.zero.partition import geometry
 from zero_repro.runtime.zero.stage0_ddp import Stage0DDP
 from zero_repro.runtime.zero.stage1_os import Stage1Os
@@ -95,16 +95,16 @@ UNBOUNDED = 1 << 62  # a bucket knob without C_B: one bucket per flat group
 
 def build_strategy(model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
                    zero_r: ZeroRConfig | None = None, *, units: Units = None,
-                   optimizer: Factory | None = None, device: torch.device | str | None = None,
+                   optimizer: OptimizerArg | None = None, device: torch.device | str | None = None,
                    init: Init | None = None) -> Strategy:
     """The strategy class for ``zero.stage`` wrapping ``model`` (parameters are re-pointed into
     flat buffers and cast to ``zero.dtype``; build it after TP and activation checkpointing).
 
     ``units`` (stage 3): which modules are gathered and freed as one (``units``: modules
-    in forward order or a predicate; default ``model.blocks``). ``optimizer``: a callable
-    taking the (name, fp32 shard part) pairs of this rank and returning a
-    ``torch.optim.Optimizer`` (``optim``; ``strategy.optimizer`` is it); default the built-in
-    sharded AdamW of ``train``. ``device``: where the buffers go (default the parameters');
+    in forward order or a predicate; default ``model.blocks``). ``optimizer``: a
+    ``torch.optim.Optimizer`` built on the model's parameters, or a callable taking the model's
+    (name, parameter) pairs and returning one; it is moved onto this rank's fp32 shard
+    (``optim``; ``strategy.optimizer`` is it); default the built-in sharded AdamW of ``train``. ``device``: where the buffers go (default the parameters');
     a model built on the ``meta`` device is materialised there group by group (stage 3: unit
     by unit) and filled by ``init`` (``build_init``; default each module's
     ``reset_parameters()``)."""

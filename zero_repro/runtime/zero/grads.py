@@ -89,9 +89,11 @@ class FullGrads:
     """
 
     def __init__(self, g: FlatParams, n_d: int, rank: int, transport: Transport,
-                 all_reduce: bool):
-        """``rank``: whose chunks this rank owns (0 when nothing is sharded: stage 0)."""
-        self.group, self.n_d, self.rank = g, n_d, rank
+                 all_reduce: bool, dp_rank: int = 0):
+        """``rank``: whose chunks this rank owns (0 when nothing is sharded: stage 0);
+        ``dp_rank``: this rank in the DP group (stage 0: DP rank 0 carries an earlier
+        backward's all-reduced sum into the next reduction, ``_carry``)."""
+        self.group, self.n_d, self.rank, self.dp_rank = g, n_d, rank, dp_rank
         self.transport, self.all_reduce = transport, all_reduce
         part = g.partition
         self.buffer = transport.buffer(g.flat.numel(), g.flat.dtype)  # (padded,) persistent
@@ -105,15 +107,20 @@ class FullGrads:
                          for span in part.grad_buckets]
         self.inflight = InFlight()
         self.on_final: Callable[[int, torch.Tensor], None] | None = None
+        self.reduced = False  # the last micro-batch's reductions started, no step since
 
     @torch.no_grad()
     def add(self, p: nn.Parameter, last: bool) -> None:
         """Accumulate ``p.grad`` (then drop it); ``last``: last micro-batch, start the buckets
         this completes."""
         part = self.group.partition
+        if self.reduced:
+            self._carry()  # a backward after the last micro-batch's (torch-style accumulation)
         s, i = self.group.slot_of[id(p)], self.slot_idx[id(p)]
         dst, grad = self.buffer[s.offset:s.end], p.grad.reshape(-1)
-        if self.written[i]:
+        if self.written[i] and self.scaled[i]:  # the slot holds a mean: add this one's share
+            dst.add_(grad / self.n_d if self.n_d > 1 else grad)
+        elif self.written[i]:
             dst.add_(grad)
         elif last:  # the slot's only gradient this step: divided on the way in
             scale_into(dst, grad, self.n_d)
@@ -129,6 +136,38 @@ class FullGrads:
             if self.arrived[span.index] == part.real_in(span):
                 self._start(span)
 
+    def _carry(self) -> None:
+        """A backward after a reduced one in the same step (two ``strategy.backward`` calls
+        with ``grad_accum=1``, as torch users accumulate): the reduced sum R is carried into
+        the next reduction, so it ends as R + mean(g) (DDP's result). R is kept where it is
+        final and reduced once more: stage 0 by DP rank 0 only (every rank holds all of it),
+        stages 1-2 in each rank's own chunks (the rest of the buffer is stale); everything
+        else is zeroed. Every slot then holds a mean: later gradients are divided on the way
+        in. Waits for the reductions in flight first."""
+        self.inflight.wait_all()
+        part = self.group.partition
+        for span in part.grad_buckets:
+            if not self.started[span.index]:
+                continue
+            if self.all_reduce:
+                if self.dp_rank != 0:
+                    self.buffer[span.start:span.end].zero_()
+                continue
+            pos = span.start
+            for b in part.buckets[span.first:span.stop]:
+                lo, hi = b.owned(self.rank)
+                self.buffer[pos:lo].zero_()
+                pos = hi
+            self.buffer[pos:span.end].zero_()
+        n = len(self.written)  # every slot now holds zeros or a carried mean
+        self.written, self.scaled = [True] * n, [True] * n
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.arrived = [0] * len(self.arrived)
+        self.started = [False] * len(self.started)
+        self.reduced = False
+
     def start_grad_sync(self, last: bool = True) -> None:
         """End of the last micro-batch's backward (``last``): start every bucket not started
         yet (its missing gradients reduce as zeros). Earlier micro-batches: nothing."""
@@ -137,6 +176,7 @@ class FullGrads:
         for span in self.group.partition.grad_buckets:
             if not self.started[span.index]:
                 self._start(span)
+        self.reduced = True
 
     def _start(self, span: Span) -> None:
         self.started[span.index] = True
@@ -169,8 +209,7 @@ class FullGrads:
         reduction; the next backward counts afresh."""
         self.start_grad_sync()
         self.inflight.wait_all()
-        self.arrived = [0] * len(self.arrived)
-        self.started = [False] * len(self.started)
+        self._new_round()
 
     def _own(self, b) -> torch.Tensor:
         lo, hi = b.owned(self.rank)
@@ -180,6 +219,9 @@ class FullGrads:
         return [self._own(b) for b in self.group.partition.buckets]
 
     def zero(self) -> None:
+        """Forget this step's gradients (also ones reduced without a step since)."""
+        self.inflight.wait_all()
+        self._new_round()
         self.written = [False] * len(self.written)
         self.scaled = [False] * len(self.scaled)
 

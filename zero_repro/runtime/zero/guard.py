@@ -19,12 +19,23 @@ before any torch function runs on it, then runs it as plain torch:
   ``clip_grad_norm_``, ``model.zero_grad()``) raises ``GradientElsewhereError`` naming
   ``strategy.step()``, ``build_strategy(optimizer=...)`` and ``zero.grad_clip``.
 
+* written (every stage): an in-place write to a parameter (``p.copy_``, ``p.mul_``,
+  ``p[...] = ``, ``nn.init.*``, ``model.load_state_dict``) outside ``with
+  strategy.gathered(writeback=True):`` raises ``ParameterWriteError``: the next step would
+  overwrite it from the fp32 master (stages 0-2 in a 16-bit dtype), or it would land in a
+  gathered copy that is freed (stage 3).
+* a gradient read by ``torch.nn.utils.clip_grad_norm_`` (every stage, any time): the gradients
+  are never in ``p.grad``, so it would clip nothing and return 0; it raises
+  ``GradientElsewhereError`` naming ``zero.grad_clip`` and ``StepInfo.grad_norm``.
+
 The runtime's own reads of a gradient (the post-accumulate hooks) run with the check off
 (``unguarded``). Cost: one Python call per torch function that takes a wrapped parameter (the
 module's own ops in forward, ~10 per block), none in backward (autograd runs in C++).
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -50,6 +61,44 @@ class ParameterNotGatheredError(RuntimeError):
 
 class GradientElsewhereError(RuntimeError):
     """``p.grad`` was read while the strategy holds the parameter's gradient."""
+
+
+class ParameterWriteError(RuntimeError):
+    """A parameter was written in place where the strategy would not keep the write."""
+
+
+# in-place methods whose names do not end in a single underscore
+_INPLACE_DUNDER = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__"})
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
+_CLIP_FILE = os.path.join("nn", "utils", "clip_grad.py")
+
+
+def writes_to(func, args, kwargs, p) -> bool:
+    """Whether torch function ``func`` called with ``args`` / ``kwargs`` writes ``p``'s
+    values in place (an in-place method on it, or ``out=p``)."""
+    name = getattr(func, "__name__", "")
+    inplace = name in _INPLACE_DUNDER or (name.endswith("_") and not name.endswith("__")
+                                         and name not in _NOT_WRITES)
+    if inplace and args and (args[0] is p or isinstance(args[0], (list, tuple))
+                             and any(x is p for x in args[0])):  # the _foreach_ ops
+        return True
+    out = kwargs.get("out")
+    return out is p or (isinstance(out, (list, tuple)) and any(o is p for o in out))
+
+
+def _called_from_clip() -> bool:
+    """Whether torch's ``clip_grad_norm_`` / ``clip_grad_value_`` is reading the gradient."""
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return False
+        if f.f_code.co_filename.endswith(_CLIP_FILE):
+            return True
+        f = f.f_back
+    return False
 
 
 def reads_data(func) -> bool:
@@ -93,6 +142,7 @@ class ParamGuard:
         self.freed = freed
         self.passes = passes or (lambda func: False)
         self.grads_elsewhere = False  # between strategy.backward and step / zero_grad
+        self.writable = False  # inside strategy.gathered(writeback=True)
         self.cls = type(f"ZeroStage{stage}Parameter", (_GuardedParameter,), {"guard": self})
         self._installed: list[nn.Parameter] = []
 
@@ -110,12 +160,27 @@ class ParamGuard:
 
     def check(self, func, args, kwargs) -> None:
         for p in _guarded_args(self.cls, args, kwargs):
+            if not self.writable and writes_to(func, args, kwargs, p):
+                name = getattr(func, "__name__", str(func))
+                raise ParameterWriteError(
+                    f"parameter {self._name(p)!r} is trained by ZeRO stage {self.stage}: a write "
+                    f"into it ({name}) outside 'with strategy.gathered(writeback=True):' would "
+                    f"be lost (the next step recomputes it from the fp32 master shard; stage 3 "
+                    f"frees the gathered copy). Write parameters inside that block, or load "
+                    f"weights before build_strategy")
+            if _is_grad_get(func) and not self.grads_elsewhere and _called_from_clip():
+                raise GradientElsewhereError(
+                    f"clip_grad_norm_ / clip_grad_value_ on parameter {self._name(p)!r}, trained "
+                    f"by ZeRO stage {self.stage}: its gradient is never in p.grad (the strategy "
+                    f"holds it reduced and sharded), so torch would clip nothing and return 0. "
+                    f"Clip with zero.grad_clip (ZeroConfig.grad_clip): the step clips by the "
+                    f"global norm, and StepInfo.grad_norm is that norm")
             if self.grads_elsewhere and _is_grad_get(func):
                 raise GradientElsewhereError(
                     f"parameter {self._name(p)!r} is trained by ZeRO stage {self.stage}: its "
                     f"gradient is in the strategy's reduced buffers, p.grad is None. Step with "
                     f"strategy.step() (your own torch optimizer: build_strategy(..., optimizer="
-                    f"lambda params: torch.optim.X(params, ...)), then strategy.optimizer); clip "
+                    f"torch.optim.X(model.parameters(), ...)), then strategy.optimizer); clip "
                     f"with zero.grad_clip (ZeroConfig.grad_clip), not clip_grad_norm_ on "
                     f"model.parameters()")
             if self.freed is not None and reads_data(func) and not self.passes(func):

@@ -1,16 +1,21 @@
 """Your own ``torch.optim.Optimizer`` on this rank's shard (paper §5.1, P_os: the optimizer holds
 the states of its 1/N_d of the parameters only), ``TorchShardOptimizer``.
 
-``build_strategy(..., optimizer=make)`` calls ``make(named)`` once, where ``named`` is a list of
-(parameter name, part): a part is a 1-D ``nn.Parameter`` viewing the run of this rank's fp32
-shard that holds elements of that parameter within one bucket (the fp32 master; the training
-parameters themselves in fp32); a parameter spanning several buckets appears once per bucket,
-under the same name, its parts in the parameter's flattened order. Group
-by name (weight decay off for biases and norms, per-group learning rates); ``torch.optim``
-accepts the list itself, or ``[p for _, p in named]``, or param-group dicts of parts. An
-optimizer whose update is elementwise (SGD, Adam(W), Adagrad, RMSprop, Lion...) updates exactly
-what it would on the full parameters; one that reads a parameter's shape (Shampoo, Muon) does not
-fit a flat shard (DeepSpeed's ZeRO has the same contract).
+``build_strategy(..., optimizer=...)`` takes either a callable ``make(named)`` or an optimizer
+already built on the model's parameters (``torch.optim.AdamW(model.parameters())``, before any
+step). ``make`` is called once with ``named`` = the model's own trainable (name, parameter)
+pairs, with their real shapes, so recipes that group by shape (``p.dim() >= 2`` gets weight
+decay: nanoGPT, timm) or by name (biases and norms: Hugging Face) give the groups they give on
+the unwrapped model. The runtime then swaps each group's parameters for their *parts* (DeepSpeed's
+ZeRO does the same swap into its flat fp32 partitions, stage_1_and_2.py): a part is a 1-D
+``nn.Parameter`` viewing the run of this rank's fp32 shard that holds elements of one parameter
+within one bucket (the fp32 master; the training parameters themselves in fp32); a parameter
+spanning several buckets has several parts in its group, one this rank holds none of has none.
+Frozen parameters in a group are dropped (no gradient: torch skips them too); a parameter in no
+group is not updated, as in torch. An optimizer whose update is elementwise (SGD, Adam(W),
+Adagrad, RMSprop, Lion...) updates exactly what it would on the full parameters; one whose
+update reads a parameter's shape (Shampoo, Muon) does not fit a flat shard (DeepSpeed's ZeRO has
+the same contract).
 
 Step: the gradient chunks (reduced, loss-scaled) become the parts' ``.grad`` in fp32 multiplied
 by unscale × clip (fp32 training: the chunks themselves, scaled in place; otherwise one fp32
@@ -30,15 +35,20 @@ import torch
 from torch import nn
 
 Factory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+OptimizerArg = Factory | torch.optim.Optimizer
 
 
 class TorchShardOptimizer:
-    """``factory``'s optimizer over the shard made of ``chunks`` = [(offset, length)];
-    ``parts`` = [(name, shard offset, length)] in shard order (``Strategy._parts``)."""
+    """``optimizer`` (a factory or a built optimizer, module docstring) over the shard made of
+    ``chunks`` = [(offset, length)]; ``parts`` = [(name, shard offset, length)] in shard order
+    (``Strategy._parts``); ``named`` / ``frozen``: the model's trainable and frozen (name,
+    parameter) pairs."""
 
-    def __init__(self, factory: Factory, chunks: Sequence[tuple[int, int]],
+    def __init__(self, optimizer: OptimizerArg, chunks: Sequence[tuple[int, int]],
                  lp_chunks: Sequence[torch.Tensor], keep_master: bool,
-                 parts: Sequence[tuple[str, int, int]]):
+                 parts: Sequence[tuple[str, int, int]],
+                 named: Sequence[tuple[str, nn.Parameter]],
+                 frozen: Sequence[tuple[str, nn.Parameter]] = ()):
         self.chunks = list(chunks)
         self.numel = sum(n for _, n in self.chunks)
         dev = lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
@@ -52,17 +62,35 @@ class TorchShardOptimizer:
         self.lp_chunks = list(lp_chunks)
         self.parts = list(parts)
         self.params = [nn.Parameter(self._shard_view(off, n)) for _, off, n in self.parts]
-        self.optimizer = factory([(name, p) for (name, _, _), p in zip(self.parts, self.params)])
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer=: the callable returned {type(self.optimizer).__name__}"
-                             f", not a torch.optim.Optimizer")
-        mine = {id(p) for p in self.params}
-        for group in self.optimizer.param_groups:
-            if any(id(p) not in mine for p in group["params"]):
-                raise ValueError("optimizer=: the optimizer holds tensors it was not given; build "
-                                 "it from the (name, part) pairs passed to the callable only")
+        self.optimizer = _built(optimizer, named)
+        self._swap_in_parts(named, frozen)
         self.step_count = 0
         self.step_bytes = 0  # the step's fp32 gradient copy, at its peak
+
+    def _swap_in_parts(self, named, frozen) -> None:
+        """Each group's model parameters replaced by their parts on this rank (in place: a
+        scheduler built on the optimizer keeps working)."""
+        name_of = {id(p): n for n, p in named}
+        frozen_ids = {id(p) for _, p in frozen}
+        parts_of: dict[str, list[nn.Parameter]] = {}
+        for (name, _, _), part in zip(self.parts, self.params):
+            parts_of.setdefault(name, []).append(part)
+        for group in self.optimizer.param_groups:
+            new, names = [], []
+            for p in group["params"]:
+                if id(p) in frozen_ids:
+                    continue
+                name = name_of.get(id(p))
+                if name is None:
+                    raise ValueError(
+                        f"optimizer=: the optimizer holds a {tuple(p.shape)} tensor that is not "
+                        f"a trainable parameter of the wrapped model; build it from the model's "
+                        f"parameters (or the (name, parameter) pairs passed to the callable)")
+                new += parts_of.get(name, [])
+                names += [name] * len(parts_of.get(name, []))
+            group["params"] = new
+            if "param_names" in group:
+                group["param_names"] = names
 
     def _shard_view(self, off: int, n: int) -> torch.Tensor:
         """Elements [off, off + n) of the fp32 shard (master, or the lp chunks in fp32), which
@@ -178,6 +206,26 @@ class TorchShardOptimizer:
                     for v in st.values() if isinstance(v, torch.Tensor) and v.dim() == 1)
         return {"master_fp32": 0 if self.master is None else self.master.numel() * 4,
                 "optim_state": state, "optim_step": self.step_bytes}
+
+
+def _built(optimizer: OptimizerArg, named) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer`` names: built by the callable from ``named``, or given."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(list(named))
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizer=: the callable returned {type(opt).__name__}, not a "
+                             f"torch.optim.Optimizer")
+    else:
+        raise ValueError(f"optimizer=: got a {type(optimizer).__name__}; pass a torch.optim."
+                         f"Optimizer built on the model's parameters, or a callable "
+                         f"(named) -> Optimizer")
+    if any(opt.state.values()):
+        raise ValueError(f"optimizer=: this {type(opt).__name__} has stepped already (it holds "
+                         f"state); pass it before its first step: ZeRO moves it onto this "
+                         f"rank's shard")
+    return opt
 
 
 def _common_base(grads, chunks) -> torch.Tensor | None:

@@ -33,7 +33,8 @@ class Stage0DDP(Strategy):
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
             self.init(self.named + self.frozen)
-        grads = FullGrads(self.flat, self.n_d, 0, self.transport, all_reduce=True)
+        grads = FullGrads(self.flat, self.n_d, 0, self.transport, all_reduce=True,
+                          dp_rank=self.dp_rank)
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._compose(ReplicatedParams(self.flat), grads, [self.flat], shard_rank=0,
                       counts_norm=self.dp_rank == 0)

@@ -265,6 +265,19 @@ class Units:
         return [u.shard[b.shard_offset:b.shard_offset + b.chunk]
                 for u in self.grad_units for b in u.group.partition.buckets]
 
+    def gathered_chunks(self) -> list[torch.Tensor]:
+        """``chunks``' elements as the gathered units hold them (inside ``pin``: what a write
+        into the whole parameters changed), in the same order."""
+        return [c for u in self.grad_units for c in u.group.owned_chunks(self.rank)]
+
+    def write_back_frozen(self) -> None:
+        """Inside ``pin``: the gathered frozen parameters' values into this rank's shards."""
+        with torch.no_grad():
+            for u in self.units:
+                for g, shard in u.parts[1 if u.group is not None else 0:]:
+                    for b, mine in zip(g.partition.buckets, g.owned_chunks(self.rank)):
+                        shard[b.shard_offset:b.shard_offset + b.chunk].copy_(mine)
+
     def freed(self, p: torch.Tensor) -> str | None:
         """Why parameter ``p`` holds no data now, or None (the guard's question)."""
         u = self.unit_of.get(id(p))

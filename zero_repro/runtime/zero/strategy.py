@@ -15,7 +15,10 @@ A ``Strategy`` wraps an ``nn.Module`` the way DDP does: ``strategy.module(...)``
 Gradient accumulation: k = ``train.grad_accum`` forward/backward pairs, then ``step()``; stages
 0-1 reduce on the last micro-batch only (DDP's no_sync), stages 2-3 reduce-scatter every
 micro-batch into the shard; k micro-batches equal one batch k times larger
-(``backward(loss, is_last_micro_batch=...)`` overrides the micro-batch count).
+(``backward(loss, is_last_micro_batch=...)`` or ``with strategy.no_sync():`` override the
+micro-batch count). Torch's own way works too: several ``backward`` calls before ``step()``
+with ``grad_accum=1`` (each then the "last") sum their gradients, as DDP does: a backward after
+a reduced one carries the reduced sum into the next reduction (``grads.FullGrads``).
 
 The lifecycle, the same for every stage (``backward`` and ``step`` below), over the two stores a
 stage composes: a gradient store (``grads.FullGrads`` or ``grads.FusedGrads``) and a parameter
@@ -54,19 +57,18 @@ import torch
 from torch import nn
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
-from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.comm.transport import bucket_transport
 from zero_repro.runtime.model.tp import reads_row_source
 from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES, MemoryLedger
-from zero_repro.runtime.zero import clip, precision
+from zero_repro.runtime.zero import clip, full_params, precision
 from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.adam import ShardAdamW
 from zero_repro.runtime.zero.build_init import Init, materialize_buffers, resolve_init
 from zero_repro.runtime.zero.flat_buffer import FlatParams
 from zero_repro.runtime.zero.guard import ParamGuard, unguarded
 from zero_repro.runtime.zero.offload import HostAdamW
-from zero_repro.runtime.zero.optim import Factory, TorchShardOptimizer
+from zero_repro.runtime.zero.optim import OptimizerArg, TorchShardOptimizer
 from zero_repro.runtime.zero.partition import counted_subranges, intersect
 
 log = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class Strategy:
 
     def __init__(self, model: nn.Module, topo: Topology, zero: ZeroConfig, train: TrainConfig,
                  zero_r: ZeroRConfig | None = None, *, units: U.Units = None,
-                 optimizer: Factory | None = None, device: torch.device | str | None = None,
+                 optimizer: OptimizerArg | None = None, device: torch.device | str | None = None,
                  init: Init | None = None):
         """The parts every stage shares; a stage's own ``__init__`` then builds its stores
         and finishes with ``_compose``. Keywords: ``build_strategy``'s."""
@@ -172,6 +174,7 @@ class Strategy:
         self.fused_depth = 2 if self.zero_r.constant_buffers else 1
         self._micro = 0
         self._is_last = True
+        self._no_sync = False  # inside no_sync(): no backward is the last micro-batch
 
     def _compose(self, params: ParamStore, grads: GradStore, groups: list[FlatParams],
                  shard_rank: int, counts_norm: bool) -> None:
@@ -198,7 +201,8 @@ class Strategy:
             self.opt = ShardAdamW(chunks, params.chunks(), keep_master)
         else:
             self.opt = TorchShardOptimizer(self.make_optimizer, chunks, params.chunks(),
-                                           keep_master, self._parts(chunks))
+                                           keep_master, self._parts(chunks), self.named,
+                                           self.frozen)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
         if self.init is not None:
             materialize_buffers(self.module, self.device, self.init)
@@ -271,7 +275,7 @@ class Strategy:
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool | None = None) -> None:
         self._micro += 1
         if is_last_micro_batch is None:
-            is_last_micro_batch = self._micro >= self.train.grad_accum
+            is_last_micro_batch = not self._no_sync and self._micro >= self.train.grad_accum
         self._is_last = is_last_micro_batch
         self.params.pre_backward()
         # fp32 product: an fp16 loss times 2^16 would overflow before backward even starts
@@ -352,149 +356,67 @@ class Strategy:
         return ledger
 
     @contextlib.contextmanager
-    def gathered(self):
+    def gathered(self, writeback: bool = False):
         """Every parameter whole on every rank inside the block (collective over the DP
         group): stage 3 gathers every unit (its vocabulary table too) and keeps it until the
         block ends, so the model can be inspected or run (``generate()``) as a plain module;
-        stages 0-2 hold full parameters anyway. Read-only: what is written into a parameter
-        inside is lost at the end; ``step()`` inside raises."""
+        stages 0-2 hold full parameters anyway. ``step()`` inside raises.
+
+        ``writeback=False``: read-only, a write into a parameter inside raises
+        (``guard.ParameterWriteError``). ``writeback=True`` (FSDP's ``summon_full_params(
+        writeback=True)``, DeepSpeed's ``safe_set_full_fp32_param``): in-place writes are
+        allowed, and when the block ends the written elements reach the fp32 master and the
+        training-dtype shard at every stage (``full_params.write_back``), then the parameters
+        are published again (stages 1-2 all-gather). Every rank must write the same values
+        (as with DDP); a written element is taken in the training dtype; an exception inside
+        skips the write-back."""
         self.wait_params()
         pin = getattr(self.params, "pin", None)
-        if pin is None:
-            yield self.module
-            return
-        pin()
+        if pin is not None:
+            pin()
+        was = self.guard.writable
+        self.guard.writable = was or writeback
+        done = False
         try:
             yield self.module
+            done = True
         finally:
-            self.params.unpin()
+            self.guard.writable = was
+            try:
+                if done and writeback:
+                    full_params.write_back(self)
+            finally:
+                if pin is not None:
+                    self.params.unpin()
+        if done and writeback:
+            self.params.start_param_sync()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's and FSDP's ``no_sync``: each ``backward`` inside is not the step's last
+        micro-batch, so stages 0-1 accumulate it locally without communicating; the first
+        ``backward`` after the block reduces the sum. Stages 2-3 reduce-scatter every
+        micro-batch into the gradient shard all the same (P_g keeps no full gradient to
+        accumulate into locally: DeepSpeed's ZeRO-2 reduces every micro-batch too); the result
+        is the same at every stage."""
+        was = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = was
 
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype | None = torch.float32,
                         rank0_only: bool = True, tp_full: bool = True) -> dict:
-        """The model's own ``state_dict()`` with every parameter whole, on the CPU (collective
-        over the world: every rank calls it). Keys are the model's (tied weights under every
-        name the model gives them, buffers included), so a fresh model loads it with
-        ``strict=True``. ``dtype``: float32 (default; trainable parameters from the fp32
-        master, not rounded through the training dtype) or None for the training dtype.
-        ``tp_full``: TP-sliced parameters (a model with ``tp_partition_dims`` and
-        ``full_shapes``) gathered over TP to their TP=1 shapes. ``rank0_only``: other ranks
-        get ``{}``. Memory: one bucket (stages 0-2) or one unit's bucket at a time on the
-        device; the whole model in host memory on the ranks that keep it."""
-        self.wait_params()
-        # DP rank 0 of every TP group collects (its TP group then gathers over TP); the world's
-        # rank 0 keeps
-        collect = not rank0_only or self.dp_rank == 0
-        keep = not rank0_only or self.topo.rank == 0
-        values: dict[int, torch.Tensor] = {}
-        enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
-        try:
-            lp = self.params.chunks()
-            fp32 = dtype == torch.float32 or dtype is None and self.dtype == torch.float32
-            # the master may be in host memory (ZeRO-Offload): gathered on the device
-            chunks = [self.opt.master_chunk(i, c).float().to(self.device) if fp32 else c
-                      for i, c in enumerate(lp)]
-            i = 0
-            for g in self.groups:
-                n = len(g.partition.buckets)
-                self._export_group(g, chunks[i:i + n], values, collect)
-                i += n
-            for g, shards in self._frozen_groups():
-                cast = [c.float() if fp32 else c for c in shards]
-                self._export_group(g, cast, values, collect)
-            if tp_full and collect:
-                self._tp_gather(values)
-        finally:
-            self.topo.ledger.enabled = enabled
-        if not keep:
-            return {}
-        out = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            t = values.get(id(v))
-            out[k] = t if t is not None else v.detach().to("cpu", copy=True)
-        return out
+        """``full_params.full_state_dict``: the model's own ``state_dict()`` with every
+        parameter whole, on the CPU (collective over the world; fp32 from the master by default;
+        ``rank0_only``: other ranks get ``{}``)."""
+        return full_params.full_state_dict(self, dtype, rank0_only, tp_full)
 
-    def _frozen_groups(self) -> list[tuple[FlatParams, list[torch.Tensor]]]:
-        """(group, this rank's chunks of it) of every frozen group."""
-        flat = getattr(self, "frozen_flat", None)
-        if flat is not None:
-            return [(flat, flat.owned_chunks(0))]
-        out = []
-        for u in getattr(self.params, "units", ()):
-            for g, shard in u.parts[1 if u.group is not None else 0:]:
-                out.append((g, [shard[b.shard_offset:b.shard_offset + b.chunk]
-                                for b in g.partition.buckets]))
-        return out
-
-    def _export_group(self, g: FlatParams, chunks: list[torch.Tensor],
-                      values: dict[int, torch.Tensor], keep: bool) -> None:
-        """Gather group ``g`` bucket by bucket from this rank's ``chunks`` (one per bucket)
-        into whole CPU tensors, ``values[id(parameter)]`` (filled where ``keep``)."""
-        part = g.partition
-        if keep:
-            dt = chunks[0].dtype if chunks else self.dtype
-            for sl, p in zip(g.slots, g.params):
-                values[id(p)] = torch.empty(sl.numel, dtype=dt)
-        for b, mine in zip(part.buckets, chunks):
-            if part.world == 1:
-                whole = mine
-            else:
-                whole = torch.empty(b.size, dtype=mine.dtype, device=mine.device)
-                comm.all_gather_into(whole, mine.contiguous(), self.dp_group)
-            if not keep:
-                continue
-            for sl, p in zip(g.slots, g.params):
-                r = intersect(sl.offset, sl.end, b.start, b.end)
-                if r is not None:
-                    values[id(p)][r[0] - sl.offset:r[1] - sl.offset].copy_(
-                        whole[r[0] - b.start:r[1] - b.start])
-        if keep:
-            for sl, p in zip(g.slots, g.params):
-                values[id(p)] = values[id(p)].view(sl.shape)
-
-    def _tp_gather(self, values: dict[int, torch.Tensor]) -> None:
-        """TP-sliced parameters in ``values`` replaced by their TP=1 tensors (collective over
-        the TP group, one parameter at a time on the device)."""
-        group = self.topo.tp_group
-        dims_fn = getattr(self.module, "tp_partition_dims", None)
-        if group is None or group.size == 1 or not callable(dims_fn):
-            return
-        dims, shapes = dims_fn(), self.module.full_shapes()
-        for n, p in self.named + self.frozen:
-            d = dims.get(n)
-            if d is None:
-                continue
-            moved = values[id(p)].to(self.device).movedim(d, 0).contiguous()
-            buf = torch.empty((group.size,) + tuple(moved.shape), dtype=moved.dtype,
-                              device=self.device)
-            comm.all_gather_into(buf.view(-1), moved.view(-1), group)
-            full = buf.flatten(0, 1).movedim(0, d)
-            values[id(p)] = full.narrow(d, 0, shapes[n][d]).to("cpu").contiguous()
-
-    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This TP rank's parameters, unsharded over DP, in fp32 (from the master shard)."""
-        self.wait_params()  # the gathers below are issued after the step's, in the same order
-        out, i = {}, 0
-        lp_chunks = self.params.chunks()
-        enabled, self.topo.ledger.enabled = self.topo.ledger.enabled, False
-        try:
-            for g in self.groups:
-                full = torch.zeros(g.partition.padded_numel, dtype=torch.float32,
-                                   device=g.flat.device)
-                for b in g.partition.buckets:
-                    mine = self.opt.master_chunk(i, lp_chunks[i]).float().to(full.device)
-                    if g.partition.world == 1:
-                        full[b.start:b.end].copy_(mine)
-                    else:
-                        comm.all_gather_into(full[b.start:b.end], mine.contiguous(),
-                                             self.dp_group)
-                    i += 1
-                for s in g.slots:
-                    out[s.name] = full[s.offset:s.end].view(s.shape).clone()
-        finally:
-            self.topo.ledger.enabled = enabled
-        return {n: out[n] for n in self.names}
+        """This TP rank's parameters, unsharded over DP, in fp32 (``full_params``)."""
+        return full_params.full_parameters(self)
 
     def state_names(self, requested: list[str] | None = None) -> list[str]:
         """The per-element states a ``state_dict`` holds: ``master`` and the optimizer's
