@@ -26,20 +26,24 @@ from zero_repro.runtime.train import checkpoint as ck
 from zero_repro.runtime.train.step import train_step
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.runtime.zero.ledger import is_host
-from zero_repro.scale.paper.table1 import model_state_bytes, offload_bytes
+from zero_repro.scale.paper.table1 import offload_bytes
 
 CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=128,
                   vocab_pad_multiple=8)
 ROWS, SEED, STEPS, TOL = 6, 5, 4, 1e-6  # 6 rows: every DP size 1-3 trains on the same data
 LP = {"fp32": 4, "bf16": 2, "fp16": 2}
+# offload modes: (zero.offload_optimizer, zero.offload_param)
+MODES = {"none": ("none", "none"), "cpu": ("cpu", "none"), "param": ("none", "cpu"),
+         "both": ("cpu", "cpu")}
 
 
 def make(topo: Topology, stage: int, offload: str, dtype: str = "fp32", bucket: int = 900,
          accum: int = 1, zero_r: dict | None = None, scale_power: int = 8):
     model = GPT(CFG, topo.tp_group)
     model.init_weights(SEED)
+    opt, par = MODES[offload]
     zero = ZeroConfig(stage=stage, dtype=dtype, reduce_bucket_size=bucket,
-                      allgather_bucket_size=bucket, offload_optimizer=offload,
+                      allgather_bucket_size=bucket, offload_optimizer=opt, offload_param=par,
                       initial_scale_power=scale_power, hysteresis=1)
     train = TrainConfig(micro_batch_size=ROWS // topo.dp // accum, grad_accum=accum, lr=1e-3,
                         eps=1e-6, weight_decay=0.1)
@@ -70,7 +74,7 @@ def lp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 # (stage, dtype, accum, zero_r, scale power): every stage, the three dtypes, gradient
-# accumulation (reductions of non-final micro-batches must not leave for the host), C_B off
+# accumulation (every micro-batch's reduction summed on the host), C_B off
 # (stage 2 reduces in one model-size bucket), fp16 starting at a scale that overflows (skipped
 # steps: the staged gradients are discarded)
 CASES = [(1, "fp32", 1, None, 8), (2, "fp32", 1, None, 8), (3, "fp32", 1, None, 8),
@@ -82,7 +86,8 @@ def _equivalence_worker(rank: int, world: int, cases: list) -> list:
     out = []
     for stage, dtype, accum, zr, power in cases:
         res = {}
-        for off in ("none", "cpu"):
+        modes = ("none", "cpu", "param", "both") if stage == 3 else ("none", "cpu")
+        for off in modes:
             topo = Topology.build(1)
             s = make(topo, stage, off, dtype, accum=accum, zero_r=zr, scale_power=power)
             infos = train(s, topo, range(STEPS), accum)
@@ -90,12 +95,26 @@ def _equivalence_worker(rank: int, world: int, cases: list) -> list:
             res[off] = (s.full_parameters(), lp, [i.skipped for i in infos],
                         s.memory_ledger().as_dict())
             s.remove_hooks()
-        (a, lpa, ska, _), (b, lpb, skb, led) = res["none"], res["cpu"]
-        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-        out.append({"case": (stage, dtype, accum, zr, power), "diff": diff,
-                    "equal": all(torch.equal(a[k], b[k]) for k in a) and torch.equal(lpa, lpb),
-                    "lp_close": lp_close(lpa, lpb, _dtype(dtype)),
-                    "skipped": (ska, skb), "ledger": led})
+        a, lpa, ska, _ = res["none"]
+        if stage < 2 and dtype != "fp32" and accum > 1:
+            # offloaded, stages 0-1 reduce each micro-batch and sum on the host as stage 2
+            # does (no device gradient store to accumulate into): 16-bit sums round as stage
+            # 2's, not as stage 1's local accumulation; stage 2 without offload is the match
+            topo = Topology.build(1)
+            s = make(topo, 2, "none", dtype, accum=accum, zero_r=zr, scale_power=power)
+            infos = train(s, topo, range(STEPS), accum)
+            a = s.full_parameters()
+            lpa = torch.cat([c.detach().clone() for c in s.params.chunks()])
+            ska = [i.skipped for i in infos]
+            s.remove_hooks()
+        for off in modes[1:]:
+            b, lpb, skb, led = res[off]
+            diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+            out.append({"case": (stage, dtype, accum, zr, power, off), "diff": diff,
+                        "equal": all(torch.equal(a[k], b[k]) for k in a)
+                        and torch.equal(lpa, lpb),
+                        "lp_close": lp_close(lpa, lpb, _dtype(dtype)),
+                        "skipped": (ska, skb), "ledger": led})
     return out
 
 
@@ -132,7 +151,7 @@ def by_world():
     return get
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_offloaded_parameters_equal_the_same_stage_without_offload(by_world, world):
     res = [r["equivalence"] for r in by_world(world)]
     for rank_res in res:
@@ -152,14 +171,15 @@ def _ledger_worker(rank: int, world: int, dtype: str) -> dict:
     for stage in (0, 1, 2, 3):
         if stage == 0 and world > 1:
             continue
-        topo = Topology.build(1)
-        s = make(topo, stage, "cpu", dtype)
-        train(s, topo, range(2))
-        led = s.memory_ledger()
-        out[stage] = {"device": led.model_states(), "host": led.host_model_states(),
-                      "psi_padded": sum(g.partition.padded_numel for g in s.groups),
-                      "ledger": led.as_dict()}
-        s.remove_hooks()
+        for mode in ("cpu", "param", "both") if stage == 3 else ("cpu",):
+            topo = Topology.build(1)
+            s = make(topo, stage, mode, dtype)
+            train(s, topo, range(2))
+            led = s.memory_ledger()
+            out[(stage, mode)] = {"device": led.model_states(), "host": led.host_model_states(),
+                                  "psi_padded": sum(g.partition.padded_numel for g in s.groups),
+                                  "ledger": led.as_dict()}
+            s.remove_hooks()
     return out
 
 
@@ -168,15 +188,23 @@ def test_ledger_splits_host_and_device_as_table1s_offload_column(by_world, world
     res = [r["ledger"][dtype] for r in by_world(world)]
     lp = LP[dtype]
     for r in res:
-        for stage, got in r.items():
-            want = offload_bytes(got["psi_padded"], stage, world, lp_bytes=lp)
-            assert got["device"] == want["device"], (stage, got, want)
-            assert got["host"] == want["host"], (stage, got, want)
-            # without offload the same stage holds the K bytes on the device
-            assert got["device"] == model_state_bytes(got["psi_padded"], stage, world, 0, lp)
+        for (stage, mode), got in r.items():
+            opt, par = MODES[mode]
+            # K = 12 also in fp32: offload keeps a master on the host, and with the parameter
+            # shard on the host the device's optimizer keeps one
+            want = offload_bytes(got["psi_padded"], stage, world, lp_bytes=lp,
+                                 optimizer=opt, param=par)
+            assert got["device"] == want["device"], (stage, mode, got, want)
+            assert got["host"] == want["host"], (stage, mode, got, want)
             led = got["ledger"]
-            assert led["master_fp32"] == led["adam_m"] == led["adam_v"] == 0
-            assert all(is_host(k) for k in ("master_fp32_host", "adam_m_host", "grads_host"))
+            if opt == "cpu":  # the device keeps the parameters (or nothing), no gradient
+                assert led["grads"] == led["master_fp32"] == led["adam_m"] == led["adam_v"] == 0
+                assert got["device"] == (0 if par == "cpu" else lp * got["psi_padded"] /
+                                         (world if stage == 3 else 1))
+            if par == "cpu":
+                assert led["params_lp"] == 0 and led["params_lp_host"] > 0
+            assert all(is_host(k) for k in ("master_fp32_host", "adam_m_host", "grads_host",
+                                            "params_lp_host"))
 
 
 LAYOUTS = (1, 2, 3)  # sub-worlds of the world-3 spawn (TP 1)
@@ -342,12 +370,14 @@ def _traffic_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_each_gradient_chunk_crosses_once_per_step_whatever_the_accumulation():
-    """Micro-batches before the last reduce into the device shard; only the final sum goes
-    to the host: lp·Ψ/N_d bytes each way per step."""
+def test_each_micro_batchs_gradient_crosses_once_and_the_parameters_once_per_step():
+    """The device keeps no gradient store: every micro-batch's reduced chunk crosses to the
+    host (summed there, ZeRO-Offload's ZeRO-2 data flow), the updated parameters come back
+    once: lp·Ψ/N_d bytes × micro-batches down, lp·Ψ/N_d up per step."""
     for r in spawn(_traffic_worker, 2, timeout_s=120):
-        for key, (copied, shard_bytes) in r.items():
-            assert copied == {"d2h": STEPS * shard_bytes, "h2d": STEPS * shard_bytes}, key
+        for (stage, accum), (copied, shard_bytes) in r.items():
+            assert copied == {"d2h": STEPS * accum * shard_bytes,
+                              "h2d": STEPS * shard_bytes}, (stage, accum)
 
 
 def test_gpu_proofs_offload_part_on_the_cpu_dry_path():
@@ -375,34 +405,34 @@ def _where_worker(rank: int, world: int) -> dict:
         s = make(topo, stage, "cpu", "bf16", bucket=600,
                  zero_r={"constant_buffers": True, "contiguous_memory": True})
         phase, where = ["backward"], []
-        store = s.grads.on_final
+        store = s.opt.grad_ready
 
         def record(i, g, store=store, where=where, phase=phase):
-            where.append(phase[0])
+            where.append((phase[0], g is not None))
             store(i, g)
 
-        s.grads.on_final = s.opt.grad_ready = record  # the store's calls and the step's
+        s.opt.grad_ready = record  # the store's calls and the step's
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
         _, loss = s.module(x, x)
         s.backward(loss)
         phase[0] = "step"
         s.step()
-        out[stage] = (where.count("backward"), where.count("step"), len(s.opt.chunks))
+        out[stage] = (sum(1 for p, real in where if p == "backward" and real),
+                      sum(1 for p, real in where if p == "step" and real), len(s.opt.chunks),
+                      s.memory_ledger().get("grads"))
         s.remove_hooks()
     return out
 
 
-def test_gradient_chunks_leave_for_the_host_during_backward_at_stages_2_and_3():
-    """Stages 2-3: a chunk's copy starts when its bucket's buffer is recycled in backward, all
-    but the last fused buffers' (depth 2); stage 1 reduces in place and is waited in the
-    step, so its copies start there."""
-    for stage, (bwd, step, n) in spawn(_where_worker, 2)[0].items():
+def test_gradient_chunks_leave_for_the_host_during_backward_at_every_stage():
+    """Stages 1-3 (ZeRO-Offload's data flow): a chunk's copy starts when its bucket's
+    reduction lands in backward, all but the last fused buffers' (depth 2) -- none waits for
+    the step -- and the device keeps no gradient store."""
+    for stage, (bwd, step, n, grads) in spawn(_where_worker, 2)[0].items():
         assert bwd + step == n, stage
-        if stage == 1:
-            assert bwd == 0
-        else:
-            assert n >= 6 and bwd >= n - 2, (stage, bwd, n)
+        assert n >= 6 and bwd >= n - 2, (stage, bwd, n)
+        assert grads == 0, (stage, grads)
 
 
 def test_the_rank_programs_memory_line_tells_the_host_apart():
@@ -412,7 +442,7 @@ def test_the_rank_programs_memory_line_tells_the_host_apart():
                    zero=C.ZeroConfig(stage=2, dtype="bf16", offload_optimizer="cpu"))
     t1 = R.table1_model_states(cfg)
     assert t1["bytes"] == offload_bytes(t1["psi"], 2, 2)["device"]
-    assert t1["formula"] == "2Ψ+2Ψ/N_d (offload)"
+    assert t1["formula"] == "2Ψ (offload)"
     parts = R.memory_parts({"params_lp": 100, "grads": 50, "master_fp32": 0,
                             "master_fp32_host": 200, "adam_m_host": 200, "adam_v_host": 200,
                             "grads_host": 50, "optim_step_host": 8, "comm_buffers": 10})

@@ -19,7 +19,11 @@ from zero_repro import paths
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
-OFFLOAD = ("none", "cpu")  # zero.offload_optimizer
+OFFLOAD = ("none", "cpu")  # zero.offload_optimizer, zero.offload_param
+# the estimate's offload modes: name -> (zero.offload_optimizer, zero.offload_param); the
+# parameters offload at stage 3 only (the other stages of a mode keep the optimizer part)
+OFFLOAD_MODES = {"none": ("none", "none"), "cpu": ("cpu", "none"), "param": ("none", "cpu"),
+                 "cpu+param": ("cpu", "cpu")}
 ZERO_R_NAMES = ("off", "c1", "c2", "c3", "c4", "c5", "custom")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "fake")
@@ -122,6 +126,11 @@ class ZeroConfig:
     # gradients go to the host and the updated parameters come back over PCIe
     # (runtime.zero.offload). Stages 1-3, and stage 0 at DP 1
     offload_optimizer: str = "none"  # none | cpu
+    # ZeRO-3 Offload (DeepSpeed's offload_param, ZeRO-Infinity's CPU tier): "cpu" keeps stage
+    # 3's fp16 parameter shard in host memory; each unit's shard is copied to the device as it
+    # is gathered (runtime.zero.stage3_p). Stage 3 only; with or without offload_optimizer.
+    # Records made before the knob existed ran it off
+    offload_param: str = field(default="none", metadata={ABSENT: "none"})  # none | cpu
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -143,6 +143,15 @@ def _validate_zero(cfg: Config) -> None:
 def _validate_offload(cfg: Config) -> None:
     z = cfg.zero
     _choice(z.offload_optimizer, OFFLOAD, "zero.offload_optimizer")
+    _choice(z.offload_param, OFFLOAD, "zero.offload_param")
+    if z.offload_param != "none" and z.stage != 3:
+        raise ValueError(f"zero.offload_param={z.offload_param} at zero.stage={z.stage}: only "
+                         f"stage 3 partitions the parameters (P_p); use zero.stage=3, or "
+                         f"zero.offload_optimizer=cpu alone")
+    if z.offload_param != "none" and (cfg.simulate.stack != "modern"
+                                      or cfg.simulate.only_switches):
+        raise ValueError(f"zero.offload_param={z.offload_param}: the 2020 stack had no "
+                         f"parameter offload; use simulate.stack=modern")
     if z.offload_optimizer == "none":
         return
     dp = cfg.parallel.world_size // max(1, cfg.parallel.tp)

@@ -40,23 +40,29 @@ def train() -> None:
     topo = Topology.build(tp=1)  # every rank is a data-parallel rank
     with torch.device("meta"):  # no storage: built unit by unit on the device by the strategy
         model = Net()
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's recipe, as unwrapped
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=1e-3)
     strategy = build_strategy(
         model, topo, ZeroConfig(stage=3, grad_clip=1.0), TrainConfig(), device="cpu",
         units=list(model.layers),  # gathered / freed one by one (the default finds them too)
-        optimizer=lambda named: torch.optim.AdamW(  # runs on this rank's fp32 shard
-            [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-             {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
-            lr=1e-3))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(strategy.optimizer, T_max=100)
+        optimizer=opt)  # moved onto this rank's fp32 shard (strategy.optimizer is opt)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    start, ckpt = 0, checkpoint.latest("own_model_ckpt")
+    if ckpt:  # resume: parameters, optimizer, scheduler, data position (any stage / DP size)
+        start = checkpoint.load(ckpt, strategy, topo, stateful={"sched": sched})["step"]
     gen = torch.Generator().manual_seed(topo.dp_rank)  # each DP rank its own data
-    for _ in range(20):
+    for _ in range(start, start + 20):
         x = torch.randint(0, 256, (8, 32), generator=gen)
         loss = F.cross_entropy(strategy(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        strategy.backward(loss)
+        strategy.backward(loss)  # or several backward calls (or no_sync()) to accumulate
         strategy.step()
         strategy.zero_grad()
         sched.step()
-    checkpoint.save("own_model_ckpt", strategy, topo, step=20)  # sharded; resumes at any stage/DP
+    checkpoint.save("own_model_ckpt", strategy, topo, step=start + 20, stateful={"sched": sched})
+    with strategy.gathered(writeback=True), torch.no_grad():  # a write that the master keeps
+        model.head.bias.zero_()
     full = strategy.full_state_dict()  # the model's own keys in fp32, on rank 0
     if topo.rank == 0:
         Net().load_state_dict(full, strict=True)

@@ -129,12 +129,13 @@ def largest_layer(model: C.ModelConfig, tp: int) -> int:
 
 
 def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int,
-                      offload: bool = False) -> dict:
+                      offload: bool = False, offload_param: bool = False) -> dict:
     """DeepSpeed's own model-state estimates per GPU (bytes): ZeRO-2
     (``estimate_zero2_model_states_mem_needs``, the numbers
     ``estimate_zero2_model_states_mem_needs_all_cold`` prints) and ZeRO-3 (likewise), with the
-    optimizer offloaded to the CPU where ``offload`` (then also ``"host"``: {stage: its CPU
-    bytes per node, as DeepSpeed states them}); {} when DeepSpeed is not installed. ``psi`` =
+    optimizer offloaded to the CPU where ``offload`` (ZeRO-3's parameters too where
+    ``offload_param``; then also ``"host"``: {stage: its CPU bytes per node, as DeepSpeed
+    states them}); {} when DeepSpeed is not installed. ``psi`` =
     the parameters the DP group shards (one TP rank's), ``n_d`` DP ranks, ``per_node`` of them
     on a node."""
     try:
@@ -151,7 +152,7 @@ def deepspeed_figures(psi: float, n_d: int, per_node: int, largest: int,
         int(psi), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload)
     h3, z3, _ = stage3.estimate_zero3_model_states_mem_needs(
         int(psi), largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload,
-        cpu_offload_params=False)
+        cpu_offload_params=offload_param)
     out = {"version": deepspeed.__version__, 2: z2, 3: z3, "largest_layer": largest,
            "offload": offload}
     if offload:
@@ -186,8 +187,11 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
         f"in a node, {c['inter_node_gbps']:g} Gbit/s per node between nodes",
         f"  TP {est.tp} x DP {n_d}; micro-batch {est.batch} x {est.seq} tokens per GPU; "
         f"{est.dtype} parameters + fp32 master and Adam (K = 12)"
-        + (" on the host (ZeRO-Offload, zero.offload_optimizer=cpu)" if est.offload == "cpu"
-           else "") + f"; ZeRO-R: {_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
+        + {"none": "", "cpu": " on the host (ZeRO-Offload, zero.offload_optimizer=cpu)",
+           "param": "; stage 3's parameter shard on the host (zero.offload_param=cpu)",
+           "cpu+param": " on the host, and stage 3's parameter shard too (ZeRO-Offload, "
+                        "zero.offload_optimizer=cpu, zero.offload_param=cpu)"}[est.offload]
+        + f"; ZeRO-R: {_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
         "",
         "Model states per GPU (GB)" + " " * 19 + "".join(f"{STAGE_NAMES[s]:>10}" for s in
                                                         stages)]
@@ -199,7 +203,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                       + (f" / TP {est.tp}" if est.tp > 1 else ""),
                       [s.table1 / GB for s in st]))
     lines.append(_row("dry run's ledger (this runtime)", [s.model_states / GB for s in st]))
-    off = est.offload == "cpu"
+    off = est.offload != "none"
     if ds:
         lines.append(_row(f"DeepSpeed {ds['version']} estimator ("
                           + ("cpu_offload)" if off else "no offload)"),
@@ -364,7 +368,7 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
                                                            for s in st]))
     lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
                                                            for s in st]))
-    if est.offload == "cpu":
+    if est.offload != "none":
         lines.append(_row("PCIe traffic per rank and step (GB)",
                           [s.perf["pcie_bytes"] / GB for s in st]))
         lines.append(_row("  PCIe copies, hidden or not (s)",
@@ -404,13 +408,13 @@ def run(cfg: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool =
         workers: int | None = None, timing: T.Timing | None = None,
         offload: str = "none") -> tuple[E.Estimate, dict]:
     """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg`` with
-    ``zero.offload_optimizer`` = ``offload``."""
+    offload mode ``offload`` (``C.OFFLOAD_MODES``)."""
     est = E.estimate(cfg, stages, zero_r, search=search, workers=workers,
                      timing=timing or T.Timing(), offload=offload)
     m, p = cfg.model, cfg.parallel
     ds = deepspeed_figures(est.stages[0].psi_rank, p.world_size // p.tp,
                            cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp),
-                           offload=offload == "cpu")
+                           offload=offload != "none", offload_param="param" in offload)
     return est, ds
 
 
@@ -454,7 +458,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="modern (today's stack, kernel model) or paper2020 (the paper's "
                          "Fig 2-calibrated V100 model)")
     ap.add_argument("--offload", default="none",
-                    help="none | cpu (ZeRO-Offload: the optimizer on the host), or none,cpu")
+                    help="none | cpu (ZeRO-Offload: the optimizer on the host) | param (stage "
+                         "3's parameter shard on the host) | cpu+param, or several: none,cpu")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -511,17 +516,22 @@ def main(argv=None) -> int:
 def offloads_of(text: str, timing: T.Timing) -> list[str]:
     """The ``--offload`` settings, validated (the host step is timed by the modern model)."""
     offs = [o.strip() for o in text.split(",") if o.strip()]
-    if not offs or any(o not in C.OFFLOAD for o in offs):
-        raise ValueError(f"--offload {text!r}: use none, cpu or none,cpu")
-    if "cpu" in offs and timing.model != "modern":
-        raise ValueError("--offload cpu is timed by the modern time model only: drop "
+    if not offs or any(o not in C.OFFLOAD_MODES for o in offs):
+        raise ValueError(f"--offload {text!r}: use one or more of {', '.join(C.OFFLOAD_MODES)}"
+                         f" (e.g. none,cpu,cpu+param)")
+    if any(o != "none" for o in offs) and timing.model != "modern":
+        raise ValueError("--offload is timed by the modern time model only: drop "
                          "--time-model paper2020")
     return list(dict.fromkeys(offs))
 
 
+_OFFLOAD_LABEL = {"none": "", "cpu": ", optimizer offloaded to the host",
+                  "param": ", stage 3's parameters offloaded to the host",
+                  "cpu+param": ", optimizer and stage 3's parameters offloaded to the host"}
+
+
 def _label(est: E.Estimate) -> str:
-    return _ZR_LABEL[est.zero_r] + (", optimizer offloaded to the host" if est.offload == "cpu"
-                                    else "")
+    return _ZR_LABEL[est.zero_r] + _OFFLOAD_LABEL[est.offload]
 
 
 def compare_settings(ests: list[E.Estimate]) -> str:

@@ -106,11 +106,14 @@ def table1_model_states(cfg: C.Config) -> dict:
     n_d = cfg.parallel.world_size // cfg.parallel.tp
     lp, k = (4, 8) if cfg.zero.dtype == "fp32" else (2, K_ADAM)
     stage = cfg.zero.stage
-    if cfg.zero.offload_optimizer == "cpu":  # ZeRO-Offload: the device's part of the column
-        formula = {0: f"{2 * lp}Ψ", 1: f"{2 * lp}Ψ", 2: f"{lp}Ψ+{lp}Ψ/N_d",
-                   3: f"{2 * lp}Ψ/N_d"}[stage] + " (offload)"
+    opt, par = cfg.zero.offload_optimizer, cfg.zero.offload_param
+    if "cpu" in (opt, par):  # ZeRO-Offload: the device's part of the column
+        formula = ({0: f"{lp}Ψ", 1: f"{lp}Ψ", 2: f"{lp}Ψ", 3: f"{lp}Ψ/N_d"}[stage]
+                   if opt == "cpu" else f"{lp + k}Ψ/N_d")
+        formula = ("0" if opt == "cpu" and par == "cpu" else formula) + " (offload)"
         return {"psi": psi, "n_d": n_d, "formula": formula,
-                "bytes": offload_bytes(psi, stage, n_d, lp_bytes=lp)["device"]}
+                "bytes": offload_bytes(psi, stage, n_d, K=k, lp_bytes=lp, optimizer=opt,
+                                       param=par)["device"]}
     formula = {0: f"{2 * lp + k}Ψ", 1: f"{2 * lp}Ψ+{k}Ψ/N_d", 2: f"{lp}Ψ+{lp + k}Ψ/N_d",
                3: f"{2 * lp + k}Ψ/N_d"}[stage]
     return {"psi": psi, "n_d": n_d, "formula": formula,

@@ -118,11 +118,14 @@ def zero_r_name(name: str, tp: int) -> str:
 def stage_config(base: C.Config, stage: int, zero_r: str, batch: int,
                  offload: str | None = None) -> C.Config:
     """``base`` at ZeRO ``stage``, ZeRO-R setting ``zero_r`` (``ZERO_R``), micro-batch ``batch``,
-    DeepSpeed's bucket sizes unless ``base`` sets others, ``zero.offload_optimizer`` =
-    ``offload`` (None: ``base``'s) (validated)."""
+    DeepSpeed's bucket sizes unless ``base`` sets others, the offload mode ``offload``
+    (``C.OFFLOAD_MODES``: ``zero.offload_optimizer`` and, at stage 3, ``zero.offload_param``;
+    None: ``base``'s) (validated)."""
     z = dataclasses.replace(base.zero, stage=stage)
     if offload is not None:
-        z = dataclasses.replace(z, offload_optimizer=offload)
+        opt, par = C.OFFLOAD_MODES[offload]
+        z = dataclasses.replace(z, offload_optimizer=opt,
+                                offload_param=par if stage == 3 else "none")
     zr = C.ZeroRConfig(name="custom", **ZERO_R[zero_r])
     t = dataclasses.replace(base.train, micro_batch_size=batch)
     return validation.validate(dataclasses.replace(base, zero=z, zero_r=zr, train=t))
@@ -310,9 +313,11 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
     p = cfg.parallel
     n_d = p.world_size // p.tp
     psi_tp = flops.param_count(cfg.model, p.tp) / p.tp
-    off = cfg.zero.offload_optimizer
+    opt, par = cfg.zero.offload_optimizer, cfg.zero.offload_param
+    off = {v: k for k, v in C.OFFLOAD_MODES.items()}[(opt, par)]
     lp = 4 if cfg.zero.dtype == "fp32" else 2
-    table1 = (offload_bytes(psi_tp, cfg.zero.stage, n_d, lp_bytes=lp) if off == "cpu" else
+    table1 = (offload_bytes(psi_tp, cfg.zero.stage, n_d, lp_bytes=lp, optimizer=opt, param=par)
+              if off != "none" else
               {"device": model_state_bytes(psi_tp, cfg.zero.stage, n_d), "host": 0.0})
     host_fits = not hw.host_bytes or mem["host_bytes"] <= hw.host_bytes
     est = StageEstimate(
@@ -359,7 +364,7 @@ class Estimate:
     cpu: dict = field(default_factory=dict)  # CPU seconds: parent, per helper process
     timing: dict = field(default_factory=dict)  # the time model and its switches
     outside: dict = field(default_factory=dict)  # bytes outside the allocator, low/mid/high
-    offload: str = "none"  # zero.offload_optimizer of every stage
+    offload: str = "none"  # the offload mode of every stage (``C.OFFLOAD_MODES``)
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -409,8 +414,11 @@ def _pool(workers: int):
 
 
 def offload_stages(stages, offload: str, n_d: int) -> tuple:
-    """The stages that run with ``offload``: stage 0 offloads on one DP rank only."""
-    return tuple(s for s in stages if not (offload == "cpu" and s == 0 and n_d > 1))
+    """The stages that run with offload mode ``offload``: stage 0 offloads the optimizer on one
+    DP rank only; the parameters offload at stage 3 only (mode ``param``)."""
+    opt, par = C.OFFLOAD_MODES[offload]
+    return tuple(s for s in stages if not (opt == "cpu" and s == 0 and n_d > 1)
+                 and not (par == "cpu" and opt == "none" and s != 3))
 
 
 def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
@@ -419,15 +427,18 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
     zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring).
     ``timing``: the time model (default: modern, or paper2020 when ``perf_params`` is given).
-    ``offload``: ``zero.offload_optimizer`` of every stage (None: ``base``'s; stage 0 is left
-    out at DP > 1 with offload, ``offload_stages``)."""
+    ``offload``: the offload mode of every stage (``C.OFFLOAD_MODES``; None: ``base``'s; the
+    stages a mode cannot run are left out, ``offload_stages``)."""
     t0, cpu0 = time.perf_counter(), time.process_time()
-    offload = base.zero.offload_optimizer if offload is None else offload
-    base = dataclasses.replace(base, zero=dataclasses.replace(base.zero,
-                                                              offload_optimizer="none"))
+    if offload is None:
+        offload = {v: k for k, v in C.OFFLOAD_MODES.items()}[
+            (base.zero.offload_optimizer, base.zero.offload_param)]
+    base = dataclasses.replace(base, zero=dataclasses.replace(
+        base.zero, offload_optimizer="none", offload_param="none"))
     stages = offload_stages(stages, offload, base.parallel.world_size // base.parallel.tp)
     if not stages:
-        raise ValueError("no stage to estimate: stage 0 offloads on one DP rank only")
+        raise ValueError(f"no stage to estimate with offload {offload}: stage 0 offloads on "
+                         f"one DP rank only, the parameters at stage 3 only")
     zr = zero_r_name(zero_r, base.parallel.tp)
     if base.cluster.device_memory_gb <= 0:
         raise ValueError("the estimate needs the device memory: choose a cluster with "
@@ -527,11 +538,14 @@ def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
 
 
 def closed_form(psi: float, n_d: int, offload: str = "none") -> dict:
-    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3; with
-    ``offload`` = cpu the device's part (the offload column, ``table1.offload_bytes``)."""
-    if offload == "cpu":
-        return {s: offload_bytes(psi, s, n_d)["device"] for s in range(4)}
-    return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
+    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3; with an
+    offload mode (``C.OFFLOAD_MODES``) the device's part (the offload column,
+    ``table1.offload_bytes``; the parameters at stage 3 only)."""
+    if offload == "none":
+        return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
+    opt, par = C.OFFLOAD_MODES[offload]
+    return {s: offload_bytes(psi, s, n_d, optimizer=opt, param=par if s == 3 else "none")
+            ["device"] for s in range(4)}
 
 
 def dp_volume(psi: float, stage: int) -> float:

@@ -80,7 +80,8 @@ def workload(cfg: C.Config) -> perf_model.Workload:
         lp_bytes=4 if cfg.zero.dtype == "fp32" else 2, dropout=m.dropout > 0,
         bucket_elems=float(cfg.zero.reduce_bucket_size),
         ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0,
-        offload=cfg.zero.offload_optimizer == "cpu")
+        offload=cfg.zero.offload_optimizer == "cpu",
+        offload_param=cfg.zero.offload_param == "cpu")
 
 
 def hardware_for(cfg: C.Config) -> Hardware:
@@ -116,9 +117,10 @@ def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | Non
     w = workload(cfg)
     if gpu:
         return _modern(cfg, w, hw, gpu, timing, zero_r)
-    if w.offload:
-        raise ValueError("zero.offload_optimizer=cpu is timed by the modern time model only: "
-                         "name the GPU (--gpu) and drop --time-model paper2020")
+    if w.offload or w.offload_param:
+        raise ValueError("zero.offload_optimizer / offload_param=cpu is timed by the modern "
+                         "time model only: name the GPU (--gpu) and drop --time-model "
+                         "paper2020")
     out = _paper2020(cfg, w, hw, params)
     if timing.model == "modern":
         out["note"] = "no GPU named (--gpu): the paper2020 model"

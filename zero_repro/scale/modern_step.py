@@ -267,7 +267,7 @@ def step_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid") -
     windows = (c["gemm_fwd"] + c["attention_fwd"] + c["memory_bound_fwd"],
                c["gemm_bwd"] + c["attention_bwd"] + c["memory_bound_bwd"] + c["recompute"])
     out = {**c, **tp_terms(w, hw, dk, m, point), **dp_terms(w, hw, dk, windows, point),
-           **OT.terms(w, hw, dk, windows[1], point)}
+           **OT.terms(w, hw, dk, windows[1], point, fwd_window=windows[0])}
     out["total"] = sum(out[k] for k in TERMS)
     return out
 

@@ -6,10 +6,17 @@ With S = this rank's shard (Ψ/t/N_d, stage 0: Ψ/t), lp bytes per training-dtyp
     T_host = S / R_host,   R_host = min(c · r_core, e_dram · B_dram / HOST_BYTES)
     T_pcie = lp·S / (B_pcie · e_pcie)                           each way (D2H gradients, H2D
                                                                 parameters: two copy engines)
-    stages 2-3: the D2H runs in backward as buckets land: exposed max(T_pcie - W_bwd, T_pcie / u)
-    stages 0-1: the D2H starts at the step, pipelined with the host step
-    step phase: max(T_host, T_pcie [, T_pcie of the D2H at stages 0-1]) + (the first chunk's
-                D2H at stages 0-1, the last chunk's H2D) = T_host + ``pcie_exposed``'s share
+    every stage: the D2H runs in backward as buckets land (the device keeps no gradient store:
+                 ``runtime.zero.offload.HostGradShards``): exposed max(T_pcie - W_bwd, T_pcie / u)
+    step phase: max(T_host, T_pcie) + the last chunk's H2D = T_host + ``pcie_exposed``'s share
+
+With ZeRO-3 Offload (``zero.offload_param=cpu``, stage 3) the parameter shard lives on the host:
+every gather first copies this rank's chunk to the device, T_param = g·lp·S / (B_pcie · e_pcie)
+with g = 2 gathers per step (forward, backward), on the H2D engine beside the all-gathers and,
+like them, prefetched a unit ahead: exposed max(T_param - W, T_param / u) over the forward and
+backward window W; the step's H2D of the updated parameters is a host copy then (into the host
+shard), so the step phase loses its last H2D. Without the optimizer offloaded only T_param
+applies (the optimizer steps on the device).
 
 (u the gradient buckets, stage 3 the blocks; c host cores per GPU, B_dram the host DRAM
 bandwidth per GPU, B_pcie the host<->device bandwidth per direction: the cluster's
@@ -63,27 +70,38 @@ def shard_elements(w) -> float:
     return w.params / w.tp / (w.dp if w.stage >= 1 else 1)
 
 
+PARAM_GATHERS = 2  # a stage-3 unit is gathered in forward and again in backward
+
+
 def pcie_bytes(w) -> float:
     """Bytes over PCIe per rank and step, both directions together."""
-    return 2.0 * w.lp_bytes * shard_elements(w) if w.offload else 0.0
+    s = w.lp_bytes * shard_elements(w)
+    grads_and_step = (1.0 if getattr(w, "offload_param", False) else 2.0) * s
+    return (grads_and_step if w.offload else 0.0) + \
+        (PARAM_GATHERS * s if getattr(w, "offload_param", False) else 0.0)
 
 
-def terms(w, hw, dk, bwd_window: float, point: str = "mid") -> dict:
+def terms(w, hw, dk, bwd_window: float, point: str = "mid",
+          fwd_window: float = 0.0) -> dict:
     """``host_adam`` and ``pcie_exposed`` seconds of ``w`` (0 without offload) and the PCIe
     copies' total ``pcie_total`` (module docstring)."""
-    if not w.offload:
+    param = bool(getattr(w, "offload_param", False))
+    if not w.offload and not param:
         return {"host_adam": 0.0, "pcie_exposed": 0.0, "pcie_total": 0.0}
     s = shard_elements(w)
-    rate = host_rate(hw.host_cores, hw.host_mem_bw, point)
-    t_host = s / rate if rate > 0 else math.inf
     bw = hw.pcie_bw * K.link_efficiency(dk, "pcie", point)
     t_copy = w.lp_bytes * s / bw if bw > 0 else math.inf
     units = w.n_layer if w.stage == 3 else max(1, math.ceil(w.params / w.tp / w.bucket_elems))
-    if w.stage >= 2:  # gradients leave during backward
-        d2h = max(t_copy - bwd_window, t_copy / units)
-        step = max(t_host, t_copy) + t_copy / units
-    else:  # gradients leave at the step, pipelined with the host step and the copies back
-        d2h = 0.0
-        step = max(t_host, t_copy) + 2 * t_copy / units
-    return {"host_adam": t_host, "pcie_exposed": d2h + step - t_host,
-            "pcie_total": 2 * t_copy}
+    t_host, exposed, total = 0.0, 0.0, 0.0
+    if w.offload:
+        rate = host_rate(hw.host_cores, hw.host_mem_bw, point)
+        t_host = s / rate if rate > 0 else math.inf
+        d2h = max(t_copy - bwd_window, t_copy / units)  # gradients leave during backward
+        h2d = 0.0 if param else t_copy / units  # the last chunk back (param: a host copy)
+        exposed += d2h + max(t_host, 0.0 if param else t_copy) + h2d - t_host
+        total += (1 if param else 2) * t_copy
+    if param:
+        t_param = PARAM_GATHERS * t_copy
+        exposed += max(t_param - (fwd_window + bwd_window), t_param / units)
+        total += t_param
+    return {"host_adam": t_host, "pcie_exposed": exposed, "pcie_total": total}

@@ -85,6 +85,9 @@ class Workload:
     # ZeRO-Offload (zero.offload_optimizer=cpu): AdamW on the host, the shard over PCIe
     # (the modern step model's terms, ``scale.offload_time``; the paper2020 model has none)
     offload: bool = False
+    # ZeRO-3 Offload (zero.offload_param=cpu): stage 3's parameter shard on the host, copied
+    # to the device at each gather (``scale.offload_time``)
+    offload_param: bool = False
     # the 2020 stack's per-step terms (module doc): the ZeRO step's passes at this DeepSpeed
     # commit ("" = not modelled), rooted reduces for stage 2, synchronous P_a+cpu copies
     step_commit: str = ""

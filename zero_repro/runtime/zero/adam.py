@@ -40,12 +40,14 @@ class ShardAdamW:
     """Adam(W) state and update for a shard made of ``chunks`` = [(offset, length), …]."""
 
     def __init__(self, chunks: Sequence[tuple[int, int]], lp_chunks: Sequence[torch.Tensor],
-                 keep_master: bool, fused: bool | None = None):
+                 keep_master: bool, fused: bool | None = None,
+                 device: torch.device | None = None):
         self.chunks = list(chunks)
         numel = sum(n for _, n in self.chunks)
         self.numel = numel
-        # on the device of the parameters it updates (CPU when there are none)
-        dev = lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
+        # on ``device``, else that of the parameters it updates (CPU when there are none)
+        dev = device if device is not None else \
+            lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
         self.master = torch.zeros(numel, dtype=torch.float32, device=dev) if keep_master else None
         if self.master is not None:
             for (off, n), p in zip(self.chunks, lp_chunks):

@@ -62,6 +62,7 @@ def full_state_dict(s, dtype: torch.dtype | None = torch.float32,
         out[k] = t if t is not None else v.detach().to("cpu", copy=True)
     return out
 
+
 def _frozen_groups(s) -> list[tuple[FlatParams, list[torch.Tensor]]]:
     """(group, this rank's chunks of it) of every frozen group."""
     flat = getattr(s, "frozen_flat", None)
@@ -73,6 +74,7 @@ def _frozen_groups(s) -> list[tuple[FlatParams, list[torch.Tensor]]]:
             out.append((g, [shard[b.shard_offset:b.shard_offset + b.chunk]
                             for b in g.partition.buckets]))
     return out
+
 
 def _export_group(s, g: FlatParams, chunks: list[torch.Tensor],
                   values: dict[int, torch.Tensor], keep: bool) -> None:
@@ -100,6 +102,7 @@ def _export_group(s, g: FlatParams, chunks: list[torch.Tensor],
         for sl, p in zip(g.slots, g.params):
             values[id(p)] = values[id(p)].view(sl.shape)
 
+
 def _tp_gather(s, values: dict[int, torch.Tensor]) -> None:
     """TP-sliced parameters in ``values`` replaced by their TP=1 tensors (collective over
     the TP group, one parameter at a time on the device)."""
@@ -118,6 +121,7 @@ def _tp_gather(s, values: dict[int, torch.Tensor]) -> None:
         comm.all_gather_into(buf.view(-1), moved.view(-1), group)
         full = buf.flatten(0, 1).movedim(0, d)
         values[id(p)] = full.narrow(d, 0, shapes[n][d]).to("cpu").contiguous()
+
 
 @torch.no_grad()
 def full_parameters(s) -> dict[str, torch.Tensor]:
@@ -138,8 +142,8 @@ def full_parameters(s) -> dict[str, torch.Tensor]:
                     comm.all_gather_into(full[b.start:b.end], mine.contiguous(),
                                          s.dp_group)
                 i += 1
-            for s in g.slots:
-                out[s.name] = full[s.offset:s.end].view(s.shape).clone()
+            for sl in g.slots:
+                out[sl.name] = full[sl.offset:sl.end].view(sl.shape).clone()
     finally:
         s.topo.ledger.enabled = enabled
     return {n: out[n] for n in s.names}

@@ -20,11 +20,9 @@ loss-scaled). Megatron-LM's ``_ParamAndGradBucketGroup`` names the same pair.
   one lands.
 
 Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean. The
-ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers).
-``on_final(i, chunk)`` (ZeRO-Offload: the chunk's copy to the host starts) is called once chunk
-i holds its final reduced value of the step, when its reduction is seen to have landed on the
-last micro-batch: ``FusedGrads`` during backward, as buffers are recycled; ``FullGrads`` in
-``finish_grad_sync``. A chunk that never gets one (no gradient reached it) is left to the step.
+ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers). With
+ZeRO-Offload every stage uses ``FusedGrads`` whose shards are the host's
+(``offload.HostGradShards``): each reduced chunk is copied to the host as its reduction lands.
 """
 from __future__ import annotations
 
@@ -106,7 +104,6 @@ class FullGrads:
                           for sp, lo, hi in part.spans_of([span], s.offset, s.numel)]
                          for span in part.grad_buckets]
         self.inflight = InFlight()
-        self.on_final: Callable[[int, torch.Tensor], None] | None = None
         self.reduced = False  # the last micro-batch's reductions started, no step since
 
     @torch.no_grad()
@@ -195,14 +192,7 @@ class FullGrads:
             buckets = part.buckets[span.first:span.stop]
             works = [transport.reduce_scatter(self._own(b), self.buffer[b.start:b.end])
                      for b in buckets]
-        self.inflight.add(works, self._landed(span) if self.on_final is not None else None)
-
-    def _landed(self, span: Span) -> Callable[[], None]:
-        """What runs once ``span``'s reduction has landed: its chunks are final."""
-        def then() -> None:
-            for k in range(span.first, span.stop):
-                self.on_final(k, self._own(self.group.partition.buckets[k]))
-        return then
+        self.inflight.add(works)
 
     def finish_grad_sync(self) -> None:
         """Start what is left (e.g. a step after backward under ``no_sync``), wait for every
@@ -248,7 +238,9 @@ class FusedGrads:
 
     def __init__(self, groups: list[FlatParams], n_d: int, rank: int, transport: Transport,
                  depth: int, contiguous: bool, device: torch.device,
-                 on_filled: Callable[[int], None] | None = None):
+                 on_filled: Callable[[int], None] | None = None, shards=None):
+        """``shards``: where the reduced chunks go (default a ``GradShards`` on ``device``;
+        ZeRO-Offload: ``offload.HostGradShards``, the host)."""
         self.groups, self.n_d, self.rank, self.transport = groups, n_d, rank, transport
         self.on_filled = on_filled
         self.where = {id(p): (gi, s) for gi, g in enumerate(groups) for s, p in zip(g.slots,
@@ -258,9 +250,9 @@ class FusedGrads:
         for g in groups:
             self.first_bucket.append(n)
             n += len(g.partition.buckets)
-        self.shards = GradShards([b.chunk for g in groups for b in g.partition.buckets],
-                                 groups[0].dtype if groups else torch.float32, contiguous,
-                                 device)
+        self.shards = shards if shards is not None else GradShards(
+            [b.chunk for g in groups for b in g.partition.buckets],
+            groups[0].dtype if groups else torch.float32, contiguous, device)
         n_spans = sum(len(g.partition.grad_buckets) for g in groups)
         cap = max((g.partition.capacity for g in groups), default=0)
         dtype = groups[0].dtype if groups else torch.float32
@@ -268,22 +260,19 @@ class FusedGrads:
         # the fused buffers; the gradient shard (Ψ/N_d at its peak, also without M_D)
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in self.free)
         self.grad_bytes = sum(b.chunk for g in groups for b in g.partition.buckets) * \
-            torch.empty(0, dtype=dtype).element_size()
+            torch.empty(0, dtype=dtype).element_size() if shards is None else \
+            shards.device_bytes
         self.filling: dict[tuple[int, int], torch.Tensor] = {}  # (group, span) -> buffer
         self.deferred: dict[tuple[int, int], list] = {}  # (group, span) -> kept gradients
         self.arrived: dict[tuple[int, int], int] = {}
         self.got: dict[tuple[int, int], set[int]] = {}  # slots copied into a filling bucket
         self.group_arrived = [0] * len(groups)
         self.inflight = InFlight()
-        self.on_final: Callable[[int, torch.Tensor | None], None] | None = None
-        self._last = True  # the micro-batch being reduced is the step's last
 
     @torch.no_grad()
     def add(self, p: nn.Parameter, last: bool = True) -> None:
         """Copy ``p.grad`` into the buckets it lies in (then drop it); start those it
-        completes. Every micro-batch is reduced on its own (``last``: the step's last, whose
-        reductions make the chunks final, ``on_final``)."""
-        self._last = last
+        completes. Every micro-batch is reduced on its own (``last`` changes nothing)."""
         gi, s = self.where[id(p)]
         g = self.groups[gi]
         part, grad = g.partition, p.grad.reshape(-1)
@@ -332,7 +321,6 @@ class FusedGrads:
     def start_grad_sync(self, last: bool = True) -> None:
         """End of a backward (every micro-batch): start every bucket still filling (the
         gradients it misses reduce as zeros), then the kept ones."""
-        self._last = last
         while self.filling or self.deferred:
             for key in sorted(self.filling):
                 self._start(key)
@@ -364,16 +352,10 @@ class FusedGrads:
                 later.append((index, out))
             works.append(self.transport.reduce_scatter(out, inp))
 
-        final = self._last and self.on_final is not None
-
         def landed():
             for index, out in later:
                 self.shards.accumulate(index, out)
             self.free.append(buf)
-            if final:  # the last micro-batch's sum is in the shard
-                for k in range(span.first, span.stop):
-                    index = self.first_bucket[gi] + k
-                    self.on_final(index, self.shards.parts[index])
 
         self.inflight.add(works, landed)
         if self.deferred:

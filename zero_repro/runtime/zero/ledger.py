@@ -11,10 +11,11 @@ the shard), ``master_fp32`` (0 in fp32 mode: the parameters are the master), ``a
 
 Host and device apart: a category held in host memory ends in ``_host`` (ZeRO-Offload,
 ``zero.offload``: ``master_fp32_host``, ``adam_m_host``, ``adam_v_host``, ``grads_host``, the
-step's ``optim_step_host``) or is P_a+cpu's ``ckpt_cpu``; every other category is device memory.
-``model_states()`` / ``device_total()`` count the device, ``host_model_states()`` /
-``host_total()`` the host; with offload at stage 2 (fp16) the device holds 2Ψ + 2Ψ/N_d of model
-states and the host 14Ψ/N_d (``scale.paper.table1.offload_bytes``).
+step's ``optim_step_host``; ``zero.offload_param``: ``params_lp_host``, ``params_frozen_host``)
+or is P_a+cpu's ``ckpt_cpu``; every other category is device memory. ``model_states()`` /
+``device_total()`` count the device, ``host_model_states()`` / ``host_total()`` the host; with
+optimizer offload at stage 2 (fp16) the device holds 2Ψ of model states and the host 14Ψ/N_d
+(``scale.paper.table1.offload_bytes``).
 """
 from __future__ import annotations
 

@@ -9,17 +9,22 @@ Memory per rank (lp bytes per training-dtype element, Ψ_s = this rank's shard: 
 stages 1-3, Ψ at stage 0), host: fp32 master 4Ψ_s + m 4Ψ_s + v 4Ψ_s + the gradient/parameter
 staging lp·Ψ_s = (12 + lp)Ψ_s (14Ψ/N_d at fp16/bf16; ledger ``master_fp32_host``,
 ``adam_m_host``, ``adam_v_host``, ``grads_host``) + one block of fp32 scratch
-(``optim_step_host``, ``BLOCK`` elements); device: nothing (the stage's parameters and gradient
-shard stay where the stage keeps them: Table 1's offload column,
-``scale.paper.table1.offload_bytes``). The master is kept also in fp32 training (the device
-holds the parameters, the host the copy it updates). Only the staging is pinned (where CUDA
-is): it is the one buffer the copy engines read and write.
+(``optim_step_host``, ``BLOCK`` elements); device: none of it, and no gradient store either
+(``HostGradShards``: every stage reduces through fused buckets whose reduced chunks come here as
+they land), so the device keeps the stage's lp parameters only -- lp·Ψ at stages 0-2, lp·Ψ/N_d
+at stage 3, nothing with ``zero.offload_param`` -- plus the fused buffers (Table 1's offload
+column, ``scale.paper.table1.offload_bytes``; §4.1: "only the fp16 parameters on the GPU"). The
+master is kept also in fp32 training (the device holds the parameters, the host the copy it
+updates). Only the staging is pinned (where CUDA is): it is the one buffer the copy engines read
+and write.
 
 Data flow per step (PCIe: lp·Ψ_s bytes each way):
-  * device -> host: the gradient store calls ``grad_ready(i, chunk)`` as soon as chunk i's
-    reduction has landed on the last micro-batch (stages 2-3: during backward, as the fused
-    buffers are recycled; stages 0-1: when ``finish_grad_sync`` waits, at the step's start);
-    the copy goes on a side stream into the staging; ``step`` copies whatever was not staged.
+  * device -> host: ``HostGradShards`` calls ``grad_ready(i, chunk)`` as soon as chunk i's
+    reduction has landed (during backward, as the fused buffers are recycled; the last two
+    at the step's start); the copy goes on a side stream into the staging and the compute
+    stream waits for it before the buffer is filled again; a later micro-batch's chunk is
+    added on the host (``grad_add``). The norm, the overflow check and the clip read the
+    staged chunks (``staged_chunks``: two scalars go back to the device to be agreed).
   * host: per chunk, in blocks of ``BLOCK`` elements, the lp gradient upcast into the scratch
     and multiplied by unscale x clip, then torch's fused CPU AdamW (``torch._fused_adamw_``, the
     kernel ``AdamW(fused=True)`` runs on CPU tensors; elementwise: blocks of a multiple of the
@@ -129,10 +134,40 @@ class HostAdamW:
             self.copied["d2h"] += n * self.staging.element_size()
         self._staged[i] = True
 
+    @torch.no_grad()
+    def grad_add(self, i: int, grad: torch.Tensor) -> None:
+        """A later micro-batch's reduced chunk i added onto the staged one (on the host: its
+        earlier copy waited for, this one copied synchronously)."""
+        off, n = self.chunks[i]
+        if self._d2h[i] is not None:
+            self._d2h[i].synchronize()
+            self._d2h[i] = None
+        self.staging[off:off + n].add_(grad.reshape(-1).to(HOST))
+        self.copied["d2h"] += n * self.staging.element_size()
+
+    def source_reusable(self, i: int) -> None:
+        """The device tensor chunk i was staged from may be written again once its copy is
+        done: the compute stream waits for it (on the device, no host wait)."""
+        if self.cuda and self._d2h[i] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._d2h[i])
+
+    @torch.no_grad()
+    def staged_chunks(self) -> list[torch.Tensor]:
+        """The step's gradient chunks as the host holds them (every copy landed; a chunk no
+        gradient reached is zeros): what the overflow check, the norm and the clip read."""
+        for i in range(len(self.chunks)):
+            if self._d2h[i] is not None:
+                self._d2h[i].synchronize()
+                self._d2h[i] = None
+            if not self._staged[i]:
+                self.grad_ready(i, None)
+        return [self.staging[off:off + n] for off, n in self.chunks]
+
     def discard(self) -> None:
         """Forget the gradients staged for a step that does not happen (skipped on overflow,
         or ``zero_grad`` before it)."""
         self._staged = [False] * len(self._staged)
+
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -199,3 +234,42 @@ class HostAdamW:
                 "adam_v_host": self.exp_avg_sq.numel() * 4,
                 "grads_host": self.staging.numel() * self.staging.element_size(),
                 "optim_step_host": self.scratch.numel() * 4}
+
+
+class HostGradShards:
+    """ZeRO-Offload's gradient shard (Ren et al. 2021, §4.1: only the fp16 parameters stay on
+    the GPU): ``grads.FusedGrads`` reduces each bucket into the bucket's own chunk of its fused
+    device buffer and hands it here as the reduction lands (``accumulate``); the chunk is
+    copied into ``HostAdamW``'s staging (later micro-batches: added there) and the device
+    buffer is reused. The device keeps no gradient store (``device_bytes`` 0): at any stage its
+    gradient memory is the fused buffers alone. The interface of ``flat_buffer.GradShards``."""
+
+    device_bytes = 0
+
+    def __init__(self) -> None:
+        self.opt: HostAdamW | None = None
+        self._written: set[int] = set()
+
+    def bind(self, opt: HostAdamW) -> None:
+        self.opt = opt
+
+    def claim(self, index: int) -> None:
+        return None  # reduced into the fused buffer's own chunk, staged as it lands
+
+    def accumulate(self, index: int, reduced: torch.Tensor) -> None:
+        if index in self._written:
+            self.opt.grad_add(index, reduced)
+        else:
+            self.opt.grad_ready(index, reduced)
+            self._written.add(index)
+        self.opt.source_reusable(index)
+
+    def chunks(self) -> list[torch.Tensor]:
+        return self.opt.staged_chunks()
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        return [self.opt.staging[off:off + n] for off, n in self.opt.chunks]
+
+    def zero(self) -> None:
+        self._written.clear()

@@ -48,10 +48,12 @@ class TorchShardOptimizer:
                  lp_chunks: Sequence[torch.Tensor], keep_master: bool,
                  parts: Sequence[tuple[str, int, int]],
                  named: Sequence[tuple[str, nn.Parameter]],
-                 frozen: Sequence[tuple[str, nn.Parameter]] = ()):
+                 frozen: Sequence[tuple[str, nn.Parameter]] = (),
+                 device: torch.device | None = None):
         self.chunks = list(chunks)
         self.numel = sum(n for _, n in self.chunks)
-        dev = lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
+        dev = device if device is not None else \
+            lp_chunks[0].device if len(lp_chunks) else torch.device("cpu")
         self.device = dev
         self.master = torch.zeros(self.numel, dtype=torch.float32, device=dev) if keep_master \
             else None

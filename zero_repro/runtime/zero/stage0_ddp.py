@@ -33,8 +33,9 @@ class Stage0DDP(Strategy):
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
             self.init(self.named + self.frozen)
-        grads = FullGrads(self.flat, self.n_d, 0, self.transport, all_reduce=True,
-                          dp_rank=self.dp_rank)
+        grads = self._fused_grads([self.flat]) if zero.offload_optimizer == "cpu" else \
+            FullGrads(self.flat, self.n_d, 0, self.transport, all_reduce=True,
+                      dp_rank=self.dp_rank)
         # gradients are identical on every DP rank after the all-reduce: DP rank 0 counts them
         self._compose(ReplicatedParams(self.flat), grads, [self.flat], shard_rank=0,
                       counts_norm=self.dp_rank == 0)
@@ -43,4 +44,5 @@ class Stage0DDP(Strategy):
         ledger.add("params_lp", self.flat.nbytes)
         if self.frozen_flat is not None:
             ledger.add("params_frozen", self.frozen_flat.nbytes)
-        ledger.add("grads", self.grads.grad_bytes)  # buckets are reduced in place in it
+        ledger.add("grads", self.grads.grad_bytes)  # offload: none (the host holds them)
+        ledger.add("comm_buffers", self.grads.buffer_bytes)  # offload's fused buffers  # buckets are reduced in place in it

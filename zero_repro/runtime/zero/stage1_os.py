@@ -35,7 +35,8 @@ class Stage1Os(Strategy):
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
             self.init(self.named + self.frozen)
-        grads = FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
+        grads = self._fused_grads([self.flat]) if zero.offload_optimizer == "cpu" else \
+            FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
         params = GatheredParams(self.flat, self.dp_rank, transport, self.zero, self.module)
         self._compose(params, grads, [self.flat], shard_rank=self.dp_rank, counts_norm=True)
 
@@ -43,4 +44,5 @@ class Stage1Os(Strategy):
         ledger.add("params_lp", self.flat.nbytes)
         if self.frozen_flat is not None:
             ledger.add("params_frozen", self.frozen_flat.nbytes)
-        ledger.add("grads", self.grads.grad_bytes)
+        ledger.add("grads", self.grads.grad_bytes)  # offload: none (the host holds them)
+        ledger.add("comm_buffers", self.grads.buffer_bytes)  # offload's fused buffers

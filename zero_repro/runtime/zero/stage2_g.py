@@ -23,7 +23,7 @@ import torch
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
 from zero_repro.runtime.comm.topology import Topology
 from zero_repro.runtime.zero.flat_buffer import FlatParams
-from zero_repro.runtime.zero.grads import FullGrads, FusedGrads
+from zero_repro.runtime.zero.grads import FullGrads
 from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.zero.params import GatheredParams
 from zero_repro.runtime.zero.strategy import Strategy
@@ -41,9 +41,8 @@ class Stage2G(Strategy):
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
             self.init(self.named + self.frozen)
-        if self.zero_r.constant_buffers:
-            grads = FusedGrads([self.flat], self.n_d, self.dp_rank, transport, self.fused_depth,
-                               self.zero_r.contiguous_memory, self.device)
+        if self.zero_r.constant_buffers or zero.offload_optimizer == "cpu":
+            grads = self._fused_grads([self.flat])
         else:  # one gradient bucket of the whole model: stage 1's store, the shard inside it
             grads = FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
         params = GatheredParams(self.flat, self.dp_rank, transport, self.zero, self.module)

@@ -57,7 +57,6 @@ from zero_repro.runtime.comm.transport import Transport
 from zero_repro.runtime.model.tp import RowSource
 from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.flat_buffer import FlatParams, PeakBytes
-from zero_repro.runtime.zero.grads import FusedGrads
 from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.zero.partition import Partition, layout, row_grid
 from zero_repro.runtime.zero.strategy import Strategy
@@ -137,7 +136,7 @@ class _RowSlices(RowSource):
         self.units, self.u = units, u
         self.cols = u.group.params[0].shape[1]
         grid = max(b.size for b in u.group.partition.buckets)
-        self.buffers = [torch.empty(grid, dtype=u.shard.dtype, device=u.shard.device)
+        self.buffers = [torch.empty(grid, dtype=u.shard.dtype, device=units.device)
                         for _ in range(2)]
         for buf in self.buffers:
             buf.untyped_storage().resize_(0)
@@ -149,7 +148,12 @@ class _RowSlices(RowSource):
         buf.untyped_storage().resize_(nbytes)
         units.gathered_peak.alloc(nbytes)
         out = buf[:b.size]
-        work = units.transport.all_gather(out, u.shard[b.shard_offset:b.shard_offset + b.chunk])
+        mine = u.shard[b.shard_offset:b.shard_offset + b.chunk]
+        if units.host:  # parameter offload: onto the device, into its own chunk of the slice
+            lo = units.rank * b.chunk
+            out[lo:lo + b.chunk].copy_(mine, non_blocking=True)
+            mine = out[lo:lo + b.chunk]
+        work = units.transport.all_gather(out, mine)
         return b, out, work, slot
 
     def _drop(self, slot: int) -> None:
@@ -189,6 +193,7 @@ class Units:
         the partitioned construction's initialisation, called once per unit with the unit's
         (name, parameter) pairs while they are views of its gathered buffer."""
         self.module, self.rank, self.transport, self.zero = module, rank, transport, zero
+        self.device = torch.device(device)
         self.gathered_peak = PeakBytes()
         self._phase = "idle"
         self._fresh: set[int] = set()  # units gathered since the last update started
@@ -199,8 +204,13 @@ class Units:
         # it); the frozen parameters' shards in a second one (no gradient, no optimizer)
         total = sum(_shard_numel(u.params, n_d, grids[u.name]) for u in plans if u.params)
         frozen = sum(_shard_numel(u.frozen, n_d, buckets) for u in plans if u.frozen)
-        stores = {False: transport.buffer(total, dtype) if total else None,
-                  True: transport.buffer(frozen, dtype) if frozen else None}
+        # ZeRO-3 Offload (zero.offload_param=cpu): the shards in host memory (pinned where
+        # CUDA is), copied to the device bucket by bucket as a unit is gathered
+        self.host = zero.offload_param == "cpu"
+        store = self._host_store if self.host else transport.buffer
+        stores = {False: store(total, dtype) if total else None,
+                  True: store(frozen, dtype) if frozen else None}
+        self.stores = [t for t in stores.values() if t is not None]
         at = {False: 0, True: 0}
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
@@ -265,6 +275,14 @@ class Units:
         return [u.shard[b.shard_offset:b.shard_offset + b.chunk]
                 for u in self.grad_units for b in u.group.partition.buckets]
 
+    def _host_store(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pinned)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The shards' stores where they are host memory (``zero.offload_param``)."""
+        return list(self.stores) if self.host else []
+
     def gathered_chunks(self) -> list[torch.Tensor]:
         """``chunks``' elements as the gathered units hold them (inside ``pin``: what a write
         into the whole parameters changed), in the same order."""
@@ -295,9 +313,13 @@ class Units:
         for g, shard in u.parts:
             g.materialize()
             self.gathered_peak.alloc(g.nbytes)
-            u.works += [self.transport.all_gather(g.flat[b.start:b.end],
-                                                  shard[b.shard_offset:b.shard_offset + b.chunk])
-                        for b in g.partition.buckets]
+            for b in g.partition.buckets:
+                mine = shard[b.shard_offset:b.shard_offset + b.chunk]
+                if self.host:  # onto the device: its own chunk of the gathered buffer
+                    lo, hi = b.owned(self.rank)
+                    g.flat[lo:hi].copy_(mine, non_blocking=True)
+                    mine = g.flat[lo:hi]
+                u.works.append(self.transport.all_gather(g.flat[b.start:b.end], mine))
         u.state = UnitState.GATHERING
 
     def _ensure(self, u: _Unit) -> None:
@@ -487,8 +509,7 @@ class Stage3P(Strategy):
         plans = U.plan(self.module, self.units_spec, warn=self.dp_rank == 0)
         units = Units(self.module, plans, self.dtype, self.n_d, self.dp_rank, self.buckets,
                       self.transport, self.zero, self.device, self.init)
-        grads = FusedGrads(units.groups, self.n_d, self.dp_rank, self.transport, self.fused_depth,
-                           self.zero_r.contiguous_memory, self.device, on_filled=units.free_unit)
+        grads = self._fused_grads(units.groups, on_filled=units.free_unit)
         self._compose(units, grads, units.groups, shard_rank=self.dp_rank, counts_norm=True)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
@@ -496,9 +517,10 @@ class Stage3P(Strategy):
                           for u in self.params.grad_units)
         frozen = sum(sh.numel() * sh.element_size() for u in self.params.units
                      for _, sh in u.parts[1 if u.group is not None else 0:])
-        ledger.add("params_lp", shard_bytes)
+        where = "_host" if self.params.host else ""  # zero.offload_param: host memory
+        ledger.add("params_lp" + where, shard_bytes)
         if frozen:
-            ledger.add("params_frozen", frozen)
-        ledger.add("grads", shard_bytes)  # persistent gradient shard, same size and dtype
+            ledger.add("params_frozen" + where, frozen)
+        ledger.add("grads", self.grads.grad_bytes)  # the persistent gradient shard (offload: 0)
         ledger.add("comm_buffers", self.grads.buffer_bytes)  # the fused gradient buffers
         ledger.add("params_gathered", self.params.gathered_peak.peak)  # transient, peak

@@ -36,8 +36,10 @@ Megatron-LM's start/finish pairs:
                                            gathers, waited here unless overlap_param_gather)
 
 With ``zero.offload_optimizer=cpu`` the optimizer is ``offload.HostAdamW`` (host memory, host
-step): the gradient store hands it each chunk as its reduction lands (``on_final``), the step
-is the same sequence.
+step) and every stage's gradient store is the fused-bucket one (``_fused_grads``) whose reduced
+chunks are copied into the host's staging as they land (``offload.HostGradShards``): the device
+keeps the parameters and the fused buffers only; the norm, the overflow check and the clip read
+the host's chunks; the step is the same sequence.
 
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
@@ -67,7 +69,8 @@ from zero_repro.runtime.zero.adam import ShardAdamW
 from zero_repro.runtime.zero.build_init import Init, materialize_buffers, resolve_init
 from zero_repro.runtime.zero.flat_buffer import FlatParams
 from zero_repro.runtime.zero.guard import ParamGuard, unguarded
-from zero_repro.runtime.zero.offload import HostAdamW
+from zero_repro.runtime.zero.grads import FusedGrads
+from zero_repro.runtime.zero.offload import HostAdamW, HostGradShards
 from zero_repro.runtime.zero.optim import OptimizerArg, TorchShardOptimizer
 from zero_repro.runtime.zero.partition import counted_subranges, intersect
 
@@ -100,9 +103,6 @@ class StepInfo:
 
 
 class GradStore(Protocol):
-    # called with a chunk's index once its reduction has landed on the last micro-batch
-    on_final: Callable[[int, torch.Tensor | None], None] | None
-
     def add(self, p: nn.Parameter, last: bool) -> None: ...
 
     def start_grad_sync(self, last: bool) -> None: ...
@@ -190,19 +190,21 @@ class Strategy:
         for g in self.groups:
             chunks += [(base + b.shard_offset, b.chunk) for b in g.partition.buckets]
             base += g.partition.shard_numel
-        keep_master = precision.needs_master(self.zero.dtype)
+        # stage 3 with its parameter shard on the host (zero.offload_param) and the optimizer
+        # on the device: an fp32 master on the device also in fp32 training
+        keep_master = precision.needs_master(self.zero.dtype) or bool(getattr(params, "host", 0))
         self.offload = self.zero.offload_optimizer == "cpu"
         if self.offload:
             self._check_offload()
             self.opt = HostAdamW(chunks, params.chunks(), self.dtype)
             # each gradient chunk leaves for the host as soon as its reduction lands
-            grads.on_final = self.opt.grad_ready
+            grads.shards.bind(self.opt)
         elif self.make_optimizer is None:
-            self.opt = ShardAdamW(chunks, params.chunks(), keep_master)
+            self.opt = ShardAdamW(chunks, params.chunks(), keep_master, device=self.device)
         else:
             self.opt = TorchShardOptimizer(self.make_optimizer, chunks, params.chunks(),
                                            keep_master, self._parts(chunks), self.named,
-                                           self.frozen)
+                                           self.frozen, device=self.device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self.named]
         if self.init is not None:
             materialize_buffers(self.module, self.device, self.init)
@@ -223,6 +225,16 @@ class Strategy:
             raise ValueError(f"zero.offload_optimizer=cpu at zero.stage=0 with DP {self.n_d} "
                              f"keeps the whole optimizer on every rank's host: use zero.stage=1 "
                              f"or 2 (each rank's host then holds 1/{self.n_d} of it)")
+
+    def _fused_grads(self, groups: list[FlatParams],
+                     on_filled: Callable[[int], None] | None = None) -> FusedGrads:
+        """The fused-bucket gradient store over ``groups`` (stages 2-3; every stage with
+        ZeRO-Offload, whose reduced chunks go to the host as they land and whose device keeps
+        no gradient store: ``offload.HostGradShards``)."""
+        host = HostGradShards() if self.zero.offload_optimizer == "cpu" else None
+        return FusedGrads(groups, self.n_d, self.dp_rank, self.transport, self.fused_depth,
+                          self.zero_r.contiguous_memory, self.device, on_filled=on_filled,
+                          shards=host)
 
     def _place_frozen(self) -> FlatParams | None:
         """Stages 0-2: the frozen parameters, whole on every rank in the training dtype, in
@@ -297,6 +309,7 @@ class Strategy:
         if self.measure_grad_norm or self.zero.grad_clip > 0 or \
                 isinstance(self.scaler, precision.DynamicLossScaler):
             stats = clip.local_stats(grads, self._counted, 1.0 / scale, self.device)
+            stats = stats.to(self.device)  # offload: computed from the host's chunks
             agreed = clip.agree(stats, self.topo.world)  # device values: no host read here
             mult = clip.grad_multiplier(agreed, self.zero.grad_clip, scale)
         # dynamic scaling: decided when the next backward reads the scale

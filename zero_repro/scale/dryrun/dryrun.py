@@ -381,9 +381,12 @@ def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None
 
 
 def _offload_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
-    """Storages ZeRO-Offload's optimizer keeps in host memory (``zero.offload``: master, Adam
-    moments, the gradient staging, its scratch): host memory, not device."""
-    for t in getattr(getattr(strategy, "opt", None), "host_tensors", lambda: ())():
+    """Storages ZeRO-Offload keeps in host memory (``zero.offload``: master, Adam moments, the
+    gradient staging, its scratch; ``zero.offload_param``: stage 3's parameter shards): host
+    memory, not device."""
+    opt = getattr(getattr(strategy, "opt", None), "host_tensors", lambda: ())()
+    params = getattr(getattr(strategy, "params", None), "host_tensors", lambda: ())()
+    for t in [*opt, *params]:
         sid = tracer.sid_of(t)
         if sid is not None:
             host.add(sid)

@@ -9,16 +9,20 @@ shard) and N_d data-parallel ranks:
     P_os+g    lp·Ψ + (lp + K)·Ψ/N_d        = 2Ψ + 14Ψ/N_d
     P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
 
-With ZeRO-Offload (Ren et al. 2021; ``zero.offload_optimizer=cpu``, ``runtime.zero.offload``)
-the K bytes move to the host with a copy of the gradient shard (lp bytes: the buffer the
-gradients arrive in and the updated parameters leave from); the device keeps the stage's
-parameters and gradients (``offload_bytes``; stage 0 only at N_d = 1):
+With ZeRO-Offload (Ren et al. 2021 §4.1; ``zero.offload_optimizer=cpu``, ``runtime.zero.offload``)
+the K bytes move to the host with the gradient shard (lp bytes: the buffer the reduced gradients
+arrive in and the updated parameters leave from); the device keeps only the stage's lp
+parameters (``offload_bytes``; stage 0 only at N_d = 1); with ZeRO-3 Offload
+(``zero.offload_param=cpu``, stage 3) the lp parameter shard moves to the host too and the
+device keeps no model state between uses (its working set: gathered units, fused buffers):
 
-              device                           host
-    baseline  2·lp·Ψ            = 4Ψ           (K + lp)·Ψ     = 14Ψ  (N_d = 1)
-    P_os      2·lp·Ψ            = 4Ψ           (K + lp)·Ψ/N_d = 14Ψ/N_d
-    P_os+g    lp·Ψ + lp·Ψ/N_d   = 2Ψ + 2Ψ/N_d  (K + lp)·Ψ/N_d = 14Ψ/N_d
-    P_os+g+p  2·lp·Ψ/N_d        = 4Ψ/N_d       (K + lp)·Ψ/N_d = 14Ψ/N_d
+              device                  host
+    baseline  lp·Ψ     = 2Ψ           (K + lp)·Ψ     = 14Ψ  (N_d = 1)
+    P_os      lp·Ψ     = 2Ψ           (K + lp)·Ψ/N_d = 14Ψ/N_d
+    P_os+g    lp·Ψ     = 2Ψ           (K + lp)·Ψ/N_d = 14Ψ/N_d
+    P_os+g+p  lp·Ψ/N_d = 2Ψ/N_d       (K + lp)·Ψ/N_d = 14Ψ/N_d
+      + param 0                       (K + 2·lp)·Ψ/N_d = 16Ψ/N_d
+      param alone (optimizer on the device): device (K + lp)·Ψ/N_d, host lp·Ψ/N_d
 
 The one statement of these formulas: the memory model, the dry run's checks, Table 1's experiment
 and the runtime's ledger tests all call ``model_state_bytes`` (and ``offload_bytes``). ``STAGE_NOTATION`` is the one home
@@ -51,13 +55,22 @@ def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_byte
     raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
 
 
-def offload_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2
-                  ) -> dict[str, float]:
-    """Per-rank model-state bytes with the optimizer offloaded (module docstring):
-    {"device": the stage's lp parameters + lp gradients, "host": K + lp bytes per shard
-    element}. Stage 0 keeps the whole optimizer on the host of each rank (N_d = 1 only)."""
+def offload_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2,
+                  optimizer: str = "cpu", param: str = "none") -> dict[str, float]:
+    """Per-rank model-state bytes with ZeRO-Offload (module docstring): {"device", "host"}.
+    ``optimizer``: ``zero.offload_optimizer`` (the K bytes and the gradient shard on the host;
+    stage 0 keeps the whole optimizer on the host of each rank, N_d = 1 only); ``param``:
+    ``zero.offload_param`` (stage 3's lp parameter shard on the host)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
-    device = model_state_bytes(psi, stage, n_d, 0, lp_bytes)
+    if param == "cpu" and stage != 3:
+        raise ValueError(f"offload_param=cpu at stage {stage}: stage 3 only")
     shard = psi if stage == 0 else psi / n_d
-    return {"device": device, "host": (K + lp_bytes) * shard}
+    params = lp_bytes * (psi / n_d if stage == 3 else psi)
+    if optimizer == "cpu":
+        device, host = params, (K + lp_bytes) * shard
+    else:
+        device, host = model_state_bytes(psi, stage, n_d, K, lp_bytes), 0.0
+    if param == "cpu":
+        device, host = device - params, host + params
+    return {"device": device, "host": host}
