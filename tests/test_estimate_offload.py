@@ -125,3 +125,44 @@ def test_deepspeed_offload_figures_follow_its_formulas():
     ds = L.deepspeed_figures(7e9, 8, 4, 131_072_000, offload=True)
     assert ds[2] == int(2 * 7e9)  # 16-bit parameters only on the GPU
     assert ds["host"][2] == int(7e9 * max(4 * 8, 16) * 1.5)  # per node, its buffer factor
+
+
+def test_the_dry_run_keeps_stage_3s_parameter_shard_on_the_host():
+    """ZeRO-3 Offload (``cpu+param``): the device keeps no model state between uses, the host
+    the offload column with the parameters (16Ψ/N_d); the device's live peak drops by at least
+    the parameter shard against the optimizer offloaded alone; ``param`` alone keeps the
+    optimizer and the gradient shard on the device."""
+    cfgs = {o: E.stage_config(base(), 3, "ckpt", 2, offload=o) for o in ("cpu", "cpu+param",
+                                                                          "param")}
+    runs = {o: dry_run(c, keep_trace=False, details=False) for o, c in cfgs.items()}
+    for mode, r in runs.items():
+        opt, par = ("cpu", "cpu") if mode == "cpu+param" else (("cpu", "none") if mode == "cpu"
+                                                               else ("none", "cpu"))
+        want = offload_bytes(r.psi_padded, 3, 4, optimizer=opt, param=par)
+        assert r.model_state_bytes == want["device"], mode
+        host = sum(v for k, v in r.ledger.items() if k.endswith("_host") and k !=
+                   "optim_step_host")
+        assert host == want["host"], mode
+        assert r.host_bytes >= host
+    assert runs["cpu+param"].model_state_bytes == 0
+    assert runs["cpu"].live_peak - runs["cpu+param"].live_peak >= 2 * runs["cpu"].psi_padded / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,cluster,extra,offload", [
+    ("gpt_13b", "dgx2_v100", "", "cpu"),  # ZeRO-Offload's headline: 13B on one 32 GB V100
+    ("gpt_40b_88x6144", "dgx2_v100", "", "cpu+param"),  # ZeRO-Infinity's: 40B on one V100
+    ("llama2_7b", "l40s_pcie", "24GB", "cpu+param"),  # a 24 GB card
+])
+def test_one_card_fits_what_the_offload_papers_say(model, cluster, extra, offload):
+    """Simulated (the dry run on meta tensors, judged against the card): each fits on one GPU
+    with its offload mode at micro-batch 1 and does not fit without it."""
+    argv = ["--model", model, "--cluster", cluster, "--gpus", "1", "--batch", "1"]
+    if extra:
+        argv += ["--device-memory", extra]
+    cfg = L.config_from_args(L._parser().parse_args(argv))
+    stage = 2 if offload == "cpu" else 3
+    on = E.estimate(cfg, (stage,), "auto", search=False, workers=1, offload=offload)
+    off = E.estimate(cfg, (stage,), "auto", search=False, workers=1, offload="none")
+    assert on.stages[0].fits, (model, on.stages[0].peak_reserved / 1e9)
+    assert not off.stages[0].fits, (model, off.stages[0].peak_reserved / 1e9)
