@@ -131,6 +131,11 @@ class ZeroConfig:
     # is gathered (runtime.zero.stage3_p). Stage 3 only; with or without offload_optimizer.
     # Records made before the knob existed ran it off
     offload_param: str = field(default="none", metadata={ABSENT: "none"})  # none | cpu
+    # ZeRO-Offload's delayed parameter update (Ren et al. 2021 §4.2): after offload_dpu_warmup
+    # steps the host's update of step t runs while step t+1 computes on parameters one update
+    # old (it changes the math on purpose; runtime.zero.offload). Needs offload_optimizer=cpu
+    offload_dpu: bool = field(default=False, metadata={ABSENT: False})
+    offload_dpu_warmup: int = field(default=40, metadata={ABSENT: 40})
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -152,6 +152,12 @@ def _validate_offload(cfg: Config) -> None:
                                       or cfg.simulate.only_switches):
         raise ValueError(f"zero.offload_param={z.offload_param}: the 2020 stack had no "
                          f"parameter offload; use simulate.stack=modern")
+    if z.offload_dpu and z.offload_optimizer != "cpu":
+        raise ValueError("zero.offload_dpu=true delays the host's update: it needs "
+                         "zero.offload_optimizer=cpu")
+    if z.offload_dpu_warmup < 0:
+        raise ValueError(f"zero.offload_dpu_warmup={z.offload_dpu_warmup}: use 0 or more "
+                         f"steps before the update is delayed")
     if z.offload_optimizer == "none":
         return
     dp = cfg.parallel.world_size // max(1, cfg.parallel.tp)

@@ -81,7 +81,7 @@ def workload(cfg: C.Config) -> perf_model.Workload:
         bucket_elems=float(cfg.zero.reduce_bucket_size),
         ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0,
         offload=cfg.zero.offload_optimizer == "cpu",
-        offload_param=cfg.zero.offload_param == "cpu")
+        offload_param=cfg.zero.offload_param == "cpu", offload_dpu=cfg.zero.offload_dpu)
 
 
 def hardware_for(cfg: C.Config) -> Hardware:

@@ -21,7 +21,9 @@ applies (the optimizer steps on the device).
 (u the gradient buckets, stage 3 the blocks; c host cores per GPU, B_dram the host DRAM
 bandwidth per GPU, B_pcie the host<->device bandwidth per direction: the cluster's
 ``host_cores``, ``host_memory_gbps``, ``pcie_gbps``). The host step is not overlapped with the
-device's compute (no delayed parameter update). Sources of the rates:
+device's compute, except with the delayed parameter update (``zero.offload_dpu``, §4.2: the host
+step of step t runs beside step t+1's forward and backward, W): its exposed part is then
+max(T_host - W, 0). Sources of the rates:
 
   * r_core (``HOST_ADAM_PER_CORE``): measured on this project's machine by ``python -m
     zero_repro.lab.host_adam --elements 64M --threads 1 --repeats 7`` (the runtime's own host
@@ -100,6 +102,8 @@ def terms(w, hw, dk, bwd_window: float, point: str = "mid",
         h2d = 0.0 if param else t_copy / units  # the last chunk back (param: a host copy)
         exposed += d2h + max(t_host, 0.0 if param else t_copy) + h2d - t_host
         total += (1 if param else 2) * t_copy
+        if getattr(w, "offload_dpu", False):  # hidden behind the next forward and backward
+            t_host = max(t_host - (fwd_window + bwd_window), 0.0)
     if param:
         t_param = PARAM_GATHERS * t_copy
         exposed += max(t_param - (fwd_window + bwd_window), t_param / units)

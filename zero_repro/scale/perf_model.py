@@ -88,6 +88,9 @@ class Workload:
     # ZeRO-3 Offload (zero.offload_param=cpu): stage 3's parameter shard on the host, copied
     # to the device at each gather (``scale.offload_time``)
     offload_param: bool = False
+    # ZeRO-Offload's delayed parameter update (zero.offload_dpu): the host step hidden behind
+    # the next step's forward and backward (``scale.offload_time``)
+    offload_dpu: bool = False
     # the 2020 stack's per-step terms (module doc): the ZeRO step's passes at this DeepSpeed
     # commit ("" = not modelled), rooted reduces for stage 2, synchronous P_a+cpu copies
     step_commit: str = ""

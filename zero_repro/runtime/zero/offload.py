@@ -37,11 +37,13 @@ Data flow per step (PCIe: lp·Ψ_s bytes each way):
 The same arithmetic as ``ShardAdamW``'s fused path (upcast, multiply, the same kernel, cast):
 on one host bit-identical; on a GPU the CPU and CUDA kernels of AdamW may differ by rounding.
 Without CUDA (this project's CPU ranks, the dry run's meta tensors) the copies are plain
-copies. Not done: ZeRO-Offload's one-step delayed parameter update (the host step overlapped
-with the next forward; it changes the arithmetic).
+copies. ``step_delayed`` is ZeRO-Offload's one-step delayed parameter update (§4.2,
+``zero.offload_dpu``): the host step of step t overlaps step t+1's forward and backward, which
+run on parameters one update old (it changes the arithmetic on purpose).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -91,6 +93,8 @@ class HostAdamW:
         self.step_count = 0
         self.copied = {"d2h": 0, "h2d": 0}  # bytes over PCIe (host <-> device) so far
         self._staged = [False] * len(self.chunks)
+        self.spare: torch.Tensor | None = None  # the delayed update's second staging buffer
+        self._pending: tuple | None = None  # (its buffer, its thread, its error box)
         self._d2h: list = [None] * len(self.chunks)  # CUDA events: gradient chunk i on the host
         self._h2d: list = [None] * len(self.chunks)  # ... parameter chunk i on the device
         if self.cuda:
@@ -105,8 +109,9 @@ class HostAdamW:
     def host_tensors(self) -> list[torch.Tensor]:
         """Every storage this optimizer keeps in host memory (the dry run tells them apart
         from the device's)."""
+        spare = [] if self.spare is None else [self.spare]
         return [self.master, self.exp_avg, self.exp_avg_sq, self.staging, self.scratch,
-                self._step_t]
+                self._step_t, *spare]
 
     # ------------------------------------------------------------------ device -> host
     @torch.no_grad()
@@ -198,22 +203,90 @@ class HostAdamW:
                 on_chunk(i)
         self.discard()
 
-    def update_chunk(self, i: int, grad_mult: float, kw: dict) -> None:
+    def update_chunk(self, i: int, grad_mult: float, kw: dict,
+                     staging: torch.Tensor | None = None) -> None:
         """The host's work on chunk i (what ``lab.host_adam`` times): AdamW over its elements,
         ``block`` at a time, from the staged gradient; the updated master cast into the
-        staging. ``kw``: ``torch._fused_adamw_``'s hyperparameters."""
+        staging (``staging``: default the current one). ``kw``: ``torch._fused_adamw_``'s
+        hyperparameters."""
         off, n = self.chunks[i]
+        staging = self.staging if staging is None else staging
         for a in range(off, off + n, self.block):
             b = min(a + self.block, off + n)
             g = self.scratch[:b - a]
-            g.copy_(self.staging[a:b])
+            g.copy_(staging[a:b])
             if grad_mult != 1.0:
                 g.mul_(grad_mult)
             torch._fused_adamw_([self.master[a:b]], [g], [self.exp_avg[a:b]],
                                 [self.exp_avg_sq[a:b]], [], [self._step_t], **kw)
             # cast to the training dtype while the block is in cache (the gradient there is
             # consumed)
-            self.staging[a:b].copy_(self.master[a:b])
+            staging[a:b].copy_(self.master[a:b])
+
+    # ------------------------------------------------------------------ delayed update
+    @torch.no_grad()
+    def step_delayed(self, lp_chunks: Sequence[torch.Tensor],
+                     grads: Sequence[torch.Tensor | None], grad_mult: float, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float,
+                     on_chunk: Callable[[int], None] | None = None) -> None:
+        """ZeRO-Offload's delayed parameter update (Ren et al. 2021, §4.2): the update of the
+        step before lands first (``settle``: copied to the device, ``on_chunk(i)``), then this
+        step's update starts on a host thread from the staged gradients and returns at once;
+        the next step's gradients arrive in a second staging buffer meanwhile (``spare``:
+        + lp·Ψ_s host bytes). The device computes step t+1 on parameters one update old."""
+        for i, g in enumerate(grads):
+            if not self._staged[i]:
+                self.grad_ready(i, g)
+        for i, ev in enumerate(self._d2h):
+            if ev is not None:
+                ev.synchronize()
+                self._d2h[i] = None
+        self.settle(lp_chunks, on_chunk)
+        if self.spare is None:
+            self.spare = torch.zeros(self.numel, dtype=self.staging.dtype, device=HOST,
+                                     pin_memory=self.cuda)
+        self.step_count += 1
+        kw = dict(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
+                  amsgrad=False, maximize=False)
+        buf, box = self.staging, []
+        self.staging, self.spare = self.spare, buf
+        self.discard()
+        thread = threading.Thread(target=self._update_all, daemon=True,
+                                  args=(buf, grad_mult, kw, self.step_count, box))
+        thread.start()
+        self._pending = (buf, thread, box)
+
+    def _update_all(self, buf: torch.Tensor, grad_mult: float, kw: dict, step: int,
+                    box: list) -> None:
+        try:
+            with torch.no_grad():
+                self._step_t.fill_(step)
+                for i in range(len(self.chunks)):
+                    self.update_chunk(i, grad_mult, kw, buf)
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that settles
+            box.append(e)
+
+    @torch.no_grad()
+    def settle(self, lp_chunks: Sequence[torch.Tensor],
+               on_chunk: Callable[[int], None] | None = None) -> bool:
+        """The delayed update in flight, if any, finished and copied onto ``lp_chunks``
+        (``on_chunk(i)`` after each); whether there was one. Whatever reads the optimizer's
+        state or the parameters outside the step settles first."""
+        if self._pending is None:
+            return False
+        buf, thread, box = self._pending
+        thread.join()
+        self._pending = None
+        if box:
+            raise RuntimeError("the delayed host update failed") from box[0]
+        if self.cuda:  # nothing on the device still reads the parameters being replaced
+            self._h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for i, lp in enumerate(lp_chunks):
+            off, n = self.chunks[i]
+            self._to_device(i, lp, buf[off:off + n])
+            if on_chunk is not None:
+                on_chunk(i)
+        return True
 
     def _to_device(self, i: int, lp: torch.Tensor, stage: torch.Tensor) -> None:
         self.copied["h2d"] += stage.numel() * stage.element_size()
@@ -232,7 +305,8 @@ class HostAdamW:
         return {"master_fp32_host": self.master.numel() * 4,
                 "adam_m_host": self.exp_avg.numel() * 4,
                 "adam_v_host": self.exp_avg_sq.numel() * 4,
-                "grads_host": self.staging.numel() * self.staging.element_size(),
+                "grads_host": self.staging.numel() * self.staging.element_size()
+                * (1 if self.spare is None else 2),
                 "optim_step_host": self.scratch.numel() * 4}
 
 

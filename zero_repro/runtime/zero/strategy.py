@@ -318,13 +318,19 @@ class Strategy:
         if self.offload:
             # the host steps on the host: it reads the agreed decision there (one wait, for
             # numbers the host needs before it starts anyway)
+            lp, publish = self.params.chunks(), self.params.start_param_sync
             if agreed is not None and agreed.overflow:
+                self.opt.settle(lp, publish)  # a delayed update still lands
                 self.opt.discard()  # the gradients staged on the host are not used
             else:
                 coef = 1.0 if agreed is None else clip.clip_coef(agreed.norm, self.zero.grad_clip)
-                self.opt.step(self.params.chunks(), grads, coef / scale, t.lr,
-                              (t.beta1, t.beta2), t.eps, t.weight_decay,
-                              on_chunk=self.params.start_param_sync)
+                delayed = self.zero.offload_dpu and \
+                    self.opt.step_count >= self.zero.offload_dpu_warmup
+                if not delayed:
+                    self.opt.settle(lp, publish)
+                (self.opt.step_delayed if delayed else self.opt.step)(
+                    lp, grads, coef / scale, t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay,
+                    on_chunk=publish)
         else:
             # an overflow (agreed by every rank) skips the update on the device: parameters,
             # Adam state and step count unchanged, the publish below moves the unchanged values
@@ -345,7 +351,11 @@ class Strategy:
 
     def wait_params(self) -> None:
         """Block until the module's parameters hold the current values (an overlapped
-        all-gather of the last step has landed). Forward waits by itself."""
+        all-gather of the last step has landed; ``zero.offload_dpu``: the delayed update in
+        flight lands now). Forward waits by itself (for the gathers, not the delayed update)."""
+        if self.offload and self.opt.settle(self.params.chunks(),
+                                            self.params.start_param_sync):
+            self.params.start_param_sync()
         self.params.finish_param_sync()
 
     def remove_hooks(self) -> None:
@@ -481,7 +491,7 @@ class Strategy:
         if not custom and names != self.state_names():
             raise ValueError(f"the state holds {names[1:]}, the built-in AdamW exp_avg and "
                              f"exp_avg_sq: it was saved with another optimizer")
-        self.params.finish_param_sync()
+        self.wait_params()  # a delayed update in flight lands before the state is replaced
         base, i = 0, 0
         lp_chunks = self.params.chunks()
         for g, gs in zip(self.groups, state["groups"]):
