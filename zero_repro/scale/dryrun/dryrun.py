@@ -108,6 +108,7 @@ class DryRunResult:
     capacity: float = 0.0
     breakdown: dict = field(default_factory=dict)  # categories.breakdown at the judged peak
     category_of: dict = field(default_factory=dict, repr=False)  # sid -> category (trace kept)
+    module_of: dict = field(default_factory=dict, repr=False)  # sid -> module (trace kept)
     backend: str = "meta"  # how it ran without data (dry_run's ``backend``)
     _min_capacity: int | None = field(default=None, repr=False)  # memo of min_capacity()
     cached_ops: int = 0  # ops the tracer answered from its output cache (backend meta)
@@ -117,6 +118,7 @@ class DryRunResult:
         d.pop("trace")
         d.pop("host_sids")
         d.pop("category_of")
+        d.pop("module_of")
         d.pop("_min_capacity")
         return d
 
@@ -304,7 +306,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             _build_host_sids(tracer, strategy, host)
             _offload_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
-            hooks = K.tag_model(tracer, model)
+            hooks = K.tag_model(tracer, model) + K.tag_modules(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
                 t0 = time.perf_counter()
@@ -363,6 +365,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                         stack=stack.name, judged_with_build=with_build, capacity=cap or 0.0,
                         breakdown=brk,
                         category_of=dict(tracer.category_of) if keep_trace else {},
+                        module_of=dict(tracer.module_of) if keep_trace else {},
                         backend=backend,
                         cached_ops=tracer._cache.hits if tracer._cache is not None else 0)
 
