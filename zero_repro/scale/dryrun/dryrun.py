@@ -59,6 +59,7 @@ from zero_repro.scale.paper.overrides import setup_overrides as paper_setup_over
 from zero_repro.scale.paper.setups import PaperSetup
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun import snapshot
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019, streams
 from zero_repro.scale.dryrun.stack import switches as S
@@ -531,6 +532,8 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, default=None,
                         help=f"{name} (default: the 100B setup's; stage: the config's)")
     ap.add_argument("--cluster", default=PAPER_CLUSTER, help="conf/cluster/NAME")
+    ap.add_argument("--snapshot", metavar="FILE",
+                    help="also write the judged replay as a PyTorch memory snapshot (snapshot.py)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     extra = {"simulate.stack": args.stack}
@@ -542,8 +545,11 @@ def main(argv=None) -> int:
     walls = {}
     for backend in (("meta", "fake") if args.backend == "both" else (args.backend,)):
         t0 = time.perf_counter()
-        r = dry_run(cfg, iterations=args.iterations, keep_trace=False, backend=backend)
+        r = dry_run(cfg, iterations=args.iterations, keep_trace=bool(args.snapshot),
+                    backend=backend)
         walls[backend] = wall = time.perf_counter() - t0
+        if args.snapshot:
+            print(snapshot.report_written(r, args.snapshot), flush=True)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                        if k.startswith("iteration"))

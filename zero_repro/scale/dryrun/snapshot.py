@@ -273,5 +273,11 @@ def write_result(result, path, device: int = 0) -> dict:
     return {**out, **stats(snap, device)}
 
 
-__all__ = ["from_events", "from_result", "steady_events", "stats", "write", "write_result",
-           "load", "LABELS", "BASE"]
+def report_written(result, path, device: int = 0) -> str:
+    """``write_result`` and one line saying what was written (the CLIs' ``--snapshot``)."""
+    w = write_result(result, path, device)
+    return (f"snapshot: {w['path']} ({w['bytes'] / 1e6:.1f} MB, {w['seconds']:.1f} s; "
+            f"{sum(w['actions'].values())} events, {w['n_segments']} segments): live peak "
+            f"{w['live_peak']} B, reserved peak {w['reserved_peak']} B (dry run: live "
+            f"{result.live_peak} B, reserved {result.allocator['peak_reserved']} B); view it "
+            f"with python -m zero_repro.lab.memory_view {w['path']}")

@@ -119,8 +119,9 @@ def tag_model(tracer: "CategoryTracer", model) -> list:
 def tag_modules(tracer: "CategoryTracer", model) -> list:
     """Forward pre/post hooks on every submodule of ``model`` that keep ``tracer.module`` the
     qualified name of the innermost module running (its forward, or its recompute under
-    activation checkpointing), so each storage records the module that made it
-    (``module_of``; the memory snapshot's frames). Returns the hook handles."""
+    activation checkpointing, whose early stop raises out of it: ``always_call``), so each
+    storage records the module that made it (``module_of``; the memory snapshot's frames).
+    Returns the hook handles."""
     stack: list = []
 
     def enter(name):
@@ -136,7 +137,7 @@ def tag_modules(tracer: "CategoryTracer", model) -> list:
     for name, mod in model.named_modules():
         if name:
             handles += [mod.register_forward_pre_hook(enter(name)),
-                        mod.register_forward_hook(leave)]
+                        mod.register_forward_hook(leave, always_call=True)]
     return handles
 
 
