@@ -248,11 +248,12 @@ def stats(snapshot: dict, device: int = 0) -> dict:
 
 
 def write(snapshot: dict, path) -> dict:
-    """Pickle ``snapshot`` to ``path`` (what ``_dump_snapshot`` writes). Returns
+    """Pickle ``snapshot`` to ``path`` (as ``_dump_snapshot`` does; protocol 4, which
+    pytorch.org/memory_viz reads when the file is dropped on it). Returns
     {"path", "bytes", "seconds"}."""
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(snapshot, f, protocol=4)  # the viewer's unpickler reads protocols 2-4
         n = f.tell()
     return {"path": str(path), "bytes": n, "seconds": time.perf_counter() - t0}
 
