@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 from torch.cuda import _memory_viz as MV
 
-from tests.test_dryrun import PAPER_BUCKETS, paper_cfg, tiny_cfg
+from tests.test_dryrun import PAPER_BUCKETS, _world4_cfg, paper_cfg, tiny_cfg
 from zero_repro import config as C
+from zero_repro.runtime.comm.launch import spawn
 from zero_repro.scale.dryrun import snapshot as SN
 from zero_repro.scale.dryrun.dryrun import apply_overrides, dry_run
+from zero_repro.scale.dryrun.real_run import real_snapshots
 from zero_repro.scale.dryrun.trace import live_peaks
 from zero_repro.scale.paper.overrides import paper_overrides
 
@@ -128,3 +131,25 @@ def test_1t_stage3_on_1024_gpus_snapshot(tmp_path):
     assert w["live_peak"] == r.live_peak
     assert w["reserved_peak"] == w["segments_total"] == r.allocator["peak_reserved"]
     assert live_peaks(SN.steady_events(r))[0] == w["live_peak"]
+
+
+@pytest.mark.parametrize("name", ["wide-s3-tp2-c4"])
+def test_dry_run_snapshot_agrees_with_a_real_cpu_runs(monkeypatch, name):
+    """The same small model (stage 3, a vocabulary read in row slices, TP 2 + P_a/C_B/M_D) at
+    world 4: the snapshot of a real gloo run (real tensors, every storage polled, measured)
+    and the dry run's agree on the live peak and on the live bytes per category at it, within
+    the dry run's stated tolerance (64 B, ``test_dryrun``); the same module names appear."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")  # gloo: peers' segments are not ours
+    cfg = _world4_cfg(name)
+    (real,) = spawn(real_snapshots, 4, [OmegaConf.to_container(OmegaConf.structured(cfg))])[0]
+    dry = SN.from_result(dry_run(cfg, transport_of=real["dry_run"]["transport"]))
+    (peak_d, cats_d), (peak_r, cats_r) = SN.peak_categories(dry), SN.peak_categories(real)
+    assert abs(peak_d - peak_r) <= 64
+    assert set(cats_d) == set(cats_r)
+    for cat, nbytes in cats_r.items():
+        assert abs(cats_d[cat] - nbytes) <= 64, (cat, cats_d[cat], nbytes)
+
+    def names(snap):
+        return {e["frames"][0]["name"] for e in snap["device_traces"][0] if e["frames"]}
+    assert names(dry) == names(real)
+    MV.trace_plot(real)

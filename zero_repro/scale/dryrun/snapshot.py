@@ -117,7 +117,7 @@ class _Sink:
         self._add("free_completed", blk.addr, self.size_of.pop(sid), frames, cat)
 
 
-def _framer(events, category_of: dict, module_of: dict, rank: int):
+def _framer(events, category_of: dict, module_of: dict, rank: int, source: str):
     """sid -> (frames, label): one frame per (module, category, phase, step), shared (the
     pickle stores each once)."""
     where = {e[1]: (e[3], e[4]) for e in events if e[0] == ALLOC}
@@ -132,7 +132,7 @@ def _framer(events, category_of: dict, module_of: dict, rank: int):
         if got is None:
             name = f"{mod} ({cat})" if mod else cat
             step = "build" if phase == "build" else f"{phase}, step {it}"
-            got = memo[key] = ([{"name": name, "filename": f"dry run rank {rank}: {step}",
+            got = memo[key] = ([{"name": name, "filename": f"{source} rank {rank}: {step}",
                                  "line": 0}], cat)
         return got
     return frames_of
@@ -140,9 +140,10 @@ def _framer(events, category_of: dict, module_of: dict, rank: int):
 
 def from_events(events, category_of: dict, module_of: dict | None = None,
                 capacity: float | None = None, device: int = 0, rank: int = 0,
-                meta: dict | None = None) -> dict:
-    """The snapshot of replaying device trace ``events`` (module docstring)."""
-    sink = _Sink(_framer(events, category_of, module_of or {}, rank))
+                meta: dict | None = None, source: str = "dry run") -> dict:
+    """The snapshot of replaying device trace ``events`` (module docstring); ``source`` names
+    the run in the frames (a dry run, or a real CPU run's measured trace)."""
+    sink = _Sink(_framer(events, category_of, module_of or {}, rank, source))
     alloc = _Recording(capacity or None, sink)
     live: dict[int, tuple] = {}
     for i, (kind, sid, nbytes, *_rest) in enumerate(events):
@@ -245,6 +246,28 @@ def stats(snapshot: dict, device: int = 0) -> dict:
             "segments_total": sum(s["total_size"] for s in segs),
             "requested_end": sum(s["requested_size"] for s in segs),
             "live_end": live, "n_segments": len(segs), "actions": counts}
+
+
+def peak_categories(snapshot: dict, device: int = 0) -> tuple[int, dict]:
+    """(live peak, {category: live bytes at its first moment}) read from the snapshot's trace
+    alone (``category``: the label of ``LABELS``)."""
+    live, best, at = 0, -1, 0
+    trace = snapshot["device_traces"][device]
+    for i, e in enumerate(trace):
+        if e["action"] in ("alloc", "free_requested"):
+            live += e["size"] if e["action"] == "alloc" else -e["size"]
+            if live > best:
+                best, at = live, i + 1
+    held: dict[int, tuple[str, int]] = {}
+    for e in trace[:at]:
+        if e["action"] == "alloc":
+            held[e["addr"]] = (e["category"], e["size"])
+        elif e["action"] == "free_requested":
+            held.pop(e["addr"], None)
+    out: dict[str, int] = {}
+    for cat, size in held.values():
+        out[cat] = out.get(cat, 0) + size
+    return max(best, 0), out
 
 
 def write(snapshot: dict, path) -> dict:
