@@ -460,6 +460,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     ap.add_argument("--workers", type=int, help="helper processes (default: 2 on 2+ cores)")
     ap.add_argument("--json", help="also write the estimate as JSON here (every time term)")
+    ap.add_argument("--snapshot", metavar="FILE", help="also write each stage's dry run as a "
+                    "PyTorch memory snapshot (FILE, or FILE_stageN per stage; lab.memory_view)")
     return ap
 
 
@@ -501,6 +503,9 @@ def main(argv=None) -> int:
         done.append((est, ds))
     if len(done) > 1:
         print(compare_settings([e for e, _ in done]))
+    if args.snapshot:
+        from zero_repro.lab.memory_view import stage_snapshots  # torch's viewer, on demand
+        print("\n".join(stage_snapshots(cfg, stages, runs[0][0], args.snapshot, runs[0][1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([as_json(e, d) for e, d in done] if len(done) > 1

@@ -32,7 +32,9 @@ from pathlib import Path
 
 from torch.cuda import _memory_viz as MV
 
+from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun import snapshot as SN
+from zero_repro.scale.dryrun.dryrun import dry_run
 
 VIEWS = {"trace": MV.trace_plot, "segments": MV.segment_plot}
 VIEWER_JS, D3_JS = "MemoryViz.js", "d3.min.js"
@@ -124,6 +126,23 @@ def browse(html_path, screenshot=None, size=(1600, 1000), timeout: float = 180.0
         out = subprocess.run(args + ["--dump-dom", url], check=True, capture_output=True,
                              text=True, timeout=timeout)
     return out.stdout
+
+
+def stage_snapshots(cfg, stages, zero_r: str, path, offload: str | None = None) -> list[str]:
+    """The estimate's ``--snapshot``: for each ZeRO stage of ``stages``, a dry run of ``cfg`` as
+    the estimate configures it (``scale.estimate.stage_config``, at its micro-batch; a
+    ``selective`` setting is drawn with every block checkpointed) written as a memory snapshot
+    to ``path`` (one stage) or ``path`` with ``_stage{s}`` before the suffix. Returns one line
+    per snapshot (``snapshot.report_written``)."""
+    path, stages = Path(path), list(stages)
+    zr = E.zero_r_name(zero_r, cfg.parallel.tp)
+    zr = E.zero_r_name("auto", cfg.parallel.tp) if zr == "selective" else zr
+    lines = []
+    for s in stages:
+        cs = E.stage_config(cfg, s, zr, cfg.train.micro_batch_size, offload)
+        out = path if len(stages) == 1 else path.with_name(f"{path.stem}_stage{s}{path.suffix}")
+        lines.append(f"stage {s}: " + SN.report_written(dry_run(cs), out))
+    return lines
 
 
 def main(argv=None) -> int:
