@@ -89,3 +89,37 @@ def test_chromium_draws_the_dry_runs_snapshot_offline(tmp_path):
     dom = MVW.browse(page)
     reserved = SN.stats(snap)["segments_total"]
     assert f"({reserved} bytes) reserved)" in dom
+
+
+def test_an_experiments_point_writes_its_snapshot_beside_its_records(tmp_path):
+    """``experiment.params.snapshot=true``: the point's dry run lands in
+    ``<results_dir>/<experiment>/snapshots/<point>.pickle``; off, nothing is written."""
+    from omegaconf import OmegaConf
+
+    r = dry_run(tiny_cfg(2, 1, 1, "off"))
+    cfg = OmegaConf.create({"experiment": {"name": "memory_breakdown", "params": {},
+                                           "results_dir": str(tmp_path)}})
+    assert MVW.point_snapshot(cfg, "40B C4 modern", r) == {}
+    cfg.experiment.params.snapshot = True
+    out = MVW.point_snapshot(cfg, "40B C4 modern", r)
+    assert out["snapshot"] == str(tmp_path / "memory_breakdown" / "snapshots" /
+                                  "40B_C4_modern.pickle")
+    assert SN.stats(SN.load(out["snapshot"]))["live_peak"] == r.live_peak
+
+
+def test_the_gpu_proof_writes_both_snapshots_side_by_side(tmp_path):
+    """The GPU proof's paper point (CUDA only: ``torch.cuda.memory._snapshot()`` of the real
+    steps): the measured snapshot and the dry run's beside the report, each with its live
+    peak. Here a snapshot in torch's format stands in for the measured one."""
+    from omegaconf import OmegaConf
+
+    r = dry_run(tiny_cfg(2, 1, 1, "off"))
+    measured = SN.from_events([("alloc", 0, 1000, "forward", 0), ("alloc", 1, 24, "forward", 0),
+                               ("free", 0, 1000, "backward", 0)], {})
+    cfg = OmegaConf.create({"experiment": {"name": "gpu_proof", "params": {},
+                                           "results_dir": str(tmp_path)}})
+    out = MVW.proof_snapshots(cfg, "40B C4", measured, r)
+    assert out["snapshot_measured"].endswith("gpu_proof/snapshots/40B_C4_measured.pickle")
+    assert out["snapshot_measured_live_peak"] == 1024
+    assert out["snapshot_dry_run_live_peak"] == r.live_peak
+    assert SN.load(out["snapshot_dry_run"])["dry_run"]["live_peak"] == r.live_peak

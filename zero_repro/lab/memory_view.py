@@ -32,6 +32,7 @@ from pathlib import Path
 
 from torch.cuda import _memory_viz as MV
 
+from zero_repro import paths
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun import snapshot as SN
 from zero_repro.scale.dryrun.dryrun import dry_run
@@ -143,6 +144,39 @@ def stage_snapshots(cfg, stages, zero_r: str, path, offload: str | None = None) 
         out = path if len(stages) == 1 else path.with_name(f"{path.stem}_stage{s}{path.suffix}")
         lines.append(f"stage {s}: " + SN.report_written(dry_run(cs), out))
     return lines
+
+
+def _snapshot_path(cfg, point_name: str, suffix: str = "") -> Path:
+    """``<results_dir>/<experiment>/snapshots/<point><suffix>.pickle`` (folder made; not
+    committed: .gitignore)."""
+    folder = paths.results_path(cfg.experiment.results_dir) / cfg.experiment.name / "snapshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", point_name).strip("_")
+    return folder / f"{slug}{suffix}.pickle"
+
+
+def point_snapshot(cfg, point_name: str, result) -> dict:
+    """``experiment.params.snapshot=true`` of an experiment that runs dry runs: ``result``'s
+    snapshot (a ``DryRunResult`` with its trace) beside the experiment's records
+    (``_snapshot_path``). Returns {"snapshot": path, "snapshot_bytes"} for the record's
+    metrics, {} when off."""
+    if not cfg.experiment.params.get("snapshot", False):
+        return {}
+    w = SN.write_result(result, _snapshot_path(cfg, point_name))
+    return {"snapshot": w["path"], "snapshot_bytes": w["bytes"]}
+
+
+def proof_snapshots(cfg, point_name: str, measured: dict, result) -> dict:
+    """The GPU proof's paper point: the snapshot ``torch.cuda.memory._snapshot()`` took of the
+    real rank's steps (``measured``) and the dry run's (``result``, with its trace), side by
+    side beside the report (``_snapshot_path``: ``_measured`` / ``_dry_run``), with the live
+    peak each says (the measured one read back by ``snapshot.stats``)."""
+    real_path = _snapshot_path(cfg, point_name, "_measured")
+    SN.write(measured, real_path)
+    w = SN.write_result(result, _snapshot_path(cfg, point_name, "_dry_run"))
+    return {"snapshot_measured": str(real_path), "snapshot_dry_run": w["path"],
+            "snapshot_measured_live_peak": SN.stats(measured)["live_peak"],
+            "snapshot_dry_run_live_peak": w["live_peak"]}
 
 
 def main(argv=None) -> int:
