@@ -30,6 +30,7 @@ import sys
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation
+from zero_repro.lab import memory_view
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
@@ -504,8 +505,7 @@ def main(argv=None) -> int:
     if len(done) > 1:
         print(compare_settings([e for e, _ in done]))
     if args.snapshot:
-        from zero_repro.lab.memory_view import stage_snapshots  # torch's viewer, on demand
-        print("\n".join(stage_snapshots(cfg, stages, runs[0][0], args.snapshot, runs[0][1])))
+        print("\n".join(memory_view.stage_snapshots(cfg, stages, runs[0][0], args.snapshot, runs[0][1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([as_json(e, d) for e, d in done] if len(done) > 1
