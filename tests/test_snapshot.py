@@ -56,14 +56,15 @@ def test_snapshot_equals_the_replay_to_the_byte(args, tmp_path):
 
 
 def test_frames_name_module_and_category():
-    """A block's frame names the module that made the storage and its category; the stage-3
-    units' flat buffers are the fp16 parameters, recomputed activations name their module."""
+    """A block's frame names the module that made the storage and its category; a stage-3
+    unit's flat buffer, gathered again and again, is a gather; recomputed activations name
+    their module."""
     r = dry_run(tiny_cfg(4, 1, 3, "c4"))
     snap = SN.from_result(r)
     names = {e["frames"][0]["name"] for e in snap["device_traces"][0] if e["action"] == "alloc"}
     cats = {e["category"] for e in snap["device_traces"][0]}
     assert {"fp16 parameters", "fp32 master + Adam", "activation checkpoint", "working layer",
-            "unknown"} <= cats
+            "ZeRO stage 3 gather", "unknown"} <= cats
     assert any(n.startswith("blocks.0.") and n.endswith("(working layer)") for n in names)
     recomputed = {e["frames"][0]["name"] for e in snap["device_traces"][0]
                   if e["action"] == "alloc" and "backward" in e["frames"][0]["filename"]}

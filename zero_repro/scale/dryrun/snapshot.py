@@ -15,8 +15,10 @@ allocator records with ``_record_memory_history``, per event of ``device_traces[
   * ``segment_alloc`` / ``segment_free`` (the model's ``cudaMalloc`` / the release of cached
     segments before an allocation fails), ``oom`` at the first allocation past ``capacity``;
   * ``frames``: one frame naming the module that made the storage and its category
-    (``"blocks.17.attn (activation checkpoint)"``), the phase and step in its file name;
-    ``category`` the same label (the viewer colours the Active Memory Timeline by it).
+    (``"blocks.17.attn (activation checkpoint)"``; a parameter storage allocated more than
+    once -- resized in place, a stage-3 unit gathered and released -- ``ZeRO stage 3
+    gather``), the phase and step in its file name; ``category`` the same label (the viewer
+    colours the Active Memory Timeline by it).
 
 ``segments`` hold the allocator's state at the end (blocks in address order, ``requested_size``
 of each live block). Addresses are the model's virtual ones plus ``BASE``. What it must satisfy
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import Counter
 
 from zero_repro.scale.dryrun import allocator as A
 from zero_repro.scale.dryrun.stack import switches as S
@@ -46,6 +49,9 @@ LABELS = {  # category -> the label a frame shows
     S.LOGITS_LOSS: "logits / loss", S.GATHER: "ZeRO stage 3 gather",
     S.BUILD: "build transient", S.STEP_TEMP: "optimizer step transient", S.OTHER: "other",
 }
+
+
+GATHERED = "ZeRO stage 3 gather"  # the label of a unit's parameters gathered in place
 
 
 def label(category: str) -> str:
@@ -121,10 +127,14 @@ def _framer(events, category_of: dict, module_of: dict, rank: int, source: str):
     """sid -> (frames, label): one frame per (module, category, phase, step), shared (the
     pickle stores each once)."""
     where = {e[1]: (e[3], e[4]) for e in events if e[0] == ALLOC}
+    allocs = Counter(e[1] for e in events if e[0] == ALLOC)
     memo: dict = {}
 
     def frames_of(sid):
-        cat = label(category_of.get(sid, S.OTHER))
+        cat = category_of.get(sid, S.OTHER)
+        # a parameter storage allocated again and again (resized in place: stage 3 gathers a
+        # unit into its flat buffer before use and releases it after) is a gathered unit
+        cat = GATHERED if cat == S.FP16_PARAMS and allocs[sid] > 1 else label(cat)
         mod = module_of.get(sid)
         phase, it = where.get(sid, ("?", 0))
         key = (mod, cat, phase, it)
