@@ -15,9 +15,9 @@ allocator records with ``_record_memory_history``, per event of ``device_traces[
   * ``segment_alloc`` / ``segment_free`` (the model's ``cudaMalloc`` / the release of cached
     segments before an allocation fails), ``oom`` at the first allocation past ``capacity``;
   * ``frames``: one frame naming the module that made the storage and its category
-    (``"blocks.17.attn (activation checkpoint)"``; a parameter storage allocated more than
-    once -- resized in place, a stage-3 unit gathered and released -- ``ZeRO stage 3
-    gather``), the phase and step in its file name; ``category`` the same label (the viewer
+    (``"blocks.17.attn (activation checkpoint)"``; a parameter storage last allocated after
+    the build -- resized in place, a stage-3 unit gathered and released -- ``ZeRO stage 3
+    gather``), the phase and step of its last allocation in its file name; ``category`` the same label (the viewer
     colours the Active Memory Timeline by it).
 
 ``segments`` hold the allocator's state at the end (blocks in address order, ``requested_size``
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections import Counter
 
 from zero_repro.scale.dryrun import allocator as A
 from zero_repro.scale.dryrun.stack import switches as S
@@ -127,16 +126,16 @@ def _framer(events, category_of: dict, module_of: dict, rank: int, source: str):
     """sid -> (frames, label): one frame per (module, category, phase, step), shared (the
     pickle stores each once)."""
     where = {e[1]: (e[3], e[4]) for e in events if e[0] == ALLOC}
-    allocs = Counter(e[1] for e in events if e[0] == ALLOC)
     memo: dict = {}
 
     def frames_of(sid):
         cat = category_of.get(sid, S.OTHER)
-        # a parameter storage allocated again and again (resized in place: stage 3 gathers a
-        # unit into its flat buffer before use and releases it after) is a gathered unit
-        cat = GATHERED if cat == S.FP16_PARAMS and allocs[sid] > 1 else label(cat)
         mod = module_of.get(sid)
         phase, it = where.get(sid, ("?", 0))
+        # a parameter storage (re)allocated after the build -- resized in place: stage 3
+        # gathers a unit into its flat buffer before use and releases it after -- is a
+        # gathered unit
+        cat = GATHERED if cat == S.FP16_PARAMS and phase != "build" else label(cat)
         key = (mod, cat, phase, it)
         got = memo.get(key)
         if got is None:
