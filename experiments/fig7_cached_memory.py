@@ -29,6 +29,7 @@ from __future__ import annotations
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import cached_memory as CMF
 from zero_repro.lab.figures.wording import by_kind_and_series, column, num
+from zero_repro.lab.memory_view import point_snapshot
 from zero_repro.lab.points import Point
 import dataclasses
 
@@ -105,7 +106,8 @@ def run_point(cfg, point: Point) -> dict:
                         "host_bytes": r.host_bytes, "timings": r.timings,
                         "n_events": r.n_events, "stack": r.stack,
                         "judged_with_build": r.judged_with_build,
-                        "capacity_bytes": r.capacity, "breakdown": r.breakdown},
+                        "capacity_bytes": r.capacity, "breakdown": r.breakdown,
+                        **point_snapshot(cfg, point.name, r)},
             "memory": r.ledger}
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from zero_repro.lab import records as R
+from zero_repro.lab.memory_view import point_snapshot
 from zero_repro.lab.figures import memory_breakdown as MBF
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
@@ -125,9 +126,11 @@ def run_point(cfg, point: Point) -> dict:
                 "cached_free": b["cached_free"], "live_peak": r.live_peak,
                 "build_live_peak": r.live_peak_by_phase.get("build", 0),
                 "total_s": r.timings["total_s"]}
-    r = dry_run(cfg, iterations=int(q.get("iterations", 2)), keep_trace=False)
+    snap = bool(cfg.experiment.params.get("snapshot", False))
+    r = dry_run(cfg, iterations=int(q.get("iterations", 2)), keep_trace=snap)
     b = r.breakdown
-    return {"peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
+    return {**point_snapshot(cfg, point.name, r),
+            "peak_reserved": r.allocator["peak_reserved"], "oom": r.allocator["oom"],
             "peak_allocated": r.allocator["peak_allocated"], "capacity_bytes": r.capacity,
             "judged_with_build": r.judged_with_build, "stack": r.stack,
             "dry_run_backend": r.backend,

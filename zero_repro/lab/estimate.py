@@ -30,6 +30,7 @@ import sys
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation
+from zero_repro.lab import memory_view
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
@@ -465,6 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     ap.add_argument("--workers", type=int, help="helper processes (default: 2 on 2+ cores)")
     ap.add_argument("--json", help="also write the estimate as JSON here (every time term)")
+    ap.add_argument("--snapshot", metavar="FILE", help="also write each stage's dry run as a "
+                    "PyTorch memory snapshot (FILE, or FILE_stageN per stage; lab.memory_view)")
     return ap
 
 
@@ -506,6 +509,8 @@ def main(argv=None) -> int:
         done.append((est, ds))
     if len(done) > 1:
         print(compare_settings([e for e, _ in done]))
+    if args.snapshot:
+        print("\n".join(memory_view.stage_snapshots(cfg, stages, runs[0][0], args.snapshot, runs[0][1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([as_json(e, d) for e, d in done] if len(done) > 1

@@ -15,6 +15,7 @@ import torch
 
 from zero_repro import config as C
 from zero_repro.lab import cuda_memory
+from zero_repro.lab import memory_view
 from zero_repro.lab.checks import offload
 from zero_repro.lab.checks.equivalence import AdamWReference, max_abs_diff, tp1_parameters
 from zero_repro.lab.launcher import run_training
@@ -229,10 +230,14 @@ def run_throughput(cfg, point: Point) -> dict:
 def run_paper(cfg, point: Point) -> dict:
     q = point.params
     its = int(q["iterations"])
-    real = _one_rank_real(cfg, q["device"], its)
+    # on CUDA the steps' allocator history is recorded: both snapshots go beside the report
+    cuda = q["device"] == "cuda"
+    real = _one_rank_real(cfg, q["device"], its, record=cuda)
     # the dry run accounts the same (NCCL's) bucket transport as the real rank ran
-    pred = dry_run(cfg, rank=0, iterations=its, keep_trace=False, transport_of="native",
+    pred = dry_run(cfg, rank=0, iterations=its, keep_trace=cuda, transport_of="native",
                    allocator_capacity=device_bytes(cfg.cluster) or None)
+    shots = memory_view.proof_snapshots(cfg, point.name, real.pop("cuda_snapshot"), pred) \
+        if cuda else {}
     m = {"point": q["point"], "n_layer": cfg.model.n_layer, "paper_n_layer": q["paper_n_layer"],
          "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp, "stage": cfg.zero.stage,
          "zero_r": cfg.zero_r.name, "micro_batch_size": cfg.train.micro_batch_size,
@@ -241,7 +246,7 @@ def run_paper(cfg, point: Point) -> dict:
          "predicted_comm_buffers": pred.ledger.get("comm_buffers", 0),
          "predicted_peak_allocated": pred.allocator["peak_allocated"],
          "predicted_peak_reserved": pred.allocator["peak_reserved"],
-         "predicted_oom": pred.allocator["oom"], "dry_run_s": pred.timings["total_s"]}
+         "predicted_oom": pred.allocator["oom"], "dry_run_s": pred.timings["total_s"], **shots}
     m["model_states_ratio"] = real["model_state_bytes"] / pred.model_state_bytes
     m["comm_buffers"] = real["ledger"].get("comm_buffers", 0)
     checks = {"model_states": m["model_states_ratio"] == 1.0,
@@ -267,9 +272,12 @@ def run_paper(cfg, point: Point) -> dict:
             "memory": pred.ledger}
 
 
-def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
+def _one_rank_real(cfg, dev: str, iterations: int, record: bool = False) -> dict:
     """Rank 0 of ``cfg``'s world on the fake process group, real tensors on ``dev``, built on
-    the device, NCCL's bucket transport (its buffers; the collectives do nothing)."""
+    the device, NCCL's bucket transport (its buffers; the collectives do nothing). ``record``
+    (CUDA): the training steps' allocator history (``torch.cuda.memory.
+    _record_memory_history``, from after the build's ``empty_cache`` as the dry run's judged
+    trace starts) returned as ``cuda_snapshot`` (``torch.cuda.memory._snapshot()``)."""
     if comm.is_initialized():
         raise RuntimeError("the paper points need their own fake process group: run the "
                            "gpu_proof experiment in a process without one")
@@ -287,6 +295,8 @@ def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
             out["cuda_max_allocated_with_build"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.empty_cache()  # the dry run's training trace starts after the build too
             torch.cuda.reset_peak_memory_stats(device)
+            if record:
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
         m, t = cfg.model, cfg.train
         skipped = 0
         for it in range(iterations):
@@ -305,6 +315,9 @@ def _one_rank_real(cfg, dev: str, iterations: int) -> dict:
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
             out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
             out["cuda_memory_stats"] = cuda_memory.memory_stats(device)
+            if record:
+                out["cuda_snapshot"] = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
         trainer.close()
         del trainer
     finally:

@@ -59,6 +59,7 @@ from zero_repro.scale.paper.overrides import setup_overrides as paper_setup_over
 from zero_repro.scale.paper.setups import PaperSetup
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun import snapshot
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019, streams
 from zero_repro.scale.dryrun.stack import switches as S
@@ -108,6 +109,7 @@ class DryRunResult:
     capacity: float = 0.0
     breakdown: dict = field(default_factory=dict)  # categories.breakdown at the judged peak
     category_of: dict = field(default_factory=dict, repr=False)  # sid -> category (trace kept)
+    module_of: dict = field(default_factory=dict, repr=False)  # sid -> module (trace kept)
     backend: str = "meta"  # how it ran without data (dry_run's ``backend``)
     _min_capacity: int | None = field(default=None, repr=False)  # memo of min_capacity()
     cached_ops: int = 0  # ops the tracer answered from its output cache (backend meta)
@@ -117,6 +119,7 @@ class DryRunResult:
         d.pop("trace")
         d.pop("host_sids")
         d.pop("category_of")
+        d.pop("module_of")
         d.pop("_min_capacity")
         return d
 
@@ -304,7 +307,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             _build_host_sids(tracer, strategy, host)
             _offload_host_sids(tracer, strategy, host)
             _watch_flat_buffers(tracer, strategy)
-            hooks = K.tag_model(tracer, model)
+            hooks = K.tag_model(tracer, model) + K.tag_modules(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
                 t0 = time.perf_counter()
@@ -363,6 +366,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                         stack=stack.name, judged_with_build=with_build, capacity=cap or 0.0,
                         breakdown=brk,
                         category_of=dict(tracer.category_of) if keep_trace else {},
+                        module_of=dict(tracer.module_of) if keep_trace else {},
                         backend=backend,
                         cached_ops=tracer._cache.hits if tracer._cache is not None else 0)
 
@@ -531,6 +535,8 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, default=None,
                         help=f"{name} (default: the 100B setup's; stage: the config's)")
     ap.add_argument("--cluster", default=PAPER_CLUSTER, help="conf/cluster/NAME")
+    ap.add_argument("--snapshot", metavar="FILE",
+                    help="also write the judged replay as a PyTorch memory snapshot (snapshot.py)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     extra = {"simulate.stack": args.stack}
@@ -542,8 +548,11 @@ def main(argv=None) -> int:
     walls = {}
     for backend in (("meta", "fake") if args.backend == "both" else (args.backend,)):
         t0 = time.perf_counter()
-        r = dry_run(cfg, iterations=args.iterations, keep_trace=False, backend=backend)
+        r = dry_run(cfg, iterations=args.iterations, keep_trace=bool(args.snapshot),
+                    backend=backend)
         walls[backend] = wall = time.perf_counter() - t0
+        if args.snapshot:
+            print(snapshot.report_written(r, args.snapshot), flush=True)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         its = " ".join(f"it{k[9:-2]} {v:.1f}s" for k, v in r.timings.items()
                        if k.startswith("iteration"))

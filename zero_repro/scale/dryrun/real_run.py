@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
+from zero_repro.scale.dryrun import snapshot as SN
 from zero_repro.scale.dryrun.dryrun import one_step
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import switches as S
@@ -49,33 +50,56 @@ def real_ledgers(rank: int, world_size: int, cfg_dicts: list[dict], iterations: 
 def real_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
                     ) -> list[dict]:
     """The real counterpart of ``dry_run``'s live-byte accounting on an initialised (gloo)
-    process group: for each config, ``train.build.build`` + ``iterations`` steps on real CPU
-    tensors under a ``CategoryTracer`` that polls every storage before every allocating op
-    (``poll_all``: it misses no in-place resize, whoever makes it; no watch list, no meta
-    kernels, no output cache, real collectives). Module level, for ``launch.spawn``. Returns
-    [{"by_iteration": {it: live peak bytes}, "categories": {cat: bytes at the last step's
-    live peak}, "transport"}, ...]."""
+    process group: for each config, ``real_trace``'s run. Module level, for ``launch.spawn``.
+    Returns [{"by_iteration": {it: live peak bytes}, "categories": {cat: bytes at the last
+    step's live peak}, "transport"}, ...]."""
     out = []
     for d in cfg_dicts:
-        cfg = schema.to_config(d)
-        tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
-        with tracer:
-            with tracer.category(S.FP16_PARAMS):
-                trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
-            hooks = K.tag_model(tracer, trainer.model)
-            for it in range(iterations):
-                one_step(trainer, tracer, set(), cfg, it)
-                K.tag_strategy(tracer, trainer.strategy)
-            for h in hooks:
-                h.remove()
-            transport = trainer.strategy.transport.name
-            trainer.close()
-            del trainer
-        events = without_teardown(tracer.events)
-        _peak, _by_phase, by_iter = live_peaks(events)
-        out.append({"by_iteration": by_iter, "transport": transport,
-                    "categories": last_step_peak_categories(events, tracer.category_of)})
+        t = real_trace(schema.to_config(d), iterations)
+        _peak, _by_phase, by_iter = live_peaks(t["events"])
+        out.append({"by_iteration": by_iter, "transport": t["transport"],
+                    "categories": last_step_peak_categories(t["events"], t["category_of"])})
     return out
+
+
+def real_snapshots(rank: int, world_size: int, cfg_dicts: list[dict], iterations: int = 2
+                   ) -> list[dict]:
+    """Memory snapshots (``snapshot.from_events``) of real CPU runs on an initialised (gloo)
+    group: the trace measured by ``real_trace`` (live storages: measured), its segments the
+    caching-allocator model placing them (a CPU run has no caching allocator: simulated).
+    Module level, for ``launch.spawn``; beside a dry run's snapshot of the same config."""
+    out = []
+    for d in cfg_dicts:
+        t = real_trace(schema.to_config(d), iterations)
+        meta = {"kind": "measured trace (CPU run, live storages); segments simulated",
+                "transport": t["transport"]}
+        out.append(SN.from_events(t["events"], t["category_of"], t["module_of"], rank=rank,
+                                  meta=meta, source="CPU run"))
+    return out
+
+
+def real_trace(cfg, iterations: int = 2) -> dict:
+    """``train.build.build`` + ``iterations`` steps of ``cfg`` on real CPU tensors of the
+    initialised (gloo) group, under a ``CategoryTracer`` that polls every storage before every
+    allocating op (``poll_all``: it misses no in-place resize, whoever makes it; no watch list,
+    no meta kernels, no output cache, real collectives), categories and modules tagged as the
+    dry run tags them. Returns {"events" (up to the last step's end), "category_of",
+    "module_of", "transport"}."""
+    tracer = K.CategoryTracer(on_meta=False, poll_all=True, real_data=True)
+    with tracer:
+        with tracer.category(S.FP16_PARAMS):
+            trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
+        hooks = K.tag_model(tracer, trainer.model) + K.tag_modules(tracer, trainer.model)
+        for it in range(iterations):
+            one_step(trainer, tracer, set(), cfg, it)
+            K.tag_strategy(tracer, trainer.strategy)
+        for h in hooks:
+            h.remove()
+        transport = trainer.strategy.transport.name
+        trainer.close()
+        del trainer
+    return {"events": without_teardown(tracer.events), "category_of": dict(tracer.category_of),
+            "module_of": dict(tracer.module_of), "transport": transport}
 
 
 def last_step_peak_categories(events, category_of: dict) -> dict:

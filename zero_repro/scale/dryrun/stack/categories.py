@@ -37,6 +37,8 @@ class CategoryTracer(AllocationTracer):
         super().__init__(**kw)
         self.current: str | None = None
         self.category_of: dict[int, str] = {}
+        self.module: str | None = None  # the innermost module running its forward (``tag_modules``)
+        self.module_of: dict[int, str] = {}  # sid -> that module's qualified name at allocation
 
     @contextlib.contextmanager
     def category(self, name: str):
@@ -57,6 +59,8 @@ class CategoryTracer(AllocationTracer):
     def _record(self, kind: str, sid: int, nbytes: int) -> None:
         if kind == ALLOC and sid not in self.category_of:
             self.category_of[sid] = self.current or _by_phase(self.phase)
+            if self.module is not None:
+                self.module_of[sid] = self.module
         super()._record(kind, sid, nbytes)
 
 
@@ -110,6 +114,31 @@ def tag_model(tracer: "CategoryTracer", model) -> list:
         tracer.current = None
 
     return [model.ln_f.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+
+
+def tag_modules(tracer: "CategoryTracer", model) -> list:
+    """Forward pre/post hooks on every submodule of ``model`` that keep ``tracer.module`` the
+    qualified name of the innermost module running (its forward, or its recompute under
+    activation checkpointing, whose early stop raises out of it: ``always_call``), so each
+    storage records the module that made it (``module_of``; the memory snapshot's frames).
+    Returns the hook handles."""
+    stack: list = []
+
+    def enter(name):
+        def hook(_mod, _args):
+            stack.append(tracer.module)
+            tracer.module = name
+        return hook
+
+    def leave(_mod, _args, _out):
+        tracer.module = stack.pop() if stack else None
+
+    handles = []
+    for name, mod in model.named_modules():
+        if name:
+            handles += [mod.register_forward_pre_hook(enter(name)),
+                        mod.register_forward_hook(leave, always_call=True)]
+    return handles
 
 
 @contextlib.contextmanager
