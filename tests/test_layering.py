@@ -26,7 +26,8 @@ PACKAGES = ("zero_repro", "experiments")
 # of scale or lab). scale: the paper at scale without the hardware (paper facts, closed-form
 # models, the dry run). lab: running experiments and keeping their results. experiments: one
 # module per conf/exp overlay. Inside the runtime wing the sub-packages keep their own order.
-GROUND = ("zero_repro", "zero_repro.config", "zero_repro.paths", "zero_repro.schema",
+GROUND = ("zero_repro", "zero_repro.config", "zero_repro.gpus", "zero_repro.paths",
+          "zero_repro.schema",
           "zero_repro.validation", "zero_repro.identity")
 RUNTIME = [
     ("zero_repro.runtime", "zero_repro.runtime.comm"),

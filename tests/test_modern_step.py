@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from zero_repro import gpus
 from zero_repro.runtime.model import flops
 from zero_repro.scale import kernel_sources as S
 from zero_repro.scale import kernels as K
@@ -27,7 +28,7 @@ def _run(device="h100_sxm", w=W, **kw):
                         M.Modern(**kw))
 
 
-@pytest.mark.parametrize("device", sorted(S.SPECS))
+@pytest.mark.parametrize("device", sorted(gpus.known()))
 def test_terms_add_up_and_band_brackets_the_middle(device):
     hw, dk = hardware(CLUSTERS[device]), K.device_kernels(device)
     w = dataclasses.replace(W, gpus=hw.gpus_per_node)
