@@ -1,6 +1,6 @@
 """A shared cluster node: other jobs of the same user, other accounts, containers sharing
-``/tmp``, jobs killed at any instant. What the suite guarantees there (README, "Shared nodes"),
-its processes and ports (the checkpoints: ``test_shared_node_checkpoints.py``):
+``/tmp``, jobs killed at any instant. What the suite guarantees there (docs/running.md, "Shared
+nodes"), its processes and ports (the checkpoints: ``test_shared_node_checkpoints.py``):
 
 * Shared-memory segments have no name anyone can see or guess: a rank killed while they are set
   up leaves nothing behind, and another account watching the segment directory cannot force the
