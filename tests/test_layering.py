@@ -184,6 +184,45 @@ def test_cpu_fast_path_is_fenced_off():
     assert not reach, "the CPU fast path reaches:\n" + "\n".join(reach)
 
 
+# lab/figures turns records into tables and pictures: it plans, searches, calibrates and runs
+# nothing. The throughput figures' vocabulary (names, units, paper setups) is allowed; the alias
+# lab.figures.throughput stays until every experiment imports lab.throughput itself.
+FIGURES = ("zero_repro.lab.figures",)
+NOT_FOR_FIGURES = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro.lab.sweep",
+                   "zero_repro.lab.cli", "zero_repro.lab.jobs", "zero_repro.lab.checks",
+                   "zero_repro.lab.throughput", "zero_repro.scale.dryrun.dryrun",
+                   "zero_repro.scale.dryrun.maxsize", "zero_repro.scale.calibrate",
+                   "zero_repro.scale.perf_model", "zero_repro.runtime")
+FIGURES_MAY = ("zero_repro.lab.throughput.setups",)
+FIGURES_ALIAS = ("zero_repro.lab.figures.throughput",)
+
+
+def figures_reach(src: str, target: str) -> bool:
+    """Whether ``src`` is a figures module importing a planner or runner (the rule above)."""
+    return (_under(src, FIGURES) and not _under(src, FIGURES_ALIAS)
+            and _under(target, NOT_FOR_FIGURES) and not _under(target, FIGURES_MAY))
+
+
+def test_figures_import_no_planner_or_runner():
+    bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
+           for f in project_files() for target, line, _ in imports_of(f)
+           if figures_reach(module_name(f), target)]
+    assert not bad, "figures reach a planner or runner:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("src,target,bad", [
+    ("zero_repro.lab.figures.scaling", "zero_repro.lab.throughput.plan", True),
+    ("zero_repro.lab.figures.regenerate", "zero_repro.lab.sweep", True),
+    ("zero_repro.lab.figures.gpu_proof", "zero_repro.lab.checks.offload", True),
+    ("zero_repro.lab.figures.peers", "zero_repro.scale.calibrate", True),
+    ("zero_repro.lab.figures.throughput_plots", "zero_repro.lab.throughput.setups", False),
+    ("zero_repro.lab.figures.regenerate", "zero_repro.lab.records", False),
+    ("zero_repro.lab.throughput.plan", "zero_repro.lab.sweep", False),
+])
+def test_figures_rule_catches_a_planner_import(src, target, bad):
+    assert figures_reach(src, target) is bad
+
+
 def test_runtime_imports_nothing_of_scale_or_lab():
     runtime = tuple(p for layer in RUNTIME for p in layer)
     bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from zero_repro.lab.figures import scaling_panel as SP
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import setups as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import plt, save_figure
