@@ -213,7 +213,7 @@ def test_figures_import_no_planner_or_runner():
 @pytest.mark.parametrize("src,target,bad", [
     ("zero_repro.lab.figures.scaling", "zero_repro.lab.throughput.plan", True),
     ("zero_repro.lab.figures.regenerate", "zero_repro.lab.sweep", True),
-    ("zero_repro.lab.figures.gpu_proof", "zero_repro.lab.checks.offload", True),
+    ("zero_repro.lab.figures.scaling", "zero_repro.lab.checks.equivalence", True),
     ("zero_repro.lab.figures.peers", "zero_repro.scale.calibrate", True),
     ("zero_repro.lab.figures.throughput_plots", "zero_repro.lab.throughput.setups", False),
     ("zero_repro.lab.figures.regenerate", "zero_repro.lab.records", False),

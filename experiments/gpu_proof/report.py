@@ -64,7 +64,7 @@ def summarize(records) -> list[dict]:
             for y, v in zip(("allocated_ratio_low", "allocated_ratio_high"),
                             m.get("ratio_range") or ()):
                 row(r, part, m["point"], y, v, "x")
-        elif part == "zero_offload":  # lab.checks.offload.PART
+        elif part == "zero_offload":  # offload.PART
             for x, y, v, unit in _offload_rows(m):
                 row(r, part, x, y, v, unit)
         elif part == "node":
