@@ -21,7 +21,7 @@ import pandas as pd
 from zero_repro.lab.throughput import plan as T
 from zero_repro.lab.throughput import run as TR
 from zero_repro.lab.throughput import setups as TN
-from zero_repro.lab.figures import scaling as SF
+from experiments.fig3_scaling import figure as SF
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
@@ -141,7 +141,7 @@ def sensitivity_rows(records) -> list[dict]:
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    """Figure 3 (``lab.figures.scaling``): the paper-scale scaling panel with the speed-up table
+    """Figure 3 (``fig3_scaling.figure``): the paper-scale scaling panel with the speed-up table
     and the simulated conclusion, the local panel beside it when there are local points."""
     return SF.plot(table, out_dir, "fig3_scaling", figure=FIGURE, bars=BARS, display=DISPLAY,
                    linear=LINEAR, pairs=PAIRS, at=SENSITIVITY_AT, tokens=TOKENS,
