@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import plan as T
+from zero_repro.lab.throughput import run as TR
+from zero_repro.lab.throughput import setups as TN
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.wording import mean_max, num
 
-PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+PARAMS = TN.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig2"
 PAPER_FIGURE = "fig2"
@@ -35,7 +37,7 @@ BASE_IN = "Baseline-MP (Megatron-LM, MP within node)"
 BASE_OUT = "Baseline w. internode MP (Megatron-LM)"
 SPEEDUP = "ZeRO speed-up bar (ZeRO/baseline)"
 # our paper-scale series carry the paper's names; the paper-batch ones map onto them too
-SERIES_FAMILY: dict = {n + T.PAPER_BATCH: n for n in (ZERO, BASE_IN, BASE_OUT, SPEEDUP)}
+SERIES_FAMILY: dict = {n + TN.PAPER_BATCH: n for n in (ZERO, BASE_IN, BASE_OUT, SPEEDUP)}
 # summarize() shows the newest record of every point (lab.figures.regenerate): a re-run at another
 # device capacity (new point keys) replaces the figure's values; older records stay as history
 NEWEST_ONLY = True
@@ -64,7 +66,7 @@ def plan(cfg) -> list:
 
 
 def run_point(cfg, point) -> dict:
-    return T.run_point(cfg, point)
+    return TR.run_point(cfg, point)
 
 
 def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[dict]:
@@ -82,7 +84,7 @@ def _speedups(rows: list[dict], zero: str, bases: tuple, series: str) -> list[di
 def summarize(records) -> list[dict]:
     records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, series_of, lambda s: s.size_b)
-    for sfx in ("", T.PAPER_BATCH):
+    for sfx in ("", TN.PAPER_BATCH):
         rows += _speedups([r for r in rows if str(r["series"]).endswith(sfx) or not sfx],
                           ZERO + sfx, (BASE_IN + sfx, BASE_OUT + sfx), SPEEDUP + sfx)
     local = []
@@ -100,7 +102,7 @@ def summarize(records) -> list[dict]:
     return rows + local
 
 
-def _errors(table, series: str, y_name: str = T.Y_NAME) -> str:
+def _errors(table, series: str, y_name: str = TN.Y_NAME) -> str:
     e = pd.to_numeric(table.loc[(table["series"] == series) & (table["y_name"] == y_name),
                                 "rel_error_vs_paper"], errors="coerce").abs().dropna()
     return f"mean |err| {100 * e.mean():.0f}%, max {100 * e.max():.0f}%" if len(e) else "-"
@@ -108,7 +110,7 @@ def _errors(table, series: str, y_name: str = T.Y_NAME) -> str:
 
 def error_lines(table) -> list[str]:
     """The fitted and the unfitted errors vs the paper, apart (figure title and README)."""
-    pb = T.PAPER_BATCH
+    pb = TN.PAPER_BATCH
     base = table[table["series"].isin([BASE_IN + pb, BASE_OUT + pb])].assign(series="b")
     base_mf = table[table["series"].isin([BASE_IN, BASE_OUT])].assign(series="b")
     return [f"paper batch: ZeRO (FITTED, in-sample) {_errors(table, ZERO + pb)}; baseline "
@@ -118,7 +120,7 @@ def error_lines(table) -> list[str]:
             f"{_errors(base_mf, 'b')}; speed-up {_errors(table, SPEEDUP, 'speedup')}"]
 
 
-def _by_size(rows, series: tuple, y_name: str = T.Y_NAME) -> dict:
+def _by_size(rows, series: tuple, y_name: str = TN.Y_NAME) -> dict:
     """{model size B: y} of ``series`` (the baseline's two series are one line)."""
     g = rows[rows["series"].isin(series) & (rows["y_name"] == y_name)]
     return {float(x): float(y) for x, y in zip(pd.to_numeric(g["x_value"], errors="coerce"),
@@ -141,18 +143,18 @@ def conclude(table: pd.DataFrame) -> list[str]:
             continue
         out.append(f"{kind}, 400 V100, batch the memory dry run fits; model sizes [B]: "
                    + " ".join(num(x) for x in sizes))
-        for label, series, y_name in (("ZeRO TFLOPs/GPU", (ZERO,), T.Y_NAME),
-                                      ("baseline TFLOPs/GPU", (BASE_IN, BASE_OUT), T.Y_NAME),
+        for label, series, y_name in (("ZeRO TFLOPs/GPU", (ZERO,), TN.Y_NAME),
+                                      ("baseline TFLOPs/GPU", (BASE_IN, BASE_OUT), TN.Y_NAME),
                                       ("speed-up", (SPEEDUP,), "speedup")):
             ours, theirs = _by_size(mine, series, y_name), _by_size(paper, series, y_name)
             out.append(f"{label} " + " ".join(num(ours.get(x)) for x in sizes)
                        + (", paper " + " ".join(num(theirs.get(x)) for x in sizes)
                           if theirs else ""))
         if kind == "simulated" and "rel_error_vs_paper" in mine:
-            def err(series, y_name=T.Y_NAME):
+            def err(series, y_name=TN.Y_NAME):
                 return mine.loc[mine["series"].isin(series) & (mine["y_name"] == y_name),
                                 "rel_error_vs_paper"]
-            pb = T.PAPER_BATCH
+            pb = TN.PAPER_BATCH
             out.append(f"|error| mean/max: fitted (ZeRO, paper's batch) {mean_max(err((ZERO + pb,)))}"
                        f"; unfitted: ZeRO {mean_max(err((ZERO,)))}, baseline "
                        f"{mean_max(err((BASE_IN, BASE_OUT)))}, speed-up "
@@ -179,7 +181,7 @@ def _speedup_panel(ax, table) -> None:
                  palette=["tab:blue", "tab:cyan", "tab:red"])
     ax.set_xticks(range(len(xs)), [f"{x:g}B" for x in xs])
     ax.set_xlabel(TP.axis_label("model_size_B"))
-    zero = table[(table["series"] == ZERO) & (table["y_name"] == T.Y_NAME)]
+    zero = table[(table["series"] == ZERO) & (table["y_name"] == TN.Y_NAME)]
     for x in zero.loc[zero.get("fits", pd.Series(True, index=zero.index)).eq(False), "x_value"]:
         ax.annotate("predicted batch:\nZeRO does not fit", (xs.index(float(x)), 0.3),
                     fontsize=6.5, ha="center", va="bottom", rotation=90)
@@ -193,14 +195,14 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     local panel; the title gives the fitted and the unfitted errors apart."""
     TS.write_predictions(table, out_dir)
     big, local = TP.split(table)
-    per = big[big["y_name"] == T.Y_NAME]
+    per = big[big["y_name"] == TN.Y_NAME]
     n = 2 + bool(len(local))
     fig, axes = TP._pyplot().subplots(1, n, figsize=(7.2 * n, 7.2), squeeze=False)
     ax = axes[0][0]
     TP.draw_lines(ax, per)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.set_ylabel(TP.axis_label(T.Y_NAME))
+    ax.set_ylabel(TP.axis_label(TN.Y_NAME))
     ax.set_xlabel(TP.axis_label("model_size_B"))
     ax.set_title("Fig 2: 400 V100 GPUs, ZeRO-100B vs Megatron-LM (paper scale)\n"
                  + "\n".join(ln.replace("; ", ";\n    ") for ln in error_lines(table)),
@@ -208,7 +210,7 @@ def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
     TP.legend_below(ax, fontsize=7)
     _speedup_panel(axes[0][1], big)
     if len(local):
-        lp = local[local["y_name"] == T.Y_NAME]
+        lp = local[local["y_name"] == TN.Y_NAME]
         lp = lp.assign(x_value=[f"{float(x) * 1e3:.3g}M" for x in lp["x_value"]])
         ax = axes[0][2]
         TP.draw_bars(ax, lp, list(dict.fromkeys(lp["x_value"])))

@@ -24,13 +24,16 @@ import re
 
 import pandas as pd
 
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import batch as TB
+from zero_repro.lab.throughput import plan as T
+from zero_repro.lab.throughput import run as TR
+from zero_repro.lab.throughput import setups as TN
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.wording import column, num
 
-PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+PARAMS = TN.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig4"
 PAPER_FIGURE = "fig4"
@@ -52,10 +55,10 @@ LOCAL_NAMES = {"ZeRO": "ZeRO-DP (P_os+g, C3)", "Baseline": "baseline DP (stage 0
 
 def _local(cfg, p: dict) -> list:
     model, batch = p.get("local_model", "gpt_20m"), int(p["local_batch"])
-    budget = T.local_budget(model, LOCAL_WORLD, 1, "baseline", batch)
+    budget = TB.local_budget(model, LOCAL_WORLD, 1, "baseline", batch)
     pts = []
     for series, zc in (("Baseline", "baseline"), ("ZeRO", "C3")):
-        n = T.local_max_layers(model, LOCAL_WORLD, 1, zc, budget, batch)
+        n = TB.local_max_layers(model, LOCAL_WORLD, 1, zc, budget, batch)
         if n < 1:
             raise ValueError(f"local model {model}: {zc} fits no depth in the baseline's "
                              f"budget ({budget / 1e6:.0f} MB per rank)")
@@ -70,7 +73,7 @@ def plan(cfg) -> list:
 
 
 def run_point(cfg, point) -> dict:
-    return T.run_point(cfg, point)
+    return TR.run_point(cfg, point)
 
 
 def summarize(records) -> list[dict]:
@@ -96,7 +99,7 @@ def conclude(table: pd.DataFrame) -> list[str]:
     the memory dry run fits, the TFLOPs/GPU at Table 10's batch, and the local measured pair
     (one per-rank memory budget, the deepest model of each that fits it)."""
     big, local = TP.split(table)
-    big = big[(big["y_name"] == T.Y_NAME) & (big["kind"] != "paper")]
+    big = big[(big["y_name"] == TN.Y_NAME) & (big["kind"] != "paper")]
     out = []
     for kind, rows in big.groupby("kind", sort=False):
         rows = rows.assign(_x=column(rows, "x_value")).sort_values("_x", kind="stable")
@@ -116,11 +119,11 @@ def conclude(table: pd.DataFrame) -> list[str]:
         out.append("their batch per GPU (largest that fits, memory dry run): " + ", ".join(
             f"{label} " + " ".join(num(v) for v in column(g, "batch_per_gpu"))
             for label, g in (("ZeRO-DP", z), ("baseline", b)) if len(g)))
-        pz, pb = of(ZERO + T.PAPER_BATCH), of(BASE + T.PAPER_BATCH)
+        pz, pb = of(ZERO + TN.PAPER_BATCH), of(BASE + TN.PAPER_BATCH)
         if len(pz) or len(pb):
             out.append("at Table 10's batch: ZeRO-DP " + " ".join(num(y) for y in pz["y_value"])
                        + ", baseline " + " ".join(num(y) for y in pb["y_value"]) + " TFLOPs/GPU")
-    loc = local[local["y_name"] == T.Y_NAME]
+    loc = local[local["y_name"] == TN.Y_NAME]
     for series, g in loc.groupby("series", sort=False):
         size = [re.search(r"([\d.]+M) param", str(v)) for v in g.get("bar_label", [""] * len(g))]
         budget = column(g, "budget_MB").max()

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import plan as T
+from zero_repro.lab.throughput import run as TR
+from zero_repro.lab.throughput import setups as TN
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
@@ -35,7 +37,7 @@ from zero_repro.lab.figures.wording import by_kind_and_series, column, num
 from zero_repro.scale.paper import table9
 from zero_repro.scale.paper.setups import setups
 
-PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+PARAMS = TN.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig8"
 PAPER_FIGURE = "fig8"
@@ -66,7 +68,7 @@ def plan(cfg) -> list:
 
 
 def run_point(cfg, point) -> dict:
-    return T.run_point(cfg, point)
+    return TR.run_point(cfg, point)
 
 
 def _current_mapping(records) -> list:
@@ -118,14 +120,14 @@ def conclude(table: pd.DataFrame) -> list[str]:
     """The figure in words (the paper's values are withheld: nothing to compare): per model and
     configuration C1-C5 the TFLOPs/GPU and its batch per GPU, at the largest batch the memory
     dry run fits and at Table 9's batch; a calibration point (in-sample) is marked."""
-    rows = table[(table["y_name"] == T.Y_NAME) & (table["kind"] != "paper")]
+    rows = table[(table["y_name"] == TN.Y_NAME) & (table["kind"] != "paper")]
     out = []
     for kind, series, g, first in by_kind_and_series(rows):
         if first:
             out.append(f"{kind}, TFLOPs/GPU per configuration (b = batch per GPU; paper values "
                        "withheld):")
-        name = str(series).removesuffix(T.PAPER_BATCH)
-        how = ("Table 9's batch" if str(series).endswith(T.PAPER_BATCH) else
+        name = str(series).removesuffix(TN.PAPER_BATCH)
+        how = ("Table 9's batch" if str(series).endswith(TN.PAPER_BATCH) else
                "largest batch that fits" if kind == "simulated" else "measured batch")
         fitted = (g["in_sample"].fillna("").astype(str) != "" if "in_sample" in g
                   else pd.Series(False, index=g.index))

@@ -326,7 +326,7 @@ def test_step_and_done_lines_say_which_loss_and_only_fp16_has_a_scale():
     import torch
 
     from zero_repro import config as C
-    from zero_repro.lab import rank
+    from zero_repro.lab import rank_log as rank
     from zero_repro.runtime.zero.strategy import StepInfo
 
     info = StepInfo(skipped=False, grad_norm=1.0, loss_scale=1.0)

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from zero_repro import config as C
+from zero_repro import gpus
 from zero_repro.lab import estimate as L
 from zero_repro.scale import estimate as E
 from zero_repro.scale import estimate_time as T
@@ -45,7 +46,7 @@ def test_gpu_of_a_cluster():
     h = dataclasses.replace(c, name="x", peak_tflops=989, device_memory_gb=141)
     assert T.gpu_of(h) == "h200_sxm"
     assert T.gpu_of(dataclasses.replace(h, device_memory_gb=80)) == "h100_sxm"
-    assert T.gpu_of(dataclasses.replace(c, name="dgx_a100_40g")) == "a100_40gb"
+    assert T.gpu_of(dataclasses.replace(c, gpu="a100_40gb")) == "a100_40gb"  # the one it names
     # no GPU told: the paper2020 model, said so
     cfg = E.stage_config(base(), 3, "ckpt", 2)
     perf = T.performance(cfg, Hardware.from_config(cfg.cluster), None)
@@ -62,7 +63,7 @@ def test_modern_estimate_keeps_every_term_and_takes_the_outside_bytes_off():
     lo, hi = s.perf["step_s_band"]
     assert lo <= s.perf["step_s"] <= hi
     # gpus_per_node 2: no NVLS; one communicator
-    want = O.bracket("hopper", 1, 2)
+    want = O.bracket(gpus.GENERATIONS["hopper"], 1, 2)
     assert est.outside["mid"] == want["mid"] and "nvls" not in est.outside["parts"]
     assert s.capacity == pytest.approx(s.device_capacity - want["mid"])
     old = _est(cfg, T.Timing(model="paper2020")).stages[0]

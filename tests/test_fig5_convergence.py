@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from zero_repro.lab.figures import convergence as CF
+from experiments.fig5_convergence import figure as CF
 from zero_repro.lab.figures import regenerate as plot
 from zero_repro.lab import registry as base
 from experiments import fig5_convergence as F

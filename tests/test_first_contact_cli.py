@@ -21,7 +21,7 @@ from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import paths
 from zero_repro.lab import cli
-from zero_repro.lab import rank as rank_mod
+from zero_repro.lab import rank_log
 from zero_repro.lab import records as R
 
 REPO = str(paths.REPO_ROOT)
@@ -184,24 +184,24 @@ def _cfg(stage: int, dtype: str = "fp32", world: int = 2) -> C.Config:
 
 
 def test_table1_value_follows_stage_dp_and_precision():
-    s0, s3 = rank_mod.table1_model_states(_cfg(0)), rank_mod.table1_model_states(_cfg(3))
+    s0, s3 = rank_log.table1_model_states(_cfg(0)), rank_log.table1_model_states(_cfg(3))
     assert s0["bytes"] / s3["bytes"] == 2  # 16Ψ vs 16Ψ/N_d at N_d = 2
     assert (s0["formula"], s3["formula"]) == ("16Ψ", "16Ψ/N_d")
     psi = s0["psi"]
-    assert rank_mod.table1_model_states(_cfg(1, "bf16"))["bytes"] == 4 * psi + 12 * psi / 2
-    assert rank_mod.table1_model_states(_cfg(2, "fp32"))["bytes"] == 4 * psi + 12 * psi / 2
-    assert rank_mod.table1_model_states(_cfg(1, "fp32"))["formula"] == "8Ψ+8Ψ/N_d"
+    assert rank_log.table1_model_states(_cfg(1, "bf16"))["bytes"] == 4 * psi + 12 * psi / 2
+    assert rank_log.table1_model_states(_cfg(2, "fp32"))["bytes"] == 4 * psi + 12 * psi / 2
+    assert rank_log.table1_model_states(_cfg(1, "fp32"))["formula"] == "8Ψ+8Ψ/N_d"
 
 
 def test_memory_text_puts_buffers_and_gathered_params_apart():
     ledger = {"params_lp": 4 << 20, "grads": 4 << 20, "adam_m": 4 << 20, "adam_v": 4 << 20,
               "master_fp32": 0, "comm_buffers": 2 << 20, "params_gathered": 8 << 20}
-    parts = rank_mod.memory_parts(ledger)
+    parts = rank_log.memory_parts(ledger)
     assert parts == {"states": 16 << 20, "buffers": 2 << 20, "gathered": 8 << 20, "other": 0}
     t1 = {"bytes": 16 << 20, "formula": "16Ψ/N_d", "psi": 1, "n_d": 2}
-    assert rank_mod.memory_text(parts, t1) == ("model states 16 MiB/rank (Table 1 16Ψ/N_d: 16), "
+    assert rank_log.memory_text(parts, t1) == ("model states 16 MiB/rank (Table 1 16Ψ/N_d: 16), "
                                                "buffers 2 MiB, gathered params 8 MiB")
-    assert "= 1.000 x Table 1 (16Ψ/N_d, Ψ 1, N_d 2: 16)" in rank_mod.memory_text(parts, t1,
+    assert "= 1.000 x Table 1 (16Ψ/N_d, Ψ 1, N_d 2: 16)" in rank_log.memory_text(parts, t1,
                                                                                   long=True)
 
 

@@ -18,8 +18,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import gpu_proof as G
-from zero_repro.lab.checks import gpu
-from zero_repro.lab.checks import gpu_time as GT
+from experiments.gpu_proof import parts as gpu
+from experiments.gpu_proof import time_estimate as GT
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation

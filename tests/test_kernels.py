@@ -1,26 +1,29 @@
-"""The per-device kernel model (scale/kernels.py) against its own kernel-level sources
-(scale/kernel_sources.py): every device reproduces each of its GEMM benchmarks within the stated
-error, every source lies inside its band, the bands are ordered, and the flash-attention FLOP
-convention is the benchmarks' (a benchmark's time gives back its TFLOPS)."""
+"""The per-device kernel model (scale/kernels.py) against its own kernel-level sources (each GPU's
+in zero_repro/gpus/, the shared ones in scale/kernel_sources.py): every device reproduces each of
+its GEMM benchmarks within the stated error, every source lies inside its band, the bands are
+ordered, and the flash-attention FLOP convention is the benchmarks' (a benchmark's time gives
+back its TFLOPS)."""
 from __future__ import annotations
 
 import pytest
 
+from zero_repro import gpus
 from zero_repro.scale import kernel_sources as S
 from zero_repro.scale import kernels as K
 
-DEVICES = sorted(S.SPECS)
+DEVICES = sorted(gpus.known())
+ATTENTION = [p for p in gpus.gpu("h100_sxm").points if p.kind.startswith("attn")]
 
 
-def _peak(p: S.Point) -> float:
-    return S.MEASURED_PEAK.get(p.measured_on, S.SPECS[p.device].peak_tflops) * 1e12
+def _peak(device: str, p: gpus.Point) -> float:
+    return gpus.gpu(device).ref(p) * 1e12
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_device_has_sources_and_ordered_bands(device):
     dk = K.device_kernels(device)
-    assert any(p.device == device for p in S.GEMM), "a GEMM source"
-    assert any(p.device == device for p in S.HBM), "a memory-bandwidth source"
+    assert gpus.gpu(device).of("gemm"), "a GEMM source"
+    assert gpus.gpu(device).of("hbm"), "a memory-bandwidth source"
     bands = [dk.gemm, dk.hbm, *dk.attn.values(), *dk.links.values()]
     for b in bands:
         assert 0 < b.low <= b.mid <= b.high <= 1, b
@@ -30,14 +33,13 @@ def test_every_device_has_sources_and_ordered_bands(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemm_model_reproduces_its_sources_within_the_stated_error(device):
     dk = K.device_kernels(device)
-    pts = [p for p in S.GEMM if p.device == device]
-    for p in pts:
+    for p in gpus.gpu(device).of("gemm"):
         m, n, k = p.shape
-        t = K.gemm_seconds(dk, _peak(p), dk.spec.hbm_gbps * 1e9, m, n, k)
+        t = K.gemm_seconds(dk, _peak(device, p), dk.spec.hbm_gbps * 1e9, m, n, k)
         tflops = 2 * m * n * k / t / 1e12
         assert abs(tflops / p.value - 1) <= K.GEMM_ERROR, (p, tflops)
         if not p.check_only:  # a band input lies inside the band
-            assert dk.gemm.low - 1e-9 <= p.value * 1e12 / _peak(p) <= dk.gemm.high + 1e-9
+            assert dk.gemm.low - 1e-9 <= p.value * 1e12 / _peak(device, p) <= dk.gemm.high + 1e-9
 
 
 def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
@@ -50,8 +52,8 @@ def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
 @pytest.mark.parametrize("device", DEVICES)
 def test_hbm_sources_inside_the_band(device):
     dk = K.device_kernels(device)
-    for p in (p for p in S.HBM if p.device == device):
-        bw = S.MEASURED_BW.get(p.measured_on, S.SPECS[device].hbm_gbps)
+    for p in gpus.gpu(device).of("hbm"):
+        bw = gpus.gpu(device).ref(p)
         assert dk.hbm.low - 1e-9 <= p.value / bw <= dk.hbm.high + 1e-9
         # the model's rate at the band's middle is within the band's spread of the source
         rate = 1e9 / K.memory_seconds(dk, bw * 1e9, 1e9, "mid") / 1e9
@@ -62,7 +64,7 @@ def test_hbm_sources_inside_the_band(device):
 def test_flash_attention_band_spans_fa2_and_fa3_and_gives_back_the_benchmarks(device):
     dk = K.device_kernels(device)
     b, heads, s, d = 4, 16, 8192, 128  # the benchmark's shape (batch x heads = 64)
-    for p in S.ATTENTION:
+    for p in ATTENTION:
         direction = "bwd" if "bwd" in p.kind else "fwd"
         causal = p.kind.endswith("causal")
         band = dk.attn[(direction, causal)]
@@ -71,8 +73,9 @@ def test_flash_attention_band_spans_fa2_and_fa3_and_gives_back_the_benchmarks(de
         # time at exactly the source's efficiency -> the source's TFLOPS on the kernel's count
         f = K.attention_flops(b, heads, s, d, causal, direction)
         assert f / (f / (989e12 * eff)) / 1e12 == pytest.approx(p.value)
-    fa2 = [p for p in S.ATTENTION if "Fav2" in p.source]
-    fa3 = [p for p in S.ATTENTION if "Fav2" not in p.source]
+    fa2 = [p for p in ATTENTION if p.kernel == "fa2"]
+    fa3 = [p for p in ATTENTION if p.kernel == "fa3"]
+    assert len(fa2) + len(fa3) == len(ATTENTION) and "Fav2" not in str(fa3)
     assert max(p.value for p in fa2) < min(p.value for p in fa3)
 
 
@@ -96,8 +99,8 @@ def test_cluster_devices_and_bad_gpu():
     assert K.device_for("h100") == "h100_sxm" and K.device_for("x", "l40s") == "l40s"
     with pytest.raises(ValueError, match="--gpu"):
         K.device_for("custom")
-    with pytest.raises(ValueError, match="use one of"):
+    with pytest.raises(ValueError, match="unknown GPU 'b200': use one of .*'h100_sxm'"):
         K.device_kernels("b200")
     rows = K.sources_table()
-    assert len(rows) == len(S.GEMM) + len(S.ATTENTION) + len(S.HBM)
+    assert len(rows) == sum(len(g.points) for g in gpus.known().values())
     assert all(r["source"] for r in rows)

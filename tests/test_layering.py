@@ -26,7 +26,8 @@ PACKAGES = ("zero_repro", "experiments")
 # of scale or lab). scale: the paper at scale without the hardware (paper facts, closed-form
 # models, the dry run). lab: running experiments and keeping their results. experiments: one
 # module per conf/exp overlay. Inside the runtime wing the sub-packages keep their own order.
-GROUND = ("zero_repro", "zero_repro.config", "zero_repro.paths", "zero_repro.schema",
+GROUND = ("zero_repro", "zero_repro.config", "zero_repro.gpus", "zero_repro.paths",
+          "zero_repro.schema",
           "zero_repro.validation", "zero_repro.identity")
 RUNTIME = [
     ("zero_repro.runtime", "zero_repro.runtime.comm"),
@@ -183,6 +184,48 @@ def test_cpu_fast_path_is_fenced_off():
     assert not reach, "the CPU fast path reaches:\n" + "\n".join(reach)
 
 
+# lab/figures turns records into tables and pictures: it plans, searches, calibrates and runs
+# nothing. The throughput figures' vocabulary (names, units, paper setups) is allowed; the alias
+# lab.figures.throughput may re-export lab.throughput (and nothing else of the list) until every
+# experiment imports lab.throughput itself.
+FIGURES = ("zero_repro.lab.figures",)
+NOT_FOR_FIGURES = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro.lab.sweep",
+                   "zero_repro.lab.cli", "zero_repro.lab.jobs", "zero_repro.lab.checks",
+                   "zero_repro.lab.throughput", "zero_repro.scale.dryrun.dryrun",
+                   "zero_repro.scale.dryrun.maxsize", "zero_repro.scale.calibrate",
+                   "zero_repro.scale.perf_model", "zero_repro.runtime")
+FIGURES_MAY = ("zero_repro.lab.throughput.setups",)
+FIGURES_ALIAS = ("zero_repro.lab.figures.throughput",)
+
+
+def figures_reach(src: str, target: str) -> bool:
+    """Whether ``src`` is a figures module importing a planner or runner (the rule above)."""
+    may = FIGURES_MAY + (("zero_repro.lab.throughput",) if _under(src, FIGURES_ALIAS) else ())
+    return _under(src, FIGURES) and _under(target, NOT_FOR_FIGURES) and not _under(target, may)
+
+
+def test_figures_import_no_planner_or_runner():
+    bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
+           for f in project_files() for target, line, _ in imports_of(f)
+           if figures_reach(module_name(f), target)]
+    assert not bad, "figures reach a planner or runner:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("src,target,bad", [
+    ("zero_repro.lab.figures.scaling", "zero_repro.lab.throughput.plan", True),
+    ("zero_repro.lab.figures.regenerate", "zero_repro.lab.sweep", True),
+    ("zero_repro.lab.figures.scaling", "zero_repro.lab.checks.equivalence", True),
+    ("zero_repro.lab.figures.peers", "zero_repro.scale.calibrate", True),
+    ("zero_repro.lab.figures.throughput_plots", "zero_repro.lab.throughput.setups", False),
+    ("zero_repro.lab.figures.regenerate", "zero_repro.lab.records", False),
+    ("zero_repro.lab.throughput.plan", "zero_repro.lab.sweep", False),
+    ("zero_repro.lab.figures.throughput", "zero_repro.lab.throughput.plan", False),
+    ("zero_repro.lab.figures.throughput", "zero_repro.lab.launcher", True),
+])
+def test_figures_rule_catches_a_planner_import(src, target, bad):
+    assert figures_reach(src, target) is bad
+
+
 def test_runtime_imports_nothing_of_scale_or_lab():
     runtime = tuple(p for layer in RUNTIME for p in layer)
     bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
@@ -236,7 +279,7 @@ def test_layer_order_catches_upward_imports(src, target, bad):
 
 # --------------------------------------------------------------------- names in prose exist
 DOTTED = re.compile(r"\bzero_repro(?:\.[A-Za-z_]\w*)+")
-PROSE_FILES = ("README.md", "slurm", "conf")  # besides the Python files: a file or a folder
+PROSE_FILES = ("README.md", "docs", "results/README.md", "slurm", "conf")  # a file or a folder
 
 
 def _prose(path: Path) -> list[tuple[int, str]]:

@@ -436,7 +436,7 @@ def test_gradient_chunks_leave_for_the_host_during_backward_at_every_stage():
 
 
 def test_the_rank_programs_memory_line_tells_the_host_apart():
-    from zero_repro.lab import rank as R
+    from zero_repro.lab import rank_log as R
 
     cfg = C.Config(parallel=C.ParallelConfig(world_size=2, tp=1),
                    zero=C.ZeroConfig(stage=2, dtype="bf16", offload_optimizer="cpu"))

@@ -85,14 +85,16 @@ def test_reported_run_fits_paper2020_at_the_real_capacity(run):
 def test_committed_needs_are_what_the_dry_run_says(fig, label):
     """The five runs the 29.8 GiB judge called OOM, re-run: the committed needs hold."""
     from zero_repro import config as C
-    from zero_repro.lab.figures import throughput as T
+    from zero_repro.lab.throughput import batch as TB
+    from zero_repro.lab.throughput import setups as TN
+    from zero_repro.lab.throughput import simulate as TSim
     from zero_repro.scale.dryrun.dryrun import apply_overrides, dry_run
     from zero_repro.scale.hardware import Hardware
     from zero_repro.scale.paper.clusters import DRYRUN_FIELDS, cluster_overrides
 
-    s = next(s for s in T.figure_setups(fig, {}) if f"{s.point} {s.series}" == label)
-    zc = T.zero_config_of(s, Hardware.from_config(load_cluster("dgx2_v100")))
-    ov = {**T.paper_point_overrides(s, zc, s.batch_per_gpu, dict(T.DEFAULTS), "fp16"),
+    s = next(s for s in TN.figure_setups(fig, {}) if f"{s.point} {s.series}" == label)
+    zc = TSim.zero_config_of(s, Hardware.from_config(load_cluster("dgx2_v100")))
+    ov = {**TB.paper_point_overrides(s, zc, s.batch_per_gpu, dict(TN.DEFAULTS), "fp16"),
           **cluster_overrides("dgx2_v100", DRYRUN_FIELDS), "simulate.stack": "paper2020"}
     r = dry_run(apply_overrides(C.Config(), ov))
     row = _table()[(fig, label, s.batch_per_gpu)]

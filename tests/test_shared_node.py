@@ -1,6 +1,6 @@
 """A shared cluster node: other jobs of the same user, other accounts, containers sharing
-``/tmp``, jobs killed at any instant. What the suite guarantees there (README, "Shared nodes"),
-its processes and ports (the checkpoints: ``test_shared_node_checkpoints.py``):
+``/tmp``, jobs killed at any instant. What the suite guarantees there (docs/running.md, "Shared
+nodes"), its processes and ports (the checkpoints: ``test_shared_node_checkpoints.py``):
 
 * Shared-memory segments have no name anyone can see or guess: a rank killed while they are set
   up leaves nothing behind, and another account watching the segment directory cannot force the
@@ -120,7 +120,7 @@ def test_another_account_watching_segments_cannot_force_the_slow_path(monkeypatc
 
 def test_a_fallback_to_gloo_is_said_on_the_step_line():
     """Where a DP group on one host falls back to point-to-point, the step line says so."""
-    from zero_repro.lab.rank import step_line
+    from zero_repro.lab.rank_log import step_line
     from zero_repro.runtime.zero.strategy import StepInfo
     info = StepInfo(skipped=False, grad_norm=1.0, loss_scale=1.0)
     line = step_line(0, 4, 3.0, info, 0.1, 1000, 1.0, 0.0, "mem", torch.device("cpu"), 2,

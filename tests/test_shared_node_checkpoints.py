@@ -1,4 +1,4 @@
-"""A shared cluster node, its checkpoints (README, "Shared nodes"; the processes and ports:
+"""A shared cluster node, its checkpoints (docs/running.md, "Shared nodes"; the processes and ports:
 ``test_shared_node.py``):
 
 * Checkpoints are private (0700 / 0600); a checkpoint another account owns or may write is

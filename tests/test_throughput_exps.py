@@ -21,7 +21,8 @@ from zero_repro import schema
 from zero_repro import validation
 from zero_repro.lab import sweep as orchestrate
 from zero_repro.lab.cli import conf_dir
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import batch as TB
+from zero_repro.lab.throughput import setups as TN
 from zero_repro.scale.paper.clusters import load_cluster
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.paper.table3 import zero_overrides
@@ -120,9 +121,9 @@ def test_simulated_rows_names_and_values(name, results_dir):
     fig = EXPS[name]
     exp, recs = _simulated_records(name, results_dir)
     assert all(r.status == "ok" for r in recs), [r.reason for r in recs]
-    rows = [r for r in exp.summarize(recs) if r["y_name"] == T.Y_NAME]
+    rows = [r for r in exp.summarize(recs) if r["y_name"] == TN.Y_NAME]
     assert rows and {(r["figure"], r["x_name"], r["unit"], r["kind"]) for r in rows} == {
-        (fig, T.X_NAME[fig], "TFLOPs/GPU", "simulated")}
+        (fig, TN.X_NAME[fig], "TFLOPs/GPU", "simulated")}
     # at the paper's batch the per-point simulation is the calibrated model's prediction
     # (incl. Fig 4's DDP overlap)
     paper = [r for r in rows if r["batch_rule"] == "paper"]
@@ -130,10 +131,10 @@ def test_simulated_rows_names_and_values(name, results_dir):
     theirs = sorted(r["y_value"] for r in PREDICT[fig](calibrate.calibration("dgx2_v100")))
     assert ours == pytest.approx(theirs, rel=1e-9)
     assert all("dgx2_v100" in r["hardware"] and r["batch_source"].startswith("paper")
-               and r["series"].endswith(T.PAPER_BATCH) for r in paper)
+               and r["series"].endswith(TN.PAPER_BATCH) for r in paper)
     # at the predicted batch: the largest on the grid that fits, named without the suffix
     pred = [r for r in rows if r["batch_rule"] == "max_fit"]
-    assert len(pred) == len(paper) and all(not r["series"].endswith(T.PAPER_BATCH)
+    assert len(pred) == len(paper) and all(not r["series"].endswith(TN.PAPER_BATCH)
                                            and r["batch_source"].startswith("max_fit")
                                            for r in pred)
     from zero_repro.scale.dryrun.maxsize import BATCH_GRID
@@ -146,20 +147,20 @@ def test_simulated_rows_names_and_values(name, results_dir):
 def test_fig3_superlinear_and_fig2_fit(results_dir):
     exp3, recs3 = _simulated_records("fig3_scaling", results_dir)
     rows = exp3.summarize(recs3)
-    pb = T.PAPER_BATCH
+    pb = TN.PAPER_BATCH
     sp = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == "speedup"
           and r["series"].endswith(pb)}
     assert sp["64->128"] > 2.0  # the super-linear step at the paper's batches, predicted
-    agg = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == T.AGG_NAME
+    agg = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == TN.AGG_NAME
            and r["series"] == exp3.AGG + pb}
-    per = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == T.Y_NAME
+    per = {r["x_value"]: r["y_value"] for r in rows if r["y_name"] == TN.Y_NAME
            and r["series"] == exp3.BARS + pb}
     assert agg[128] == pytest.approx(per[128] * 128)
     exp2, recs2 = _simulated_records("fig2_throughput", results_dir)
     ref = paper_compare.load_reference()
     table = paper_compare.compare(pd.DataFrame(exp2.summarize(recs2)), ref,
                                   exp2.SERIES_FAMILY)
-    zero = table[(table["series"] == exp2.ZERO + pb) & (table["y_name"] == T.Y_NAME)]
+    zero = table[(table["series"] == exp2.ZERO + pb) & (table["y_name"] == TN.Y_NAME)]
     assert len(zero) == 9 and zero["rel_error_vs_paper"].notna().all()
     assert zero["rel_error_vs_paper"].abs().max() <= 0.23  # the fit's bound (test_perf_model)
     assert all(zero["in_sample"].str.contains("calibration point"))  # marked in-sample
@@ -179,7 +180,7 @@ def test_fig8_in_sample_point_and_bar_labels(results_dir):
     """Fig 8's 170B C5 point at the paper's batch is Fig 2's fitted 170B point (in-sample);
     every bar says its batch, the paper-batch 60B bars their Table 9 row."""
     exp, recs = _simulated_records("fig8_configs", results_dir)
-    rows = [r for r in exp.summarize(recs) if r["y_name"] == T.Y_NAME]
+    rows = [r for r in exp.summarize(recs) if r["y_name"] == TN.Y_NAME]
     inside = [r for r in rows if r["in_sample"]]
     assert [(r["x_value"], r["batch_per_gpu"], r["batch_rule"]) for r in inside] == [
         ("C5", 12, "paper")] and "fig2 170B" in inside[0]["in_sample"]
@@ -194,7 +195,7 @@ def test_fig8_local_panel_needs_dp_and_tp_of_two():
     """C1-C5 differ only with a DP degree (P_os, P_os+g) and an MP degree (P_a) of 2 or more:
     a local world where either is 1 is refused at planning; world 4 = TP 2 x DP 2 plans."""
     exp = base.get("fig8_configs")
-    p = dict(T.DEFAULTS, local_configs=["C1", "C4"], local_model="tiny", local_batch=4)
+    p = dict(TN.DEFAULTS, local_configs=["C1", "C4"], local_model="tiny", local_batch=4)
     with pytest.raises(ValueError, match="DP >= 2 and TP >= 2"):
         exp._local(None, {**p, "local_world": 2, "local_tp": 2})
     pts = exp._local(None, {**p, "local_world": 4, "local_tp": 2})
@@ -205,9 +206,9 @@ def test_fig8_local_panel_needs_dp_and_tp_of_two():
 def test_fig4_local_zero_dp_fits_a_deeper_model_in_the_baselines_budget():
     """Figure 4's mechanism at CPU scale: in the per-rank memory the baseline (stage 0) needs
     at its own depth, P_os+g at DP 2 fits a deeper model of the same shape (memory dry run)."""
-    budget = T.local_budget("gpt_20m", 2, 1, "baseline", 4)
-    n_base = T.local_max_layers("gpt_20m", 2, 1, "baseline", budget, 4)
-    n_zero = T.local_max_layers("gpt_20m", 2, 1, "C3", budget, 4)
+    budget = TB.local_budget("gpt_20m", 2, 1, "baseline", 4)
+    n_base = TB.local_max_layers("gpt_20m", 2, 1, "baseline", budget, 4)
+    n_zero = TB.local_max_layers("gpt_20m", 2, 1, "C3", budget, 4)
     assert n_base >= schema.model_conf("gpt_20m")["n_layer"]
     assert n_zero > n_base
 
@@ -216,7 +217,7 @@ def test_max_batch_search_by_dry_run():
     """maxsize.max_batch: the answer fits, the next grid batch does not, each judged batch
     carries the capacity it needs (so the answer at another capacity can be read off)."""
     from zero_repro.scale.dryrun import maxsize
-    cfg = T._local_dryrun_config("small", 2, 1, "C3")
+    cfg = TB._local_dryrun_config("small", 2, 1, "C3")
     grid = (1, 2, 4, 8, 16)
     need = {b: maxsize.max_batch(cfg, capacity=float(1 << 50), seed=b, grid=(b,))
             .judgements[0].min_capacity for b in (4, 16)}
@@ -231,15 +232,15 @@ def test_max_batch_search_by_dry_run():
 
 
 def test_max_fit_batches_grow_with_dp():
-    p = dict(T.DEFAULTS, batch="max_fit", max_fit_judge="analytic")
+    p = dict(TN.DEFAULTS, batch="max_fit", max_fit_judge="analytic")
     v100 = load_cluster("dgx2_v100")
     s64, s128 = setups("fig3")[:2]
-    b64, src = T.max_fit_batch(s64, "C4", v100, p)
-    b128, _ = T.max_fit_batch(s128, "C4", v100, p)
+    b64, src = TB.max_fit_batch(s64, "C4", v100, p)
+    b128, _ = TB.max_fit_batch(s128, "C4", v100, p)
     assert 0 < b64 < b128 and "analytic" in src
-    lp = dict(T.DEFAULTS, local_batch="max_fit")
-    assert T.local_batch("small", 1, 1, "C3", lp)[0] < T.local_batch("small", 2, 1, "C3", lp)[0]
-    assert T.largest_true(lambda b: b <= 37) == 37 and T.largest_true(lambda b: False) == 0
+    lp = dict(TN.DEFAULTS, local_batch="max_fit")
+    assert TB.local_batch("small", 1, 1, "C3", lp)[0] < TB.local_batch("small", 2, 1, "C3", lp)[0]
+    assert TB.largest_true(lambda b: b <= 37) == 37 and TB.largest_true(lambda b: False) == 0
 
 
 @pytest.mark.slow
@@ -300,7 +301,7 @@ def test_table9_row_order_is_explicit_and_selectable():
     assert 2 * 32 * 1024 * 8192 * 75 > 32e9 > 2 * 8 * 1024 * 8192 * 75
     with pytest.raises(ValueError):
         table9.remap(rows, "by_size")
-    assert {s.zero_config: s.batch_per_gpu for s in T.figure_setups("fig8", {})
+    assert {s.zero_config: s.batch_per_gpu for s in TN.figure_setups("fig8", {})
             if s.size_label == "60B"}["C3"] == 8
 
 
@@ -309,12 +310,12 @@ def test_points_and_records_resolve_setups_under_their_table9_order():
     it: "60B C3" is the batch-8 row under the default Table 7 order, the batch-32 row under
     c1_to_c5; only a non-default order enters a point's params (committed keys unchanged)."""
     ser = next(s.series for s in setups("fig8"))
-    assert T.find_setup("fig8", "60B C3", ser).batch_per_gpu == 8
-    assert T.find_setup("fig8", "60B C3", ser, {"table9_order": "c1_to_c5"}).batch_per_gpu == 32
-    assert T.find_setup("fig8", "60B C5", ser).batch_per_gpu == 32
-    assert T.order_params("fig8", {}) == {}
-    assert T.order_params("fig8", {"table9_order": "c1_to_c5"}) == {"table9_order": "c1_to_c5"}
-    assert T.order_params("fig4", {"table9_order": "c1_to_c5"}) == {}
+    assert TN.find_setup("fig8", "60B C3", ser).batch_per_gpu == 8
+    assert TN.find_setup("fig8", "60B C3", ser, {"table9_order": "c1_to_c5"}).batch_per_gpu == 32
+    assert TN.find_setup("fig8", "60B C5", ser).batch_per_gpu == 32
+    assert TN.order_params("fig8", {}) == {}
+    assert TN.order_params("fig8", {"table9_order": "c1_to_c5"}) == {"table9_order": "c1_to_c5"}
+    assert TN.order_params("fig4", {"table9_order": "c1_to_c5"}) == {}
     sims = by_role(planned("fig8_configs", "+experiment.params.table9_order=c1_to_c5"),
                    "simulated")
     c3 = next(pp.point for pp in sims if pp.point.params["setup"] == "60B C3")

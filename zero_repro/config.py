@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from zero_repro import paths
+from zero_repro import gpus, paths
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -173,12 +173,23 @@ class TrainConfig:
     progress: bool = field(default=True, metadata=NOT_IDENTITY)
 
 
+# the GPU facts a cluster takes from its GPU (``zero_repro.gpus``): ClusterConfig field -> Gpu's
+GPU_FIELDS = {"device_memory_gb": "memory_gb", "device_memory_mib": "memory_mib",
+              "peak_tflops": "peak_tflops", "hbm_gbps": "hbm_gbps", "sm_count": "sm_count"}
+
+
 @dataclass
 class ClusterConfig:
+    """A cluster: its nodes, links and hosts, and its GPU. ``gpu`` names a ``zero_repro.gpus``
+    kind whose datasheet facts (``GPU_FIELDS``) fill the fields left at 0, the one home of a
+    GPU's facts (a field set explicitly is a what-if and stays); without ``gpu`` the fields are
+    the cluster's own (a custom cluster, the CPU one)."""
     name: str = "local"
     device: str = "cpu"
     backend: str = "gloo"
     gpus_per_node: int = 2  # ranks per node
+    # the GPU kind (zero_repro/gpus/<key>.py); "" = none named. Its facts are identity, not it
+    gpu: str = field(default="", metadata=NOT_IDENTITY)
     device_memory_gb: float = 0.0  # datasheet size, GB = 1e9 B: closed-form Tables 1/2 only
     # total device memory as the device reports it (nvidia-smi / NVML total, MiB = 2^20 B):
     # what an allocator can ever hold (scale.hardware.device_bytes); 0 = device_memory_gb
@@ -197,6 +208,13 @@ class ClusterConfig:
     host_memory_gbps: float = field(default=0.0, metadata=NOT_IDENTITY)  # DRAM line rate, GB/s
     # words for tables (the throughput figures' hardware column): not what a point measures
     description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
+
+    def __post_init__(self):
+        if self.gpu:
+            g = gpus.gpu(self.gpu)  # ValueError naming the known GPUs
+            for mine, its in GPU_FIELDS.items():
+                if not getattr(self, mine):
+                    setattr(self, mine, type(getattr(self, mine))(getattr(g, its)))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from zero_repro import paths
 
 import pandas as pd
 
-from zero_repro.lab import rank, registry, slurm, sweep
+from zero_repro.lab import rank_log, registry, slurm, sweep
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import regenerate
 
@@ -59,7 +59,7 @@ def record_line(rec) -> str:
               if not k.startswith("cuda_") and isinstance(v, (int, float))]
     if m.get("table1_model_state_bytes") and rec.mode == "measured":
         t1 = {"bytes": m["table1_model_state_bytes"], "formula": m.get("table1_formula", "")}
-        parts.append(rank.memory_text(rank.memory_parts(rec.memory), t1))
+        parts.append(rank_log.memory_text(rank_log.memory_parts(rec.memory), t1))
     elif ledger and rec.mode == "measured":
         parts.append(f"ledger {sum(ledger) / 2**20:.1f} MiB/rank")
     why = R.heavy_load(rec.load) if rec.mode == "measured" else ""

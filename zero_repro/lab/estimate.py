@@ -28,6 +28,7 @@ import re
 import sys
 
 from zero_repro import config as C
+from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
 from zero_repro.lab import memory_view
@@ -35,7 +36,6 @@ from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
 from zero_repro.scale import estimate as E
 from zero_repro.scale import estimate_time as T
-from zero_repro.scale import kernel_sources
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
@@ -337,7 +337,7 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
     """The time rows of the modern stack's model: step time with its band, the three largest
     terms of every stage, tokens/s and MFU / HFU with their bands (``scale.modern_step``)."""
     p0, tm = st[0].perf, est.timing
-    spec = kernel_sources.SPECS[p0["gpu"]]
+    spec = gpus.gpu(p0["gpu"])
     ac = p0["ac"] + (f" (every {p0['every']} blocks)" if p0["ac"] == "selective" else "")
     lines = [f"Time per step at micro-batch {est.batch} (modern stack on {spec.name}: kernel "
              f"model from sourced benchmarks, nothing fitted; {tm['attention']} attention, "
@@ -442,7 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--intra-gbps", type=float, help="GB/s per GPU in a node (both directions)")
     ap.add_argument("--inter-gbps", type=float, help="Gbit/s per node between nodes")
     ap.add_argument("--pcie-gbps", type=float, help="GB/s host <-> device")
-    ap.add_argument("--gpu", help=f"the GPU, for the time model ({', '.join(kernel_sources.SPECS)}"
+    ap.add_argument("--gpu", help=f"the GPU, for the time model ({', '.join(gpus.known())}"
                                   "; default: the cluster's)")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (TP x DP)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

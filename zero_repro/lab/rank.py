@@ -1,4 +1,5 @@
-"""The rank program of one training run: what runs in every rank (``rank_main``, log lines, resume).
+"""The rank program of one training run: what runs in every rank (``rank_main``: load the
+config, build, resume, train; its log lines and result are ``lab.rank_log``'s).
 
 Ranks read the config the CLI resolved into the run directory (never ``@hydra.main``);
 ``rank_main`` runs in each process the local launcher spawns (``zero_repro.lab.launcher``), or
@@ -18,8 +19,6 @@ import functools
 import json
 import logging
 import os
-import platform
-import resource
 import signal
 import sys
 import threading
@@ -30,15 +29,11 @@ import torch
 from zero_repro.runtime.train import checkpoint
 from zero_repro import config as C
 from zero_repro import schema
-from zero_repro.runtime.comm import comm, launch
-from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.model import flops
+from zero_repro.runtime.comm import launch
 from zero_repro.runtime.train import data, loop
 from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.runtime.train.build import device_for
-from zero_repro.runtime.zero.ledger import MODEL_STATE_CATEGORIES, is_host
-from zero_repro.scale.paper.table1 import K_ADAM, model_state_bytes, offload_bytes
-from zero_repro.lab import wandb_runs
+from zero_repro.lab.rank_log import RankLog, placement
 
 log = logging.getLogger(__name__)
 
@@ -57,152 +52,6 @@ def _note_time_limit_signal(signum, frame) -> None:
     _signals_seen.append({"signal": signal.Signals(signum).name, "time": time.time()})
     log.warning("%s received (Slurm's time-limit warning): ignored, training goes on; the job "
                 "is killed at its time limit", signal.Signals(signum).name)
-
-
-def hardware_info(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(),
-            "host": platform.node(), "cpu_count": os.cpu_count(), "device": device.type,
-            "threads_per_rank": torch.get_num_threads()}
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
-    else:
-        info["device_name"] = platform.processor() or platform.machine()
-    return info
-
-
-def placement(topo: Topology) -> dict:
-    """Where the ranks ran (collective over the world): every rank's host in rank order, the
-    number of hosts, whether each TP group stayed on one host (Megatron's TP needs the node's
-    links) and how the default group met (spawn | torchrun | slurm)."""
-    hosts = comm.all_gather_object(platform.node(), topo.world)
-    tp_groups = [hosts[d * topo.tp:(d + 1) * topo.tp] for d in range(topo.dp)]
-    return {"hosts": hosts, "nodes": len(set(hosts)),
-            "tp_within_node": all(len(set(g)) == 1 for g in tp_groups),
-            "rendezvous": launch.rendezvous() or "none"}
-
-
-def memory_series(device: torch.device) -> dict:
-    """This step's memory numbers (bytes) for the live W&B series."""
-    if device.type == "cuda":
-        return {"memory/allocated": torch.cuda.memory_allocated(device),
-                "memory/reserved": torch.cuda.memory_reserved(device),
-                "memory/max_allocated": torch.cuda.max_memory_allocated(device),
-                "memory/max_reserved": torch.cuda.max_memory_reserved(device)}
-    # Linux reports ru_maxrss in KiB
-    return {"memory/max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-BUFFER_CATEGORIES = ("comm_buffers", "fused_buffers")  # bucket / gather buffers at capacity
-
-
-def table1_model_states(cfg: C.Config) -> dict:
-    """Table 1's model-state bytes per rank for this run (paper §5): Ψ = parameters of one TP
-    shard (``flops.param_count_per_tp_rank``), N_d = DP degree, the run's stage, and the
-    precision's bytes (fp16/bf16: 2-byte params and grads, K = 12 of fp32 master + Adam;
-    fp32: 4-byte params and grads, K = 8, the parameters being the master). Returns {"psi",
-    "n_d", "bytes", "formula"} (formula like ``16Ψ/N_d``)."""
-    psi = flops.param_count_per_tp_rank(cfg.model, cfg.parallel.tp)
-    n_d = cfg.parallel.world_size // cfg.parallel.tp
-    lp, k = (4, 8) if cfg.zero.dtype == "fp32" else (2, K_ADAM)
-    stage = cfg.zero.stage
-    opt, par = cfg.zero.offload_optimizer, cfg.zero.offload_param
-    if "cpu" in (opt, par):  # ZeRO-Offload: the device's part of the column
-        formula = ({0: f"{lp}Ψ", 1: f"{lp}Ψ", 2: f"{lp}Ψ", 3: f"{lp}Ψ/N_d"}[stage]
-                   if opt == "cpu" else f"{lp + k}Ψ/N_d")
-        formula = ("0" if opt == "cpu" and par == "cpu" else formula) + " (offload)"
-        return {"psi": psi, "n_d": n_d, "formula": formula,
-                "bytes": offload_bytes(psi, stage, n_d, K=k, lp_bytes=lp, optimizer=opt,
-                                       param=par)["device"]}
-    formula = {0: f"{2 * lp + k}Ψ", 1: f"{2 * lp}Ψ+{k}Ψ/N_d", 2: f"{lp}Ψ+{lp + k}Ψ/N_d",
-               3: f"{2 * lp + k}Ψ/N_d"}[stage]
-    return {"psi": psi, "n_d": n_d, "formula": formula,
-            "bytes": model_state_bytes(psi, stage, n_d, K=k, lp_bytes=lp)}
-
-
-def memory_parts(ledger: dict) -> dict:
-    """A ledger (category -> bytes) as Table 1's model states, buffers, gathered parameters
-    (stage 3) and the rest (ZeRO-R: checkpoints, arena) on the device, and what the host holds
-    (``host``, where anything)."""
-    states = sum(ledger.get(c, 0) for c in MODEL_STATE_CATEGORIES)
-    buffers = sum(ledger.get(c, 0) for c in BUFFER_CATEGORIES)
-    gathered = ledger.get("params_gathered", 0)
-    host = sum(v for k, v in ledger.items() if isinstance(v, (int, float)) and is_host(k))
-    rest = sum(v for k, v in ledger.items() if isinstance(v, (int, float))
-               and not k.startswith("cuda_")) - states - buffers - gathered - host
-    out = {"states": states, "buffers": buffers, "gathered": gathered, "other": rest}
-    if host:  # held in host memory (ZeRO-Offload's optimizer, P_a+cpu's checkpoints)
-        out["host"] = host
-    return out
-
-
-def _unit(nbytes: float) -> tuple[float, str]:
-    return (2**30, "GiB") if nbytes >= 2**30 else (2**20, "MiB")
-
-
-def memory_text(parts: dict, table1: dict, long: bool = False) -> str:
-    """``model states X MiB/rank (Table 1 16Ψ/N_d: Y)`` + buffers, gathered parameters and
-    the rest apart; ``long``: the ratio, Ψ and N_d too (the summary line)."""
-    div, unit = _unit(max(parts["states"], table1["bytes"]))
-    states, ref = parts["states"] / div, table1["bytes"] / div
-    if long:
-        ratio = parts["states"] / table1["bytes"] if table1["bytes"] else float("nan")
-        text = (f"model states {states:.3g} {unit}/rank = {ratio:.3f} x Table 1 "
-                f"({table1['formula']}, Ψ {table1['psi']:,}, N_d {table1['n_d']}: {ref:.3g})")
-    else:
-        text = f"model states {states:.3g} {unit}/rank (Table 1 {table1['formula']}: {ref:.3g})"
-    for key, name in (("buffers", "buffers"), ("gathered", "gathered params"),
-                      ("other", "other"), ("host", "host memory")):
-        if parts.get(key):
-            d, u = _unit(parts[key])
-            text += f", {name} {parts[key] / d:.3g} {u}"
-    return text
-
-
-def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
-              tflops: float, peak_tflops: float, memory: str,
-              device: torch.device, dp: int = 1, dtype: str = "fp32",
-              model_tflops: float = 0.0, transport_note: str = "") -> str:
-    """The per-step log line (rank 0, every ``train.log_every`` steps): rank 0's loss (its own
-    micro-batches; ``rank-0 loss`` when DP > 1), the loss scale (fp16 only: fp32/bf16 have
-    none), gradient norm, tokens/s, TFLOPs/GPU (the paper's convention,
-    ``flops.flops_per_iteration``; + MFU from the model's FLOPs ``model_tflops`` when
-    ``cluster.peak_tflops`` is known), ``memory`` (``memory_text``: model states per rank
-    beside Table 1's, buffers and gathered parameters apart), on CUDA the caching
-    allocator's allocated/reserved bytes, and ``transport_note`` (a DP group on one host that
-    fell back from shared memory to gloo, and why)."""
-    which = "rank-0 loss" if dp > 1 else "loss"
-    scale = f"scale {float(info.loss_scale):g}  " if dtype == "fp16" else ""
-    line = (f"step {step + 1:>4}/{steps}  {which} {loss:.4f}  {scale}"
-            f"grad_norm {float(info.grad_norm):.3g}  {tokens_per_step / dt:,.0f} tok/s  "
-            f"{tflops:.4g} TFLOPs/GPU")
-    if peak_tflops > 0 and model_tflops > 0:
-        line += f" (MFU {100 * model_tflops / peak_tflops:.1f}%)"
-    line += f"  {memory}"
-    if device.type == "cuda":
-        line += (f"  alloc {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
-                 f"  reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB")
-    line += f"  {dt:.3f} s" + ("  (skipped)" if info.skipped else "")
-    return line + (f"  [{transport_note}]" if transport_note else "")
-
-
-def summary_line(cfg: C.Config, metrics: dict, ledger: dict) -> str:
-    """The end-of-point line (rank 0): losses, speed, model states per rank against Table 1
-    (``memory_text``), topology."""
-    t = cfg.train
-    dp = cfg.parallel.world_size // cfg.parallel.tp
-    which = f"loss (mean of {dp} DP ranks)" if dp > 1 else "loss"
-    line = (f"done: {len(metrics['losses'])} steps ({t.warmup_steps} warm-up), {which} "
-            f"{metrics['loss_first']:.4f} -> {metrics['loss_last']:.4f}, median step "
-            f"{metrics['step_time_s']:.3f} s, {metrics['tokens_per_s']:,.0f} tok/s, "
-            f"{metrics['tflops_per_gpu']:.4g} TFLOPs/GPU")
-    if "mfu" in metrics:
-        line += f" (MFU {100 * metrics['mfu']:.1f}%, HFU {100 * metrics['hfu']:.1f}%)"
-    line += (f", {memory_text(memory_parts(ledger), table1_model_states(cfg), long=True)}; "
-             f"{metrics['skipped_steps']} skipped; world {cfg.parallel.world_size} = TP {cfg.parallel.tp} x DP "
-             f"{cfg.parallel.world_size // cfg.parallel.tp}, stage {cfg.zero.stage}, "
-             f"{cfg.zero.dtype}")
-    return line
 
 
 def reset_peaks(device: torch.device) -> int:
@@ -362,9 +211,9 @@ def inject_fault(fault: C.FaultConfig, rank: int, step: int) -> None:
 def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | None = None) -> dict:
     cfg = schema.load(config_path)
     _rank_logging(cfg, rank)
-    device = device_for(cfg, rank if local_rank is None else local_rank)
     run_dir = os.path.dirname(os.path.abspath(config_path))
     watchdog = Watchdog(run_dir, rank, world_size, cfg.launcher.collective_timeout_s)
+    device = device_for(cfg, rank if local_rank is None else local_rank)
     watchdog.start()
     try:
         return _rank_run(cfg, rank, device, run_dir, watchdog)
@@ -374,102 +223,38 @@ def rank_main(rank: int, world_size: int, config_path: str, local_rank: int | No
 
 def _rank_run(cfg: C.Config, rank: int, device: torch.device, run_dir: str,
               watchdog: Watchdog) -> dict:
+    """Build, resume, train and report (``rank_log.RankLog``) one run on this rank."""
+    resumed = resume_path(cfg, run_dir)
+    save_to, extra = checkpoint_root(cfg, run_dir), {"model": model_identity(cfg.model)}
     trainer = Trainer(cfg, device=device)
-    topo, strategy = trainer.topo, trainer.strategy
     build_peak = reset_peaks(device)
-    where = placement(topo)
+    where = placement(trainer.topo)
     source = data.make_source(cfg.train.data, cfg.model.seq_len, cfg.model.vocab_size,
                               cfg.train.seed, cfg.train.data_path)
-    resumed = resume_path(cfg, run_dir)
     if resumed is not None:
-        trainer.resume(resumed, cfg.checkpoint.verify,
-                       trust=cfg.checkpoint.allow_untrusted)
-
-    rates = flops.Rates.of(cfg, topo.dp)
-    # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
-    live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=topo.rank == 0)
-
-    every_log = cfg.train.log_every if topo.rank == 0 else 0
-    table1 = table1_model_states(cfg)
-    refused = getattr(topo.dp_group, "channel_refused", "") if topo.dp_group else ""
-    transport_note = (f"dp {strategy.transport.name} (shared memory refused: {refused})"
-                      if refused and strategy.transport.name != "shm" else "")
+        trainer.resume(resumed, cfg.checkpoint.verify, trust=cfg.checkpoint.allow_untrusted)
+    report = RankLog(cfg, trainer, device, run_dir)
 
     def watch(step, loss, dt, info):
         watchdog.step = step + 1
 
-    def step_log(step, loss, dt, info):
-        if every_log and ((step + 1) % every_log == 0 or step == cfg.train.steps - 1):
-            log.info(step_line(step, cfg.train.steps, loss, info, dt, rates.tokens_per_step,
-                               rates.tflops(dt), cfg.cluster.peak_tflops,
-                               memory_text(memory_parts(strategy.memory_ledger().as_dict()),
-                                           table1),
-                               device, topo.dp, cfg.zero.dtype,
-                               rates.model_tflops(dt), transport_note))
-
-    def metrics_log(step, loss, dt, info):
-        if live.active:
-            live.log_step(step, loss=loss, grad_norm=float(info.grad_norm),
-                          loss_scale=float(info.loss_scale), step_time_s=dt,
-                          tokens_per_s=rates.tokens_per_step / dt,
-                          tflops_per_gpu=rates.tflops(dt),
-                          **memory_series(device))
-
     try:
-        res = trainer.fit(source, [watch, step_log, metrics_log],
-                          before_update=functools.partial(inject_fault, cfg.fault, topo.rank),
-                          checkpoint_root=checkpoint_root(cfg, run_dir),
-                          checkpoint_extra={"model": model_identity(cfg.model)})
+        res = trainer.fit(source, [watch, report.on_step],
+                          before_update=functools.partial(inject_fault, cfg.fault, trainer.topo.rank),
+                          checkpoint_root=save_to, checkpoint_extra=extra)
     except BaseException as e:
         if isinstance(e, loop.Diverged):
-            _note_divergence(run_dir, topo.rank, str(e), trainer.history["losses"],
+            _note_divergence(run_dir, trainer.topo.rank, str(e), trainer.history["losses"],
                              trainer.local_losses, trainer.start_step)
-        live.finish({"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}, 1)
+        report.failed(e)
         raise
     finally:
         mem = trainer.memory_ledger()
         trainer.close()
-    step_s = res.median_step_time
-    metrics = {
-        "losses": res.losses, "loss_first": res.losses[0], "loss_last": res.losses[-1],
-        "step_time_s": step_s, "step_times_s": res.step_times,
-        "tokens_per_s": rates.tokens_per_step / step_s, "tflops_per_gpu": rates.tflops(step_s),
-        "skipped_steps": res.skipped_steps, "skipped_at": res.skipped_at,
-        "start_step": res.start_step, "resumed_from": resumed or "",
-        "losses_before_start": trainer.history["losses"],
-        "skipped_before_start": trainer.history["skipped_at"],
-        "grad_norms": res.grad_norms,
-        "loss_scales": res.loss_scales,
-        "params_total": flops.param_count(cfg.model),
-        # Table 1 (paper §5) for this run beside the ledger's model states
-        "model_state_bytes": mem.model_states(), "table1_model_state_bytes": table1["bytes"],
-        "table1_formula": table1["formula"], "psi": table1["psi"],
-    }
-    # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
-    # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's convention
-    rated = rates.at(step_s, cfg.cluster.peak_tflops)
-    metrics.update({k: rated[k] for k in ("model_tflops_per_gpu", "hardware_tflops_per_gpu",
-                                          "mfu", "hfu") if k in rated})
+    metrics = report.metrics(res, mem, resumed, trainer.history)
     if _signals_seen:
         metrics["signals"] = list(_signals_seen)
-    if topo.rank == 0:
-        log.info(summary_line(cfg, metrics, mem.as_dict()))
-    out = {"rank": rank, "metrics": metrics, "memory": mem.as_dict(),
-           "comm": res.comm_per_step, "topology": topo.describe(),
-           "hardware": {**hardware_info(device), **where,
-                        # how the DP buckets travelled (gloo on one host: shared memory),
-                        # and why not where a group on one host fell back
-                        "dp_transport": strategy.transport.name,
-                        **({"dp_transport_refused": refused} if transport_note else {})}}
-    if device.type == "cuda":
-        # the training steps' peaks (reset after the build); the build's own beside them
-        out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
-        out["memory"]["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
-        out["memory"]["cuda_max_allocated_build"] = build_peak
-    if live.active:
-        metrics["wandb_run"] = live.finish(wandb_runs.summary_of(out), 0)
-    strategy = None  # noqa: F841 - drop the reference (teardown: no gloo user alive)
-    return out
+    return report.result(rank, res, mem, metrics, where, build_peak)
 
 
 def _note_divergence(run_dir: str, rank: int, reason: str, history: list, losses: list,

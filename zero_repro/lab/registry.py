@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import os
 import pkgutil
 import types
 from typing import Any
@@ -54,7 +55,10 @@ def describe() -> list[tuple[str, str]]:
         if name in _REGISTERED:
             doc = getattr(_REGISTERED[name], "__doc__", "") or ""
         else:
-            path = next((f"{d}/{name}.py" for d in package.__path__), "")
+            # experiments/<name>.py, or the package experiments/<name>/ (its own figure and
+            # check modules beside its __init__.py)
+            path = next((f for d in package.__path__ for f in
+                         (f"{d}/{name}.py", f"{d}/{name}/__init__.py") if os.path.isfile(f)), "")
             with open(path, encoding="utf-8") as f:
                 doc = ast.get_docstring(ast.parse(f.read())) or ""
         out.append((name, _first_sentence(doc)))

@@ -6,7 +6,7 @@ Taken from the paper: hardware specs (§10.1 -> ``conf/cluster/dgx2_v100.yaml``)
 5, 6, 9, 10, ``zero_repro.scale.paper.setups``), fit targets (Figure 2 "ZeRO-100B" TFLOPs/GPU at
 the batches Table 5 states; with ``use_fig3`` Figure 3's bars). Objective: Σ log(simulated /
 paper)², a deterministic Nelder-Mead on the log of the parameters, bounds by clipping.
-Predictions take the batch the memory dry run says fits (``lab.figures.throughput``) or the
+Predictions take the batch the memory dry run says fits (``lab.throughput.batch``) or the
 paper's (the "paper batch" series). A Figure 2/3 point's ZeRO-R configuration (unstated,
 ``zero_config_for``): the cheapest the analytic model fits on a 32 GB V100: C4 when MP > 1, C3
 when MP = 1, C5 when C4 does not fit (§10.5: 170B needs P_a+cpu). Fit limits:

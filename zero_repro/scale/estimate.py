@@ -62,10 +62,11 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from zero_repro import config as C
+from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
 from zero_repro.runtime.model import flops
-from zero_repro.scale import calibrate, kernel_sources, modern_step, outside_modern, perf_model
+from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
     MAX_BATCH, PRIME_BATCH, BatchTraces, largest_batch)
@@ -497,7 +498,7 @@ def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "n
     outside, judge = {}, {}
     if gpu:
         comms = 1 + (base.parallel.tp > 1)  # the DP group, + the TP group
-        outside = outside_modern.bracket(kernel_sources.SPECS[gpu].generation, comms,
+        outside = outside_modern.bracket(gpus.gpu(gpu).gen, comms,
                                          base.cluster.gpus_per_node)
         judge["outside"] = outside["mid"]
         frac = modern_step.recompute_fraction(modern_step.Modern(ac=T.ac_of(zr),

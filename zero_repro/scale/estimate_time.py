@@ -8,9 +8,9 @@ per rank and step of one configuration, by one of two time models (``Timing.mode
   * ``paper2020``: the paper's V100 stack calibrated on its Fig 2 (``scale.perf_model`` with
     ``calibrate``'s e_max and comm_eff), as the estimate reported it before the modern model.
 
-The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the named cluster's
-(``kernels.CLUSTER_DEVICE``), else the one device of ``kernel_sources.SPECS`` whose dense peak
-and memory size the cluster states; none: the paper2020 model, said so in the result.
+The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the one the cluster names
+(``ClusterConfig.gpu``), else the one GPU of ``zero_repro.gpus`` whose dense peak and memory
+size the cluster states; none: the paper2020 model, said so in the result.
 Traffic per rank and step: DP 2Ψ (stages 0-2) or 3Ψ (stage 3) elements (§7); TP the
 all-reduces of b·s·h (counted 2n each, ``comm``'s convention).
 """
@@ -20,8 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from zero_repro import config as C
+from zero_repro import gpus
 from zero_repro.runtime.model import flops
-from zero_repro.scale import kernel_sources as KS
 from zero_repro.scale import kernels as K
 from zero_repro.scale import modern_step as M
 from zero_repro.scale import offload_time as OT
@@ -36,15 +36,15 @@ class Timing:
     """Which time model and the modern stack's switches (``modern_step.Modern``); ``ac``
     follows the ZeRO-R setting (``ac_of``)."""
     model: str = "modern"
-    gpu: str = ""  # kernel_sources.SPECS key; "": the cluster's (``gpu_of``)
+    gpu: str = ""  # zero_repro.gpus key; "": the cluster's (``gpu_of``)
     attention: str = "flash"  # flash | unfused
     every: int = 2  # selective AC: every k-th block checkpointed
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"time model {self.model!r}: use one of {MODELS}")
-        if self.gpu and self.gpu not in KS.SPECS:
-            raise ValueError(f"--gpu {self.gpu!r}: use one of {sorted(KS.SPECS)}")
+        if self.gpu and self.gpu not in gpus.known():
+            raise ValueError(f"--gpu {self.gpu!r}: use one of {sorted(gpus.known())}")
         M.Modern(attention=self.attention, every=self.every)  # validates
 
 
@@ -58,9 +58,9 @@ def gpu_of(c: C.ClusterConfig, gpu: str = "") -> str:
     """The cluster's device (module doc); "" when it cannot be told."""
     if gpu:
         return K.device_for(c.name, gpu)
-    if c.name in K.CLUSTER_DEVICE:
-        return K.CLUSTER_DEVICE[c.name]
-    match = [k for k, s in KS.SPECS.items()
+    if c.gpu:
+        return gpus.gpu(c.gpu).key
+    match = [k for k, s in gpus.known().items()
              if abs(s.peak_tflops - c.peak_tflops) <= 0.01 * s.peak_tflops
              and (c.device_memory_gb <= 0 or abs(s.memory_gb - c.device_memory_gb) <= 2)]
     return match[0] if len(match) == 1 else ""

@@ -1,8 +1,8 @@
 """Per-device kernel model of today's GPUs: how long a GEMM, a flash-attention call, a
 memory-bound kernel and a collective's bytes take on one device, from the kernel-level facts of
-``scale.kernel_sources`` (nothing fitted, nothing taken from end-to-end training runs). The
-paper's V100 stack keeps its own Fig 2 calibration (``scale.perf_model``); this model is the
-modern stack's.
+``zero_repro.gpus`` (each GPU's) and ``scale.kernel_sources`` (no one GPU's): nothing fitted,
+nothing taken from end-to-end training runs. The paper's V100 stack keeps its own Fig 2
+calibration (``scale.perf_model``); this model is the modern stack's.
 
 Every efficiency is a ``Band`` (low, mid, high) over its sources: low and high the smallest and
 largest source, mid their median (attention on Hopper: the midpoint of the FlashAttention-2
@@ -28,7 +28,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from zero_repro import gpus
 from zero_repro.scale import kernel_sources as S
+from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
 POINTS = ("low", "mid", "high")
 GEMM_ERROR = 0.12  # stated error of the GEMM model against its sources, M, N, K >= 2048
@@ -59,9 +61,9 @@ def band(values, sources, proxy: str = "") -> Band:
 
 @dataclass(frozen=True)
 class DeviceKernels:
-    """The kernel model of one device (``SPECS`` key): efficiencies by kind, each a Band."""
+    """The kernel model of one GPU (``zero_repro.gpus`` key): efficiencies by kind, each a Band."""
     key: str
-    spec: S.Spec
+    spec: gpus.Gpu
     gemm: Band
     attn: dict  # (direction, causal) -> Band; direction fwd | bwd
     hbm: Band
@@ -70,76 +72,81 @@ class DeviceKernels:
 
 
 # ------------------------------------------------------------------------------ the bands
-def _eff(p: S.Point) -> float:
-    if p.kind == "hbm":
-        return p.value / S.MEASURED_BW.get(p.measured_on, S.SPECS[p.device].hbm_gbps)
-    return p.value / S.MEASURED_PEAK.get(p.measured_on, S.SPECS[p.device].peak_tflops)
-
-
-def _points_band(points, device: str, kind: str) -> Band:
-    pts = [p for p in points if p.device == device and p.kind == kind and not p.check_only]
-    return band([_eff(p) for p in pts], [p.source for p in pts])
-
-
-def _attention(key: str) -> tuple[dict, str]:
-    """(direction, causal) -> Band, and the kernel's name, by generation (module doc)."""
-    gen = S.SPECS[key].generation
-    if gen == "hopper":
-        out = {}
-        for d in ("fwd", "bwd"):
-            for causal in (False, True):
-                kind = f"attn_{d}" + ("_causal" if causal else "")
-                fa2 = [p for p in S.ATTENTION if p.kind == kind and "Fav2" in p.source]
-                fa3 = [p for p in S.ATTENTION if p.kind == kind and "Fav2" not in p.source]
-                lo, hi = band([_eff(p) for p in fa2], ()), band([_eff(p) for p in fa3], ())
-                out[(d, causal)] = Band(lo.low, (lo.mid + hi.mid) / 2, hi.high,
-                                        tuple(p.source for p in fa2 + fa3),
-                                        "" if key == "h100_sxm" else "h100_sxm")
-        return out, "FlashAttention-2 .. FlashAttention-3 class (SDPA flash / cuDNN)"
-    if gen == "volta":
-        b = band(S.FA1_RANGE, ("FA2abs: FlashAttention-1 class 25-40% (A100)",), "a100")
-        return {k: b for k in _ATTN_KEYS}, "memory-efficient SDPA (no flash kernel on sm70)"
-    b = band(S.FA2_A100_RANGE, ("FA2abs: 50-73% of peak on A100",),
-             "" if gen == "ampere" else "a100")
-    return {k: b for k in _ATTN_KEYS}, "FlashAttention-2 (SDPA flash backend)"
+def _points_band(g: gpus.Gpu, kind: str) -> Band:
+    pts = [p for p in g.of(kind) if not p.check_only]
+    if not pts:
+        raise ValueError(f"GPU {g.key!r} has no {kind} point: add one with its source to "
+                         f"zero_repro/gpus/{g.key}.py")
+    return band([p.value / g.ref(p) for p in pts], [p.source for p in pts])
 
 
 _ATTN_KEYS = tuple((d, c) for d in ("fwd", "bwd") for c in (False, True))
+_FLASH_WORDS = {"fa1": "memory-efficient SDPA (no flash kernel on sm70)",
+                "fa2": "FlashAttention-2 (SDPA flash backend)",
+                "fa2_fa3": "FlashAttention-2 .. FlashAttention-3 class (SDPA flash / cuDNN)"}
 
 
-def _links(key: str) -> dict:
+def _attention(g: gpus.Gpu) -> tuple[dict, str]:
+    """(direction, causal) -> Band, and the kernel's name, by the GPU's generation's attention
+    class (module doc)."""
+    gen = g.gen
+    if gen.flash == "fa2_fa3":
+        return _measured_attention(g), _FLASH_WORDS[gen.flash]
+    if gen.flash == "fa1":
+        b = band(S.FA1_RANGE, ("FA2abs: FlashAttention-1 class 25-40% (A100)",), gen.proxy)
+    else:
+        b = band(S.FA2_A100_RANGE, ("FA2abs: 50-73% of peak on A100",), gen.proxy)
+    return {k: b for k in _ATTN_KEYS}, _FLASH_WORDS[gen.flash]
+
+
+def _measured_attention(g: gpus.Gpu) -> dict:
+    """From the attention points of the GPU's generation: low and high the FlashAttention-2
+    and FlashAttention-3-class kernels' edges, mid the midpoint of their medians."""
+    same = [h for h in gpus.known().values() if h.generation == g.generation
+            and any(p.kind.startswith("attn") for p in h.points)]
+    if not same:
+        raise ValueError(f"GPU {g.key!r}: no GPU of generation {g.generation} has flash-"
+                         f"attention points; add them to zero_repro/gpus/{g.key}.py")
+    src = g if g in same else same[0]
+    out = {}
+    for d, causal in _ATTN_KEYS:
+        kind = f"attn_{d}" + ("_causal" if causal else "")
+        fa2 = [p for p in src.of(kind) if p.kernel == "fa2"]
+        fa3 = [p for p in src.of(kind) if p.kernel == "fa3"]
+        lo = band([p.value / src.ref(p) for p in fa2], ())
+        hi = band([p.value / src.ref(p) for p in fa3], ())
+        out[(d, causal)] = Band(lo.low, (lo.mid + hi.mid) / 2, hi.high,
+                                tuple(p.source for p in fa2 + fa3),
+                                "" if src is g else src.key)
+    return out
+
+
+def _links(g: gpus.Gpu) -> dict:
     def from_table(name, proxy=""):
         vals = S.LINK[name]
         return band([v for v, _ in vals], [s for _, s in vals], proxy)
-    gen = S.SPECS[key].generation
-    nvlink = from_table("nvlink_hopper") if gen == "hopper" else from_table(
-        "nvlink_ampere", "" if gen == "ampere" else "a100")
-    return {"nvlink": nvlink, "pcie": from_table("pcie"), "network": from_table("network")}
+    return {"nvlink": from_table(g.gen.nvlink, g.gen.proxy), "pcie": from_table("pcie"),
+            "network": from_table("network")}
 
 
 def device_kernels(key: str) -> DeviceKernels:
-    """The kernel model of device ``key`` (``kernel_sources.SPECS``)."""
-    if key not in S.SPECS:
-        raise ValueError(f"unknown GPU {key!r}: use one of {sorted(S.SPECS)}")
-    attn, kernel = _attention(key)
-    return DeviceKernels(key, S.SPECS[key], _points_band(S.GEMM, key, "gemm"), attn,
-                         _points_band(S.HBM, key, "hbm"), _links(key), kernel)
-
-
-# which device a named cluster (conf/cluster) runs; a custom cluster names it with --gpu
-CLUSTER_DEVICE = {"dgx2_v100": "v100", "dgx_a100_40g": "a100_40gb",
-                  "dgx_a100_80g": "a100_80gb", "h100": "h100_sxm", "h200": "h200_sxm",
-                  "l40s_pcie": "l40s"}
+    """The kernel model of GPU ``key`` (``zero_repro.gpus``); ValueError naming the known
+    GPUs for an unknown one."""
+    g = gpus.gpu(key)
+    attn, kernel = _attention(g)
+    return DeviceKernels(key, g, _points_band(g, "gemm"), attn, _points_band(g, "hbm"),
+                         _links(g), kernel)
 
 
 def device_for(cluster_name: str, gpu: str = "") -> str:
-    """The ``SPECS`` key of a cluster's device: ``gpu`` when given, else the named cluster's."""
-    key = gpu or CLUSTER_DEVICE.get(cluster_name, "")
+    """The GPU key of a cluster: ``gpu`` when given, else the one ``conf/cluster/<name>.yaml``
+    names (``gpu:``)."""
+    if gpu:
+        return gpus.gpu(gpu).key
+    key = load_cluster(cluster_name).gpu if cluster_name in list_clusters() else ""
     if not key:
-        raise ValueError(f"cluster {cluster_name!r}: name its GPU with --gpu "
-                         f"({', '.join(sorted(S.SPECS))})")
-    if key not in S.SPECS:
-        raise ValueError(f"--gpu {key!r}: use one of {sorted(S.SPECS)}")
+        raise ValueError(f"cluster {cluster_name!r} names no GPU: name it with --gpu "
+                         f"({', '.join(sorted(gpus.known()))})")
     return key
 
 
@@ -179,15 +186,13 @@ def link_efficiency(dk: DeviceKernels, link: str, point: str = "mid") -> float:
 
 def intra_link(dk: DeviceKernels) -> str:
     """The link GPUs of one node share: NVLink / NVSwitch, or PCIe on the L40S."""
-    return "pcie" if dk.key == "l40s" else "nvlink"
+    return "nvlink" if dk.spec.nvlink else "pcie"
 
 
 def sources_table() -> list[dict]:
     """Every kernel-level input as rows (device, kind, shape, value, efficiency, source), for
     the results notes and the JSON."""
-    rows = []
-    for p in S.GEMM + S.ATTENTION + S.HBM:
-        rows.append({"device": p.device, "kind": p.kind, "shape": list(p.shape),
-                     "value": p.value, "efficiency": round(_eff(p), 4), "source": p.source,
-                     "measured_on": p.measured_on or p.device, "check_only": p.check_only})
-    return rows
+    return [{"device": k, "kind": p.kind, "shape": list(p.shape), "value": p.value,
+             "efficiency": round(p.value / gpus.gpu(k).ref(p), 4), "source": p.source,
+             "measured_on": p.measured_on or k, "check_only": p.check_only}
+            for k, p in S.points()]

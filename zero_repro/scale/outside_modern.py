@@ -23,6 +23,7 @@ Communicators: the DP group, + the TP group when TP > 1. A check: NVIDIA/nccl#86
 """
 from __future__ import annotations
 
+from zero_repro.gpus import Generation
 from zero_repro.scale.dryrun.stack.outside import Part
 
 MIB = 2**20
@@ -34,20 +35,21 @@ NCCL_HIGH = 32 * (1 + 3) * NCCL_FIFOS
 NVLS = 301_989_888
 
 
-def parts(generation: str, communicators: int, gpus_per_node: int) -> tuple[Part, ...]:
-    """The parts outside the allocator of one rank (module doc)."""
+def parts(generation: Generation, communicators: int, gpus_per_node: int) -> tuple[Part, ...]:
+    """The parts outside the allocator of one rank (module doc); NVLS where the generation
+    keeps NVLink SHARP buffers (``Generation.nvls``)."""
     n = max(1, communicators)
     out = [Part("cuda_context", CONTEXT[0], CONTEXT[1],
                 "pytorch/pytorch#86509 (274 MiB lazy); unslothai/unsloth-zoo#1053 (426 MiB)"),
            Part("nccl_buffers", NCCL_LOW, n * NCCL_HIGH,
                 "NVIDIA/nccl@5067397c init.cc/device.h FIFO sizes; 16-32 channels "
                 "(NVIDIA/nccl#892); per communicator")]
-    if generation == "hopper" and gpus_per_node > 2:
+    if generation.nvls and gpus_per_node > 2:
         out.append(Part("nvls", 0, n * NVLS, "vllm-project/vllm#9699 (nvlsPerRankSize)"))
     return tuple(out)
 
 
-def bracket(generation: str, communicators: int, gpus_per_node: int) -> dict:
+def bracket(generation: Generation, communicators: int, gpus_per_node: int) -> dict:
     """{"low", "mid", "high"} bytes outside the allocator, and the parts (module doc)."""
     ps = parts(generation, communicators, gpus_per_node)
     lo, hi = sum(p.low for p in ps), sum(p.high for p in ps)

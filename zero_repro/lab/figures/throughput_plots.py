@@ -12,7 +12,7 @@ import re
 import pandas as pd
 
 from zero_repro.lab.figures.figures import LINESTYLES, MARKERS, save_figure
-from zero_repro.lab.figures.throughput import AGG_NAME, AGG_UNIT, PAPER_BATCH, UNIT, Y_NAME
+from zero_repro.lab.throughput.setups import AGG_NAME, AGG_UNIT, PAPER_BATCH, UNIT, Y_NAME
 from zero_repro.lab.figures.throughput_summary import write_predictions
 
 def _pyplot():

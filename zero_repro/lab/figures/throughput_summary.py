@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from zero_repro.lab.figures.throughput import PAPER_BATCH, UNIT, X_NAME, Y_NAME, find_setup
+from zero_repro.lab.throughput.setups import PAPER_BATCH, UNIT, X_NAME, Y_NAME, find_setup
 
 _WORKLOAD_COLUMNS = ("n_layer", "hidden", "heads", "gpus", "mp", "batch_per_gpu", "stage",
                      "checkpointing", "p_a", "p_a_cpu", "overlap_comm")

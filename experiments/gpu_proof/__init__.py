@@ -19,7 +19,7 @@ figure. Parts, in this order (equivalence first: a wrong runtime makes every lat
   it is compared with: real / predicted peak allocated, and both peaks by category
   (``lab.cuda_memory``: the ledger's held bytes, ``torch.cuda.memory_stats``' peaks) so a miss
   of the band names the category and its known reasons.
-* one GPU -- ``zero_offload`` (``lab.checks.offload``): stage 2 with the optimizer on the
+* one GPU -- ``zero_offload`` (``gpu_proof.offload``): stage 2 with the optimizer on the
   device, then on the host (``zero.offload_optimizer=cpu``): parameters equal, the device's
   peak falls by the optimizer state, the ledger equals Table 1's offload column.
 * a node -- ``node``: the 1.5B GPT in bf16 at DP 8, stages 0-3: step time over a window of CUDA
@@ -27,11 +27,11 @@ figure. Parts, in this order (equivalence first: a wrong runtime makes every lat
   (must fall stage 0 > 1 > 2 > 3).
 
 World 1 is DP 1: no collective moves data and no NCCL communicator carries a bucket; its
-records say so (``nccl_exercised``). The parts' rank programs and verdicts: ``zero_repro.lab.checks.gpu``. The GPU's peak and memory
+records say so (``nccl_exercised``). The parts' rank programs and verdicts: ``experiments.gpu_proof.parts``. The GPU's peak and memory
 come from ``conf/cluster``:
 ``experiment.params.cluster=auto`` finds it from ``torch.cuda.get_device_name`` and the device
 memory (``gpu_cluster``). Table, figure, ``report.md`` and result lines:
-``zero_repro.lab.figures.gpu_proof``. ``device: cpu`` is the dry path CI runs
+``experiments.gpu_proof.report``. ``device: cpu`` is the dry path CI runs
 (tests/test_gpu_proof.py): the same code at tiny sizes on gloo ranks (world 1, or 4 for
 ``gpus: 8``: DP 4 and TP 2 x DP 2) with the NCCL ranks' bucket transport forced onto gloo, the
 ledger for CUDA memory, no targets.
@@ -48,12 +48,12 @@ import time
 import torch
 
 from zero_repro import schema
-from zero_repro.lab.checks import gpu
-from zero_repro.lab.checks import gpu_time as GT
-from zero_repro.lab.checks import offload as zero_offload
-from zero_repro.lab.checks.device import (  # noqa: F401 (gpu_cluster: the experiment's interface)
+from experiments.gpu_proof import parts as gpu
+from experiments.gpu_proof import time_estimate as GT
+from experiments.gpu_proof import offload as zero_offload
+from experiments.gpu_proof.device import (  # noqa: F401 (gpu_cluster: the experiment's interface)
     cluster_name, cluster_overrides, gpu_cluster)
-from zero_repro.lab.figures.gpu_proof import (  # noqa: F401 (the experiment's interface)
+from experiments.gpu_proof.report import (  # noqa: F401 (the experiment's interface)
     FIGURE, MFU_TARGET, conclude, plot, report_text, summarize)
 from zero_repro.lab.points import Point
 from zero_repro.runtime.comm.launch import spawn
@@ -173,7 +173,7 @@ def _node_point(p, cuda: bool, base: dict, tag: dict) -> Point:
 
 # -------------------------------------------------------------------------- time estimate
 def plan_note(cfg, points: list[Point]) -> list[str]:
-    """Lines the plan prints under the points: the time estimate (``lab.checks.gpu_time``)
+    """Lines the plan prints under the points: the time estimate (``gpu_proof.time_estimate``)
     against the budget."""
     p, dev, gpus = _params(cfg)
     if dev != "cuda":

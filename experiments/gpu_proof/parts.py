@@ -16,7 +16,7 @@ import torch
 from zero_repro import config as C
 from zero_repro.lab import cuda_memory
 from zero_repro.lab import memory_view
-from zero_repro.lab.checks import offload
+from experiments.gpu_proof import offload
 from zero_repro.lab.checks.equivalence import AdamWReference, max_abs_diff, tp1_parameters
 from zero_repro.lab.launcher import run_training
 from zero_repro.lab.points import Point

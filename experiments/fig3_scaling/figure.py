@@ -1,6 +1,6 @@
 """Figure 3 as drawn (``experiments/fig3_scaling.py``; paper §10.3: super-linear scalability of
 ZeRO-100B, a 60B model on 64-400 V100 GPUs): the paper-scale scaling panel (per-GPU TFLOPs as
-bars, the aggregate as lines, perfect linear scaling; ``lab.figures.scaling_panel``), under it
+bars, the aggregate as lines, perfect linear scaling; ``fig3_scaling.panel``), under it
 the aggregate speed-ups against the paper's and the ideal b/a (``speedup_text``) and what the
 simulation concludes (``conclusion``: whether memory caps the 64-GPU batch at Table 6's 16, the
 64->128 step, the bytes that would have to be missing for 16 to be the largest); the local
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.lab.figures import scaling_panel as SP
-from zero_repro.lab.figures import throughput as T
+from experiments.fig3_scaling import panel as SP
+from zero_repro.lab.throughput import setups as T
 from zero_repro.lab.figures import throughput_plots as TP
 from zero_repro.lab.figures import throughput_summary as TS
 from zero_repro.lab.figures.figures import plt, save_figure

@@ -165,21 +165,3 @@ def checks(q: dict, m: dict) -> dict:
                 saved >= q["saving_fraction"] * r["optimizer_bytes_moved"])
             out[f"{dtype}_pinned"] = bool(r["pinned"])
     return out
-
-
-def rows(m: dict) -> list[tuple[str, str, float, str]]:
-    """(x, y_name, value, unit) rows for the proof's table."""
-    out = []
-    for dtype, r in m.items():
-        if not isinstance(r, dict) or "max_abs_param_diff" not in r:
-            continue
-        out += [(dtype, "max_abs_param_diff", r["max_abs_param_diff"], "abs"),
-                (dtype, "step_s_device_optimizer", r["step_s_device_optimizer"], "s"),
-                (dtype, "step_s_offload", r["step_s_offload"], "s"),
-                (dtype, "peak_GB_device_optimizer",
-                 r["peak_allocated_device_optimizer"] / 1e9, "GB"),
-                (dtype, "peak_GB_offload", r["peak_allocated_offload"] / 1e9, "GB")]
-    hs = m.get("host_step")
-    if hs:
-        out.append(("host step", "G_elements_per_s", hs["elements_per_s"] / 1e9, "G/s"))
-    return out

@@ -24,8 +24,8 @@ import logging
 
 from zero_repro.config import ZeroRConfig
 from zero_repro.lab.figures import throughput_summary as TS
-from zero_repro.lab.figures import convergence as CF
-from zero_repro.lab.figures.convergence import DLOSS, LOSS, MAXD, UNIT
+from experiments.fig5_convergence import figure as CF
+from experiments.fig5_convergence.figure import DLOSS, LOSS, MAXD, UNIT
 from zero_repro.lab.points import Point
 from zero_repro.lab.records import loss_curve, skipped_steps_of
 from zero_repro.lab.launcher import run_training
@@ -211,6 +211,6 @@ def conclude(table) -> list[str]:
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The figure (``lab.figures.convergence``): loss vs step per series, |dloss| vs stage 0
+    """The figure (``fig5_convergence.figure``): loss vs step per series, |dloss| vs stage 0
     fp32, the paper's Figure 5 for context."""
     return CF.plot(table, out_dir, FIGURE, PAPER_FIG)

@@ -6,24 +6,32 @@ from __future__ import annotations
 
 import torch
 
-from zero_repro.scale.hardware import device_bytes, load_cluster
+from zero_repro import gpus
+from zero_repro.scale.hardware import device_bytes, list_clusters, load_cluster
 
 
-# conf/cluster/<name> of a GPU, from torch.cuda.get_device_name: (tokens all in the name,
-# tokens none of which is in it); the device memory then has to agree within CLUSTER_MEMORY_RTOL
-# (an A100's 40 and 80 GB, an H100 NVL's 94 GB, a MIG slice). PCIe/NVL variants have a lower
-# peak than the SXM part a cluster file describes: not matched.
-GPU_CLUSTERS = {"h200": (("H200",), ("NVL", "PCIE")), "h100": (("H100",), ("NVL", "PCIE")),
-                "dgx_a100_80g": (("A100",), ("PCIE",)), "dgx_a100_40g": (("A100",), ("PCIE",)),
-                "dgx2_v100": (("V100", "32GB"), ("PCIE",)), "l40s_pcie": (("L40S",), ())}
+# the device memory has to agree within this (an A100's 40 and 80 GB, an H100 NVL's 94 GB, a
+# MIG slice) once the name matches
 CLUSTER_MEMORY_RTOL = 0.05
+
+
+def gpu_clusters() -> dict:
+    """conf/cluster/<name> of every cluster that names a GPU -> that GPU's ``cuda_name``
+    (tokens all in the name ``torch.cuda.get_device_name`` reports, tokens none of which is in
+    it; ``zero_repro.gpus``). PCIe/NVL variants have a lower peak than the SXM part: not matched."""
+    out = {}
+    for cluster in list_clusters():
+        key = load_cluster(cluster).gpu
+        if key:
+            out[cluster] = gpus.gpu(key).cuda_name
+    return out
 
 
 def gpu_cluster(name: str, total_memory: int) -> str | None:
     """The ``conf/cluster`` name of a GPU reporting ``name`` (``torch.cuda.get_device_name``)
     and ``total_memory`` bytes (``get_device_properties``), or None when none matches."""
     up = name.upper()
-    for cluster, (need, exclude) in GPU_CLUSTERS.items():
+    for cluster, (need, exclude) in gpu_clusters().items():
         if all(t in up for t in need) and not any(t in up for t in exclude):
             want = device_bytes(load_cluster(cluster))
             if abs(total_memory - want) <= CLUSTER_MEMORY_RTOL * want:
@@ -49,7 +57,7 @@ def cluster_name(p) -> str:
         if gpu is None:
             raise ValueError("experiment.params.cluster=auto reads the GPU model, and this "
                              "machine shows no CUDA device: name the GPU to plan for, e.g. "
-                             f"experiment.params.cluster=h100 (one of {sorted(GPU_CLUSTERS)})")
+                             f"experiment.params.cluster=h100 (one of {sorted(gpu_clusters())})")
         found = gpu_cluster(*gpu)
         if found is None:
             raise ValueError(f"this machine's GPU is {_gpu_words(gpu)}, which matches no GPU "
@@ -61,10 +69,10 @@ def cluster_name(p) -> str:
     except ValueError:
         raise ValueError(f"experiment.params.cluster={want!r} is no conf/cluster/<name>.yaml: "
                          f"choose auto (this machine's GPU) or one of "
-                         f"{sorted(GPU_CLUSTERS)}") from None
+                         f"{sorted(gpu_clusters())}") from None
     if c.device != "cuda":
         raise ValueError(f"experiment.params.cluster={want} is not a GPU cluster: choose auto "
-                         f"(this machine's GPU) or one of {sorted(GPU_CLUSTERS)}")
+                         f"(this machine's GPU) or one of {sorted(gpu_clusters())}")
     if gpu is None:
         return want  # a plan for that GPU, made anywhere
     found = gpu_cluster(*gpu)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zero_repro.lab.figures import throughput as T
-from zero_repro.lab.figures import scaling as SF
+from zero_repro.lab.throughput import plan as T
+from zero_repro.lab.throughput import run as TR
+from zero_repro.lab.throughput import setups as TN
+from experiments.fig3_scaling import figure as SF
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import throughput_summary as TS
 
-PARAMS = T.PARAMS  # the experiment.params keys it reads (cli.check_params)
+PARAMS = TN.PARAMS  # the experiment.params keys it reads (cli.check_params)
 
 FIGURE = "fig3"
 PAPER_FIGURE = "fig3"
@@ -34,7 +36,7 @@ LINEAR = "perfect linear scaling"
 PAPER_NAMES = {BARS: "ZeRO-100B 60B model, Performance/GPU (bars)",
                AGG: "ZeRO-100B 60B model, Observed Performance (green line)",
                LINEAR: "Perfect Linear Scalability (blue line)"}
-SERIES_FAMILY: dict = {**PAPER_NAMES, **{k + T.PAPER_BATCH: v for k, v in PAPER_NAMES.items()}}
+SERIES_FAMILY: dict = {**PAPER_NAMES, **{k + TN.PAPER_BATCH: v for k, v in PAPER_NAMES.items()}}
 # summarize() shows the newest record of every point (lab.figures.regenerate): a re-run at another
 # device capacity (new point keys) replaces the figure's values; older records stay as history
 NEWEST_ONLY = True
@@ -60,7 +62,7 @@ def plan(cfg) -> list:
 
 
 def run_point(cfg, point) -> dict:
-    return T.run_point(cfg, point)
+    return TR.run_point(cfg, point)
 
 
 def speedup_series(a: int, b: int) -> str:
@@ -68,8 +70,8 @@ def speedup_series(a: int, b: int) -> str:
 
 
 def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pairs,
-                            prefix: str = "", suffix: str = "", y_name: str = T.AGG_NAME,
-                            unit: str = T.AGG_UNIT) -> list:
+                            prefix: str = "", suffix: str = "", y_name: str = TN.AGG_NAME,
+                            unit: str = TN.AGG_UNIT) -> list:
     out = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = {r["x_value"]: r for r in rows if r["kind"] == kind and r["series"] == series}
@@ -89,7 +91,7 @@ def _aggregate_and_speedups(rows: list[dict], series: str, agg_series: str, pair
 def summarize(records) -> list[dict]:
     records = R.newest_ok(records)
     rows = TS.paper_scale_rows(records, FIGURE, lambda s: BARS, lambda s: s.gpus)
-    for sfx in ("", T.PAPER_BATCH):
+    for sfx in ("", TN.PAPER_BATCH):
         rows += _aggregate_and_speedups([r for r in rows if r["series"] == BARS + sfx],
                                         BARS + sfx, AGG + sfx, PAIRS, suffix=sfx)
     local = []
@@ -139,7 +141,7 @@ def sensitivity_rows(records) -> list[dict]:
 
 
 def plot(table: pd.DataFrame, out_dir: str) -> list[str]:
-    """Figure 3 (``lab.figures.scaling``): the paper-scale scaling panel with the speed-up table
+    """Figure 3 (``fig3_scaling.figure``): the paper-scale scaling panel with the speed-up table
     and the simulated conclusion, the local panel beside it when there are local points."""
     return SF.plot(table, out_dir, "fig3_scaling", figure=FIGURE, bars=BARS, display=DISPLAY,
                    linear=LINEAR, pairs=PAIRS, at=SENSITIVITY_AT, tokens=TOKENS,
@@ -161,7 +163,7 @@ def conclude(table: pd.DataFrame) -> list[str]:
                 .itertuples()}
     for label, tag in (("predicted batch", False), ("paper batch", True)):
         own = sim[sim["series"].astype(str).str.contains("(paper batch)", regex=False) == tag]
-        per = own[own["y_name"] == T.Y_NAME].sort_values("x_value",
+        per = own[own["y_name"] == TN.Y_NAME].sort_values("x_value",
                                                           key=lambda s: s.astype(float))
         if len(per):
             err = per["rel_error_vs_paper"].astype(float).abs().dropna()

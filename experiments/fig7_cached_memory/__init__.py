@@ -27,7 +27,7 @@ each setup with M_D off; ``all_100b: true`` adds 100B under C1-C3 (whether they 
 from __future__ import annotations
 
 from zero_repro.lab import records as R
-from zero_repro.lab.figures import cached_memory as CMF
+from experiments.fig7_cached_memory import figure as CMF
 from zero_repro.lab.figures.wording import by_kind_and_series, column, num
 from zero_repro.lab.memory_view import point_snapshot
 from zero_repro.lab.points import Point
@@ -177,7 +177,7 @@ def conclude(table) -> list[str]:
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The paper's Figure 7 layout (``lab.figures.cached_memory``): max cached memory per
+    """The paper's Figure 7 layout (``fig7_cached_memory.figure``): max cached memory per
     configuration, bars per model size x stack, peak allocated, the bracket's ends, the usable
     device memory; empty 100B slots at C1-C3 are configurations the paper did not run."""
     return CMF.plot(table, out_dir, FIGURE, DEVICE_GIB)

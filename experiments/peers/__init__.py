@@ -32,7 +32,7 @@ from zero_repro.lab import records as R
 from zero_repro.lab.points import Point
 from zero_repro.lab.peers.frameworks import DEEPSPEED_PEERS, FRAMEWORKS, LOWER_BOUND
 from zero_repro.lab.peers import race
-from zero_repro.lab.figures import peers as figure
+from experiments.peers import figure
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,10 @@ def summarize(records) -> list[dict]:
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The race's figure and ``report.md`` (``lab.figures.peers.plot``)."""
+    """The race's figure and ``report.md`` (``peers.figure.plot``)."""
     return figure.plot(table, out_dir)
 
 
 def conclude(table) -> list[str]:
-    """The race's result lines (``lab.figures.peers.conclude``)."""
+    """The race's result lines (``peers.figure.conclude``)."""
     return figure.conclude(table)

@@ -8,7 +8,7 @@ constants below are conservative guesses.
 from __future__ import annotations
 
 from zero_repro import config as C
-from zero_repro.lab.checks import offload as zero_offload
+from experiments.gpu_proof import offload as zero_offload
 from zero_repro.lab.points import Point
 from zero_repro.lab.sweep import point_config
 from zero_repro.runtime.model import flops
