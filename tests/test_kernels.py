@@ -1,6 +1,6 @@
 """The per-device kernel model (scale/kernels.py) against its own kernel-level sources
 (scale/kernel_sources.py): every device reproduces each of its GEMM benchmarks within the stated
-error, every source lies inside its band, the bands are ordered, and the flash-attention FLOP
+error, every band spans exactly its sources (its edges the slowest and the fastest), the bands are ordered, and the flash-attention FLOP
 convention is the benchmarks' (a benchmark's time gives back its TFLOPS)."""
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ DEVICES = sorted(S.SPECS)
 
 def _peak(p: S.Point) -> float:
     return S.MEASURED_PEAK.get(p.measured_on, S.SPECS[p.device].peak_tflops) * 1e12
+
+
+def _peak_share(p: S.Point) -> float:
+    return p.value * 1e12 / _peak(p)
+
+
+def _edges_are(band: K.Band, effs: list[float]) -> None:
+    """``band`` spans exactly ``effs`` (a band wider or narrower than its sources fails; a
+    check that each source lies inside the band it was built from could not)."""
+    assert effs, band
+    assert (band.low, band.high) == pytest.approx((min(effs), max(effs)), rel=1e-12), band
+    assert band.low <= band.mid <= band.high
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -36,8 +48,8 @@ def test_gemm_model_reproduces_its_sources_within_the_stated_error(device):
         t = K.gemm_seconds(dk, _peak(p), dk.spec.hbm_gbps * 1e9, m, n, k)
         tflops = 2 * m * n * k / t / 1e12
         assert abs(tflops / p.value - 1) <= K.GEMM_ERROR, (p, tflops)
-        if not p.check_only:  # a band input lies inside the band
-            assert dk.gemm.low - 1e-9 <= p.value * 1e12 / _peak(p) <= dk.gemm.high + 1e-9
+    # the band is its inputs' span: its edges are the slowest and the fastest source
+    _edges_are(dk.gemm, [p.value * 1e12 / _peak(p) for p in pts if not p.check_only])
 
 
 def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
@@ -48,11 +60,13 @@ def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hbm_sources_inside_the_band(device):
+def test_hbm_band_spans_its_sources(device):
     dk = K.device_kernels(device)
-    for p in (p for p in S.HBM if p.device == device):
+    pts = [p for p in S.HBM if p.device == device]
+    _edges_are(dk.hbm, [p.value / S.MEASURED_BW.get(p.measured_on, S.SPECS[device].hbm_gbps)
+                        for p in pts if not p.check_only])
+    for p in pts:
         bw = S.MEASURED_BW.get(p.measured_on, S.SPECS[device].hbm_gbps)
-        assert dk.hbm.low - 1e-9 <= p.value / bw <= dk.hbm.high + 1e-9
         # the model's rate at the band's middle is within the band's spread of the source
         rate = 1e9 / K.memory_seconds(dk, bw * 1e9, 1e9, "mid") / 1e9
         assert abs(rate / p.value - 1) <= (dk.hbm.high - dk.hbm.low) / dk.hbm.low + 1e-9
@@ -62,15 +76,18 @@ def test_hbm_sources_inside_the_band(device):
 def test_flash_attention_band_spans_fa2_and_fa3_and_gives_back_the_benchmarks(device):
     dk = K.device_kernels(device)
     b, heads, s, d = 4, 16, 8192, 128  # the benchmark's shape (batch x heads = 64)
-    for p in S.ATTENTION:
-        direction = "bwd" if "bwd" in p.kind else "fwd"
-        causal = p.kind.endswith("causal")
-        band = dk.attn[(direction, causal)]
-        eff = p.value * 1e12 / (989e12)
-        assert band.low - 1e-9 <= eff <= band.high + 1e-9, p
-        # time at exactly the source's efficiency -> the source's TFLOPS on the kernel's count
-        f = K.attention_flops(b, heads, s, d, causal, direction)
-        assert f / (f / (989e12 * eff)) / 1e12 == pytest.approx(p.value)
+    for (direction, causal), band in dk.attn.items():
+        kind = f"attn_{direction}" + ("_causal" if causal else "")
+        pts = [p for p in S.ATTENTION if p.kind == kind]
+        # the band's edges are its slowest (FA2-class) and fastest (FA3-class) source, and the
+        # kernel model's time at each edge gives back that source's TFLOPS on the benchmark's
+        # shape (the FLOP count and the time formula both evaluated)
+        for point, p in (("low", min(pts, key=_peak_share)), ("high", max(pts, key=_peak_share))):
+            assert p.shape == (s, d), p
+            t = K.attention_seconds(dk, _peak(p), b, heads, s, d, causal, direction, point)
+            f = K.attention_flops(b, heads, s, d, causal, direction)
+            assert f / (t - S.KERNEL_START_S) / 1e12 == pytest.approx(p.value, rel=1e-9), p
+            assert getattr(band, point) == pytest.approx(_peak_share(p), rel=1e-12), (point, p)
     fa2 = [p for p in S.ATTENTION if "Fav2" in p.source]
     fa3 = [p for p in S.ATTENTION if "Fav2" not in p.source]
     assert max(p.value for p in fa2) < min(p.value for p in fa3)
