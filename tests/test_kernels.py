@@ -1,7 +1,8 @@
 """The per-device kernel model (scale/kernels.py) against its own kernel-level sources
 (scale/kernel_sources.py): every device reproduces each of its GEMM benchmarks within the stated
-error, every band spans exactly its sources (its edges the slowest and the fastest), the bands are ordered, and the flash-attention FLOP
-convention is the benchmarks' (a benchmark's time gives back its TFLOPS)."""
+error, every band spans exactly its sources (its edges the slowest and the fastest source), the
+bands are ordered, and the flash-attention FLOP convention is the benchmarks' (the kernel
+model's time at a band's edge gives back that source's TFLOPS)."""
 from __future__ import annotations
 
 import pytest
