@@ -156,6 +156,16 @@ def memory_text(parts: dict, table1: dict, long: bool = False) -> str:
     return text
 
 
+def dp_transport_note(dp_group, transport: str) -> tuple[str, str]:
+    """(why shared memory was refused, the step line's note) for a DP group on one host whose
+    buckets fell back from shared memory (``runtime.comm.cpu.shm``: the reason kept on the
+    group) to ``transport``; ("", "") where nothing fell back."""
+    refused = getattr(dp_group, "channel_refused", "") if dp_group else ""
+    if not refused or transport == "shm":
+        return "", ""
+    return refused, f"dp {transport} (shared memory refused: {refused})"
+
+
 def step_line(step: int, steps: int, loss: float, info, dt: float, tokens_per_step: int,
               tflops: float, peak_tflops: float, memory: str,
               device: torch.device, dp: int = 1, dtype: str = "fp32",
@@ -388,9 +398,7 @@ def _rank_run(cfg: C.Config, rank: int, device: torch.device, run_dir: str,
 
     every_log = cfg.train.log_every if topo.rank == 0 else 0
     table1 = table1_model_states(cfg)
-    refused = getattr(topo.dp_group, "channel_refused", "") if topo.dp_group else ""
-    transport_note = (f"dp {strategy.transport.name} (shared memory refused: {refused})"
-                      if refused and strategy.transport.name != "shm" else "")
+    refused, transport_note = dp_transport_note(topo.dp_group, strategy.transport.name)
 
     def watch(step, loss, dt, info):
         watchdog.step = step + 1
