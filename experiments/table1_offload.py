@@ -111,7 +111,8 @@ COLOUR = {"Pos": "C1", "Pos+g": "C2", "Pos+g+p": "C3", "baseline": "C0"}
 
 def plot(table, out_dir: str) -> list[str]:
     """Left: the analytic column for each of the paper's Ψ (device solid, host dashed, log
-    scales); right: the measured ledgers (o) against the formula (+), MB."""
+    scales); right: the measured ledgers (o; the reference set's beside a user's own: open
+    squares) against the formula (+), MB."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,10 +132,15 @@ def plot(table, out_dir: str) -> list[str]:
     a1.legend(fontsize=6, ncol=3, loc="lower left")
     meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
     for series, g in meas.groupby("series", sort=False):
-        scheme, where = str(series).split(") ")[-1].split(" ")
+        # "<model> (Ψ=...) <scheme> <where>", in a user's results directory followed by
+        # " · this machine: <hw>" or " · reference: <hw>" (lab.figures.regenerate)
+        head, _, source = str(series).partition(" · ")
+        scheme, where = head.split(") ")[-1].split(" ")
+        marker = "s" if source.startswith("reference") else "o"
         g = g.assign(x=pd.to_numeric(g["x_value"])).sort_values("x")
-        a2.plot(g["x"], g["y_value"] / 1e6, "-o" if where == "device" else "--o",
-                color=COLOUR[scheme], label=f"{scheme} {where}")
+        a2.plot(g["x"], g["y_value"] / 1e6, ("-" if where == "device" else "--") + marker,
+                color=COLOUR[scheme], fillstyle="none" if marker == "s" else "full",
+                label=f"{scheme} {where}" + (f" ({source.split(':')[0]})" if source else ""))
         a2.plot(g["x"], g["formula_bytes"] / 1e6, "k+", markersize=10)
     ok = bool(meas["matches_formula"].astype(str).eq("True").all()) if len(meas) else False
     a2.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",

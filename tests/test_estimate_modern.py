@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from zero_repro import config as C
 from zero_repro import gpus
 from zero_repro.lab import estimate as L
 from zero_repro.scale import estimate as E
@@ -141,4 +140,8 @@ def test_settings_of_the_ac_switch():
     assert L.settings_of(ns(["--gpus", "8", "--ac", "none"]), tp1) == ["none"]
     assert L.settings_of(ns(["--gpus", "8", "--ac", "full"]), tp1) == ["auto"]
     assert L.settings_of(ns(["--gpus", "8"]), tp1) == ["auto"]
-    assert C.Config  # the config module the CLI builds with
+    # a switch that contradicts --zero-r is refused, not silently overridden
+    with pytest.raises(ValueError, match="give one of them"):
+        L.settings_of(ns(["--gpus", "8", "--ac", "none", "--zero-r", "pa"]), tp1)
+    with pytest.raises(ValueError, match="give one of them"):
+        L.settings_of(ns(["--gpus", "8", "--ac", "full", "--zero-r", "none"]), tp1)

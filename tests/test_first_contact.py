@@ -230,3 +230,21 @@ def test_example_runs_under_torchrun_at_world_2(tmp_path):
     out = p.stdout + p.stderr
     assert "step 2  loss" in out and "TP 1 x DP 2, stage 2" in out
     assert (ck / "step_00000003" / "manifest.json").is_file()
+
+
+def test_offload_column_replots_in_a_users_results_dir(tmp_path, capsys):
+    """``python -m experiments.plot table1_offload --results-dir DIR``: a user's own records
+    beside the reference set's, whose measured series carry `` · this machine: <hw>`` /
+    `` · reference: <hw>``; the offload column's own plot reads those names too."""
+    from zero_repro.lab.cli import print_result
+
+    (tmp_path / "table1_offload").mkdir()
+    shutil.copy(paths.RESULTS_DIR / "table1_offload" / "points.jsonl",
+                tmp_path / "table1_offload" / "points.jsonl")
+    assert regenerate.main(["table1_offload", "--results-dir", str(tmp_path)],
+                           report=print_result) == 0, capsys.readouterr().err
+    assert (tmp_path / "table1_offload" / "table1_offload.png").stat().st_size > 0
+    import pandas as pd
+
+    t = pd.read_csv(tmp_path / "table1_offload" / "table.csv")
+    assert set(t[t["kind"] == "measured"]["source"]) == {"this machine", "reference"}

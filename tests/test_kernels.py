@@ -1,8 +1,8 @@
 """The per-device kernel model (scale/kernels.py) against its own kernel-level sources (each GPU's
 in zero_repro/gpus/, the shared ones in scale/kernel_sources.py): every device reproduces each of
-its GEMM benchmarks within the stated error, every source lies inside its band, the bands are
-ordered, and the flash-attention FLOP convention is the benchmarks' (a benchmark's time gives
-back its TFLOPS)."""
+its GEMM benchmarks within the stated error, every band spans exactly its sources (its edges the
+slowest and the fastest source), the bands are ordered, and the flash-attention FLOP convention
+is the benchmarks' (the kernel model's time at a band's edge gives back that source's TFLOPS)."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +17,19 @@ ATTENTION = [p for p in gpus.gpu("h100_sxm").points if p.kind.startswith("attn")
 
 def _peak(device: str, p: gpus.Point) -> float:
     return gpus.gpu(device).ref(p) * 1e12
+
+
+def _share(p: gpus.Point) -> float:
+    """An H100 attention source's share of the H100's peak."""
+    return p.value * 1e12 / _peak("h100_sxm", p)
+
+
+def _edges_are(band: K.Band, effs: list[float]) -> None:
+    """``band`` spans exactly ``effs`` (a band wider or narrower than its sources fails; a
+    check that each source lies inside the band it was built from could not)."""
+    assert effs, band
+    assert (band.low, band.high) == pytest.approx((min(effs), max(effs)), rel=1e-12), band
+    assert band.low <= band.mid <= band.high
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -38,8 +51,9 @@ def test_gemm_model_reproduces_its_sources_within_the_stated_error(device):
         t = K.gemm_seconds(dk, _peak(device, p), dk.spec.hbm_gbps * 1e9, m, n, k)
         tflops = 2 * m * n * k / t / 1e12
         assert abs(tflops / p.value - 1) <= K.GEMM_ERROR, (p, tflops)
-        if not p.check_only:  # a band input lies inside the band
-            assert dk.gemm.low - 1e-9 <= p.value * 1e12 / _peak(device, p) <= dk.gemm.high + 1e-9
+    # the band is its inputs' span: its edges are the slowest and the fastest source
+    _edges_are(dk.gemm, [p.value * 1e12 / _peak(device, p)
+                         for p in gpus.gpu(device).of("gemm") if not p.check_only])
 
 
 def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
@@ -50,11 +64,12 @@ def test_gemm_model_is_slower_than_its_sources_say_at_small_shapes():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hbm_sources_inside_the_band(device):
+def test_hbm_band_spans_its_sources(device):
     dk = K.device_kernels(device)
-    for p in gpus.gpu(device).of("hbm"):
+    pts = gpus.gpu(device).of("hbm")
+    _edges_are(dk.hbm, [p.value / gpus.gpu(device).ref(p) for p in pts if not p.check_only])
+    for p in pts:
         bw = gpus.gpu(device).ref(p)
-        assert dk.hbm.low - 1e-9 <= p.value / bw <= dk.hbm.high + 1e-9
         # the model's rate at the band's middle is within the band's spread of the source
         rate = 1e9 / K.memory_seconds(dk, bw * 1e9, 1e9, "mid") / 1e9
         assert abs(rate / p.value - 1) <= (dk.hbm.high - dk.hbm.low) / dk.hbm.low + 1e-9
@@ -64,15 +79,19 @@ def test_hbm_sources_inside_the_band(device):
 def test_flash_attention_band_spans_fa2_and_fa3_and_gives_back_the_benchmarks(device):
     dk = K.device_kernels(device)
     b, heads, s, d = 4, 16, 8192, 128  # the benchmark's shape (batch x heads = 64)
-    for p in ATTENTION:
-        direction = "bwd" if "bwd" in p.kind else "fwd"
-        causal = p.kind.endswith("causal")
-        band = dk.attn[(direction, causal)]
-        eff = p.value * 1e12 / (989e12)
-        assert band.low - 1e-9 <= eff <= band.high + 1e-9, p
-        # time at exactly the source's efficiency -> the source's TFLOPS on the kernel's count
-        f = K.attention_flops(b, heads, s, d, causal, direction)
-        assert f / (f / (989e12 * eff)) / 1e12 == pytest.approx(p.value)
+    for (direction, causal), band in dk.attn.items():
+        kind = f"attn_{direction}" + ("_causal" if causal else "")
+        pts = [p for p in ATTENTION if p.kind == kind]
+        # the band's edges are its slowest (FA2-class) and fastest (FA3-class) source, and the
+        # kernel model's time at each edge gives back that source's TFLOPS on the benchmark's
+        # shape (the FLOP count and the time formula both evaluated)
+        for point, p in (("low", min(pts, key=_share)), ("high", max(pts, key=_share))):
+            assert p.shape == (s, d), p
+            t = K.attention_seconds(dk, _peak("h100_sxm", p), b, heads, s, d, causal,
+                                    direction, point)
+            f = K.attention_flops(b, heads, s, d, causal, direction)
+            assert f / (t - S.KERNEL_START_S) / 1e12 == pytest.approx(p.value, rel=1e-9), p
+            assert getattr(band, point) == pytest.approx(_share(p), rel=1e-12), (point, p)
     fa2 = [p for p in ATTENTION if p.kernel == "fa2"]
     fa3 = [p for p in ATTENTION if p.kernel == "fa3"]
     assert len(fa2) + len(fa3) == len(ATTENTION) and "Fav2" not in str(fa3)

@@ -261,8 +261,8 @@ def stage2_model_states(rank: int, world: int, cfg_dict: dict) -> int:
 def budget_worker(rank: int, world: int, stage2: dict, stage3: dict) -> tuple[int, dict]:
     """Both halves of the budget test in one spawn (six CPU ranks start once, not twice):
     stage 2's model states after its build, freed again, then stage 3's measured run
-    (``lab.live_peak.measure``: it counts only the storages created under its tracer, so
-    nothing stage 2 left behind is counted)."""
+    (``lab.live_peak.measure``: the CPU allocator counts only the blocks made while it runs,
+    so nothing stage 2 left behind is counted)."""
     import gc
 
     from zero_repro.lab.live_peak import measure
@@ -273,7 +273,7 @@ def budget_worker(rank: int, world: int, stage2: dict, stage3: dict) -> tuple[in
 
 
 def test_stage3_trains_a_model_larger_than_the_per_rank_budget_and_stage2_does_not():
-    """A real run on 6 CPU ranks, every storage counted (``lab.live_peak``'s tracer): a GPT
+    """A real run on 6 CPU ranks, every block counted (``lab.live_peak.measure``): a GPT
     whose fp32 parameters alone (4Ψ bytes) are the per-rank budget -- no rank could hold the
     model. Stage 3's live peak, its build included (partitioned construction: one unit whole
     at a time; building the model whole first held 4Ψ + the shards), stays under it; stage 2

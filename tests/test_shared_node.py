@@ -118,14 +118,34 @@ def test_another_account_watching_segments_cannot_force_the_slow_path(monkeypatc
         shutil.rmtree(seg_dir, ignore_errors=True)
 
 
-def test_a_fallback_to_gloo_is_said_on_the_step_line():
-    """Where a DP group on one host falls back to point-to-point, the step line says so."""
-    from zero_repro.lab.rank_log import step_line
+def _refused_step_line(rank: int, world: int, seg_dir: str) -> tuple[str, str, str]:
+    """A DP group on one host whose peer's segment cannot be mapped (the kernel's answer
+    stood in by an OSError): its transport, the reason kept on the group, rank 0's step line."""
+    from zero_repro.lab.rank_log import dp_transport_note, step_line
     from zero_repro.runtime.zero.strategy import StepInfo
+
+    shm.SHM_DIR = seg_dir
+
+    def full(offer, nbytes):
+        raise OSError(28, "No space left on device")
+    shm._peer_segment = full
+    group = Topology.build(tp=1).dp_group
+    transport = bucket_transport(group)
+    _, note = dp_transport_note(group, transport.name)
     info = StepInfo(skipped=False, grad_norm=1.0, loss_scale=1.0)
     line = step_line(0, 4, 3.0, info, 0.1, 1000, 1.0, 0.0, "mem", torch.device("cpu"), 2,
-                     transport_note="dp pairwise (shared memory refused: /dev/shm full)")
-    assert "dp pairwise (shared memory refused: /dev/shm full)" in line
+                     transport_note=note)
+    return transport.name, group.channel_refused, line
+
+
+def test_a_fallback_to_gloo_is_said_on_the_step_line(tmp_path, monkeypatch):
+    """Where a DP group on one host falls back to point-to-point (a peer's segment cannot be
+    mapped), the step line names the transport it fell back to and the group's reason."""
+    monkeypatch.setenv("ZR_CPU_TRANSPORT", "auto")
+    res = spawn(_refused_step_line, 2, str(tmp_path), timeout_s=60)
+    for name, refused, line in res:
+        assert name == "gloo" and "No space left on device" in refused, (name, refused)
+        assert line.endswith(f"[dp {name} (shared memory refused: {refused})]"), line
 
 
 # ----------------------------------------------------------------------- rendezvous

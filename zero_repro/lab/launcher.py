@@ -9,7 +9,9 @@ ranks: ``launcher=local`` as ``world_size`` gloo processes (``runtime.comm.launc
 ``launcher=torchrun`` / ``slurm`` through ``launch_command`` (``python -m zero_repro.lab.rank
 --config resolved.yaml`` on every rank under torchrun or srun). torchrun and its ranks end with
 this process: stopped when it is interrupted (the point is then recorded ``cancelled``), sent
-SIGTERM by the kernel when it dies (its ranks die with torchrun).
+SIGTERM by the kernel when it dies (its ranks die with torchrun). A rank the kernel's OOM killer
+ended (SIGKILL, and the memory cgroup's OOM-kill count risen: ``lab.host_memory.OomWatch``) fails
+the point with an "out of memory" reason naming the cgroup and its limit: recorded ``oom``.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 from zero_repro import config as C
 from zero_repro import schema
 from zero_repro import validation
+from zero_repro.lab import host_memory
 from zero_repro.runtime.comm import launch as spawn
 from zero_repro.runtime.comm.cpu import host_heap, shm
 from zero_repro.runtime.train import checkpoint
@@ -306,6 +309,7 @@ def run_training(cfg: C.Config, run_dir: str, pre: tuple | None = None) -> dict:
     schema.save(dataclasses.replace(cfg, checkpoint=ck), path)
     with contextlib.suppress(FileNotFoundError):  # a diverged earlier run's
         os.unlink(os.path.join(run_dir, DIVERGED_FILE))
+    oom_watch = host_memory.OomWatch.start()  # the OOM-kill count before the ranks start
     try:
         if cfg.launcher.name == "local":
             try:
@@ -322,9 +326,12 @@ def run_training(cfg: C.Config, run_dir: str, pre: tuple | None = None) -> dict:
         return _run_external(cfg, run_dir, path)
     except spawn.WorkerFailed as e:
         diverged = _diverged(run_dir)
-        if diverged is None:
+        if diverged is not None:
+            raise RunDiverged(*diverged) from e
+        oom = oom_watch.verdict(e.reason)  # a SIGKILLed rank and a risen OOM-kill count
+        if oom is None:
             raise
-        raise RunDiverged(*diverged) from e
+        raise spawn.WorkerFailed(e.rank, oom) from e
 
 
 def _diverged(run_dir: str) -> tuple[str, dict] | None:
@@ -369,7 +376,7 @@ def launch_command(cfg: C.Config, config_path: str, out_path: str,
 
 # lines of a launcher's error output worth quoting in a record
 _ERROR_LINE = ("error", "exception", "traceback", "killed", "cancelled", "failed", "denied",
-               "no such file", "signal", "timeout", "refused")
+               "no such file", "signal", "timeout", "refused", "oom-kill", "out-of-memory")
 
 
 def error_lines(lines, n: int = 6) -> list[str]:

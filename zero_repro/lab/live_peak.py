@@ -1,29 +1,30 @@
-"""The live-storage peak of a real training run: the bytes of every tensor storage a rank holds
-at its fullest moment, measured on real tensors on CPU ranks over gloo. One tool, two users:
-the estimate is held to it (``measure``, ``compare``: the training steps' peak, the build's
-survivors included, the build's transients not -- the quantity the dry run's live peak
-predicts), and the peers race measures every framework with it (``lab.peers.runners``: one
-tracer per framework, entered for its build and each untimed step, its peak read online).
+"""The live-storage peak of a real training run on CPU ranks over gloo, two counters for two
+users. The estimate and the dry run are held to ``measure`` / ``compare``: the training steps'
+peak, the build's survivors included, the build's transients not (the quantity the dry run's
+live peak predicts), counted by PyTorch's CPU allocator (``scale.dryrun.allocator_peak``: the
+profiler's memory reports), not by the dry run's tracer -- a counter the estimate is built on
+cannot check it. The peers race measures every framework with ``live_tracer``
+(``lab.peers.runners``: one tracer per framework, entered for its build and each untimed step,
+its peak read online).
 
-Mechanism (``live_tracer``): the dry run's allocation tracer (``scale.dryrun.tracer``) on real
-tensors, as the dry run's own real counterpart uses it (``scale.dryrun.real_run``):
-data-dependent values are the real ones (``real_data``: ``.item()`` is not answered with 0),
-and before every op the size of every live storage is read again (``poll_all``), so a storage
-resized in place (stage 3 and FSDP2 release a gathered unit by resizing its storage to 0 bytes
-and materialise it again before the next use) is seen at the op after it happened, whether or
-not an op touches it (the dry run's tracer notices a resize only on a storage it watches).
-Only the storages created under the tracer count (``created_only``: the outputs of an op that
-alias none of its inputs, on a device with memory -- a ``FakeTensor`` made by DTensor's
-sharding propagation has a meta storage: none), so what existed before (the race's batches,
-another framework's state) is not a framework's. A file every rank of a group maps shared
-(``from_file(shared=True)``: zero_repro's shared-memory buckets) counts 1/``world`` of its
-bytes on each of the ``world`` ranks, as the kernel's proportional set size does. DTensor ops
-pass through to their local ops. torch's ``MemTracker`` (torch/distributed/_tools/
-mem_tracker.py) takes the same approach, with per-module attribution neither user needs.
+Mechanism of ``live_tracer``: the dry run's allocation tracer (``scale.dryrun.tracer``) on real
+tensors: data-dependent values are the real ones (``real_data``: ``.item()`` is not answered
+with 0), and before every op the size of every live storage is read again (``poll_all``), so a
+storage resized in place (stage 3 and FSDP2 release a gathered unit by resizing its storage to
+0 bytes and materialise it again before the next use) is seen at the op after it happened,
+whether or not an op touches it. Only the storages created under the tracer count
+(``created_only``: the outputs of an op that alias none of its inputs, on a device with memory
+-- a ``FakeTensor`` made by DTensor's sharding propagation has a meta storage: none), so what
+existed before (the race's batches, another framework's state) is not a framework's. A file
+every rank of a group maps shared (``from_file(shared=True)``: zero_repro's shared-memory
+buckets) counts 1/``world`` of its bytes on each of the ``world`` ranks, as the kernel's
+proportional set size does. DTensor ops pass through to their local ops. torch's
+``MemTracker`` (torch/distributed/_tools/mem_tracker.py) takes the same approach, with
+per-module attribution neither user needs.
 
-``measure`` runs the dry run's build and step (``train.build.build``; two steps by default,
-the second the steady one), the buckets travelling point-to-point over gloo
-(``ZR_CPU_TRANSPORT=pairwise``: the dry run accounts it with ``transport_of="gloo"``).
+``measure`` runs the runtime's build and step (``Trainer``; two steps by default, the second
+the steady one), the buckets travelling point-to-point over gloo (``ZR_CPU_TRANSPORT=pairwise``:
+the dry run accounts it with ``transport_of="gloo"``; the allocator does not see a shared file).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.scale import estimate as E
-from zero_repro.scale.dryrun.trace import live_peaks
+from zero_repro.scale.dryrun.allocator_peak import AllocatorPeak
 from zero_repro.scale.dryrun.tracer import AllocationTracer
 
 TRANSPORT = "pairwise"  # ZR_CPU_TRANSPORT of the measured ranks
@@ -62,26 +63,26 @@ def _batches(cfg: C.Config, step: int):
 
 def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
     """On an initialised gloo group (``launch.spawn``): for each config, build and train
-    ``iterations`` steps under the polling tracer (module docstring); per config {"live_peak" (bytes, training
-    steps), "by_iteration", "build_peak" (the build's own live peak), "transport"}. Module
-    level, for ``launch.spawn``."""
+    ``iterations`` steps, counted by the CPU allocator (``scale.dryrun.allocator_peak``: not
+    the dry run's tracer, whose errors the estimate would share); per config {"live_peak"
+    (bytes, training steps, the build's survivors included), "by_iteration", "build_peak"
+    (the build's own peak), "transport"}. Module level, for ``launch.spawn``."""
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
         cfg = schema.to_config(d)
-        tracer = live_tracer()
-        with tracer:
-            trainer = Trainer(cfg, skeleton_scope=tracer.untracked)
+        with AllocatorPeak() as counter:
+            with counter.window("build"):
+                trainer = Trainer(cfg)
             for it in range(iterations):
-                trainer.step(_batches(cfg, it),
-                             phase=lambda name, it=it: tracer.in_phase(name, it))
+                with counter.window(f"iteration {it}"):
+                    trainer.step(_batches(cfg, it))
             transport = trainer.strategy.transport.name
             trainer.close()
             del trainer
-        _, by_phase, by_iter = live_peaks(tracer.events)
+        by_iter = {it: counter.peaks[f"iteration {it}"] for it in range(iterations)}
         out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
-                    "build_peak": by_phase.get("build", 0),
-                    "transport": transport, "n_ops": tracer.n_ops})
+                    "build_peak": counter.peaks["build"], "transport": transport})
     return out
 
 

@@ -5,9 +5,10 @@ cannot run is a user error (one line, exit 2), not a ``failed`` record or an OOM
 files and devices (``launcher.check_runnable``); cores (more local ranks than ``RANKS_PER_CORE``
 x the usable cores is refused: gloo ranks spin in their collectives); memory
 (``estimate_rank_bytes``: the closed-form estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``,
-plus a process per rank, summed over this machine's ranks, against the memory available now or
-each device's). ``launcher.oversubscribe=true`` skips the resource checks (and
-``launcher.check_runnable``'s GPU count: a point that starts fewer processes than its world has
+plus a process per rank, summed over this machine's ranks, against the memory available now --
+the smallest of MemAvailable, the memory cgroup's limit and Slurm's ``--mem``,
+``lab.host_memory.available`` -- or each device's). ``launcher.oversubscribe=true`` skips the
+resource checks (and ``launcher.check_runnable``'s GPU count: a point that starts fewer processes than its world has
 ranks, as the GPU proof's paper points, one process playing rank 0). Applies to points that
 start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm in an allocation).
 """
@@ -16,11 +17,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import psutil
 import torch
 
 from zero_repro import config as C
-from zero_repro.lab import launcher
+from zero_repro.lab import host_memory, launcher
 from zero_repro.scale import analytic
 
 RANKS_PER_CORE = 4  # fig5's default 4 ranks must run on a 2-core laptop; 64 must not
@@ -103,10 +103,10 @@ def check_resources(cfg: C.Config) -> None:
                              f"launcher.oversubscribe=true")
         return
     need = ranks * (per_rank + PROCESS_BYTES)
-    have = psutil.virtual_memory().available
+    have, bound = host_memory.available()
     if need > have:
         raise ValueError(f"{what} on {ranks} CPU ranks needs ~"
-                         f"{need / 1e9:.1f} GB (analytic estimate), this machine has "
-                         f"{have / 1e9:.1f} GB available: use a smaller model or batch, fewer "
+                         f"{need / 1e9:.1f} GB (analytic estimate), {have / 1e9:.1f} GB are "
+                         f"available (bound by {bound}): use a smaller model or batch, fewer "
                          f"ranks, a higher zero.stage, or force it with "
                          f"launcher.oversubscribe=true")

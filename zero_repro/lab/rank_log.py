@@ -172,6 +172,16 @@ def summary_line(cfg: C.Config, metrics: dict, ledger: dict) -> str:
     return line
 
 
+def dp_transport_note(dp_group, transport: str) -> tuple[str, str]:
+    """(why shared memory was refused, the step line's note) for a DP group on one host whose
+    buckets fell back from shared memory (``runtime.comm.cpu.shm``: the reason kept on the
+    group) to ``transport``; ("", "") where nothing fell back."""
+    refused = getattr(dp_group, "channel_refused", "") if dp_group else ""
+    if not refused or transport == "shm":
+        return "", ""
+    return refused, f"dp {transport} (shared memory refused: {refused})"
+
+
 class RankLog:
     """One rank's reporting of its run (module doc): built once the trainer is (and resumed);
     ``on_step`` is a step callback of ``Trainer.fit``, ``failed`` closes the W&B run of a run
@@ -183,11 +193,8 @@ class RankLog:
         self.rates = flops.Rates.of(cfg, self.topo.dp)
         self.table1 = table1_model_states(cfg)
         self.every = cfg.train.log_every if self.topo.rank == 0 else 0
-        dp_group = self.topo.dp_group
-        self.refused = getattr(dp_group, "channel_refused", "") if dp_group else ""
-        name = self.strategy.transport.name
-        self.transport_note = (f"dp {name} (shared memory refused: {self.refused})"
-                               if self.refused and name != "shm" else "")
+        self.refused, self.transport_note = dp_transport_note(self.topo.dp_group,
+                                                              self.strategy.transport.name)
         # W&B: one run per point, logged live by rank 0 (a no-op unless logging.wandb=true)
         self.live = wandb_runs.StepLogger.start(cfg, run_dir, enabled=self.topo.rank == 0)
 

@@ -272,10 +272,13 @@ def now_utc() -> str:
 
 
 # ---------------------------------------------------------------------------- OOM / errors
-# CUDA's OutOfMemoryError, Python's MemoryError, and the CPU allocator's failure
-# ("DefaultCPUAllocator: can't allocate memory"); a remote rank's error arrives as text
+# CUDA's OutOfMemoryError, Python's MemoryError, the CPU allocator's failure
+# ("DefaultCPUAllocator: can't allocate memory"), the kernel's OOM killer (lab.host_memory's
+# reason; slurmstepd's "Detected 1 oom-kill event(s) ... killed by the cgroup out-of-memory
+# handler" quoted from srun's error output); a remote rank's error arrives as text
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError", "out of memory",
-                "can't allocate memory", "DefaultCPUAllocator: not enough memory")
+                "can't allocate memory", "DefaultCPUAllocator: not enough memory",
+                "oom-kill event", "out-of-memory handler")
 # exception type names a rank raises that are statuses of their own (train.loop.Diverged); a
 # rank's error reaches this process as text, so they are matched by name
 _STATUS_MARKERS = (("Diverged", "diverged"),)

@@ -1,9 +1,10 @@
 """The dry run's real counterpart: the same training steps on real tensors of an initialised
 (gloo) process group, reported as the dry run reports them -- the memory ledgers (paper §5
-Table 1: 2Ψ + 2Ψ + KΨ and their partitions) and the live bytes per category -- so that
-``tests/test_dryrun.py`` and Table 1 check the simulation against a run. The step is the dry
-run's own (``dryrun.one_step``, through the runtime's ``Trainer``). Module-level functions, for
-``launch.spawn``.
+Table 1: 2Ψ + 2Ψ + KΨ and their partitions) and the live bytes per category, so that
+``tests/test_dryrun.py`` and Table 1 check the simulation against a run; and the live peaks
+counted once more by PyTorch's CPU allocator, not by the tracer the dry run shares
+(``allocator_live_peaks``). The step is the dry run's own (``dryrun.one_step``, through the
+runtime's ``Trainer``). Module-level functions, for ``launch.spawn``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
 from zero_repro.scale.dryrun import snapshot as SN
+from zero_repro.scale.dryrun.allocator_peak import AllocatorPeak
 from zero_repro.scale.dryrun.dryrun import one_step
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import switches as S
@@ -100,6 +102,27 @@ def real_trace(cfg, iterations: int = 2) -> dict:
         del trainer
     return {"events": without_teardown(tracer.events), "category_of": dict(tracer.category_of),
             "module_of": dict(tracer.module_of), "transport": transport}
+
+
+def allocator_live_peaks(rank: int, world_size: int, cfg_dicts: list[dict],
+                         iterations: int = 2) -> list[dict]:
+    """``real_live_peaks``'s steps without any tracer, counted by PyTorch's CPU allocator
+    (``allocator_peak``: independent of the tracer the dry run and ``real_live_peaks`` share).
+    Module level, for ``launch.spawn``. Returns [{"by_iteration": {it: live peak bytes}},
+    ...]: each step's peak, the build's survivors included (the build's own blocks are
+    counted from the build on)."""
+    out = []
+    for d in cfg_dicts:
+        cfg = schema.to_config(d)
+        with AllocatorPeak() as counter:
+            trainer = Trainer(cfg)
+            for it in range(iterations):
+                with counter.window(str(it)):
+                    one_step(trainer, None, set(), cfg, it)
+            trainer.close()
+            del trainer
+        out.append({"by_iteration": {it: counter.peaks[str(it)] for it in range(iterations)}})
+    return out
 
 
 def last_step_peak_categories(events, category_of: dict) -> dict:
