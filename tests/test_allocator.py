@@ -214,3 +214,18 @@ def test_stopping_at_a_cycle_changes_no_fit_decision():
             b = A.replay(tr, capacity=cap, repeat_from=len(pre), cycles=True)
             assert (a.oom, a.peak_reserved, a.peak_allocated) == \
                 (b.oom, b.peak_reserved, b.peak_allocated)
+
+
+def test_a_bounded_min_capacity_decides_the_comparison_with_fewer_replays(monkeypatch):
+    """``min_capacity(bound=b)`` is on the same side of ``b`` as the full bisection's answer,
+    and a bound far from the answer is decided by the unconstrained replay alone."""
+    for trace, rep in ((DRIFT, 0), (ALTERNATING, 1)):
+        need = A.min_capacity(trace, tol=MiB, repeat_from=rep)
+        for b in range(need - 8 * MiB, need + 8 * MiB, MiB // 2):
+            got = A.min_capacity(trace, tol=MiB, repeat_from=rep, bound=b)
+            assert (got <= b) == (need <= b), (b, got, need)
+    calls = []
+    real = A.replay
+    monkeypatch.setattr(A, "replay", lambda *a, **k: calls.append(k) or real(*a, **k))
+    assert A.min_capacity(DRIFT, tol=MiB, repeat_from=0, bound=200 * MiB) <= 200 * MiB
+    assert len(calls) == 1  # above the unconstrained peak reserved: no bisection

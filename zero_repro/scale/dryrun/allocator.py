@@ -369,7 +369,7 @@ def replay(events, capacity: float | None = None, repeat_from: int | None = None
 
 
 def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
-                 known: tuple[float, bool] | None = None) -> int:
+                 known: tuple[float, bool] | None = None, bound: float | None = None) -> int:
     """The smallest device capacity (bytes, within ``tol``) at which ``events`` replay without
     running out of memory: the quantity a fit decision actually compares with the device
     (fits iff min_capacity <= capacity, the allocator releasing its cached segments before an
@@ -378,7 +378,10 @@ def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
     (cost: results/fig6_max_model/notes.md). ``repeat_from``: every replay runs to
     the allocator's steady state (``replay``), so the answer holds for a long run.
     ``known``: (capacity, fits) of a replay already made, which narrows the bracket (a search
-    judging near the answer halves the steps) and keeps the answer consistent with it."""
+    judging near the answer halves the steps) and keeps the answer consistent with it.
+    ``bound``: only whether the answer is <= ``bound`` is wanted: the bisection stops once its
+    bracket lies on one side of it, and the value returned is on the same side of ``bound``
+    as the answer (not the answer itself)."""
     free = replay(events, capacity=None, repeat_from=repeat_from, cycles=True)
     lo, hi = float(free.peak_allocated) - 1.0, float(free.peak_reserved)
     if known is not None:
@@ -388,6 +391,8 @@ def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
         elif not fits and lo < cap < hi:
             lo = float(cap)
     while hi - lo > tol:
+        if bound is not None and (hi <= math.floor(bound) or lo >= bound):
+            break  # answer = ceil(final hi): <= ceil(hi) <= bound, or > final lo >= bound
         mid = (lo + hi) / 2
         if replay(events, capacity=mid, repeat_from=repeat_from, stop_at_oom=True,
                   cycles=True).oom:

@@ -37,18 +37,26 @@ def increasing_sweep(judge, capacity: float, top: int,
     search's look-ahead)."""
     if top <= 0:
         return 0, 0
-    memo = getattr(judge, "memo", {})
     start = top
     while start > 0:
-        fits = judge(start)
-        need = memo[start].min_capacity if start in memo else None
-        if need is None and start in memo and hasattr(judge, "steer"):
-            need = judge.steer(memo[start])[0]
-        if fits and need is not None and need <= capacity - margin:
+        if judge(start) and _needs_at_most(judge, start, capacity - margin):
             break
         start -= 1
     fails = [d for d in range(start + 1, top + 1) if not judge(d)]
     return (min(fails) - 1 if fails else top), start
+
+
+def _needs_at_most(judge, n: int, bound: float) -> bool:
+    """Whether judged depth ``n`` needs at most ``bound`` bytes: its ``min_capacity`` where
+    known, else the judge's ``needs_at_most`` (as few replays as decide it) or ``steer``."""
+    memo = getattr(judge, "memo", {})
+    if n not in memo:
+        return False
+    if memo[n].min_capacity is not None:
+        return memo[n].min_capacity <= bound
+    if hasattr(judge, "needs_at_most"):
+        return judge.needs_at_most(n, bound)
+    return hasattr(judge, "steer") and judge.steer(memo[n])[0] <= bound
 
 
 LOOKAHEAD = 2  # the answer's LOOKAHEAD depths above it are judged not to fit

@@ -142,6 +142,18 @@ class DryRunResult:
             build = A.replay(build_events(self.trace, self.host_sids), capacity=capacity)
         return judge(train, build)
 
+    def needs_at_most(self, bound: float) -> bool:
+        """``min_capacity() <= bound``, with as few replays as decide it (``allocator.min_capacity``
+        ``bound``) where ``min_capacity`` is not computed yet."""
+        if self._min_capacity is not None:
+            return self._min_capacity <= bound
+        ev = self.judged_events()
+        known = ((self.capacity, not self.allocator["oom_training"]) if self.capacity else None)
+        if A.min_capacity(ev, repeat_from=repeat_start(ev), known=known, bound=bound) > bound:
+            return False
+        return not self.build_judged_apart() or A.min_capacity(
+            build_events(self.trace, self.host_sids), bound=bound) <= bound
+
     def min_capacity(self, compute: bool = True) -> int | None:
         """Smallest device capacity (bytes, allocator's share) at which neither the judged
         replay (in the steady state) nor, where judged apart, the build's runs out of memory

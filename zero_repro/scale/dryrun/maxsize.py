@@ -209,6 +209,11 @@ class DryRunJudge:
         replay's own fit threshold, so the seed extrapolates the decisive quantity)."""
         return self.run(n_layer).min_capacity()
 
+    def needs_at_most(self, n_layer: int, bound: float) -> bool:
+        """Whether depth ``n_layer`` needs at most ``bound`` bytes (``min_capacity`` <= bound,
+        decided with as few replays as it takes: ``DryRunResult.needs_at_most``)."""
+        return self.run(n_layer).needs_at_most(bound)
+
     def steer(self, j: "Judgement") -> tuple[int, int]:
         """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
         depth needs, which already holds the allocator's rounding and fragmentation."""
