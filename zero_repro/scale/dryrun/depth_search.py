@@ -28,17 +28,22 @@ import itertools
 SAFE_MARGIN = 2**30  # below capacity - this, a depth's verdict is taken as monotone
 
 
-def increasing_sweep(judge, capacity: float, top: int,
-                     margin: float = SAFE_MARGIN) -> tuple[int, int]:
+def increasing_sweep(judge, capacity: float, top: int, margin: float = SAFE_MARGIN,
+                     pairs: bool = False) -> tuple[int, int]:
     """(answer, start) of the paper's increasing sweep (module docstring) given the search's
     ``top`` (largest depth judged to fit): depths from ``top`` down are judged until one fits
     needing at most ``capacity - margin`` (``start``; depth 0 if none); the answer is one
     below the smallest depth in (start, top + 1] judged not to fit (``top + 1`` is, by the
-    search's look-ahead)."""
+    search's look-ahead). ``pairs`` (a judge with ``prefetch``): the next depth down is run
+    in the helper process while this one is judged (one dry run past ``start`` is spent)."""
     if top <= 0:
         return 0, 0
+    prefetch = getattr(judge, "prefetch", None) if pairs else None
+    memo = getattr(judge, "memo", {})
     start = top
     while start > 0:
+        if prefetch is not None and start > 1 and start - 1 not in memo:
+            prefetch(start - 1)
         if judge(start) and _needs_at_most(judge, start, capacity - margin):
             break
         start -= 1

@@ -41,6 +41,7 @@ from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import (apply_overrides, dry_run, judges_with_build,
                                         setup_overrides, stack_of)
+from zero_repro.scale.dryrun import twin
 from zero_repro.scale.dryrun.depth_search import increasing_sweep, search
 from zero_repro.scale.dryrun.stack import switches as S
 
@@ -106,7 +107,7 @@ class DryRunJudge:
     (``_shared``: e.g. Table 2 and Figure 6 asking about the same setup)."""
 
     _shared: dict = {}  # (resolved config, iterations) -> DryRunResult; bounded below
-    _SHARED_MAX = 48
+    _SHARED_MAX = 64
 
     def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
@@ -126,9 +127,10 @@ class DryRunJudge:
 
     def close(self) -> None:
         """End of a search. The helper process stays for the next search of this process
-        (spawning one and importing torch in it costs ~5 s), unless it is still busy."""
+        (spawning one and importing torch in it costs ~5 s): a dry run still running there
+        is awaited and kept for the judges that follow (``_shared``)."""
         if self._pending is not None:
-            _drop_helper()
+            self._collect(self._pending[0])
         self._pending = None
 
     def _cfg_at(self, n_layer: int) -> C.Config:
@@ -144,12 +146,13 @@ class DryRunJudge:
         """Start the dry run at ``n_layer`` in the helper process (the dry run is single-
         threaded Python: a second core runs the search's second depth of a round while this
         process runs the first); ``run`` collects it. One at a time."""
-        key = self._key(self._cfg_at(n_layer))
-        if key in self._shared or self._pending is not None:
+        cfg = self._cfg_at(n_layer)
+        key, src = self._key(cfg), twin.trace_config(cfg)
+        if key in self._shared or self._key(src) in self._shared or self._pending is not None:
             return
-        cfg_dict = OmegaConf.to_container(OmegaConf.structured(self._cfg_at(n_layer)),
-                                          resolve=True)
-        self._pending = (key, n_layer, _helper().submit(_child_dry_run, cfg_dict,
+        dicts = [OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+                 for c in (src, cfg)]
+        self._pending = (key, n_layer, _helper().submit(_child_dry_run, *dicts,
                                                         self.iterations, self.capacities))
 
     def _collect(self, key: tuple) -> None:
@@ -158,7 +161,9 @@ class DryRunJudge:
         _, n_layer, fut = self._pending
         self._pending = None
         try:
-            self._store(key, fut.result())
+            src, res = fut.result()
+            self._store(self._key(twin.trace_config(self._cfg_at(n_layer))), src)
+            self._store(key, res)
             self.n_runs += 1
         except Exception as e:  # noqa: BLE001 - the search then judges it here
             log.warning("parallel dry run at %d layers failed (%s); continuing serially",
@@ -176,8 +181,15 @@ class DryRunJudge:
         self._collect(key)
         res = self._shared.get(key)
         if res is None:
-            res = dry_run(cfg, iterations=self.iterations, keep_trace=True, details=False)
-            self.n_runs += 1
+            # the program traced once for every stack that judges it (``twin``)
+            src_cfg = twin.trace_config(cfg)
+            src = self._shared.get(self._key(src_cfg))
+            if src is None:
+                src = dry_run(src_cfg, iterations=self.iterations, keep_trace=True,
+                              details=False)
+                self.n_runs += 1
+                self._store(self._key(src_cfg), src)
+            res = twin.rejudge(src, cfg)
             self._store(key, res)
         return res
 
@@ -242,15 +254,17 @@ def _drop_helper(wait: bool = False) -> None:
 atexit.register(_drop_helper, wait=True)  # ended before the interpreter tears down
 
 
-def _child_dry_run(cfg_dict: dict, iterations: int, capacity: bool = True):
-    """A dry run in the judge's helper process (module level: pickled by name), with the
-    capacity it needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays,
-    done here in parallel with the parent's dry run)."""
-    res = dry_run(schema.to_config(cfg_dict), iterations=iterations, keep_trace=True,
+def _child_dry_run(src_dict: dict, cfg_dict: dict, iterations: int, capacity: bool = True):
+    """(the dry run of ``src_dict``, it as judged for ``cfg_dict``: ``twin.rejudge``) in the
+    judge's helper process (module level: pickled by name), the latter with the capacity it
+    needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays, done here in
+    parallel with the parent's dry run)."""
+    src = dry_run(schema.to_config(src_dict), iterations=iterations, keep_trace=True,
                   details=False)
+    res = twin.rejudge(src, schema.to_config(cfg_dict))
     if capacity:
         res.min_capacity()
-    return res
+    return src, res
 
 
 def _analytic_seed(cfg: C.Config, capacity: float) -> int:
@@ -321,7 +335,7 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     log.info("max-layers seed %d (%s; analytic %d)", seed, seed_from, n_analytic)
     try:
         top = search(judge, seed, max_n, points, cap, pairs=parallel)
-        n, start = increasing_sweep(judge, cap, top)
+        n, start = increasing_sweep(judge, cap, top, pairs=parallel)
     finally:
         judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
