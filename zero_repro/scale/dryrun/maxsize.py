@@ -109,8 +109,11 @@ class DryRunJudge:
     _shared: dict = {}  # (resolved config, iterations) -> DryRunResult; bounded below
     _SHARED_MAX = 64
 
-    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
+    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2, store=None):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
+        # judgements kept across processes and experiments (``get(key)`` / ``put(key, value)``,
+        # ``lab.judged``): a depth judged before at this capacity is not dry-run again
+        self.store = store
         self.backend = "meta"  # dry_run's default
         # paper2020: the judged replay includes the build, whose cached blocks inflate the
         # reserved-over-allocated slack but are released before an OOM; the search then steers
@@ -142,10 +145,26 @@ class DryRunJudge:
             self._shared.pop(next(iter(self._shared)))
         self._shared[key] = res
 
+    def _stored(self, n_layer: int) -> dict:
+        """What ``store`` keeps of ``n_layer`` at this capacity: {judgement, min_capacity}."""
+        if self.store is None:
+            return {}
+        key = [self._key(self._cfg_at(n_layer))[0], self.iterations, self.capacity]
+        return self.store.get(key) or {}
+
+    def _keep(self, n_layer: int, **value) -> None:
+        if self.store is not None:
+            key = [self._key(self._cfg_at(n_layer))[0], self.iterations, self.capacity]
+            self.store.put(key, {**self._stored(n_layer), **value})
+
     def prefetch(self, n_layer: int) -> None:
         """Start the dry run at ``n_layer`` in the helper process (the dry run is single-
         threaded Python: a second core runs the search's second depth of a round while this
         process runs the first); ``run`` collects it. One at a time."""
+        kept = self._stored(n_layer)
+        if "judgement" in kept and (kept.get("min_capacity") is not None
+                                    or not self.capacities):
+            return
         cfg = self._cfg_at(n_layer)
         key, src = self._key(cfg), twin.trace_config(cfg)
         if key in self._shared or self._key(src) in self._shared or self._pending is not None:
@@ -196,6 +215,14 @@ class DryRunJudge:
     def __call__(self, n_layer: int) -> bool:
         if n_layer in self.memo:
             return self.memo[n_layer].fits
+        kept = self._stored(n_layer)
+        if "judgement" in kept:
+            j = Judgement(**{**kept["judgement"], "min_capacity": kept.get("min_capacity")})
+            if j.min_capacity is None and self.capacities:
+                self.steer(j)
+            self.memo[n_layer] = j
+            self.order.append(j)
+            return j.fits
         res = self.run(n_layer)
         # the dry run's own judged replay when it ran at this capacity (the cluster's)
         a = res.allocator if res.capacity == self.capacity else res.replay(self.capacity)
@@ -210,6 +237,7 @@ class DryRunJudge:
                         res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
+        self._keep(n_layer, judgement=dataclasses.asdict(j), min_capacity=j.min_capacity)
         log.info("dry-run judge: %d layers -> %s (needs %s of %.2f GB, %.1f s, steady after "
                  "%d repeats of the last step)", n_layer, "fits" if j.fits else "OOM",
                  "?" if j.min_capacity is None else f"{j.min_capacity / 1e9:.2f}",
@@ -219,18 +247,23 @@ class DryRunJudge:
     def probe(self, n_layer: int) -> int:
         """The capacity a small depth needs (``DryRunResult.min_capacity``: the judged
         replay's own fit threshold, so the seed extrapolates the decisive quantity)."""
-        return self.run(n_layer).min_capacity()
+        need = self._stored(n_layer).get("min_capacity")
+        if need is None:
+            need = self.run(n_layer).min_capacity()
+            self._keep(n_layer, min_capacity=need)
+        return need
 
     def needs_at_most(self, n_layer: int, bound: float) -> bool:
         """Whether depth ``n_layer`` needs at most ``bound`` bytes (``min_capacity`` <= bound,
         decided with as few replays as it takes: ``DryRunResult.needs_at_most``)."""
-        return self.run(n_layer).needs_at_most(bound)
+        need = self._stored(n_layer).get("min_capacity")
+        return need <= bound if need is not None else self.run(n_layer).needs_at_most(bound)
 
     def steer(self, j: "Judgement") -> tuple[int, int]:
         """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
         depth needs, which already holds the allocator's rounding and fragmentation."""
         if j.min_capacity is None:
-            j.min_capacity = self.run(j.n_layer).min_capacity()
+            j.min_capacity = self.probe(j.n_layer)
         return j.min_capacity, 0
 
 
@@ -294,7 +327,8 @@ def probe_depths(cfg: C.Config, analytic_seed: int) -> tuple[int, int]:
 
 def max_layers(cfg: C.Config, capacity: float | None = None,
                probes: tuple[int, int] | None = None, max_n: int = 2000,
-               iterations: int = 2, parallel: bool | None = None) -> MaxSizeResult:
+               iterations: int = 2, parallel: bool | None = None,
+               store=None) -> MaxSizeResult:
     """Largest ``model.n_layer`` (hidden, heads and everything else from ``cfg``) whose dry run
     fits ``capacity`` bytes (default: the cluster's device memory).
 
@@ -303,10 +337,11 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     analytic model's answer is logged next to it and is the fallback seed. ``parallel``
     (default: when the machine has 2+ cores) runs two dry runs at once: the second probe
     beside the first, and in every round of the search a second depth beside the first
-    (``depth_search.search``)."""
+    (``depth_search.search``). ``store``: judgements kept from earlier runs
+    (``DryRunJudge``; ``lab.judged``)."""
     t0 = time.perf_counter()
     cap = capacity_of(cfg) if capacity is None else capacity
-    judge = DryRunJudge(cfg, cap, iterations)
+    judge = DryRunJudge(cfg, cap, iterations, store)
     n_analytic = _analytic_seed(cfg, cap)
     points: list[tuple[int, float]] = []
     probe_log: list = []
