@@ -18,7 +18,8 @@ monotone in depth (fragmentation), so the increasing sweep can stop below ``larg
 walks down from ``largest_fit`` judging every depth until one fits with its needed capacity at
 least ``SAFE_MARGIN`` below the capacity (from there down every depth is taken to fit: the
 needed capacity is ~affine in depth, its jitter well under the margin), and reports one below
-the smallest depth judged not to fit above it.
+the smallest depth judged not to fit above it. The margin test asks the judge only as much as
+decides it (``needs_at_most``), and only of depths that fit.
 """
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ affine in l once the gradient buckets are full); the depth search (``scale.dryru
 secant steps, the end game, and the reported answer, the paper's increasing sweep) picks the
 depths the judge dry-runs (``n_layer``; ``scan`` judges a range). The analytic model
 (``zero_repro.scale.analytic``) is logged beside the seed and is the fallback. Returns the depth
-and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process.
+and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process,
+and across processes and experiments where a ``store`` is given (``lab.judged``). One trace
+serves every stack that runs the same program (``twin``: the bracket's least-memory end is
+judged from paper2020's traces).
 Judged trace: ``modern`` after ``empty_cache()`` following the build, the build judged by its
 own replay (partitioned construction: the largest unit + the shards; ``dryrun.judge``);
 ``paper2020`` with its build against the device less its CUDA context + NCCL. Rounds and timings:
