@@ -286,7 +286,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``tracer``).
     ``details=False``: leave ``breakdown`` and (where the judge replays without the build)
     ``allocator_with_build`` empty -- a replay each, ~5-10% of a dry run; the max-layers search
-    needs only the judged replay.
+    needs only the judged replay, which then stops at the first recurring allocator state
+    (``allocator.replay`` ``cycles``: the verdict and the peaks are the same, ``repeats``
+    counts to the recurrence).
     ``transport_of``: whose bucket transport the ranks' buffers follow (``runtime.comm.transport``):
     ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
     it under-counts only constant-size scratch -- or the transport a run used (its ``name``,
@@ -354,7 +356,10 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if rep is None and iterations > 1:
         log.warning("dry run: the last step is not closed (it keeps a storage into the next "
                     "or frees an older one): judged as traced, without the steady state")
-    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep).as_dict(),
+    # without details nothing reads how often the step repeated (the breakdown does): the
+    # replay may stop at a recurring state (``allocator.replay`` cycles: same verdict, peaks)
+    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep,
+                                  cycles=not details).as_dict(),
                          None if with_build else A.replay([e for e in dev if e[3] == "build"],
                                                           capacity=cap))
     alloc_all, brk = (alloc_judged if with_build else {}), {}

@@ -77,7 +77,8 @@ def rejudge(res: DryRunResult, cfg: C.Config) -> DryRunResult:
     dev = device_events(events, host)
     peak, by_phase, by_iter = live_peaks(dev)
     judged = judged_trace(events, host, res.judged_with_build)
-    alloc = judge(A.replay(judged, capacity=cap, repeat_from=repeat_start(judged)).as_dict(),
+    alloc = judge(A.replay(judged, capacity=cap, repeat_from=repeat_start(judged),
+                           cycles=True).as_dict(),
                   None if res.judged_with_build else A.replay(
                       [e for e in dev if e[3] == "build"], capacity=cap))
     ident = {**res.config, "stack": stack.name}
