@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from zero_repro.lab import judged
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import max_model as MMF
 from zero_repro.lab.figures.wording import num, pct
@@ -105,7 +106,8 @@ def flip_band(judgements: list[dict], answer: int, largest_fit: int | None = Non
 def run_point(cfg, point: Point) -> dict:
     its = int(point.params.get("iterations", 2))
     t0 = time.perf_counter()
-    r = maxsize.max_layers(cfg, iterations=its)
+    store = judged.for_experiment(cfg)  # depths judged before, shared (lab.judged)
+    r = maxsize.max_layers(cfg, iterations=its, store=store)
     out = {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
            "largest_fit": r.largest_fit, "sweep_start": r.sweep_start,
            "capacity_bytes": r.capacity, "outside_point": cfg.simulate.outside_point,
@@ -124,7 +126,8 @@ def run_point(cfg, point: Point) -> dict:
         stack, where = S.bracket_end(name, end)
         c = dataclasses.replace(cfg, simulate=dataclasses.replace(
             cfg.simulate, stack=stack, outside_point=where))
-        e = maxsize.max_layers(c, capacity=maxsize.capacity_of(c, where), iterations=its)
+        e = maxsize.max_layers(c, capacity=maxsize.capacity_of(c, where), iterations=its,
+                               store=store)
         ends[end] = (e.n_layer, flip_band([vars(j) for j in e.judgements], e.n_layer,
                                           e.largest_fit), e.capacity, stack)
     for end, (n, band, cap, stack) in ends.items():

@@ -26,6 +26,7 @@ import itertools
 
 import pandas as pd
 
+from zero_repro.lab import judged
 from zero_repro.lab import records as R
 from zero_repro.lab.figures import max_model_mp as MMP
 from zero_repro.lab.figures.wording import column, num, pct
@@ -86,7 +87,8 @@ def run_point(cfg, point: Point) -> dict:
         return {"cells": [{"stage": s, "mp": tp, "params": max_params(cap, s, 64, tp)}
                           for s in SCHEMES for tp in (1, 2, 4, 8, 16)]}
     its = int(point.params.get("iterations", 2))
-    r = maxsize.max_layers(cfg, iterations=its)
+    store = judged.for_experiment(cfg)  # depths judged before, shared (lab.judged)
+    r = maxsize.max_layers(cfg, iterations=its, store=store)
     out = {"max_n_layer": r.n_layer, "max_params": r.params, "max_params_B": r.params / 1e9,
            "search_s": r.seconds, "dry_run_backend": r.backend, "capacity_bytes": r.capacity,
            "outside_point": cfg.simulate.outside_point,
@@ -98,7 +100,7 @@ def run_point(cfg, point: Point) -> dict:
         c = dataclasses.replace(cfg, simulate=dataclasses.replace(
             cfg.simulate, stack=stack, outside_point=where))
         e = r if (stack, where) == (name, cfg.simulate.outside_point) else maxsize.max_layers(
-            c, capacity=maxsize.capacity_of(c, where), iterations=its)
+            c, capacity=maxsize.capacity_of(c, where), iterations=its, store=store)
         out[f"max_params_outside_{end}"] = e.params
         out[f"max_n_layer_outside_{end}"] = e.n_layer
     return out

@@ -167,3 +167,65 @@ def test_replay_of_held_frees_and_sync_events():
                         for e in ev if e[0] != "sync"])
     assert at_free.peak_reserved == 12 * MiB + 24 * MiB  # the same block reused at once
     assert A.closed_from(ev, 0)
+
+
+# a closed step whose layout under 68 MiB alternates between two states and never settles
+ALTERNATING = [("alloc", 100, 12 * MiB, "build", 0)] + [
+    (k, i, n * MiB, "forward", 1) for k, i, n in (
+        ("alloc", 5, 18), ("free", 5, 18), ("alloc", 0, 1), ("free", 0, 1), ("alloc", 3, 18),
+        ("alloc", 4, 8), ("alloc", 2, 14), ("free", 2, 14), ("free", 3, 18), ("free", 4, 8),
+        ("alloc", 1, 22), ("free", 1, 22))]
+
+
+def test_a_replay_that_cycles_stops_at_the_first_recurring_state():
+    plain = A.replay(ALTERNATING, capacity=68 * MiB, repeat_from=1)
+    assert not plain.steady and plain.repeats == A.MAX_REPEATS  # a 2-cycle, never a fixed point
+    cyc = A.replay(ALTERNATING, capacity=68 * MiB, repeat_from=1, cycles=True)
+    assert cyc.steady and cyc.repeats == 2
+    assert (cyc.oom, cyc.peak_reserved, cyc.peak_allocated) == \
+        (plain.oom, plain.peak_reserved, plain.peak_allocated)
+
+
+def test_stopping_at_a_cycle_changes_no_fit_decision():
+    """Random closed steps over persistent state, every capacity from the peak allocated to
+    the peak reserved: the verdict and the peaks with ``cycles`` equal the plain replay's."""
+    import random
+    rng = random.Random(2)
+    for _ in range(150):
+        pre = [("alloc", 100 + k, rng.choice([2, 6, 12, 20]) * MiB, "build", 0)
+               for k in range(rng.randint(0, 2))]
+        sizes = [rng.choice([1, 2, 3, 4, 6, 8, 12, 14, 18, 22, 26, 30]) * MiB
+                 for _ in range(rng.randint(3, 6))]
+        ev, alive, pending = [], set(), list(range(len(sizes)))
+        rng.shuffle(pending)
+        while pending or alive:
+            if pending and (not alive or rng.random() < 0.5):
+                i = pending.pop()
+                alive.add(i)
+                ev.append(("alloc", i, sizes[i], "forward", 1))
+            else:
+                i = rng.choice(sorted(alive))
+                alive.remove(i)
+                ev.append(("free", i, sizes[i], "forward", 1))
+        tr = pre + ev
+        free = A.replay(tr, repeat_from=len(pre))
+        for cap in range(free.peak_allocated, free.peak_reserved + 2 * MiB, 2 * MiB):
+            a = A.replay(tr, capacity=cap, repeat_from=len(pre))
+            b = A.replay(tr, capacity=cap, repeat_from=len(pre), cycles=True)
+            assert (a.oom, a.peak_reserved, a.peak_allocated) == \
+                (b.oom, b.peak_reserved, b.peak_allocated)
+
+
+def test_a_bounded_min_capacity_decides_the_comparison_with_fewer_replays(monkeypatch):
+    """``min_capacity(bound=b)`` is on the same side of ``b`` as the full bisection's answer,
+    and a bound far from the answer is decided by the unconstrained replay alone."""
+    for trace, rep in ((DRIFT, 0), (ALTERNATING, 1)):
+        need = A.min_capacity(trace, tol=MiB, repeat_from=rep)
+        for b in range(need - 8 * MiB, need + 8 * MiB, MiB // 2):
+            got = A.min_capacity(trace, tol=MiB, repeat_from=rep, bound=b)
+            assert (got <= b) == (need <= b), (b, got, need)
+    calls = []
+    real = A.replay
+    monkeypatch.setattr(A, "replay", lambda *a, **k: calls.append(k) or real(*a, **k))
+    assert A.min_capacity(DRIFT, tol=MiB, repeat_from=0, bound=200 * MiB) <= 200 * MiB
+    assert len(calls) == 1  # above the unconstrained peak reserved: no bisection

@@ -317,12 +317,18 @@ def closed_from(events, start: int) -> bool:
 
 
 def replay(events, capacity: float | None = None, repeat_from: int | None = None,
-           max_repeats: int = MAX_REPEATS, stop_at_oom: bool = False) -> ReplayResult:
+           max_repeats: int = MAX_REPEATS, stop_at_oom: bool = False,
+           cycles: bool = False) -> ReplayResult:
     """Replay (kind, sid, nbytes, ...) events (kind ``alloc``/``free``) through the model.
 
     ``repeat_from``: then replay ``events[repeat_from:]`` (a closed iteration, ``closed_from``)
     again until the allocator state repeats (module docstring: steady state) or
-    ``max_repeats``. ``stop_at_oom``: return at the first OOM (a fit decision needs no more)."""
+    ``max_repeats``. ``stop_at_oom``: return at the first OOM (a fit decision needs no more).
+    ``cycles``: also stop once the state at the end of a repetition equals that at the end of
+    ANY earlier one (a layout alternating between a few states, which never settles): from
+    there on the repetitions replay a cycle already replayed, so neither ``oom`` nor a peak
+    can change; ``repeats`` then counts up to the first recurrence (``steady`` True). The fit
+    decisions (``min_capacity``) use it; the judged replay keeps the plain rule."""
     alloc = CachingAllocator(capacity)
     live: dict[int, tuple[_Block | None, int]] = {}
     res = alloc.result
@@ -346,21 +352,24 @@ def replay(events, capacity: float | None = None, repeat_from: int | None = None
     if ok and repeat_from is not None:
         tmpl = events[repeat_from:]
         before = alloc.state()
+        seen = {before} if cycles else ()
         for r in range(1, max_repeats + 1):
             if not run(tmpl):
                 break
             res.repeats = r
             after = alloc.state()
-            if after == before:
+            if after == before or after in seen:
                 res.steady = True
                 break
             before = after
+            if cycles:
+                seen.add(after)
     res.reserved_end = alloc.reserved
     return res
 
 
 def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
-                 known: tuple[float, bool] | None = None) -> int:
+                 known: tuple[float, bool] | None = None, bound: float | None = None) -> int:
     """The smallest device capacity (bytes, within ``tol``) at which ``events`` replay without
     running out of memory: the quantity a fit decision actually compares with the device
     (fits iff min_capacity <= capacity, the allocator releasing its cached segments before an
@@ -369,8 +378,11 @@ def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
     (cost: results/fig6_max_model/notes.md). ``repeat_from``: every replay runs to
     the allocator's steady state (``replay``), so the answer holds for a long run.
     ``known``: (capacity, fits) of a replay already made, which narrows the bracket (a search
-    judging near the answer halves the steps) and keeps the answer consistent with it."""
-    free = replay(events, capacity=None, repeat_from=repeat_from)
+    judging near the answer halves the steps) and keeps the answer consistent with it.
+    ``bound``: only whether the answer is <= ``bound`` is wanted: the bisection stops once its
+    bracket lies on one side of it, and the value returned is on the same side of ``bound``
+    as the answer (not the answer itself)."""
+    free = replay(events, capacity=None, repeat_from=repeat_from, cycles=True)
     lo, hi = float(free.peak_allocated) - 1.0, float(free.peak_reserved)
     if known is not None:
         cap, fits = known
@@ -379,8 +391,11 @@ def min_capacity(events, tol: float = 8 * 2**20, repeat_from: int | None = None,
         elif not fits and lo < cap < hi:
             lo = float(cap)
     while hi - lo > tol:
+        if bound is not None and (hi <= math.floor(bound) or lo >= bound):
+            break  # answer = ceil(final hi): <= ceil(hi) <= bound, or > final lo >= bound
         mid = (lo + hi) / 2
-        if replay(events, capacity=mid, repeat_from=repeat_from, stop_at_oom=True).oom:
+        if replay(events, capacity=mid, repeat_from=repeat_from, stop_at_oom=True,
+                  cycles=True).oom:
             lo = mid
         else:
             hi = mid

@@ -18,7 +18,8 @@ monotone in depth (fragmentation), so the increasing sweep can stop below ``larg
 walks down from ``largest_fit`` judging every depth until one fits with its needed capacity at
 least ``SAFE_MARGIN`` below the capacity (from there down every depth is taken to fit: the
 needed capacity is ~affine in depth, its jitter well under the margin), and reports one below
-the smallest depth judged not to fit above it.
+the smallest depth judged not to fit above it. The margin test asks the judge only as much as
+decides it (``needs_at_most``), and only of depths that fit.
 """
 from __future__ import annotations
 
@@ -28,27 +29,40 @@ import itertools
 SAFE_MARGIN = 2**30  # below capacity - this, a depth's verdict is taken as monotone
 
 
-def increasing_sweep(judge, capacity: float, top: int,
-                     margin: float = SAFE_MARGIN) -> tuple[int, int]:
+def increasing_sweep(judge, capacity: float, top: int, margin: float = SAFE_MARGIN,
+                     pairs: bool = False) -> tuple[int, int]:
     """(answer, start) of the paper's increasing sweep (module docstring) given the search's
     ``top`` (largest depth judged to fit): depths from ``top`` down are judged until one fits
     needing at most ``capacity - margin`` (``start``; depth 0 if none); the answer is one
     below the smallest depth in (start, top + 1] judged not to fit (``top + 1`` is, by the
-    search's look-ahead)."""
+    search's look-ahead). ``pairs`` (a judge with ``prefetch``): the next depth down is run
+    in the helper process while this one is judged (one dry run past ``start`` is spent)."""
     if top <= 0:
         return 0, 0
+    prefetch = getattr(judge, "prefetch", None) if pairs else None
     memo = getattr(judge, "memo", {})
     start = top
     while start > 0:
-        fits = judge(start)
-        need = memo[start].min_capacity if start in memo else None
-        if need is None and start in memo and hasattr(judge, "steer"):
-            need = judge.steer(memo[start])[0]
-        if fits and need is not None and need <= capacity - margin:
+        if prefetch is not None and start > 1 and start - 1 not in memo:
+            prefetch(start - 1)
+        if judge(start) and _needs_at_most(judge, start, capacity - margin):
             break
         start -= 1
     fails = [d for d in range(start + 1, top + 1) if not judge(d)]
     return (min(fails) - 1 if fails else top), start
+
+
+def _needs_at_most(judge, n: int, bound: float) -> bool:
+    """Whether judged depth ``n`` needs at most ``bound`` bytes: its ``min_capacity`` where
+    known, else the judge's ``needs_at_most`` (as few replays as decide it) or ``steer``."""
+    memo = getattr(judge, "memo", {})
+    if n not in memo:
+        return False
+    if memo[n].min_capacity is not None:
+        return memo[n].min_capacity <= bound
+    if hasattr(judge, "needs_at_most"):
+        return judge.needs_at_most(n, bound)
+    return hasattr(judge, "steer") and judge.steer(memo[n])[0] <= bound
 
 
 LOOKAHEAD = 2  # the answer's LOOKAHEAD depths above it are judged not to fit

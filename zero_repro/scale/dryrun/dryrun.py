@@ -145,6 +145,18 @@ class DryRunResult:
             build = A.replay(build_events(self.trace, self.host_sids), capacity=capacity)
         return judge(train, build)
 
+    def needs_at_most(self, bound: float) -> bool:
+        """``min_capacity() <= bound``, with as few replays as decide it (``allocator.min_capacity``
+        ``bound``) where ``min_capacity`` is not computed yet."""
+        if self._min_capacity is not None:
+            return self._min_capacity <= bound
+        ev = self.judged_events()
+        known = ((self.capacity, not self.allocator["oom_training"]) if self.capacity else None)
+        if A.min_capacity(ev, repeat_from=repeat_start(ev), known=known, bound=bound) > bound:
+            return False
+        return not self.build_judged_apart() or A.min_capacity(
+            build_events(self.trace, self.host_sids), bound=bound) <= bound
+
     def min_capacity(self, compute: bool = True) -> int | None:
         """Smallest device capacity (bytes, allocator's share) at which neither the judged
         replay (in the steady state) nor, where judged apart, the build's runs out of memory
@@ -231,6 +243,17 @@ def builders(stack: S.Stack, cfg: C.Config) -> dict:
     return kw
 
 
+def _build_polling(tracer: AllocationTracer, stack: S.Stack, cfg: C.Config, kw: dict):
+    """Poll every storage during the build (``tracer.polling_all``) unless no storage can be
+    resized in place there: DeepSpeed 0.2's whole-model build (``deepspeed02``, not partitioned)
+    makes new tensors only -- in-place storage resizes live in the runtime's flat buffers and
+    stage 3 alone. Polling costs one size read per storage per allocating op, quadratic in
+    depth (most of a paper2020 build at 200 layers); skipping it leaves the trace unchanged."""
+    if deepspeed02.uses_deepspeed02(stack, cfg.zero.stage) and not kw["partitioned"]:
+        return contextlib.nullcontext()
+    return tracer.polling_all()
+
+
 def judges_with_build(stack: S.Stack, cfg: C.Config) -> bool:
     """paper2020 counts the build's cached blocks (no empty_cache in DS@f2ac7eafd nor
     DSE@405ce794) where its build is modelled: DeepSpeed 0.2's stages 1/2."""
@@ -266,7 +289,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     (``FakeTensorMode`` CPU tensors, the slower original mechanism; ``tracer``).
     ``details=False``: leave ``breakdown`` and (where the judge replays without the build)
     ``allocator_with_build`` empty -- a replay each, ~5-10% of a dry run; the max-layers search
-    needs only the judged replay.
+    needs only the judged replay, which then stops at the first recurring allocator state
+    (``allocator.replay`` ``cycles``: the verdict and the peaks are the same, ``repeats``
+    counts to the recurrence).
     ``transport_of``: whose bucket transport the ranks' buffers follow (``runtime.comm.transport``):
     ``fake`` (default) the rooted, in-place one, which holds no scratch -- for an NCCL cluster
     it under-counts only constant-size scratch -- or the transport a run used (its ``name``,
@@ -299,10 +324,11 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                 topo.model_transport(transport_of)
             t0 = time.perf_counter()
             # partitioned construction resizes each unit's buffer as it goes: every storage
-            # is polled during the build (few ops), none of the skeleton's is recorded
-            with tracer.category(S.FP16_PARAMS), tracer.polling_all():
+            # is polled during the build, none of the skeleton's is recorded
+            kw = builders(stack, cfg)
+            with tracer.category(S.FP16_PARAMS), _build_polling(tracer, stack, cfg, kw):
                 trainer = Trainer(cfg, topo, torch.device("meta" if on_meta else "cpu"),
-                                  skeleton_scope=tracer.untracked, **builders(stack, cfg))
+                                  skeleton_scope=tracer.untracked, **kw)
             model, ckpt, strategy = trainer.model, trainer.ckpt, trainer.strategy
             _build_host_sids(tracer, strategy, host)
             _offload_host_sids(tracer, strategy, host)
@@ -333,7 +359,10 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     if rep is None and iterations > 1:
         log.warning("dry run: the last step is not closed (it keeps a storage into the next "
                     "or frees an older one): judged as traced, without the steady state")
-    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep).as_dict(),
+    # without details nothing reads how often the step repeated (the breakdown does): the
+    # replay may stop at a recurring state (``allocator.replay`` cycles: same verdict, peaks)
+    alloc_judged = judge(A.replay(judged, capacity=cap, repeat_from=rep,
+                                  cycles=not details).as_dict(),
                          None if with_build else A.replay([e for e in dev if e[3] == "build"],
                                                           capacity=cap))
     alloc_all, brk = (alloc_judged if with_build else {}), {}

@@ -12,7 +12,10 @@ affine in l once the gradient buckets are full); the depth search (``scale.dryru
 secant steps, the end game, and the reported answer, the paper's increasing sweep) picks the
 depths the judge dry-runs (``n_layer``; ``scan`` judges a range). The analytic model
 (``zero_repro.scale.analytic``) is logged beside the seed and is the fallback. Returns the depth
-and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process.
+and its ``flops.param_count`` (padded vocabulary, TP 1); judgements are memoised per process,
+and across processes and experiments where a ``store`` is given (``lab.judged``). One trace
+serves every stack that runs the same program (``twin``: the bracket's least-memory end is
+judged from paper2020's traces).
 Judged trace: ``modern`` after ``empty_cache()`` following the build, the build judged by its
 own replay (partitioned construction: the largest unit + the shards; ``dryrun.judge``);
 ``paper2020`` with its build against the device less its CUDA context + NCCL. Rounds and timings:
@@ -41,6 +44,7 @@ from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import (apply_overrides, dry_run, judges_with_build,
                                         setup_overrides, stack_of)
+from zero_repro.scale.dryrun import twin
 from zero_repro.scale.dryrun.depth_search import increasing_sweep, search
 from zero_repro.scale.dryrun.stack import switches as S
 
@@ -106,10 +110,13 @@ class DryRunJudge:
     (``_shared``: e.g. Table 2 and Figure 6 asking about the same setup)."""
 
     _shared: dict = {}  # (resolved config, iterations) -> DryRunResult; bounded below
-    _SHARED_MAX = 48
+    _SHARED_MAX = 64
 
-    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2):
+    def __init__(self, cfg: C.Config, capacity: float, iterations: int = 2, store=None):
         self.cfg, self.capacity, self.iterations = cfg, capacity, iterations
+        # judgements kept across processes and experiments (``get(key)`` / ``put(key, value)``,
+        # ``lab.judged``): a depth judged before at this capacity is not dry-run again
+        self.store = store
         self.backend = "meta"  # dry_run's default
         # paper2020: the judged replay includes the build, whose cached blocks inflate the
         # reserved-over-allocated slack but are released before an OOM; the search then steers
@@ -126,9 +133,10 @@ class DryRunJudge:
 
     def close(self) -> None:
         """End of a search. The helper process stays for the next search of this process
-        (spawning one and importing torch in it costs ~5 s), unless it is still busy."""
+        (spawning one and importing torch in it costs ~5 s): a dry run still running there
+        is awaited and kept for the judges that follow (``_shared``)."""
         if self._pending is not None:
-            _drop_helper()
+            self._collect(self._pending[0])
         self._pending = None
 
     def _cfg_at(self, n_layer: int) -> C.Config:
@@ -140,16 +148,33 @@ class DryRunJudge:
             self._shared.pop(next(iter(self._shared)))
         self._shared[key] = res
 
+    def _stored(self, n_layer: int) -> dict:
+        """What ``store`` keeps of ``n_layer`` at this capacity: {judgement, min_capacity}."""
+        if self.store is None:
+            return {}
+        key = [self._key(self._cfg_at(n_layer))[0], self.iterations, self.capacity]
+        return self.store.get(key) or {}
+
+    def _keep(self, n_layer: int, **value) -> None:
+        if self.store is not None:
+            key = [self._key(self._cfg_at(n_layer))[0], self.iterations, self.capacity]
+            self.store.put(key, {**self._stored(n_layer), **value})
+
     def prefetch(self, n_layer: int) -> None:
         """Start the dry run at ``n_layer`` in the helper process (the dry run is single-
         threaded Python: a second core runs the search's second depth of a round while this
         process runs the first); ``run`` collects it. One at a time."""
-        key = self._key(self._cfg_at(n_layer))
-        if key in self._shared or self._pending is not None:
+        kept = self._stored(n_layer)
+        if "judgement" in kept and (kept.get("min_capacity") is not None
+                                    or not self.capacities):
             return
-        cfg_dict = OmegaConf.to_container(OmegaConf.structured(self._cfg_at(n_layer)),
-                                          resolve=True)
-        self._pending = (key, n_layer, _helper().submit(_child_dry_run, cfg_dict,
+        cfg = self._cfg_at(n_layer)
+        key, src = self._key(cfg), twin.trace_config(cfg)
+        if key in self._shared or self._key(src) in self._shared or self._pending is not None:
+            return
+        dicts = [OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+                 for c in (src, cfg)]
+        self._pending = (key, n_layer, _helper().submit(_child_dry_run, *dicts,
                                                         self.iterations, self.capacities))
 
     def _collect(self, key: tuple) -> None:
@@ -158,7 +183,9 @@ class DryRunJudge:
         _, n_layer, fut = self._pending
         self._pending = None
         try:
-            self._store(key, fut.result())
+            src, res = fut.result()
+            self._store(self._key(twin.trace_config(self._cfg_at(n_layer))), src)
+            self._store(key, res)
             self.n_runs += 1
         except Exception as e:  # noqa: BLE001 - the search then judges it here
             log.warning("parallel dry run at %d layers failed (%s); continuing serially",
@@ -176,14 +203,29 @@ class DryRunJudge:
         self._collect(key)
         res = self._shared.get(key)
         if res is None:
-            res = dry_run(cfg, iterations=self.iterations, keep_trace=True, details=False)
-            self.n_runs += 1
+            # the program traced once for every stack that judges it (``twin``)
+            src_cfg = twin.trace_config(cfg)
+            src = self._shared.get(self._key(src_cfg))
+            if src is None:
+                src = dry_run(src_cfg, iterations=self.iterations, keep_trace=True,
+                              details=False)
+                self.n_runs += 1
+                self._store(self._key(src_cfg), src)
+            res = twin.rejudge(src, cfg)
             self._store(key, res)
         return res
 
     def __call__(self, n_layer: int) -> bool:
         if n_layer in self.memo:
             return self.memo[n_layer].fits
+        kept = self._stored(n_layer)
+        if "judgement" in kept:
+            j = Judgement(**{**kept["judgement"], "min_capacity": kept.get("min_capacity")})
+            if j.min_capacity is None and self.capacities:
+                self.steer(j)
+            self.memo[n_layer] = j
+            self.order.append(j)
+            return j.fits
         res = self.run(n_layer)
         # the dry run's own judged replay when it ran at this capacity (the cluster's)
         a = res.allocator if res.capacity == self.capacity else res.replay(self.capacity)
@@ -198,6 +240,7 @@ class DryRunJudge:
                         res.live_peak_steady / 1e9, j.peak_live / 1e9)
         self.memo[n_layer] = j
         self.order.append(j)
+        self._keep(n_layer, judgement=dataclasses.asdict(j), min_capacity=j.min_capacity)
         log.info("dry-run judge: %d layers -> %s (needs %s of %.2f GB, %.1f s, steady after "
                  "%d repeats of the last step)", n_layer, "fits" if j.fits else "OOM",
                  "?" if j.min_capacity is None else f"{j.min_capacity / 1e9:.2f}",
@@ -207,13 +250,23 @@ class DryRunJudge:
     def probe(self, n_layer: int) -> int:
         """The capacity a small depth needs (``DryRunResult.min_capacity``: the judged
         replay's own fit threshold, so the seed extrapolates the decisive quantity)."""
-        return self.run(n_layer).min_capacity()
+        need = self._stored(n_layer).get("min_capacity")
+        if need is None:
+            need = self.run(n_layer).min_capacity()
+            self._keep(n_layer, min_capacity=need)
+        return need
+
+    def needs_at_most(self, n_layer: int, bound: float) -> bool:
+        """Whether depth ``n_layer`` needs at most ``bound`` bytes (``min_capacity`` <= bound,
+        decided with as few replays as it takes: ``DryRunResult.needs_at_most``)."""
+        need = self._stored(n_layer).get("min_capacity")
+        return need <= bound if need is not None else self.run(n_layer).needs_at_most(bound)
 
     def steer(self, j: "Judgement") -> tuple[int, int]:
         """(bytes the secant steps on, slack on top of them) of a judgement: the capacity the
         depth needs, which already holds the allocator's rounding and fragmentation."""
         if j.min_capacity is None:
-            j.min_capacity = self.run(j.n_layer).min_capacity()
+            j.min_capacity = self.probe(j.n_layer)
         return j.min_capacity, 0
 
 
@@ -237,15 +290,17 @@ def _drop_helper(wait: bool = False) -> None:
 atexit.register(_drop_helper, wait=True)  # ended before the interpreter tears down
 
 
-def _child_dry_run(cfg_dict: dict, iterations: int, capacity: bool = True):
-    """A dry run in the judge's helper process (module level: pickled by name), with the
-    capacity it needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays,
-    done here in parallel with the parent's dry run)."""
-    res = dry_run(schema.to_config(cfg_dict), iterations=iterations, keep_trace=True,
+def _child_dry_run(src_dict: dict, cfg_dict: dict, iterations: int, capacity: bool = True):
+    """(the dry run of ``src_dict``, it as judged for ``cfg_dict``: ``twin.rejudge``) in the
+    judge's helper process (module level: pickled by name), the latter with the capacity it
+    needs already found if ``capacity`` (``min_capacity``: ~10 allocator replays, done here in
+    parallel with the parent's dry run)."""
+    src = dry_run(schema.to_config(src_dict), iterations=iterations, keep_trace=True,
                   details=False)
+    res = twin.rejudge(src, schema.to_config(cfg_dict))
     if capacity:
         res.min_capacity()
-    return res
+    return src, res
 
 
 def _analytic_seed(cfg: C.Config, capacity: float) -> int:
@@ -275,7 +330,8 @@ def probe_depths(cfg: C.Config, analytic_seed: int) -> tuple[int, int]:
 
 def max_layers(cfg: C.Config, capacity: float | None = None,
                probes: tuple[int, int] | None = None, max_n: int = 2000,
-               iterations: int = 2, parallel: bool | None = None) -> MaxSizeResult:
+               iterations: int = 2, parallel: bool | None = None,
+               store=None) -> MaxSizeResult:
     """Largest ``model.n_layer`` (hidden, heads and everything else from ``cfg``) whose dry run
     fits ``capacity`` bytes (default: the cluster's device memory).
 
@@ -284,10 +340,11 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     analytic model's answer is logged next to it and is the fallback seed. ``parallel``
     (default: when the machine has 2+ cores) runs two dry runs at once: the second probe
     beside the first, and in every round of the search a second depth beside the first
-    (``depth_search.search``)."""
+    (``depth_search.search``). ``store``: judgements kept from earlier runs
+    (``DryRunJudge``; ``lab.judged``)."""
     t0 = time.perf_counter()
     cap = capacity_of(cfg) if capacity is None else capacity
-    judge = DryRunJudge(cfg, cap, iterations)
+    judge = DryRunJudge(cfg, cap, iterations, store)
     n_analytic = _analytic_seed(cfg, cap)
     points: list[tuple[int, float]] = []
     probe_log: list = []
@@ -316,7 +373,7 @@ def max_layers(cfg: C.Config, capacity: float | None = None,
     log.info("max-layers seed %d (%s; analytic %d)", seed, seed_from, n_analytic)
     try:
         top = search(judge, seed, max_n, points, cap, pairs=parallel)
-        n, start = increasing_sweep(judge, cap, top)
+        n, start = increasing_sweep(judge, cap, top, pairs=parallel)
     finally:
         judge.close()
     params = flops.param_count(dataclasses.replace(cfg.model, n_layer=n)) if n else 0
