@@ -22,7 +22,9 @@ from zero_repro.lab import records as R
 from zero_repro.scale.dryrun.stack import switches as S
 from zero_repro.scale.hardware import device_bytes
 from zero_repro.scale.paper.setups import setups
-from zero_repro.lab.figures import throughput as T
+from zero_repro.lab.throughput import batch as TB
+from zero_repro.lab.throughput import setups as TSU
+from zero_repro.lab.throughput import simulate as TSIM
 from zero_repro.lab.figures.figures import save_figure
 from zero_repro.lab.figures.wording import column, num
 from zero_repro.lab.points import Point
@@ -43,10 +45,10 @@ def _setups(figure: str, p: dict):
     if figure == "fig6":
         return [("", s) for s in setups("fig6")]
     if figure != "fig8":
-        return [("", s) for s in T.figure_setups(figure, p)]
+        return [("", s) for s in TSU.figure_setups(figure, p)]
     out, seen = [], set()
     for order in p.get("table9_orders") or [table9.DEFAULT_ORDER]:
-        for s in T.figure_setups(figure, {**p, "table9_order": order}):
+        for s in TSU.figure_setups(figure, {**p, "table9_order": order}):
             key = (s.point, s.batch_per_gpu)
             if key not in seen:
                 seen.add(key)
@@ -63,11 +65,11 @@ def stated_config(s, hw) -> str:
         if (f8.n_layer, f8.hidden, f8.gpus, f8.tp, f8.batch_per_gpu) == (
                 s.n_layer, s.hidden, s.gpus, s.tp, s.batch_per_gpu):
             return f8.zero_config
-    return T.zero_config_of(s, hw)
+    return TSIM.zero_config_of(s, hw)
 
 
 def plan(cfg) -> list[Point]:
-    p = {**T.DEFAULTS, **dict(cfg.experiment.params or {})}
+    p = {**TSU.DEFAULTS, **dict(cfg.experiment.params or {})}
     cluster = p.get("cluster", "dgx2_v100")
     hw = Hardware.from_config(load_cluster(cluster))
     pts = []
@@ -75,7 +77,7 @@ def plan(cfg) -> list[Point]:
         for order, s in _setups(figure, p):
             zc = stated_config(s, hw)
             for stack in p.get("stacks") or STACKS:
-                ov = {**T.paper_point_overrides(s, zc, s.batch_per_gpu, p, "fp16"),
+                ov = {**TB.paper_point_overrides(s, zc, s.batch_per_gpu, p, "fp16"),
                       **cluster_overrides(cluster, DRYRUN_FIELDS), "simulate.stack": stack}
                 name = f"{figure} {s.point} {s.series} b{s.batch_per_gpu} {stack}"
                 pts.append(Point(name=name, mode="simulated",

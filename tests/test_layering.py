@@ -185,9 +185,7 @@ def test_cpu_fast_path_is_fenced_off():
 
 
 # lab/figures turns records into tables and pictures: it plans, searches, calibrates and runs
-# nothing. The throughput figures' vocabulary (names, units, paper setups) is allowed; the alias
-# lab.figures.throughput may re-export lab.throughput (and nothing else of the list) until every
-# experiment imports lab.throughput itself.
+# nothing. The throughput figures' vocabulary (names, units, paper setups) is allowed.
 FIGURES = ("zero_repro.lab.figures",)
 NOT_FOR_FIGURES = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro.lab.sweep",
                    "zero_repro.lab.cli", "zero_repro.lab.jobs", "zero_repro.lab.checks",
@@ -195,13 +193,12 @@ NOT_FOR_FIGURES = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro
                    "zero_repro.scale.dryrun.maxsize", "zero_repro.scale.calibrate",
                    "zero_repro.scale.perf_model", "zero_repro.runtime")
 FIGURES_MAY = ("zero_repro.lab.throughput.setups",)
-FIGURES_ALIAS = ("zero_repro.lab.figures.throughput",)
 
 
 def figures_reach(src: str, target: str) -> bool:
     """Whether ``src`` is a figures module importing a planner or runner (the rule above)."""
-    may = FIGURES_MAY + (("zero_repro.lab.throughput",) if _under(src, FIGURES_ALIAS) else ())
-    return _under(src, FIGURES) and _under(target, NOT_FOR_FIGURES) and not _under(target, may)
+    return (_under(src, FIGURES) and _under(target, NOT_FOR_FIGURES)
+            and not _under(target, FIGURES_MAY))
 
 
 def test_figures_import_no_planner_or_runner():
@@ -219,8 +216,7 @@ def test_figures_import_no_planner_or_runner():
     ("zero_repro.lab.figures.throughput_plots", "zero_repro.lab.throughput.setups", False),
     ("zero_repro.lab.figures.regenerate", "zero_repro.lab.records", False),
     ("zero_repro.lab.throughput.plan", "zero_repro.lab.sweep", False),
-    ("zero_repro.lab.figures.throughput", "zero_repro.lab.throughput.plan", False),
-    ("zero_repro.lab.figures.throughput", "zero_repro.lab.launcher", True),
+    ("zero_repro.lab.figures.throughput", "zero_repro.lab.throughput.plan", True),
 ])
 def test_figures_rule_catches_a_planner_import(src, target, bad):
     assert figures_reach(src, target) is bad
