@@ -1,13 +1,16 @@
-"""Table 1's offload column: per-GPU model states with the optimizer on the host (ZeRO-Offload,
-Ren et al. 2021; ``zero.offload_optimizer=cpu``), device and host apart (fp16 + Adam, K = 12,
-GB = 1e9 bytes).
+"""Table 1's offload column: per-GPU model states with the optimizer and the gradients on the host
+(ZeRO-Offload, Ren et al. 2021 §4.1; ``zero.offload_optimizer=cpu``) and, at stage 3, the
+parameters too (ZeRO-3 Offload; ``zero.offload_param=cpu``: scheme ``Pos+g+p+param``), device and
+host apart (fp16 + Adam, K = 12, GB = 1e9 bytes).
 
 * analytic: the column at the paper's Ψ = 7.5B / 128B / 1T and N_d = 1 ... 1024 for P_os,
-  P_os+g, P_os+g+p (``scale.paper.table1.offload_bytes``): device 4Ψ / 2Ψ + 2Ψ/N_d / 4Ψ/N_d,
-  host (K + 2)Ψ/N_d = 14Ψ/N_d (the optimizer's 12 and the gradient copy the host step reads);
+  P_os+g, P_os+g+p and P_os+g+p with the parameters (``scale.paper.table1.offload_bytes``):
+  device 2Ψ / 2Ψ / 2Ψ/N_d / 0, host (K + 2)Ψ/N_d = 14Ψ/N_d (the optimizer's 12 and the gradient
+  copy the host step reads), 16Ψ/N_d with the parameters;
 * measured: the memory ledger of real runs on local gloo ranks (the ``small`` model, fp16, C_B
   on, world = N_d in ``experiment.params.measured_nd``, TP 1, the stages in ``experiment.params.stages``
-  with the optimizer offloaded, stage 0 only at N_d = 1, two steps): its device model states
+  with the optimizer offloaded, stage 0 only at N_d = 1, and stage 3 again with the parameters,
+  two steps): its device model states
   (``MemoryLedger.model_states``) and host model states (``host_model_states``) beside the
   column at that run's Ψ (flat-buffer elements, padding included); ``matches_formula`` says
   whether each equals it to the byte. On these CPU ranks host and device are the same memory:
@@ -22,7 +25,9 @@ from zero_repro.scale.paper.table1 import (STAGE_NAMES, TABLE1_ND, TABLE1_PSI,
                                            offload_bytes)
 
 FIGURE = "table1_offload"
-PAPER_FIGURE = "table1_offload"  # not in the paper: no paper rows
+PARAM = "Pos+g+p+param"  # stage 3 with zero.offload_param=cpu too
+PAPER_FIGURE = "table1_offload"
+PARAM = "Pos+g+p+param"  # stage 3 with zero.offload_param=cpu too  # not in the paper: no paper rows
 GB = 1e9
 
 
@@ -43,13 +48,26 @@ def plan(cfg) -> list[Point]:
 
 def run_point(cfg, point: Point) -> dict:
     if point.mode == "analytic":
-        return {"cells": [{"model": m, "scheme": STAGE_NAMES[s], "n_d": n,
-                           **offload_bytes(psi, s, n)}
-                          for m, psi in TABLE1_PSI.items() for s in (1, 2, 3)
+        return {"cells": [{"model": m, "scheme": PARAM if par == "cpu" else STAGE_NAMES[s],
+                           "n_d": n, **offload_bytes(psi, s, n, param=par)}
+                          for m, psi in TABLE1_PSI.items()
+                          for s, par in ((1, "none"), (2, "none"), (3, "none"), (3, "cpu"))
                           for n in TABLE1_ND]}
     n_d = cfg.parallel.world_size
-    return ledgers_per_stage(cfg, [s for s in cfg.experiment.params.get("stages", [0, 1, 2, 3])
-                                   if s != 0 or n_d == 1])  # stage 0 offloads only at DP 1
+    stages = cfg.experiment.params.get("stages", [0, 1, 2, 3])
+    out = ledgers_per_stage(cfg, [s for s in stages if s != 0 or n_d == 1])  # stage 0: DP 1
+    out["params"] = ["none"] * len(out["stages"])
+    if 3 in stages:  # stage 3 again with the parameter shard on the host
+        par = ledgers_per_stage(_with(cfg, offload_param="cpu"), [3])
+        out["stages"] += par["stages"]
+        out["runs"] += par["runs"]
+        out["params"] += ["cpu"]
+    return out
+
+
+def _with(cfg, **zero):
+    import dataclasses
+    return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, **zero))
 
 
 def summarize(records) -> list[dict]:
@@ -68,14 +86,16 @@ def summarize(records) -> list[dict]:
                                  "kind": "analytic"})
             continue
         n_d = r.metrics["n_d"]
-        for stage, run in zip(r.metrics["stages"], r.metrics["runs"]):
-            want = offload_bytes(run["psi_padded"], stage, n_d)
+        params = r.metrics.get("params") or ["none"] * len(r.metrics["stages"])
+        for stage, run, par in zip(r.metrics["stages"], r.metrics["runs"], params):
+            want = offload_bytes(run["psi_padded"], stage, n_d, param=par)
+            scheme = PARAM if par == "cpu" else STAGE_NAMES[stage]
             got = {"device": run["model_state_bytes"],
                    "host": run.get("host_model_state_bytes", 0)}
             for where in ("device", "host"):
                 rows.append({"figure": f"{FIGURE}_measured",
                              "series": f"{r.config['model']['name']} (Ψ={run['psi']}) "
-                                       f"{STAGE_NAMES[stage]} {where}",
+                                       f"{scheme} {where}",
                              "x_name": "N_d", "x_value": n_d,
                              "y_name": "model_state_bytes_per_gpu", "y_value": got[where],
                              "unit": "bytes", "kind": "measured",
@@ -106,7 +126,7 @@ def conclude(table) -> list[str]:
     return out
 
 
-COLOUR = {"Pos": "C1", "Pos+g": "C2", "Pos+g+p": "C3", "baseline": "C0"}
+COLOUR = {"Pos": "C1", "Pos+g": "C2", "Pos+g+p": "C3", "baseline": "C0", PARAM: "C4"}
 
 
 def plot(table, out_dir: str) -> list[str]:
@@ -128,7 +148,8 @@ def plot(table, out_dir: str) -> list[str]:
                 color=COLOUR[scheme], marker={"7.5B": "^", "128B": "s", "1T": "o"}[model],
                 markersize=4, label=f"{model} {scheme} {where}")
     a1.set(xscale="log", yscale="log", xlabel="N_d", ylabel="model states per GPU [GB]",
-           title="offload column (analytic): device solid, host dashed")
+           title="offload column (analytic): device solid, host dashed\n"
+                 "(Pos+g+p+param: device 0, off the log scale)")
     a1.legend(fontsize=6, ncol=3, loc="lower left")
     meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
     for series, g in meas.groupby("series", sort=False):

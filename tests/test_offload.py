@@ -448,3 +448,33 @@ def test_the_rank_programs_memory_line_tells_the_host_apart():
                             "grads_host": 50, "optim_step_host": 8, "comm_buffers": 10})
     assert parts == {"states": 150, "buffers": 10, "gathered": 0, "other": 0, "host": 658}
     assert "host memory" in R.memory_text(parts, t1)
+
+
+def test_preflight_judges_offloads_device_and_host_parts_apart(monkeypatch):
+    """The pre-flight's closed form moves the offloaded model states to the host (Table 1's
+    offload column) and refuses a point whose ranks' host part does not fit this host, before
+    anything starts, even where the GPU has room."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from zero_repro.lab import host_memory, preflight
+    from zero_repro.runtime.model import flops
+    from zero_repro.scale.paper.table1 import model_state_bytes
+
+    cfg = C.Config(parallel=C.ParallelConfig(world_size=2, tp=1),
+                   zero=C.ZeroConfig(stage=2, dtype="bf16", offload_optimizer="cpu"))
+    plain = preflight.rank_bytes(dataclasses.replace(
+        cfg, zero=dataclasses.replace(cfg.zero, offload_optimizer="none")))
+    dev, host = preflight.rank_bytes(cfg)
+    psi = flops.param_count_per_tp_rank(cfg.model, 1)
+    assert plain[1] == 0 and host == pytest.approx(14 * psi / 2)
+    assert plain[0] - dev == pytest.approx(model_state_bytes(psi, 2, 2) - 2 * psi)
+    gpu = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight.torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(host_memory, "available", lambda: (host / 2, "a test's limit"))
+    with pytest.raises(ValueError, match="host memory .*bound by a test's limit"):
+        preflight.check_resources(gpu)
+    monkeypatch.setattr(host_memory, "available", lambda: (1e12, "a test's limit"))
+    preflight.check_resources(gpu)  # the same point with room on the host starts

@@ -7,7 +7,8 @@ x the usable cores is refused: gloo ranks spin in their collectives); memory
 (``estimate_rank_bytes``: the closed-form estimate of paper §3/§5/§6, ``zero_repro.scale.analytic``,
 plus a process per rank, summed over this machine's ranks, against the memory available now --
 the smallest of MemAvailable, the memory cgroup's limit and Slurm's ``--mem``,
-``lab.host_memory.available`` -- or each device's). ``launcher.oversubscribe=true`` skips the
+``lab.host_memory.available`` -- or each device's; with ZeRO-Offload the device's part and the
+host's part apart, ``rank_bytes``: the host's, of every local rank, against the host's memory). ``launcher.oversubscribe=true`` skips the
 resource checks (and ``launcher.check_runnable``'s GPU count: a point that starts fewer processes than its world has
 ranks, as the GPU proof's paper points, one process playing rank 0). Applies to points that
 start ranks here (``runs_here``: measured, ``launcher=local|torchrun``, or slurm in an allocation).
@@ -21,7 +22,9 @@ import torch
 
 from zero_repro import config as C
 from zero_repro.lab import host_memory, launcher
+from zero_repro.runtime.model import flops
 from zero_repro.scale import analytic
+from zero_repro.scale.paper.table1 import model_state_bytes, offload_bytes
 
 RANKS_PER_CORE = 4  # fig5's default 4 ranks must run on a 2-core laptop; 64 must not
 PROCESS_BYTES = 0.35e9  # one rank's Python + torch + gloo before the model (measured: ~0.3 GB)
@@ -57,6 +60,23 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def rank_bytes(cfg: C.Config) -> tuple[float, float]:
+    """(device, host) closed-form bytes of one rank at its peak: ``estimate_rank_bytes`` with
+    the model states of ZeRO-Offload (``zero.offload_optimizer`` / ``offload_param``) split as
+    Table 1's offload column says (``table1.offload_bytes``); host 0 without offload."""
+    total = estimate_rank_bytes(cfg)
+    z = cfg.zero
+    if z.offload_optimizer != "cpu" and z.offload_param != "cpu":
+        return total, 0.0
+    psi = flops.param_count_per_tp_rank(cfg.model, cfg.parallel.tp)
+    n_d = cfg.parallel.world_size // cfg.parallel.tp
+    lp = 4 if z.dtype == "fp32" else 2
+    plain = model_state_bytes(psi, z.stage, n_d, lp_bytes=lp)
+    split = offload_bytes(psi, z.stage, n_d, lp_bytes=lp, optimizer=z.offload_optimizer,
+                          param=z.offload_param)
+    return total - plain + split["device"], split["host"]
+
+
 def estimate_rank_bytes(cfg: C.Config) -> float:
     """Closed-form bytes one rank holds at its peak (paper §3, §5, §6; ``analytic``)."""
     m, p, z, zr, t = cfg.model, cfg.parallel, cfg.zero, cfg.zero_r, cfg.train
@@ -90,7 +110,7 @@ def check_resources(cfg: C.Config) -> None:
                          f"{cores} CPU cores (at most {RANKS_PER_CORE * cores} run usefully): "
                          f"lower parallel.world_size, or force it with "
                          f"launcher.oversubscribe=true")
-    per_rank = estimate_rank_bytes(cfg)
+    per_rank, host_part = rank_bytes(cfg)
     m = cfg.model
     what = (f"model={m.name} ({m.n_layer} layers x {m.n_embd} hidden) with "
             f"train.micro_batch_size={cfg.train.micro_batch_size}")
@@ -101,8 +121,16 @@ def check_resources(cfg: C.Config) -> None:
                              f"GPU (analytic estimate), the GPU has {have / 1e9:.1f} GB: use a "
                              f"smaller model or batch, a higher zero.stage, or force it with "
                              f"launcher.oversubscribe=true")
+        if host_part:  # ZeRO-Offload: the host's part of every rank on this machine
+            need, (have, bound) = ranks * (host_part + PROCESS_BYTES), host_memory.available()
+            if need > have:
+                raise ValueError(f"{what} with ZeRO-Offload needs ~{need / 1e9:.1f} GB of host "
+                                 f"memory for {ranks} ranks (Table 1's offload column), "
+                                 f"{have / 1e9:.1f} GB are available (bound by {bound}): add "
+                                 f"ranks (the host part is 1/N_d), hosts, or force it with "
+                                 f"launcher.oversubscribe=true")
         return
-    need = ranks * (per_rank + PROCESS_BYTES)
+    need = ranks * (per_rank + host_part + PROCESS_BYTES)
     have, bound = host_memory.available()
     if need > have:
         raise ValueError(f"{what} on {ranks} CPU ranks needs ~"
