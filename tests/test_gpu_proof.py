@@ -78,7 +78,8 @@ def test_plan_for_gpus_equivalence_first_within_the_budget(gpus, no_cuda):
     assert eq["tps"] == ([1] if gpus == 1 else [1, 2])  # a node: DP 8 and TP 2 x DP 4
     if gpus == 1:
         assert names[2:] == ["offload P_a+cpu", "throughput stage0", "throughput stage3",
-                             "paper 40B C4", "paper 100B C5", "zero_offload stage 2"]
+                             "paper 40B C4", "paper 100B C5", "zero_offload stage 2",
+                             "zero_offload_param stage 3"]
         by = {p.name: p.overrides for p in pts}
         c4, c5 = by["paper 40B C4"], by["paper 100B C5"]
         # full depth: built unit by unit on the device (partitioned construction), not the CPU's 142B draws
@@ -117,7 +118,7 @@ def test_plan_passes_the_cli_preflight_on_a_mocked_h100_machine(gpus, monkeypatc
     ((cfg, _, plan),) = cli.check_args(
         ["+exp=gpu_proof", f"experiment.params.gpus={gpus}",
          f"experiment.results_dir={tmp_path}/r", f"hydra.run.dir={tmp_path}/h"])
-    assert plan.checked and len(plan.todo) == (8 if gpus == 1 else 3)
+    assert plan.checked and len(plan.todo) == (9 if gpus == 1 else 3)
     for pp in plan.points:
         c = pp.cfg.cluster
         assert (c.name, c.device, c.device_memory_mib, c.peak_tflops) == ("h100", "cuda",
@@ -157,7 +158,7 @@ def mocked_plan_commands(tmp_path_factory) -> dict:
                 p.wait()
 
 
-@pytest.mark.parametrize("gpus,minutes", [(1, 5.3), (8, 2.5)])
+@pytest.mark.parametrize("gpus,minutes", [(1, 5.9), (8, 2.5)])
 def test_plan_command_on_a_mocked_h100_machine_prints_the_estimate(gpus, minutes,
                                                                    mocked_plan_commands):
     """The plan as printed (``experiment.action=plan``) with CUDA mocked in the subprocess."""
@@ -284,7 +285,7 @@ def test_cpu_path_one_gpu_parts(tmp_path):
     cfg = _cfg("experiment.params.device=cpu", "experiment.params.offload.steps=2",
                f"experiment.results_dir={tmp_path}")
     res = sweep.run_sweep(cfg, G, progress=False)
-    assert res.count("ok") == 8, [(r.point, r.reason) for r in res.records]
+    assert res.count("ok") == 9, [(r.point, r.reason) for r in res.records]
     recs = _records(str(tmp_path))
     for r in recs.values():
         m = r.metrics

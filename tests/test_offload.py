@@ -478,3 +478,21 @@ def test_preflight_judges_offloads_device_and_host_parts_apart(monkeypatch):
         preflight.check_resources(gpu)
     monkeypatch.setattr(host_memory, "available", lambda: (1e12, "a test's limit"))
     preflight.check_resources(gpu)  # the same point with room on the host starts
+
+
+def test_gpu_proofs_parameter_offload_part_on_the_cpu_dry_path():
+    """The GPU proof's parameter-offload point (experiments/gpu_proof/offload_param.py) through
+    the proof's own plan and run_point on one gloo rank: equal parameters, the device's model
+    states 0 and the host's Table 1's offload column with the parameters; the cap and the
+    out-of-memory run are CUDA-only checks (not planned here)."""
+    from experiments import gpu_proof as G
+    from zero_repro.lab.sweep import point_config
+    from tests.test_gpu_proof import _cfg
+
+    cfg = _cfg("experiment.params.device=cpu")
+    (pt,) = [p for p in G.plan(cfg) if p.params["part"] == "zero_offload_param"]
+    m = G.run_point(point_config(cfg, pt.overrides), pt)["metrics"]
+    assert m["passed"], m["checks"]
+    assert set(m["checks"]) == {"parameters", "ledger"}
+    assert m["max_abs_param_diff"] == 0.0 and m["ledger_device"] == 0 < m["ledger_host"]
+    assert m["cap_bytes"] is None and m["without_param_oom"] is None

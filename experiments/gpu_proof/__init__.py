@@ -51,6 +51,7 @@ from zero_repro import schema
 from experiments.gpu_proof import parts as gpu
 from experiments.gpu_proof import time_estimate as GT
 from experiments.gpu_proof import offload as zero_offload
+from experiments.gpu_proof import offload_param
 from experiments.gpu_proof.device import (  # noqa: F401 (gpu_cluster: the experiment's interface)
     cluster_name, cluster_overrides, gpu_cluster)
 from experiments.gpu_proof.report import (  # noqa: F401 (the experiment's interface)
@@ -103,6 +104,7 @@ def plan(cfg) -> list[Point]:
     if gpus == 1:
         pts += _one_gpu_points(p, cuda, base, tag)
         pts += zero_offload.points(p, cuda, base, tag, _model_overrides)
+        pts += offload_param.points(p, cuda, base, tag, _model_overrides)
     else:
         pts += [_node_point(p, cuda, base, tag)]
     return pts
@@ -213,8 +215,9 @@ def run_point(cfg, point: Point) -> dict:
     else:
         fn = {"probe": gpu.probe_rank, "equivalence": gpu.equivalence_rank,
               "offload": gpu.offload_rank, "node": gpu.node_rank,
-              zero_offload.PART: zero_offload.zero_offload_rank}[part]
-        one = part in ("offload", zero_offload.PART)
+              zero_offload.PART: zero_offload.zero_offload_rank,
+              offload_param.PART: offload_param.zero_offload_param_rank}[part]
+        one = part in ("offload", zero_offload.PART, offload_param.PART)
         res = spawn(fn, 1 if one else world, cfg, dict(q), backend=backend,
                     timeout_s=cfg.launcher.collective_timeout_s)
         out = {"metrics": gpu.judge(part, q, res[0])}

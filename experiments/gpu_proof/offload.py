@@ -78,12 +78,16 @@ def _batch(m: C.ModelConfig, step: int, rows: int):
             torch.randint(0, m.vocab_size, (rows, m.seq_len), generator=g))
 
 
-def _one(cfg: C.Config, q: dict, device: torch.device, dtype: str, offload: str) -> dict:
+def _one(cfg: C.Config, q: dict, device: torch.device, dtype: str, offload: str,
+         stage: int = 2, param: str = "none") -> dict:
+    """``q["steps"]`` steps of ``cfg``'s model at ``stage``, world 1, with the optimizer on the
+    device or the host (``offload``) and, at stage 3, the parameters too (``param``)."""
     c = C.Config(model=cfg.model, train=C.TrainConfig(
         micro_batch_size=cfg.train.micro_batch_size, lr=1e-3, seed=SEED))
     c.parallel.world_size, c.cluster = 1, cfg.cluster
-    c.zero = C.ZeroConfig(stage=2, dtype=dtype, reduce_bucket_size=q["bucket"],
-                          allgather_bucket_size=q["bucket"], offload_optimizer=offload)
+    c.zero = C.ZeroConfig(stage=stage, dtype=dtype, reduce_bucket_size=q["bucket"],
+                          allgather_bucket_size=q["bucket"], offload_optimizer=offload,
+                          offload_param=param)
     c.zero_r = C.ZeroRConfig(name="custom", constant_buffers=True, contiguous_memory=True)
     cuda = device.type == "cuda"
     if cuda:

@@ -16,7 +16,7 @@ import torch
 from zero_repro import config as C
 from zero_repro.lab import cuda_memory
 from zero_repro.lab import memory_view
-from experiments.gpu_proof import offload
+from experiments.gpu_proof import offload, offload_param
 from zero_repro.lab.checks.equivalence import AdamWReference, max_abs_diff, tp1_parameters
 from zero_repro.lab.launcher import run_training
 from zero_repro.lab.points import Point
@@ -45,6 +45,8 @@ def judge(part: str, q: dict, m: dict) -> dict:
                   "ckpt_cpu": m["ckpt_cpu_bytes"] > 0}
     elif part == offload.PART:
         checks = offload.checks(q, m)
+    elif part == offload_param.PART:
+        checks = offload_param.checks(q, m)
     elif part == "node":
         # CUDA: the training steps' real peak; CPU: the ledger's model states (a tiny model's
         # gather buffers would outweigh what the stages save)

@@ -11,6 +11,7 @@ import os
 
 import matplotlib
 
+from experiments.gpu_proof import offload_param
 from zero_repro.lab import cuda_memory
 
 matplotlib.use("Agg")
@@ -66,6 +67,9 @@ def summarize(records) -> list[dict]:
                 row(r, part, m["point"], y, v, "x")
         elif part == "zero_offload":  # offload.PART
             for x, y, v, unit in _offload_rows(m):
+                row(r, part, x, y, v, unit)
+        elif part == "zero_offload_param":  # offload_param.PART
+            for x, y, v, unit in offload_param.rows(m):
                 row(r, part, x, y, v, unit)
         elif part == "node":
             for k, s in m["stages"].items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zero_repro import config as C
 from experiments.gpu_proof import offload as zero_offload
+from experiments.gpu_proof import offload_param
 from zero_repro.lab.points import Point
 from zero_repro.lab.sweep import point_config
 from zero_repro.runtime.model import flops
@@ -43,6 +44,8 @@ def estimate_s(cfg, point: Point) -> float:
         return SPAWN_S + 2 * (psi / DEVICE_INIT_PER_S + q["steps"] * (compute + 1.0))
     if part == zero_offload.PART:
         return zero_offload.estimate_s(q, psi, compute, SPAWN_S, DEVICE_INIT_PER_S)
+    if part == offload_param.PART:
+        return offload_param.estimate_s(q, psi, compute, SPAWN_S, DEVICE_INIT_PER_S)
     if part == "throughput":  # built on the device (train.build), the real trainer's steps
         return SPAWN_S + psi / DEVICE_INIT_PER_S + 10 + pc.train.steps * compute
     if part == "paper":
