@@ -131,6 +131,11 @@ class ZeroConfig:
     # is gathered (runtime.zero.stage3_p). Stage 3 only; with or without offload_optimizer.
     # Records made before the knob existed ran it off
     offload_param: str = field(default="none", metadata={ABSENT: "none"})  # none | cpu
+    # hierarchical sharding (FSDP2's HSDP, ZeRO++'s hpZ, MiCS): stages 1-3 shard their states
+    # over G DP ranks and keep N_d/G replicas; gradients reduce-scatter inside the shard group,
+    # then the owned shard is all-reduced across replicas. "all" (every DP rank: plain ZeRO),
+    # "node" (the DP ranks of one node) or G, which must divide N_d (runtime.comm.topology)
+    shard_size: str = "all"
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

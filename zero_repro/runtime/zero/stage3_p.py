@@ -507,10 +507,13 @@ class Stage3P(Strategy):
                  zero_r: ZeroRConfig | None = None, **kw):
         super().__init__(model, topo, zero, train, zero_r, **kw)
         plans = U.plan(self.module, self.units_spec, warn=self.dp_rank == 0)
-        units = Units(self.module, plans, self.dtype, self.n_d, self.dp_rank, self.buckets,
+        shard = self.mesh.shard  # units sharded and gathered over G ranks (HSDP: G < N_d)
+        units = Units(self.module, plans, self.dtype, shard.size, shard.rank, self.buckets,
                       self.transport, self.zero, self.device, self.init)
         grads = self._fused_grads(units.groups, on_filled=units.free_unit)
-        self._compose(units, grads, units.groups, shard_rank=self.dp_rank, counts_norm=True)
+        # replicas hold the same shard: the first replica counts it in the norm
+        self._compose(units, grads, units.groups, shard_rank=shard.rank,
+                      counts_norm=self.mesh.replicate.rank == 0)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         shard_bytes = sum(u.shard.numel() * u.shard.element_size()
