@@ -6,7 +6,8 @@ replicate group. One spawn per world size runs every case in sequence:
 
 * fp32, stages 1-3: after every step the parameters (gathered over the shard group) match the
   single-process ``torch.optim.AdamW`` reference of ``test_zero_equivalence`` within 1e-5
-  (also with gradient accumulation: the replicas sum the accumulated shard once per step);
+  (also with gradient accumulation: the replicas sum the accumulated shard once per step; and
+  at TP 2, DP 2 with G = 1);
 * bf16, stages 1-3: the losses track plain ZeRO's (G = N_d) at the same world within 1e-3 (the
   same per-rank gradients, summed in another order: ``BF16_LOSS_TOL``);
 * per rank, the model states the memory ledger reports and the strategy's own tensors (state
@@ -26,7 +27,6 @@ import pytest
 import torch
 
 from tests.test_zero_equivalence import MICRO, Reference, batch, make, tp1_params
-from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train import checkpoint as ck
 from zero_repro.scale.paper.table1 import model_state_bytes, replicate_volume
@@ -44,10 +44,12 @@ SHARD_SIZES = {4: [2], 6: [3, 2]}
 
 class Counting:
     """A transport that counts the elements each collective is handed (by op) before passing
-    it on: an account of the traffic independent of ``comm``'s ledger."""
+    it on: an account of the traffic independent of ``comm``'s ledger (a one-rank group's
+    collectives are local copies: not counted)."""
 
     def __init__(self, inner, tally: dict):
-        self.inner, self.tally, self.group = inner, tally, inner.group.name
+        self.inner, self.group = inner, inner.group.name
+        self.tally = tally if inner.group.size > 1 else defaultdict(lambda: defaultdict(int))
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -186,6 +188,8 @@ def cases_for(world: int) -> list[dict]:
     cs += [{"stage": s, "dtype": "bf16"} for s in (1, 2, 3)]  # plain ZeRO, bf16's yardstick
     if world == 4:  # accumulation: the replicas sum the accumulated shard once per step
         cs += [{"stage": s, "shard_size": 2, "compare": True, "accum": 2} for s in (1, 2)]
+        # TP 2 (DP 2): G = 1, every DP rank a replica (the replicate group carries it all)
+        cs += [{"stage": s, "tp": 2, "shard_size": 1, "compare": True} for s in (1, 2, 3)]
     return cs
 
 
@@ -220,7 +224,7 @@ def test_hsdp_matches_one_process_and_plain_zero(by_world, world):
         if "shard_size" not in c:
             continue
         assert r["mesh"]["shard_size"] == c["shard_size"], (c, r["mesh"])
-        assert r["mesh"]["replicas"] == world // c["shard_size"], (c, r["mesh"])
+        assert r["mesh"]["replicas"] == r["dp"] // c["shard_size"], (c, r["mesh"])
         if c.get("compare"):
             assert len(r["diff"]) == STEPS and max(r["diff"]) <= TOL, (c, r["diff"])
         else:  # bf16: plain ZeRO's losses (the first step's forward is the same one)
@@ -262,13 +266,14 @@ def test_hsdp_traffic_by_group(by_world, world):
                 rep = led["all_reduce/dp_replicate"]
                 assert rep["elements"] == tally["dp_replicate"]["all_reduce"] == r["owned"]
                 assert rep["volume"] == 2 * r["owned"]
-                assert abs(rep["volume"] / replicate_volume(psi, stage, world, g) - 1) <= 0.02
+                assert abs(rep["volume"] / replicate_volume(psi, stage, r["dp"], g) - 1) <= 0.02
                 shard = sum(v["volume"] for k, v in led.items() if k.endswith("/dp_shard"))
-                counted = sum(tally["dp_shard"].values())
+                counted = sum(tally.get("dp_shard", {}).values())
                 assert shard == counted, (c, shard, counted)
-                assert set(k.split("/")[1] for k in led) == {"dp_shard", "dp_replicate",
-                                                             "world"}, led
-                if c.get("accum", 1) > 1:
+                groups = {k.split("/")[1] for k in led}
+                assert groups == {"dp_shard", "dp_replicate", "world"} - \
+                    ({"dp_shard"} if g == 1 else set()) | ({"tp"} if c.get("tp") else set()), led
+                if c.get("accum", 1) > 1 or c.get("tp"):
                     continue
                 want = sum(v["volume"] for k, v in plain_step["ledger"].items()
                            if k.endswith("/dp"))
@@ -285,9 +290,66 @@ def test_hsdp_checkpoints_reshard(by_world):
         diff = ckpt[("diff", n)]
         assert diff == 0.0 if same else diff <= TOL, (pair, diff)
     # saved under G = 2 on 4 ranks: DP ranks 0, 1 (the first replica) hold every piece
-    for n, ((s, g), _) in enumerate(PAIRS):
+    for n, ((_, g), _) in enumerate(PAIRS):
         held = [res[r]["checkpoint"][("pieces", n, r)] for r in range(4)]
         if g == 2:
             assert held[0] and held[1] and not held[2] and not held[3], (n, held)
         else:
             assert all(held), (n, held)
+
+
+# ------------------------------------------------------------------ config, formula (no spawn)
+def _config(**zero):
+    from zero_repro.config import Config
+    cfg = Config()
+    cfg.parallel.world_size, cfg.parallel.tp = 8, 2
+    cfg.cluster.gpus_per_node = 4
+    for k, v in zero.items():
+        setattr(cfg.zero, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("zero,match", [
+    ({"stage": 2, "shard_size": "3"}, r"must divide the DP size 4 .*choose one of \[1, 2, 4\]"),
+    ({"stage": 2, "shard_size": "half"}, "use a positive integer, 'node'"),
+    ({"stage": 0, "shard_size": "2"}, "stage 0 shards nothing"),
+    ({"stage": 2, "shard_size": "2", "offload_optimizer": "cpu"}, "drop zero.shard_size"),
+])
+def test_shard_size_is_checked_with_the_fix(zero, match):
+    from zero_repro.validation import validate
+    with pytest.raises(ValueError, match=match):
+        validate(_config(**zero))
+
+
+def test_shard_size_resolves():
+    from zero_repro.validation import shard_size_of, validate
+    for ok in ("all", "node", "2", 4, "1"):
+        validate(_config(stage=3, shard_size=ok))
+    assert shard_size_of("node", 4, 8 // 2) == 4  # a node's 8 GPUs at TP 2: 4 DP ranks
+    assert shard_size_of("node", 16, 4) == 4
+    assert shard_size_of("all", 16, 4) == shard_size_of(None, 16, 4) == 16
+
+
+def test_table1_with_a_shard_group_is_zero_over_it():
+    psi = 1000.0
+    for stage in range(4):
+        assert model_state_bytes(psi, stage, 64, shard_size=8) == model_state_bytes(psi, stage, 8)
+        assert model_state_bytes(psi, stage, 64, shard_size=64) == model_state_bytes(psi, stage,
+                                                                                     64)
+    assert model_state_bytes(psi, 1, 64, shard_size=8) == 4 * psi + 12 * psi / 8
+    assert replicate_volume(psi, 2, 64, 8) == 2 * psi / 8
+    assert replicate_volume(psi, 2, 64) == replicate_volume(psi, 0, 64, 8) == 0.0
+    with pytest.raises(ValueError):
+        model_state_bytes(psi, 1, 64, shard_size=3)
+
+
+def test_ranks_per_node(monkeypatch):
+    from zero_repro.runtime.comm import comm
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
+    assert comm.ranks_per_node() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert comm.ranks_per_node() == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    assert comm.ranks_per_node() == comm.world_size()

@@ -80,7 +80,9 @@ class Topology:
         """The DP ranks as shard x replicate groups (module docstring) for ``zero.shard_size``
         (``validation.shard_size_of``); collective the first time a G is asked for (every process
         creates every group, in the same order), kept on the topology after. G = N_d: the DP
-        group shards, the replicate group is this rank alone; G = 1: the DP group replicates."""
+        group shards, the replicate group is this rank alone. Otherwise the ledger names the
+        groups ``dp_shard`` and ``dp_replicate`` (G = 1: the replicate group has the DP group's
+        ranks, the shard group is this rank alone)."""
         g = shard_size_of(shard_size, self.dp, comm.ranks_per_node() // self.tp)
         if g not in self.meshes:
             self.meshes[g] = self._build_mesh(g)
@@ -88,11 +90,8 @@ class Topology:
 
     def _build_mesh(self, g: int) -> "DPMesh":
         r, tp, me = self.dp // g, self.tp, self.rank
-        alone = comm.single_group("dp_single", self.ledger)
-        if r == 1:
-            return DPMesh(self.dp_group, alone)
-        if g == 1:
-            return DPMesh(alone, self.dp_group)
+        if r == 1:  # plain ZeRO: the DP group shards (its ledger name stays "dp")
+            return DPMesh(self.dp_group, comm.single_group("dp_replicate", self.ledger))
         shard = replicate = None
         for t in range(tp):
             for k in range(r):

@@ -2,7 +2,9 @@
 
 Memory per rank: 2Ψ params + 2Ψ grads + 12Ψ/N_d optimizer (fp32 master, m, v of this rank's
 shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gradients (Ψ) +
-all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1).
+all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1). With
+``zero.shard_size`` = G < N_d (``strategy``): N_d reads G above, plus an all-reduce of the owned
+Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 Full gradients accumulate as in stage 0 (``grads.FullGrads``); on the last micro-batch each
 complete gradient bucket is reduce-scattered through the DP group's transport into this rank's

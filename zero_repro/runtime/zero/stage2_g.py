@@ -6,7 +6,8 @@ is the whole model, the full gradient exists before it can be reduced: its one f
 is stage 1's flat gradient buffer, reduce-scattered in place on the last micro-batch, the shard
 in it (4Ψ + 12Ψ/N_d, stage 1's memory: P_g saves gradient memory only with C_B).
 Communication per step: reduce-scatter of the gradients (Ψ) + all-gather of the parameters (Ψ)
-= 2Ψ elements (§7.2.1).
+= 2Ψ elements (§7.2.1). With ``zero.shard_size`` = G < N_d (``strategy``): N_d reads G above, plus
+an all-reduce of the owned Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 In backward each gradient is copied (divided by N_d) into the fused buffer of its gradient
 bucket(s) (``grads.FusedGrads``); a complete bucket is reduce-scattered asynchronously into

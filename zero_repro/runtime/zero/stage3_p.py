@@ -6,6 +6,8 @@ gradient buffers (C_B: two of R elements; without C_B one of the largest unit). 
 per step: all-gather of the parameters in forward (Ψ) and again in backward (Ψ) + reduce-scatter
 of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP; with ``zero.keep_gathered_turn`` (default)
 the root and the last block stay gathered from forward into backward: 3Ψ - Ψ_root - Ψ_last block.
+With ``zero.shard_size`` = G < N_d (``strategy``): 16Ψ/G, the gathers inside the G-rank shard
+group, plus an all-reduce of the owned Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 Units (``Units``, the parameter store; which modules, ``zero.units``: by default each child of
 ``model.blocks``, any modules or a predicate for another model) plus the *root* (one unit per

@@ -41,6 +41,12 @@ chunks are copied into the host's staging as they land (``offload.HostGradShards
 keeps the parameters and the fused buffers only; the norm, the overflow check and the clip read
 the host's chunks; the step is the same sequence.
 
+Hierarchical sharding (``zero.shard_size`` = G, FSDP2's HSDP; ``Topology.dp_mesh``): stages
+1-3 partition, gather and reduce-scatter over the mesh's shard group (G ranks) and the gradient
+store sums the owned chunks over its replicate group (N_d/G ranks) in ``finish_grad_sync``; the
+mean still divides by N_d, the norm counts the first replica's shard only, and the stores never
+see N_d but through the mesh. G = N_d (default) is plain ZeRO, unchanged.
+
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
 (``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
