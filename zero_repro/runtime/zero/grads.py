@@ -25,9 +25,10 @@ reductions above run inside the shard group (G ranks, N_d/G = R of them) and ``f
 then all-reduces each owned chunk over the replicate group (``replicas``, R ranks): the sum over
 all N_d ranks, Ψ/G elements per rank, 2Ψ/G in §7's count, once per step whatever the number of
 micro-batches (the sum is linear: the shard group's partial sums accumulate, the replicas add
-them once). The ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers). With
-ZeRO-Offload every stage uses ``FusedGrads`` whose shards are the host's
-(``offload.HostGradShards``): each reduced chunk is copied to the host as its reduction lands.
+them once; not overlapped with backward). The ledger reads ``grad_bytes`` (persistent gradients)
+and ``buffer_bytes`` (fused buffers). With ZeRO-Offload every stage uses ``FusedGrads`` whose
+shards are the host's (``offload.HostGradShards``): each reduced chunk is copied to the host
+as its reduction lands.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Stage2G(Strategy):
             grads = self._fused_grads([self.flat])
         else:  # one gradient bucket of the whole model: stage 1's store, the shard inside it
             grads = FullGrads(self.flat, self.n_d, shard.rank, transport, all_reduce=False,
-                      replicas=self.replicas)
+                              replicas=self.replicas)
         params = GatheredParams(self.flat, shard.rank, transport, self.zero, self.module)
         # replicas hold the same shard: the first replica counts it in the norm
         self._compose(params, grads, [self.flat], shard_rank=shard.rank,
