@@ -63,7 +63,8 @@ def make(c: dict):
                       allgather_bucket_size=c.get("bucket", 6000),
                       prefetch_blocks=c.get("prefetch", 1),
                       initial_scale_power=c.get("scale_power", 12), hysteresis=1,
-                      slice_vocab_gather=c.get("sliced", True))
+                      slice_vocab_gather=c.get("sliced", True),
+                      shard_size=c.get("shard_size", "all"))
     train = TrainConfig(micro_batch_size=MICRO, grad_accum=c.get("accum", 1),
                         lr=c.get("lr", 1e-3), eps=1e-6, weight_decay=0.1)
     zr = c.get("zero_r")

@@ -136,6 +136,11 @@ class ZeroConfig:
     # old (it changes the math on purpose; runtime.zero.offload). Needs offload_optimizer=cpu
     offload_dpu: bool = field(default=False, metadata={ABSENT: False})
     offload_dpu_warmup: int = field(default=40, metadata={ABSENT: 40})
+    # hierarchical sharding (FSDP2's HSDP, ZeRO++'s hpZ, MiCS): stages 1-3 shard their states
+    # over G DP ranks and keep N_d/G replicas; gradients reduce-scatter inside the shard group,
+    # then the owned shard is all-reduced across replicas. "all" (every DP rank: plain ZeRO),
+    # "node" (the DP ranks of one node) or G, which must divide N_d (runtime.comm.topology)
+    shard_size: str = "all"
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -138,6 +138,49 @@ def _validate_zero(cfg: Config) -> None:
         raise ValueError("zero_r.cpu_checkpointing (P_a+cpu) needs "
                          "zero_r.partition_activations=true, as in the paper's C5")
     _validate_offload(cfg)
+    _validate_shard_size(cfg)
+
+
+def _validate_shard_size(cfg: Config) -> None:
+    """``zero.shard_size``: a G that divides N_d ("node": the DP ranks of ``cluster.
+    gpus_per_node``); stages 1-3 (stage 0 shards nothing); not with ZeRO-Offload yet."""
+    z = cfg.zero
+    if str(z.shard_size) == "all":
+        return
+    if z.stage == 0:
+        raise ValueError(f"zero.shard_size={z.shard_size} at zero.stage=0: stage 0 shards "
+                         f"nothing; use zero.stage=1, 2 or 3, or drop zero.shard_size")
+    if z.offload_optimizer != "none" or z.offload_param != "none":
+        raise ValueError(f"zero.shard_size={z.shard_size} with ZeRO-Offload is not supported: "
+                         f"drop zero.shard_size or set zero.offload_optimizer=none and "
+                         f"zero.offload_param=none")
+    tp = max(1, cfg.parallel.tp)
+    shard_size_of(z.shard_size, max(1, cfg.parallel.world_size // tp),
+                  cfg.cluster.gpus_per_node // tp)
+
+
+def shard_size_of(shard_size: int | str | None, dp: int, per_node: int) -> int:
+    """``zero.shard_size`` -> G: None or "all": every DP rank (``dp``); "node": ``per_node`` DP
+    ranks (those of one node, at most ``dp``); else the integer, which must divide ``dp``.
+    Raises ValueError with the fix in the message."""
+    if shard_size is None or shard_size == "all":
+        return dp
+    if shard_size == "node":
+        if per_node < 1:
+            raise ValueError("zero.shard_size=node: a node holds fewer ranks than parallel.tp: "
+                             "give zero.shard_size as a number")
+        g = min(dp, per_node)
+    else:
+        try:
+            g = int(shard_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"zero.shard_size={shard_size!r}: use a positive integer, 'node' "
+                             f"(the DP ranks of one node) or 'all' (plain ZeRO)") from None
+    if g < 1 or dp % g:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(f"zero.shard_size={shard_size} must divide the DP size {dp} (world "
+                         f"size / parallel.tp): choose one of {divisors}")
+    return g
 
 
 def _validate_offload(cfg: Config) -> None:

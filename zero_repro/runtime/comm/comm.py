@@ -342,6 +342,17 @@ def all_gather_object(obj, group: Group) -> list:
     return out
 
 
+def ranks_per_node() -> int:
+    """Ranks on this rank's node: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
+    ``SLURM_NTASKS_PER_NODE`` (its first count: "8(x2)" -> 8), else every rank (one host)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        v = os.environ.get(key, "")
+        digits = v.split("(")[0].split(",")[0]
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits)
+    return world_size()
+
+
 def env_rank_info() -> tuple[int, int, int] | None:
     """(rank, world_size, local_rank) from torchrun or SLURM variables, else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

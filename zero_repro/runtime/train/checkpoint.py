@@ -15,7 +15,9 @@ Resharding: a rank's shard (``zero/partition.py``: interleaved bucket chunks) in
 the parameter slots gives ``Piece``s (param, offset, length); each rank hands DCP a
 ``ShardedTensor`` per parameter of its pieces (elements it does not hold are placeholder "gap"
 shards: no metadata all-gather), so every element is written once, by its owner, and a load
-into any stage, DP size or bucket size reads only the overlapping bytes. Invariant (tested):
+into any stage, DP size, shard group size (``zero.shard_size``: a shard under G is the partition
+over G; its replicas hold the same pieces and only the first replica writes them) or bucket size
+reads only the overlapping bytes. Invariant (tested):
 resume(save(state)) equals the uninterrupted state elementwise, bit for bit at the same
 layout. TP resharding is not supported (``CheckpointError``).
 
@@ -142,8 +144,9 @@ def _state_tensors(sd: dict, tp_rank: int, rank: int, writer: bool) -> dict:
     states = sd.get("states", STATES)
     chunks: dict[str, list] = {f"{k}/tp{tp_rank}/{n}": [] for k in states for n in numel}
     for g in sd["groups"]:
-        # stage 0 keeps the full state on every DP rank: only DP rank 0 writes it
-        if not writer and g["partition"]["world"] == 1:
+        # stage 0 keeps the full state on every DP rank: only DP rank 0 writes it; replicas of
+        # a shard (``zero.shard_size`` < N_d) hold the same pieces: only the first writes them
+        if not writer and (g["partition"]["world"] == 1 or sd.get("replica_rank", 0)):
             continue
         for pc in pieces(g):
             for k in states:

@@ -90,7 +90,7 @@ def _export_group(s, g: FlatParams, chunks: list[torch.Tensor],
             whole = mine
         else:
             whole = torch.empty(b.size, dtype=mine.dtype, device=mine.device)
-            comm.all_gather_into(whole, mine.contiguous(), s.dp_group)
+            comm.all_gather_into(whole, mine.contiguous(), s.mesh.shard)
         if not keep:
             continue
         for sl, p in zip(g.slots, g.params):
@@ -140,7 +140,7 @@ def full_parameters(s) -> dict[str, torch.Tensor]:
                     full[b.start:b.end].copy_(mine)
                 else:
                     comm.all_gather_into(full[b.start:b.end], mine.contiguous(),
-                                         s.dp_group)
+                                         s.mesh.shard)
                 i += 1
             for sl in g.slots:
                 out[sl.name] = full[sl.offset:sl.end].view(sl.shape).clone()

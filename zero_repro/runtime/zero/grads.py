@@ -19,10 +19,16 @@ loss-scaled). Megatron-LM's ``_ParamAndGradBucketGroup`` names the same pair.
   a gradient that finds every buffer filling (it arrived out of bucket order) is kept until
   one lands.
 
-Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean. The
-ledger reads ``grad_bytes`` (persistent gradients) and ``buffer_bytes`` (fused buffers). With
-ZeRO-Offload every stage uses ``FusedGrads`` whose shards are the host's
-(``offload.HostGradShards``): each reduced chunk is copied to the host as its reduction lands.
+Every gradient is divided by N_d on its way in (``scale_into``), so the sum is the mean. With
+replicas (``zero.shard_size`` G < N_d, the DP mesh of ``comm.topology``: HSDP's order) the
+reductions above run inside the shard group (G ranks, N_d/G = R of them) and ``finish_grad_sync``
+then all-reduces each owned chunk over the replicate group (``replicas``, R ranks): the sum over
+all N_d ranks, Ψ/G elements per rank, 2Ψ/G in §7's count, once per step whatever the number of
+micro-batches (the sum is linear: the shard group's partial sums accumulate, the replicas add
+them once; not overlapped with backward). The ledger reads ``grad_bytes`` (persistent gradients)
+and ``buffer_bytes`` (fused buffers). With ZeRO-Offload every stage uses ``FusedGrads`` whose
+shards are the host's (``offload.HostGradShards``): each reduced chunk is copied to the host
+as its reduction lands.
 """
 from __future__ import annotations
 
@@ -47,6 +53,14 @@ def scale_into(dst: torch.Tensor, grad: torch.Tensor, n_d: int) -> None:
         dst.copy_(grad)
         if n_d > 1:
             dst.div_(n_d)
+
+
+def sum_replicas(chunks: list[torch.Tensor | None], replicas: Transport) -> None:
+    """Each owned chunk summed over the replicate group, in place (all of them started, then
+    waited): the second reduction of hierarchical sharding."""
+    works = [replicas.all_reduce(c) for c in chunks if c is not None]
+    for w in works:
+        w.wait()
 
 
 class InFlight:
@@ -87,12 +101,13 @@ class FullGrads:
     """
 
     def __init__(self, g: FlatParams, n_d: int, rank: int, transport: Transport,
-                 all_reduce: bool, dp_rank: int = 0):
+                 all_reduce: bool, dp_rank: int = 0, replicas: Transport | None = None):
         """``rank``: whose chunks this rank owns (0 when nothing is sharded: stage 0);
         ``dp_rank``: this rank in the DP group (stage 0: DP rank 0 carries an earlier
-        backward's all-reduced sum into the next reduction, ``_carry``)."""
+        backward's all-reduced sum into the next reduction, ``_carry``); ``replicas``: the
+        replicate group's transport (module docstring), None without replicas."""
         self.group, self.n_d, self.rank, self.dp_rank = g, n_d, rank, dp_rank
-        self.transport, self.all_reduce = transport, all_reduce
+        self.transport, self.all_reduce, self.replicas = transport, all_reduce, replicas
         part = g.partition
         self.buffer = transport.buffer(g.flat.numel(), g.flat.dtype)  # (padded,) persistent
         self.arrived = [0] * len(part.grad_buckets)
@@ -199,6 +214,8 @@ class FullGrads:
         reduction; the next backward counts afresh."""
         self.start_grad_sync()
         self.inflight.wait_all()
+        if self.replicas is not None:
+            sum_replicas(self.chunks(), self.replicas)
         self._new_round()
 
     def _own(self, b) -> torch.Tensor:
@@ -238,10 +255,14 @@ class FusedGrads:
 
     def __init__(self, groups: list[FlatParams], n_d: int, rank: int, transport: Transport,
                  depth: int, contiguous: bool, device: torch.device,
-                 on_filled: Callable[[int], None] | None = None, shards=None):
+                 on_filled: Callable[[int], None] | None = None, shards=None,
+                 replicas: Transport | None = None):
         """``shards``: where the reduced chunks go (default a ``GradShards`` on ``device``;
-        ZeRO-Offload: ``offload.HostGradShards``, the host)."""
+        ZeRO-Offload: ``offload.HostGradShards``, the host); ``replicas``: the replicate
+        group's transport (module docstring), None without replicas."""
         self.groups, self.n_d, self.rank, self.transport = groups, n_d, rank, transport
+        self.replicas = replicas
+        self.unsummed = False  # reductions landed in the shards since the replicas' sum
         self.on_filled = on_filled
         self.where = {id(p): (gi, s) for gi, g in enumerate(groups) for s, p in zip(g.slots,
                                                                                    g.params)}
@@ -358,14 +379,19 @@ class FusedGrads:
             self.free.append(buf)
 
         self.inflight.add(works, landed)
+        self.unsummed = True
         if self.deferred:
             self._drain()
 
     def finish_grad_sync(self) -> None:
         self.inflight.wait_all()
+        if self.replicas is not None and self.unsummed:
+            sum_replicas(self.shards.chunks(), self.replicas)
+        self.unsummed = False
 
     def chunks(self) -> list[torch.Tensor | None]:
         return self.shards.chunks()
 
     def zero(self) -> None:
         self.shards.zero()
+        self.unsummed = False

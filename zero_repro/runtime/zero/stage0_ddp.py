@@ -27,6 +27,10 @@ class Stage0DDP(Strategy):
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
                  train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
         super().__init__(model, topo, zero, train, zero_r, **kw)
+        if self.mesh.replicas > 1:
+            raise ValueError(f"zero.shard_size={zero.shard_size} at zero.stage=0: stage 0 "
+                             f"shards nothing; use zero.stage=1, 2 or 3, or drop "
+                             f"zero.shard_size")
         r = self.buckets[0]  # one shard: full parameters and optimizer state on every rank
         self.flat = FlatParams("model", self.named, self.dtype, 1, (r, r), device=self.device,
                                copy=self.init is None)

@@ -2,7 +2,9 @@
 
 Memory per rank: 2Ψ params + 2Ψ grads + 12Ψ/N_d optimizer (fp32 master, m, v of this rank's
 shard) = 4Ψ + 12Ψ/N_d bytes. Communication per step: reduce-scatter of the gradients (Ψ) +
-all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1).
+all-gather of the updated parameters (Ψ) = 2Ψ elements, as baseline DP (§7.2.1). With
+``zero.shard_size`` = G < N_d (``strategy``): N_d reads G above, plus an all-reduce of the owned
+Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 Full gradients accumulate as in stage 0 (``grads.FullGrads``); on the last micro-batch each
 complete gradient bucket is reduce-scattered through the DP group's transport into this rank's
@@ -29,16 +31,19 @@ class Stage1Os(Strategy):
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
                  train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
         super().__init__(model, topo, zero, train, zero_r, **kw)
-        transport = self.transport
-        self.flat = FlatParams("model", self.named, self.dtype, self.n_d, self.buckets,
+        transport, shard = self.transport, self.mesh.shard  # shard over G ranks (HSDP: G < N_d)
+        self.flat = FlatParams("model", self.named, self.dtype, shard.size, self.buckets,
                                alloc=transport.buffer, device=self.device, copy=self.init is None)
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
             self.init(self.named + self.frozen)
         grads = self._fused_grads([self.flat]) if zero.offload_optimizer == "cpu" else \
-            FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
-        params = GatheredParams(self.flat, self.dp_rank, transport, self.zero, self.module)
-        self._compose(params, grads, [self.flat], shard_rank=self.dp_rank, counts_norm=True)
+            FullGrads(self.flat, self.n_d, shard.rank, transport, all_reduce=False,
+                      replicas=self.replicas)
+        params = GatheredParams(self.flat, shard.rank, transport, self.zero, self.module)
+        # replicas hold the same shard: the first replica counts it in the norm
+        self._compose(params, grads, [self.flat], shard_rank=shard.rank,
+                      counts_norm=self.mesh.replicate.rank == 0)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

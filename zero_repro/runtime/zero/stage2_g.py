@@ -6,7 +6,8 @@ is the whole model, the full gradient exists before it can be reduced: its one f
 is stage 1's flat gradient buffer, reduce-scattered in place on the last micro-batch, the shard
 in it (4Ψ + 12Ψ/N_d, stage 1's memory: P_g saves gradient memory only with C_B).
 Communication per step: reduce-scatter of the gradients (Ψ) + all-gather of the parameters (Ψ)
-= 2Ψ elements (§7.2.1).
+= 2Ψ elements (§7.2.1). With ``zero.shard_size`` = G < N_d (``strategy``): N_d reads G above, plus
+an all-reduce of the owned Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 In backward each gradient is copied (divided by N_d) into the fused buffer of its gradient
 bucket(s) (``grads.FusedGrads``); a complete bucket is reduce-scattered asynchronously into
@@ -35,8 +36,8 @@ class Stage2G(Strategy):
     def __init__(self, model: torch.nn.Module, topo: Topology, zero: ZeroConfig,
                  train: TrainConfig, zero_r: ZeroRConfig | None = None, **kw):
         super().__init__(model, topo, zero, train, zero_r, **kw)
-        transport = self.transport
-        self.flat = FlatParams("model", self.named, self.dtype, self.n_d, self.buckets,
+        transport, shard = self.transport, self.mesh.shard  # shard over G ranks (HSDP: G < N_d)
+        self.flat = FlatParams("model", self.named, self.dtype, shard.size, self.buckets,
                                alloc=transport.buffer, device=self.device, copy=self.init is None)
         self.frozen_flat = self._place_frozen()
         if self.init is not None:  # partitioned construction: one placement, filled here
@@ -44,9 +45,12 @@ class Stage2G(Strategy):
         if self.zero_r.constant_buffers or zero.offload_optimizer == "cpu":
             grads = self._fused_grads([self.flat])
         else:  # one gradient bucket of the whole model: stage 1's store, the shard inside it
-            grads = FullGrads(self.flat, self.n_d, self.dp_rank, transport, all_reduce=False)
-        params = GatheredParams(self.flat, self.dp_rank, transport, self.zero, self.module)
-        self._compose(params, grads, [self.flat], shard_rank=self.dp_rank, counts_norm=True)
+            grads = FullGrads(self.flat, self.n_d, shard.rank, transport, all_reduce=False,
+                              replicas=self.replicas)
+        params = GatheredParams(self.flat, shard.rank, transport, self.zero, self.module)
+        # replicas hold the same shard: the first replica counts it in the norm
+        self._compose(params, grads, [self.flat], shard_rank=shard.rank,
+                      counts_norm=self.mesh.replicate.rank == 0)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         ledger.add("params_lp", self.flat.nbytes)

@@ -6,6 +6,8 @@ gradient buffers (C_B: two of R elements; without C_B one of the largest unit). 
 per step: all-gather of the parameters in forward (Ψ) and again in backward (Ψ) + reduce-scatter
 of the gradients (Ψ) = 3Ψ elements, 1.5× baseline DP; with ``zero.keep_gathered_turn`` (default)
 the root and the last block stay gathered from forward into backward: 3Ψ - Ψ_root - Ψ_last block.
+With ``zero.shard_size`` = G < N_d (``strategy``): 16Ψ/G, the gathers inside the G-rank shard
+group, plus an all-reduce of the owned Ψ/G gradient elements over the N_d/G replicas (2Ψ/G).
 
 Units (``Units``, the parameter store; which modules, ``zero.units``: by default each child of
 ``model.blocks``, any modules or a predicate for another model) plus the *root* (one unit per
@@ -507,10 +509,13 @@ class Stage3P(Strategy):
                  zero_r: ZeroRConfig | None = None, **kw):
         super().__init__(model, topo, zero, train, zero_r, **kw)
         plans = U.plan(self.module, self.units_spec, warn=self.dp_rank == 0)
-        units = Units(self.module, plans, self.dtype, self.n_d, self.dp_rank, self.buckets,
+        shard = self.mesh.shard  # units sharded and gathered over G ranks (HSDP: G < N_d)
+        units = Units(self.module, plans, self.dtype, shard.size, shard.rank, self.buckets,
                       self.transport, self.zero, self.device, self.init)
         grads = self._fused_grads(units.groups, on_filled=units.free_unit)
-        self._compose(units, grads, units.groups, shard_rank=self.dp_rank, counts_norm=True)
+        # replicas hold the same shard: the first replica counts it in the norm
+        self._compose(units, grads, units.groups, shard_rank=shard.rank,
+                      counts_norm=self.mesh.replicate.rank == 0)
 
     def _ledger(self, ledger: MemoryLedger) -> None:
         shard_bytes = sum(u.shard.numel() * u.shard.element_size()

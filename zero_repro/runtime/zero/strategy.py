@@ -41,6 +41,12 @@ chunks are copied into the host's staging as they land (``offload.HostGradShards
 keeps the parameters and the fused buffers only; the norm, the overflow check and the clip read
 the host's chunks; the step is the same sequence.
 
+Hierarchical sharding (``zero.shard_size`` = G, FSDP2's HSDP; ``Topology.dp_mesh``): stages
+1-3 partition, gather and reduce-scatter over the mesh's shard group (G ranks) and the gradient
+store sums the owned chunks over its replicate group (N_d/G ranks) in ``finish_grad_sync``; the
+mean still divides by N_d, the norm counts the first replica's shard only, and the stores never
+see N_d but through the mesh. G = N_d (default) is plain ZeRO, unchanged.
+
 Invariants: communication per step (§7) 2Ψ for stages 0-2, 3Ψ for stage 3 (less what stage 3
 keeps gathered across the turn); memory per rank Table 1's
 (``zero_repro.scale.paper.table1.model_state_bytes``). The overlap knobs
@@ -147,7 +153,11 @@ class Strategy:
         # None = the C_B and M_D behaviour ZeRO recommends (constant buffers, contiguous grads)
         self.zero_r = zero_r or ZeroRConfig(constant_buffers=True, contiguous_memory=True)
         self.dp_group = topo.dp_group
+        # N_d (all DP ranks: the gradient mean's divisor) and this rank among them
         self.n_d, self.dp_rank = self.dp_group.size, self.dp_group.rank
+        # the DP mesh (``zero.shard_size``, HSDP): the states are sharded over mesh.shard (G
+        # ranks) and kept by each of mesh.replicate's R = N_d / G ranks; plain ZeRO: G = N_d
+        self.mesh = topo.dp_mesh(zero.shard_size)
         self.dtype = precision.lp_dtype(zero.dtype)
         self.scaler = precision.build_scaler(zero)
         # the global gradient norm (and its non-finite check) each step: needed to clip and to
@@ -165,7 +175,10 @@ class Strategy:
         self.device = torch.device(device) if device is not None else \
             first.device if first is not None else torch.device("cpu")
         self.init = resolve_init(model, init, self.device)
-        self.transport = bucket_transport(self.dp_group, self.device)
+        self.transport = bucket_transport(self.mesh.shard, self.device)
+        # the replicas' all-reduce of each owned gradient chunk (none without replicas)
+        self.replicas = bucket_transport(self.mesh.replicate, self.device) \
+            if self.mesh.replicas > 1 else None
         # C_B (§6.3): (R, A) elements per gradient / gather bucket; off: one bucket per group
         # (the fused buffer grows with the model, the parameters gathered un-bucketed)
         self.buckets = ((zero.reduce_bucket_size, zero.allgather_bucket_size)
@@ -221,6 +234,10 @@ class Strategy:
                              "(train.lr, beta1/beta2, eps, weight_decay); build_strategy("
                              "optimizer=...) is not supported with it: drop optimizer= or set "
                              "zero.offload_optimizer=none")
+        if self.replicas is not None:
+            raise ValueError(f"zero.offload_optimizer=cpu with zero.shard_size="
+                             f"{self.zero.shard_size} (replicated shards) is not supported: "
+                             f"drop zero.shard_size or zero.offload_optimizer")
         if self.stage == 0 and self.n_d > 1:
             raise ValueError(f"zero.offload_optimizer=cpu at zero.stage=0 with DP {self.n_d} "
                              f"keeps the whole optimizer on every rank's host: use zero.stage=1 "
@@ -232,9 +249,9 @@ class Strategy:
         ZeRO-Offload, whose reduced chunks go to the host as they land and whose device keeps
         no gradient store: ``offload.HostGradShards``)."""
         host = HostGradShards() if self.zero.offload_optimizer == "cpu" else None
-        return FusedGrads(groups, self.n_d, self.dp_rank, self.transport, self.fused_depth,
-                          self.zero_r.contiguous_memory, self.device, on_filled=on_filled,
-                          shards=host)
+        return FusedGrads(groups, self.n_d, self.mesh.shard.rank, self.transport,
+                          self.fused_depth, self.zero_r.contiguous_memory, self.device,
+                          on_filled=on_filled, shards=host, replicas=self.replicas)
 
     def _place_frozen(self) -> FlatParams | None:
         """Stages 0-2: the frozen parameters, whole on every rank in the training dtype, in
@@ -376,6 +393,8 @@ class Strategy:
                 ledger.add(k, v)
         self._ledger(ledger)
         ledger.add("comm_buffers", self.transport.held_bytes())
+        if self.replicas is not None:
+            ledger.add("comm_buffers", self.replicas.held_bytes())
         return ledger
 
     @contextlib.contextmanager
@@ -475,7 +494,8 @@ class Strategy:
             base += n
             i += nb
         out = {"stage": self.stage, "dtype": self.zero.dtype, "dp_world": self.n_d,
-               "dp_rank": self.dp_rank, "step": self.opt.step_count,
+               "dp_rank": self.dp_rank, "replica_rank": self.mesh.replicate.rank,
+               "step": self.opt.step_count,
                "scaler": self.scaler.state_dict(), "groups": groups, "states": names}
         if custom:
             out["optim"] = {"scalars": self.opt.scalars(), "groups": self.opt.groups()}
@@ -498,7 +518,8 @@ class Strategy:
             n = g.partition.shard_numel
             if gs["master"].numel() != n:
                 raise ValueError(f"group {g.name}: shard of {gs['master'].numel()} elements, "
-                                 f"expected {n}; reshard for dp={self.n_d} first")
+                                 f"expected {n}; reshard for a shard group of "
+                                 f"{self.mesh.shard_size} first")
             if not custom:
                 self.opt.exp_avg[base:base + n].copy_(gs["exp_avg"])
                 self.opt.exp_avg_sq[base:base + n].copy_(gs["exp_avg_sq"])

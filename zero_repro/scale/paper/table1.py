@@ -9,6 +9,13 @@ shard) and N_d data-parallel ranks:
     P_os+g    lp·Ψ + (lp + K)·Ψ/N_d        = 2Ψ + 14Ψ/N_d
     P_os+g+p  (2·lp + K)·Ψ/N_d             = 16Ψ/N_d
 
+Hierarchical sharding (``zero.shard_size`` = G, FSDP2's HSDP, MiCS): stages 1-3 partition over the
+G ranks of a shard group and keep N_d/G replicas, so every N_d above reads G (P_os: 4Ψ + KΨ/G,
+P_os+g: 2Ψ + 14Ψ/G, P_os+g+p: 16Ψ/G): a rank holds what plain ZeRO over G ranks holds. The
+replicas sum each owned gradient chunk once per step: an all-reduce of Ψ/G elements, 2Ψ/G in
+§7's count, over the replicate group (``replicate_volume``), besides the shard group's 2Ψ
+(stages 1-2) or 3Ψ (stage 3).
+
 With ZeRO-Offload (Ren et al. 2021 §4.1; ``zero.offload_optimizer=cpu``, ``runtime.zero.offload``)
 the K bytes move to the host with the gradient shard (lp bytes: the buffer the reduced gradients
 arrive in and the updated parameters leave from); the device keeps only the stage's lp
@@ -41,9 +48,14 @@ TABLE1_PSI = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}  # the table's model siz
 TABLE1_ND = (1, 4, 16, 64, 256, 1024)  # the table's DP degrees
 
 
-def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2
-                      ) -> float:
-    """Per-rank bytes of lp params + lp grads + K bytes/param optimizer state (Table 1)."""
+def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2,
+                      shard_size: int | None = None) -> float:
+    """Per-rank bytes of lp params + lp grads + K bytes/param optimizer state (Table 1);
+    ``shard_size`` G (default N_d): the states partitioned over G ranks (module docstring)."""
+    if shard_size is not None:
+        if shard_size < 1 or n_d % shard_size:
+            raise ValueError(f"shard_size={shard_size} must divide n_d={n_d}")
+        n_d = shard_size
     if stage == 0:
         return (2 * lp_bytes + K) * psi
     if stage == 1:
@@ -53,6 +65,16 @@ def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_byte
     if stage == 3:
         return (2 * lp_bytes + K) * psi / n_d
     raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
+
+
+def replicate_volume(psi: float, stage: int, n_d: int, shard_size: int | None = None) -> float:
+    """§7 elements per rank and step over the replicate group of hierarchical sharding: the
+    all-reduce of the owned gradient shard, 2Ψ/G (0 with one replica, and at stage 0, whose
+    all-reduce over DP is the baseline's 2Ψ)."""
+    g = n_d if shard_size is None else shard_size
+    if stage == 0 or g == n_d:
+        return 0.0
+    return 2 * psi / g
 
 
 def offload_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2,
