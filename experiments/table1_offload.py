@@ -19,12 +19,16 @@ host apart (fp16 + Adam, K = 12, GB = 1e9 bytes).
 from __future__ import annotations
 
 from zero_repro.lab.figures.figures import save_figure
+from zero_repro.lab.records import newest_ok
 from zero_repro.lab.points import Point
 from zero_repro.scale.dryrun.real_run import ledgers_per_stage
 from zero_repro.scale.paper.table1 import (STAGE_NAMES, TABLE1_ND, TABLE1_PSI,
                                            offload_bytes)
 
 FIGURE = "table1_offload"
+# a re-run replaces the table's result (the records before the device kept no gradient store
+# stay in points.jsonl as history): summarize takes the newest ok record of every point
+NEWEST_ONLY = True
 PARAM = "Pos+g+p+param"  # stage 3 with zero.offload_param=cpu too
 PAPER_FIGURE = "table1_offload"
 PARAM = "Pos+g+p+param"  # stage 3 with zero.offload_param=cpu too  # not in the paper: no paper rows
@@ -72,7 +76,7 @@ def _with(cfg, **zero):
 
 def summarize(records) -> list[dict]:
     rows = []
-    for r in records:
+    for r in newest_ok(records):
         if r.status != "ok":
             continue
         if r.mode == "analytic":
@@ -139,7 +143,7 @@ def plot(table, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 6.2))
     ana = table[(table["figure"] == FIGURE) & (table["kind"] == "analytic")]
     for series, g in ana.groupby("series", sort=False):
         model, _, scheme, where = str(series).split(" ")
@@ -150,7 +154,7 @@ def plot(table, out_dir: str) -> list[str]:
     a1.set(xscale="log", yscale="log", xlabel="N_d", ylabel="model states per GPU [GB]",
            title="offload column (analytic): device solid, host dashed\n"
                  "(Pos+g+p+param: device 0, off the log scale)")
-    a1.legend(fontsize=6, ncol=3, loc="lower left")
+    a1.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     meas = table[(table["figure"] == f"{FIGURE}_measured") & (table["kind"] == "measured")]
     for series, g in meas.groupby("series", sort=False):
         # "<model> (Ψ=...) <scheme> <where>", in a user's results directory followed by
@@ -165,7 +169,9 @@ def plot(table, out_dir: str) -> list[str]:
         a2.plot(g["x"], g["formula_bytes"] / 1e6, "k+", markersize=10)
     ok = bool(meas["matches_formula"].astype(str).eq("True").all()) if len(meas) else False
     a2.set(xlabel="N_d (gloo ranks)", ylabel="model-state bytes per rank [MB]",
-           title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}")
-    a2.legend(fontsize=7, ncol=2)
+           title=f"measured ledger (o) vs formula (+): {'all equal' if ok else 'MISMATCH'}\n"
+                 "(on the device P_os and P_os+g hold the same 2Ψ: one line)")
+    a2.xaxis.get_major_locator().set_params(integer=True)
+    a2.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     fig.tight_layout()
     return save_figure(fig, out_dir, FIGURE, dpi=150)
