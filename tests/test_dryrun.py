@@ -122,7 +122,12 @@ def _world4_cfg(name: str) -> C.Config:
     return validation.validate(cfg)
 
 
-ALLOCATOR_TOL = 0.01  # dry run vs the CPU allocator's count of a real run, per step (seen: 0.6%)
+# dry run vs the CPU allocator's count of a real run, per step: the dry run may not exceed it by
+# more than 1%, and may fall short of it by at most 10% -- the allocator also counts the pairwise
+# transport's in-flight scratch and the kernels' own, whose overlap depends on the ranks' timing
+# (seen 0.6% on a quiet machine, 2.3-7.3% at load 10 with TP 2 + C4); a tracer that counted
+# every storage at 3/4 of its size falls 25% short and fails
+ALLOCATOR_TOL = (-0.10, 0.01)
 
 
 def _traced_and_counted(rank: int, world: int, cfg_dicts: list[dict]) -> tuple[list, list]:
@@ -164,7 +169,8 @@ def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch, name):
         # the same steps counted by the CPU allocator, no tracer: an error the dry run shares
         # with the polling tracer does not pass (kernels' own scratch: within ALLOCATOR_TOL)
         got = counted["by_iteration"][it]
-        assert abs(by_iter[it] / got - 1) <= ALLOCATOR_TOL, (what, it, by_iter[it], got)
+        assert ALLOCATOR_TOL[0] <= by_iter[it] / got - 1 <= ALLOCATOR_TOL[1], (
+            what, it, by_iter[it], got)
     assert set(cats) == set(r["categories"]), what
     for cat, nbytes in r["categories"].items():
         assert abs(cats[cat] - nbytes) <= tol, (what, cat, cats[cat], nbytes)
