@@ -130,15 +130,21 @@ def _world4_cfg(name: str) -> C.Config:
 ALLOCATOR_TOL = (-0.10, 0.01)
 
 
-def _traced_and_counted(rank: int, world: int, cfg_dicts: list[dict]) -> tuple[list, list]:
+def _traced_and_counted(rank: int, world: int, cfg_dicts: list[dict],
+                        count: bool = True) -> tuple[list, list | None]:
     """A real run measured twice in one rank: with the polling tracer (``real_live_peaks``),
     then again with the CPU allocator's count alone (``allocator_live_peaks``; it counts only
     blocks allocated while it runs, so the first run's leftovers are not counted)."""
-    return real_live_peaks(rank, world, cfg_dicts), allocator_live_peaks(rank, world, cfg_dicts)
+    real = real_live_peaks(rank, world, cfg_dicts)
+    return real, allocator_live_peaks(rank, world, cfg_dicts) if count else None
 
 
+# the TP 2 + C4 case's second, allocator-counted run once hung in CI (a gloo send of the pairwise
+# transport timed out after 300 s, load ~2, not seen here in 5 runs): in the default suite it is
+# traced only; "-counted" (-m slow) adds the count
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  for n in ("s0", "s1", "s2", "s3")] + ["wide-s3", "wide-s3-tp2-c4"])
+                                  for n in ("s0", "s1", "s2", "s3", "wide-s3-tp2-c4-counted")]
+                         + ["wide-s3", "wide-s3-tp2-c4"])
 def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch, name):
     """The dry run's live bytes (meta tensors, fake group, the strategy's flat buffers watched
     for in-place resizes) against a real gloo run of the same config at world 4 measured with
@@ -151,12 +157,14 @@ def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch, name):
     tracer is the dry run's own tracer: each step's peak is also held to the same steps
     counted by the CPU allocator alone (``ALLOCATOR_TOL``)."""
     monkeypatch.setenv("ZR_CPU_TRANSPORT", "pairwise")  # gloo: peers' segments are not ours
-    cfg = _world4_cfg(name)
+    count = name in ("wide-s3", "s0", "s1", "s2", "s3") or name.endswith("-counted")
+    cfg = _world4_cfg(name.removesuffix("-counted"))
     # fresh ranks per config, as a training run has: storages an earlier config's run leaves
     # in the process (the polling tracer counts them once a later op touches them) are not
     # this config's
-    (r,), (counted,) = spawn(_traced_and_counted, 4,
-                             [OmegaConf.to_container(OmegaConf.structured(cfg))])[0]
+    r, counted = spawn(_traced_and_counted, 4,
+                       [OmegaConf.to_container(OmegaConf.structured(cfg))], count)[0]
+    r, counted = r[0], counted[0] if counted else None
     what = (cfg.zero.stage, cfg.parallel.tp, cfg.zero_r.name, cfg.model.vocab_size)
     dry = dry_run(cfg, transport_of=r["transport"])
     dev = device_events(dry.trace, set(dry.host_sids))
@@ -168,9 +176,10 @@ def test_dry_run_live_peak_matches_real_run_at_world_4(monkeypatch, name):
         assert abs(by_iter[it] - peak) <= tol, (what, it)
         # the same steps counted by the CPU allocator, no tracer: an error the dry run shares
         # with the polling tracer does not pass (kernels' own scratch: within ALLOCATOR_TOL)
-        got = counted["by_iteration"][it]
-        assert ALLOCATOR_TOL[0] <= by_iter[it] / got - 1 <= ALLOCATOR_TOL[1], (
-            what, it, by_iter[it], got)
+        if counted is not None:
+            got = counted["by_iteration"][it]
+            assert ALLOCATOR_TOL[0] <= by_iter[it] / got - 1 <= ALLOCATOR_TOL[1], (
+                what, it, by_iter[it], got)
     assert set(cats) == set(r["categories"]), what
     for cat, nbytes in r["categories"].items():
         assert abs(cats[cat] - nbytes) <= tol, (what, cat, cats[cat], nbytes)
