@@ -37,6 +37,7 @@ from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
+from zero_repro.runtime.zero.offload import HOST_TIER_ENV, HOST_TIER_PREFIX
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun.allocator_peak import AllocatorPeak
 from zero_repro.scale.dryrun.tracer import AllocationTracer
@@ -83,6 +84,52 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
         by_iter = {it: counter.peaks[f"iteration {it}"] for it in range(iterations)}
         out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
                     "build_peak": counter.peaks["build"], "transport": transport})
+    return out
+
+
+def host_tier_bytes() -> tuple[int, int]:
+    """(bytes, mappings) of this process's host tier as the kernel maps it: its mappings of
+    ``runtime.zero.offload``'s host-tier files (``ZR_HOST_TIER=shm``), from /proc/self/maps
+    (each rounded up to whole pages)."""
+    total, n = 0, 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/" + HOST_TIER_PREFIX in line:
+                lo, hi = line.split()[0].split("-")
+                total, n = total + int(hi, 16) - int(lo, 16), n + 1
+    return total, n
+
+
+def measure_tiers(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2
+                  ) -> list[dict]:
+    """``measure`` with the host tier in memory of its own (``ZR_HOST_TIER=shm``): per config
+    {"device_rest", "device_peak"} -- the CPU allocator's live bytes at rest after the steps
+    (the model states and buffers that persist) and at the steps' peak, less the host tier
+    -- and "host" (the host tier's mapped bytes, ``host_tier_bytes``), beside the runtime's
+    own ledger ("ledger_device", "ledger_host"). Neither counter is the ledger's nor the dry
+    run's: the allocator reports every block (the host files' mappings included), the
+    kernel's map names the host's. Each host mapping is whole pages: "host" over-counts, and
+    the device's figures under-count, by less than a page per mapping ("host_mappings")."""
+    os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT
+    os.environ[HOST_TIER_ENV] = "shm"
+    out = []
+    for d in cfg_dicts:
+        cfg = schema.to_config(d)
+        with AllocatorPeak() as counter:
+            trainer = Trainer(cfg)
+            for it in range(iterations):
+                with counter.window(f"iteration {it}"):
+                    trainer.step(_batches(cfg, it))
+            with counter.window("rest"):
+                host, maps = host_tier_bytes()
+            ledger = trainer.memory_ledger()
+            trainer.close()
+            del trainer
+        peak = max(counter.peaks[f"iteration {it}"] for it in range(iterations))
+        out.append({"device_rest": counter.peaks["rest"] - host, "device_peak": peak - host,
+                    "host": host, "host_mappings": maps, "ledger_device": ledger.device_total(),
+                    "ledger_host": ledger.host_total(), "ledger": ledger.as_dict()})
+    os.environ.pop(HOST_TIER_ENV)
     return out
 
 

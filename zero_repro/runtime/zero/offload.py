@@ -43,6 +43,8 @@ run on parameters one update old (it changes the arithmetic on purpose).
 """
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 from typing import Callable, Sequence
 
@@ -59,6 +61,35 @@ def _pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+HOST_TIER_ENV = "ZR_HOST_TIER"  # "shm": on CPU ranks the host tier is shared memory of its own
+HOST_TIER_PREFIX = "zr-host-"  # its files' names under /dev/shm (unlinked once mapped)
+
+
+def host_zeros(numel: int, dtype: torch.dtype, device: torch.device,
+               pinned: bool = False) -> torch.Tensor:
+    """Zeroed host memory for what the offload keeps off ``device`` (the optimizer's states,
+    the staging, stage 3's offloaded parameter shard): page-locked where ``pinned`` and the
+    device is CUDA (the copy engines read it), plain host memory otherwise. With
+    ``ZR_HOST_TIER=shm`` on a rank without CUDA it is a mapping of a file of its own under
+    /dev/shm (``HOST_TIER_PREFIX``, unlinked at once), so that the host tier is a memory apart
+    from the "device" as it is beside a GPU: c10's CPU allocator then counts the device's
+    bytes only and the process's mappings of those files the host's (``lab.live_peak``'s
+    ``measure_tiers``)."""
+    if os.environ.get(HOST_TIER_ENV) != "shm" or device.type == "cuda":
+        return torch.zeros(numel, dtype=dtype, device=HOST,
+                           pin_memory=pinned and _pinned(device))
+    nbytes = max(1, numel * dtype.itemsize)
+    path = os.path.join("/dev/shm", HOST_TIER_PREFIX + secrets.token_hex(8))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not mid-step
+        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.unlink(path)
+        os.close(fd)
+    return t[:numel * dtype.itemsize].view(dtype)
+
+
 class HostAdamW:
     """AdamW state of a shard made of ``chunks`` = [(offset, length), ...] in host memory,
     updated on the host (module docstring); ``lp_chunks`` the stage's training-dtype chunks on
@@ -73,20 +104,19 @@ class HostAdamW:
         self.numel = sum(n for _, n in self.chunks)
         self.device = lp_chunks[0].device if len(lp_chunks) else HOST
         self.cuda = _pinned(self.device)
-        zeros = dict(dtype=torch.float32, device=HOST)
-        self.master = torch.zeros(self.numel, **zeros)
-        self.exp_avg = torch.zeros(self.numel, **zeros)
-        self.exp_avg_sq = torch.zeros(self.numel, **zeros)
+        zeros = dict(dtype=torch.float32, device=self.device)
+        self.master = host_zeros(self.numel, **zeros)
+        self.exp_avg = host_zeros(self.numel, **zeros)
+        self.exp_avg_sq = host_zeros(self.numel, **zeros)
         # gradients in, updated parameters out: one lp shard, the copy engines' buffer
-        self.staging = torch.zeros(self.numel, dtype=lp_dtype, device=HOST,
-                                   pin_memory=self.cuda)
+        self.staging = host_zeros(self.numel, lp_dtype, self.device, pinned=True)
         block = BLOCK * torch.get_num_threads() if block is None else block
         if block % 64:
             raise ValueError(f"block={block}: use a multiple of 64 elements (the kernel's "
                              f"vector width)")
         self.block = min(block, max((n for _, n in self.chunks), default=64))
-        self.scratch = torch.zeros(self.block, **zeros)  # one block's fp32 gradient
-        self._step_t = torch.zeros((), **zeros)  # the fused kernel reads the step from it
+        self.scratch = host_zeros(self.block, **zeros)  # one block's fp32 gradient
+        self._step_t = torch.zeros((), dtype=torch.float32, device=HOST)  # the kernel's step
         with torch.no_grad():
             for (off, n), p in zip(self.chunks, lp_chunks):
                 self.master[off:off + n].copy_(p)
@@ -243,8 +273,7 @@ class HostAdamW:
                 self._d2h[i] = None
         self.settle(lp_chunks, on_chunk)
         if self.spare is None:
-            self.spare = torch.zeros(self.numel, dtype=self.staging.dtype, device=HOST,
-                                     pin_memory=self.cuda)
+            self.spare = host_zeros(self.numel, self.staging.dtype, self.device, pinned=True)
         self.step_count += 1
         kw = dict(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
                   amsgrad=False, maximize=False)

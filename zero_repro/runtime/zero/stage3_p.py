@@ -60,6 +60,7 @@ from zero_repro.runtime.model.tp import RowSource
 from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.flat_buffer import FlatParams, PeakBytes
 from zero_repro.runtime.zero.ledger import MemoryLedger
+from zero_repro.runtime.zero.offload import host_zeros
 from zero_repro.runtime.zero.partition import Partition, layout, row_grid
 from zero_repro.runtime.zero.strategy import Strategy
 
@@ -278,8 +279,7 @@ class Units:
                 for u in self.grad_units for b in u.group.partition.buckets]
 
     def _host_store(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        pinned = self.device.type == "cuda" and torch.cuda.is_available()
-        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pinned)
+        return host_zeros(numel, dtype, self.device, pinned=True)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The shards' stores where they are host memory (``zero.offload_param``)."""
