@@ -82,7 +82,7 @@ def test_the_step_trades_the_device_adamw_for_the_host_and_pcie():
     assert b["pcie_bytes"] == pytest.approx(2 * 2 * shard)  # lp bytes each way
     bw = hw.pcie_bw * K.link_efficiency(K.device_kernels("l40s"), "pcie", "mid")
     assert b["pcie_total_s"] == pytest.approx(2 * 2 * shard / bw)
-    rate = min(hw.host_cores * OT.HOST_ADAM_PER_CORE["mid"],
+    rate = min(hw.host_cores * OT.core_rate(hw.host_lanes, hw.host_clock),
                OT.DRAM_EFFICIENCY["mid"] * hw.host_mem_bw / OT.HOST_BYTES)
     assert b["terms"]["host_adam"] == pytest.approx(shard / rate)
     # more PCIe bandwidth, more host cores: never slower
@@ -93,6 +93,31 @@ def test_the_step_trades_the_device_adamw_for_the_host_and_pcie():
     assert OT.host_rate(many.host_cores, many.host_mem_bw) == pytest.approx(
         OT.DRAM_EFFICIENCY["mid"] * hw.host_mem_bw / OT.HOST_BYTES)
     assert set(b["terms"]) == set(M.TERMS)
+
+
+def test_a_host_core_is_scaled_by_its_lanes_and_clock_from_the_in_cache_rate_measured_here():
+    # the same core as this machine's at the same clock: the rate measured here
+    here = OT.core_rate(OT.HERE_LANES, OT.HERE_CLOCK)
+    assert here == pytest.approx(OT.HOST_ADAM_CACHE["mid"])
+    # two 512-bit FMA units (Skylake-SP, Sapphire Rapids) retire twice the lanes of Zen 2/4
+    wide = OT.core_rate(2 * OT.HERE_LANES, OT.HERE_CLOCK)
+    assert wide == pytest.approx(2 * here)
+    # the band: base over turbo below, turbo over base above
+    lo, mid, hi = (OT.core_rate(32, (2.0e9, 3.8e9), p) for p in ("low", "mid", "high"))
+    assert lo < mid < hi
+    assert lo == pytest.approx(OT.HOST_ADAM_CACHE["low"] * 32 * 2.0 / (16 * 3.7))
+    # a cluster that does not give its core: this machine's DRAM-streaming core, as before
+    assert OT.core_rate(0, (0.0, 0.0)) == OT.HOST_ADAM_PER_CORE["mid"]
+    # every cluster of conf/cluster/ with offload hosts gives its core, and its DRAM binds
+    from zero_repro.scale.hardware import Hardware
+    from zero_repro.scale.paper.clusters import list_clusters, load_cluster
+    for name in list_clusters():
+        hw = Hardware.from_config(load_cluster(name))
+        if hw.host_cores:
+            assert hw.host_lanes in (16, 32) and hw.host_clock[0] > 1e9, name
+            assert OT.host_rate(hw.host_cores, hw.host_mem_bw, "low", hw.host_lanes,
+                                hw.host_clock) < hw.host_cores * OT.core_rate(
+                hw.host_lanes, hw.host_clock, "low"), name
 
 
 def test_one_rank_on_a_node_has_the_nodes_host():

@@ -211,6 +211,11 @@ class ClusterConfig:
     host_memory_gb: float = field(default=0.0, metadata=NOT_IDENTITY)  # host RAM, GB = 1e9 B
     host_cores: float = field(default=0.0, metadata=NOT_IDENTITY)  # CPU cores
     host_memory_gbps: float = field(default=0.0, metadata=NOT_IDENTITY)  # DRAM line rate, GB/s
+    # a host core's fp32 SIMD lanes retired per cycle (FMA pipes x vector width / 32) and its
+    # clock, base and highest turbo (GHz): the host step's compute rate (scale.offload_time)
+    host_fp32_lanes: float = field(default=0.0, metadata=NOT_IDENTITY)
+    host_ghz: float = field(default=0.0, metadata=NOT_IDENTITY)
+    host_turbo_ghz: float = field(default=0.0, metadata=NOT_IDENTITY)
     # words for tables (the throughput figures' hardware column): not what a point measures
     description: str = field(default="local CPU ranks on gloo", metadata=NOT_IDENTITY)
 

@@ -274,13 +274,21 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                      f"scale/outside_modern.py)")
     if off and st[0].perf.get("model") == "modern":
         hc = est.cluster
+        lanes, ghz = hc.get("host_lanes", 0), hc.get("host_ghz", [0, 0])
+        core = (f"this machine's core streaming from DRAM, {OT.HOST_ADAM_SOURCE}" if not lanes
+                else f"the cluster's: {lanes:g} fp32 lanes x {ghz[0]:g}-{ghz[1]:g} GHz against this "
+                     f"machine's {OT.HERE_LANES} x {OT.HERE_CLOCK[0] / 1e9:g}-"
+                     f"{OT.HERE_CLOCK[1] / 1e9:g} GHz in-cache rate, scale/offload_time.py")
+        cores = hc['host_cores'] * hc.get('host_core_rate', OT.HOST_ADAM_PER_CORE['mid'])
+        dram = OT.DRAM_EFFICIENCY['mid'] * hc['host_memory_gbps'] * GB / OT.HOST_BYTES
         lines.append(f"  Host step (ZeRO-Offload): {st[0].perf['host_rate'] / 1e9:.2f} G "
                      f"elements/s per rank = min({hc['host_cores']:g} cores x "
-                     f"{OT.HOST_ADAM_PER_CORE['mid'] / 1e9:.2f} G/s per core, "
-                     f"{OT.DRAM_EFFICIENCY['mid']:.0%} of {hc['host_memory_gbps']:.1f} GB/s DRAM"
-                     f" / {OT.HOST_BYTES:.0f} B per element); the per-core rate "
-                     f"{OT.HOST_ADAM_SOURCE}; host per rank {hc['host_bytes'] / GB:.1f} GB "
-                     f"(conf/cluster/{hc['name']}.yaml, a node's host over the ranks on it)")
+                     f"{hc.get('host_core_rate', 0) / 1e9:.2f} G/s per core = "
+                     f"{cores / 1e9:.1f}, {OT.DRAM_EFFICIENCY['mid']:.0%} of "
+                     f"{hc['host_memory_gbps']:.1f} GB/s DRAM / {OT.HOST_BYTES:.0f} B per "
+                     f"element = {dram / 1e9:.2f}: {'the cores' if cores < dram else 'DRAM'} "
+                     f"bind); per core from {core}; host per rank {hc['host_bytes'] / GB:.1f} "
+                     f"GB (conf/cluster/{hc['name']}.yaml, a node's host over the ranks on it)")
     if est.zero_r == "selective":
         lines.append(f"  Selective checkpointing (every {est.timing['every']} blocks): memory "
                      f"interpolated between dry runs with every block and with no block "

@@ -66,6 +66,7 @@ from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
 from zero_repro.runtime.model import flops
+from zero_repro.scale import offload_time as OT
 from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
@@ -481,7 +482,9 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
                  "gpus_per_node": c.gpus_per_node, "peak_tflops": c.peak_tflops,
                  "intra_node_gbps": c.intra_node_gbps, "inter_node_gbps": c.inter_node_gbps,
                  "pcie_gbps": c.pcie_gbps, "host_bytes": hw.host_bytes,
-                 "host_cores": hw.host_cores, "host_memory_gbps": hw.host_mem_bw / GB},
+                 "host_cores": hw.host_cores, "host_memory_gbps": hw.host_mem_bw / GB,
+                 "host_core_rate": OT.core_rate(hw.host_lanes, hw.host_clock),
+                 "host_lanes": hw.host_lanes, "host_ghz": [f / 1e9 for f in hw.host_clock]},
         world_size=base.parallel.world_size, tp=base.parallel.tp, batch=b0, seq=m.seq_len,
         dtype=base.zero.dtype, zero_r=zr, stages=out, recommendation=recommend(out),
         perf_params=dataclasses.asdict(params) if params else {},

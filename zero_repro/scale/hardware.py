@@ -48,6 +48,9 @@ class Hardware:
     host_bytes: float = 0.0
     host_cores: float = 0.0
     host_mem_bw: float = 0.0
+    # a host core's fp32 lanes per cycle and its clock (base, turbo; Hz): 0 = unknown
+    host_lanes: float = 0.0
+    host_clock: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def from_config(cls, c: ClusterConfig) -> "Hardware":
@@ -57,7 +60,8 @@ class Hardware:
                    pcie_bw=c.pcie_gbps * 1e9, nominal_bytes=c.device_memory_gb * 1e9,
                    hbm_bw=c.hbm_gbps * 1e9, sm_count=c.sm_count,
                    host_bytes=c.host_memory_gb * 1e9, host_cores=c.host_cores,
-                   host_mem_bw=c.host_memory_gbps * 1e9)
+                   host_mem_bw=c.host_memory_gbps * 1e9, host_lanes=c.host_fp32_lanes,
+                   host_clock=(c.host_ghz * 1e9, (c.host_turbo_ghz or c.host_ghz) * 1e9))
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0, pcie: float = 1.0,
                flops: float = 1.0) -> "Hardware":
@@ -66,7 +70,7 @@ class Hardware:
                         self.peak_flops * flops, self.intra_bw * intra,
                         self.inter_bw_node * inter, self.pcie_bw * pcie, self.nominal_bytes,
                         self.hbm_bw, self.sm_count, self.host_bytes, self.host_cores,
-                        self.host_mem_bw)
+                        self.host_mem_bw, self.host_lanes, self.host_clock)
 
 
 MIB = 2**20

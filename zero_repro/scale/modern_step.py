@@ -295,7 +295,8 @@ def step(w: P.Workload, hw: Hardware, dk, m: Modern) -> dict:
     top = sorted(((k, mid[k]) for k in TERMS), key=lambda kv: -kv[1])[:3]
     return {"terms": {k: mid[k] for k in TERMS}, "dp_total": mid["dp_total"],
             "pcie_total": mid["pcie_total"],
-            "host_rate": OT.host_rate(hw.host_cores, hw.host_mem_bw) if w.offload else 0.0,
+            "host_rate": (OT.host_rate(hw.host_cores, hw.host_mem_bw, "mid", hw.host_lanes,
+                                       hw.host_clock) if w.offload else 0.0),
             "step_s": mid["total"], "step_s_band": (fast, slow), **rates(mid["total"]),
             "band": {"low": rates(slow), "high": rates(fast)},
             "largest": [(k, v, v / mid["total"]) for k, v in top],

@@ -25,13 +25,25 @@ device's compute, except with the delayed parameter update (``zero.offload_dpu``
 step of step t runs beside step t+1's forward and backward, W): its exposed part is then
 max(T_host - W, 0). Sources of the rates:
 
-  * r_core (``HOST_ADAM_PER_CORE``): measured on this project's machine by ``python -m
-    zero_repro.lab.host_adam --elements 64M --threads 1 --repeats 7`` (the runtime's own host
-    step, a 64M-element shard streamed from DRAM; four runs, results/offload/notes.md): the
-    band's edges are the slowest and fastest repeat, the middle the median of the runs'
-    medians. One core of an AMD EPYC (Zen 4 class, AVX-512) shared with other work (load 4-5
-    on 2 cores: the slow edge), torch 2.13; other CPUs differ (re-measure there; the GPU
-    proof's ``zero_offload`` part measures the GPU host's).
+  * r_core, the cluster's host core: the host step's compute rate measured here with the data
+    in cache (``HOST_ADAM_CACHE``: ``python -m zero_repro.lab.host_adam --elements 256K
+    --threads 1 --repeats 9``, three runs, results/offload/host_adam_cache_run*.json; the
+    kernel is vectorised: at ATEN_CPU_CAPABILITY=default it runs 12x slower, results/offload/
+    notes.md), scaled by the fp32 lanes a core retires per cycle and its clock:
+
+        r_core = r_cache · (L_c · f_c) / (L_here · f_here)
+
+    L the lanes (FMA pipes x vector width / 32; here an AMD EPYC Zen 4 core, two 256-bit FMA
+    pipes that also run AVX-512 double-pumped: L = 16, measured AVX2 within 10% of AVX-512),
+    f the clock: the band's low end takes the cluster's base clock over this machine's highest
+    turbo, the high end the cluster's turbo over this machine's base, the middle the means
+    (``HERE_CLOCK``: a KVM guest of a Zen 4 EPYC, TSC 2.6 GHz; the EPYC 9004 parts' turbo up to
+    3.7 GHz and more). A cluster that does not give its lanes and clock
+    (``host_fp32_lanes``, ``host_ghz``) takes ``HOST_ADAM_PER_CORE``: this machine's own core
+    streaming a 64M-element shard from DRAM (``python -m zero_repro.lab.host_adam --elements
+    64M --threads 1 --repeats 7``; four runs; slowest and fastest repeat, median of medians),
+    and the estimate says so. On every cluster in ``conf/cluster/`` the host's DRAM binds
+    before its cores (the estimate prints both sides of the min).
   * HOST_BYTES: the host step's DRAM traffic per element: read the lp gradient 2, master 4,
     m 4, v 4; write master 4, m 4, v 4, the lp parameter 2 = 28 B (the fp32 scratch block
     stays in cache).
@@ -53,15 +65,33 @@ HOST_BYTES = 28.0  # DRAM bytes per element of the host step (module docstring)
 HOST_ADAM_PER_CORE = {"low": 0.50e9, "mid": 0.96e9, "high": 1.00e9}
 HOST_ADAM_SOURCE = ("measured here: python -m zero_repro.lab.host_adam --elements 64M "
                     "--threads 1 --repeats 7 (results/offload/notes.md)")
+# elements/s of one core here with the shard in cache (compute-bound): the slowest run's median,
+# the median of the three runs' medians, the fastest repeat (module docstring)
+HOST_ADAM_CACHE = {"low": 1.226e9, "mid": 1.347e9, "high": 1.378e9}
+HERE_LANES = 16  # Zen 4: two 256-bit FMA pipes (AVX-512 double-pumped)
+HERE_CLOCK = (2.6e9, 3.7e9)  # base (the guest's TSC) and turbo of this machine's core, Hz
 DRAM_EFFICIENCY = {"low": 0.6, "mid": 0.7, "high": 0.8}
 
 
-def host_rate(cores: float, dram_bytes_s: float, point: str = "mid") -> float:
+def core_rate(lanes: float, clock: tuple[float, float], point: str = "mid") -> float:
+    """Elements/s of one host core of a cluster whose core retires ``lanes`` fp32 lanes per
+    cycle at ``clock`` = (base, turbo) Hz (module docstring); this machine's own DRAM-bound
+    core (``HOST_ADAM_PER_CORE``) when the cluster does not say."""
+    if lanes <= 0 or clock[0] <= 0:
+        return HOST_ADAM_PER_CORE[point]
+    base, turbo = clock[0], max(clock)
+    f_c = {"low": base, "mid": (base + turbo) / 2, "high": turbo}[point]
+    f_here = {"low": HERE_CLOCK[1], "mid": sum(HERE_CLOCK) / 2, "high": HERE_CLOCK[0]}[point]
+    return HOST_ADAM_CACHE[point] * lanes * f_c / (HERE_LANES * f_here)
+
+
+def host_rate(cores: float, dram_bytes_s: float, point: str = "mid", lanes: float = 0.0,
+              clock: tuple[float, float] = (0.0, 0.0)) -> float:
     """Elements/s of the host step for one GPU's share of the host (module docstring); 0 when
     the cluster does not say its host cores."""
     if cores <= 0:
         return 0.0
-    rate = cores * HOST_ADAM_PER_CORE[point]
+    rate = cores * core_rate(lanes, clock, point)
     if dram_bytes_s > 0:
         rate = min(rate, DRAM_EFFICIENCY[point] * dram_bytes_s / HOST_BYTES)
     return rate
@@ -96,7 +126,7 @@ def terms(w, hw, dk, bwd_window: float, point: str = "mid",
     units = w.n_layer if w.stage == 3 else max(1, math.ceil(w.params / w.tp / w.bucket_elems))
     t_host, exposed, total = 0.0, 0.0, 0.0
     if w.offload:
-        rate = host_rate(hw.host_cores, hw.host_mem_bw, point)
+        rate = host_rate(hw.host_cores, hw.host_mem_bw, point, hw.host_lanes, hw.host_clock)
         t_host = s / rate if rate > 0 else math.inf
         d2h = max(t_copy - bwd_window, t_copy / units)  # gradients leave during backward
         h2d = 0.0 if param else t_copy / units  # the last chunk back (param: a host copy)
