@@ -62,6 +62,24 @@ def _batches(cfg: C.Config, step: int):
             for _ in range(t.grad_accum))
 
 
+def _counted(cfg: C.Config, iterations: int, at_rest=None) -> tuple:
+    """Build ``cfg``'s trainer and train ``iterations`` steps under the CPU allocator's count
+    (windows "build", "iteration IT", and "rest" after the steps, where ``at_rest()`` is
+    called); (counter, what ``at_rest`` returned, the transport's name, the ledger)."""
+    with AllocatorPeak() as counter:
+        with counter.window("build"):
+            trainer = Trainer(cfg)
+        for it in range(iterations):
+            with counter.window(f"iteration {it}"):
+                trainer.step(_batches(cfg, it))
+        with counter.window("rest"):
+            rest = at_rest() if at_rest is not None else None
+        transport, ledger = trainer.strategy.transport.name, trainer.memory_ledger()
+        trainer.close()
+        del trainer
+    return counter, rest, transport, ledger
+
+
 def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -> list[dict]:
     """On an initialised gloo group (``launch.spawn``): for each config, build and train
     ``iterations`` steps, counted by the CPU allocator (``scale.dryrun.allocator_peak``: not
@@ -71,16 +89,7 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT  # read when a stage picks its transport
     out = []
     for d in cfg_dicts:
-        cfg = schema.to_config(d)
-        with AllocatorPeak() as counter:
-            with counter.window("build"):
-                trainer = Trainer(cfg)
-            for it in range(iterations):
-                with counter.window(f"iteration {it}"):
-                    trainer.step(_batches(cfg, it))
-            transport = trainer.strategy.transport.name
-            trainer.close()
-            del trainer
+        counter, _, transport, _ = _counted(schema.to_config(d), iterations)
         by_iter = {it: counter.peaks[f"iteration {it}"] for it in range(iterations)}
         out.append({"live_peak": max(by_iter.values()), "by_iteration": by_iter,
                     "build_peak": counter.peaks["build"], "transport": transport})
@@ -114,17 +123,8 @@ def measure_tiers(rank: int, world: int, cfg_dicts: list[dict], iterations: int 
     os.environ[HOST_TIER_ENV] = "shm"
     out = []
     for d in cfg_dicts:
-        cfg = schema.to_config(d)
-        with AllocatorPeak() as counter:
-            trainer = Trainer(cfg)
-            for it in range(iterations):
-                with counter.window(f"iteration {it}"):
-                    trainer.step(_batches(cfg, it))
-            with counter.window("rest"):
-                host, maps = host_tier_bytes()
-            ledger = trainer.memory_ledger()
-            trainer.close()
-            del trainer
+        counter, (host, maps), _, ledger = _counted(schema.to_config(d), iterations,
+                                                    host_tier_bytes)
         peak = max(counter.peaks[f"iteration {it}"] for it in range(iterations))
         out.append({"device_rest": counter.peaks["rest"] - host, "device_peak": peak - host,
                     "host": host, "host_mappings": maps, "ledger_device": ledger.device_total(),
