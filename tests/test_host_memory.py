@@ -1,7 +1,7 @@
 """The host memory local ranks may use and the kernel's OOM killer (``lab.host_memory``): the
 pre-flight takes the smallest of MemAvailable, the memory cgroup's limit and Slurm's ``--mem``
 and names it; a rank the OOM killer ends is recorded ``oom`` with the cgroup and its limit, not
-``failed`` as "killed or crashed". Fake cgroup trees (v1 and v2) cover the parsing; where this
+``failed`` as a rank "killed by SIGKILL". Fake cgroup trees (v1 and v2) cover the parsing; where this
 account can make a child memory cgroup (root on cgroup v1 or v2), a real 2-rank job runs in one
 whose limit it cannot fit: the pre-flight refuses it, and forced (``launcher.oversubscribe``) a
 rank is OOM-killed and the record says ``oom``."""
@@ -135,7 +135,7 @@ def test_a_sigkill_with_a_risen_oom_count_is_recorded_oom(tmp_path, monkeypatch)
     cg = H.find(*paths)
     monkeypatch.setattr(H, "find", lambda: cg)
     events = os.path.join(cg.path, "memory.events")
-    killed = "process exited with code -9 (killed or crashed) before reporting"
+    killed = f"process {launch.exit_text(-9)} before reporting"
 
     def spawn(fn, world, *a, rise: int, **k):
         _write(events, f"oom 1\noom_kill {1 + rise}\n")

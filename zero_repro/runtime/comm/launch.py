@@ -413,7 +413,23 @@ def _reason(out_dir: str, rank: int, exitcode) -> str:
     status, value = _load(out_dir, rank)
     if status == "error" and value != "exited without reporting a result":
         return value
-    return f"process exited with code {exitcode} (killed or crashed) before reporting"
+    return f"process {exit_text(exitcode)} before reporting"
+
+
+def exit_text(exitcode) -> str:
+    """How a process ended, from ``multiprocessing``'s exit code: a negative code is the signal
+    that killed it (named: SIGKILL is also what the kernel's OOM killer sends), a positive one
+    the code it exited with (an uncaught exception exits 1)."""
+    if exitcode is None:
+        return "did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (the OOM killer's signal, among others)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {exitcode}"
 
 
 def init_from_env(backend: str, timeout_s: float = 1800.0,
