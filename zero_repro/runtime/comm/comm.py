@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -134,7 +135,23 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
         kwargs["store"] = store
     elif init_method is not None:
         kwargs["init_method"] = init_method
+    _one_rank_prefix()
     tdist.init_process_group(**kwargs)
+
+
+_plain_excepthook = sys.excepthook
+
+
+def _one_rank_prefix() -> None:
+    """torch wraps ``sys.excepthook`` at every ``init_process_group`` to prefix "[rankN]: " to a
+    traceback's lines; a process that makes one group after another (the dry runs of a sweep,
+    each on a ``fake`` group) would pile one prefix per group on every line. Before each group
+    the hook torch wrapped first is put back, so the new group's is the only prefix."""
+    global _plain_excepthook
+    if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+        sys.excepthook = _plain_excepthook
+    else:
+        _plain_excepthook = sys.excepthook
 
 
 def default_timeout() -> datetime.timedelta | None:
