@@ -259,3 +259,10 @@ def test_analytic_memory_with_g_is_plain_zero_over_g():
         assert got != A.memory_breakdown(4, 1024, 16, 2, 16, 1, cfg)
     assert A.model_state_breakdown(1e6, 2, 64, shard_size=8) == A.model_state_breakdown(1e6, 2, 8)
     assert A.comm_ledger is H.comm_ledger
+
+
+def test_closed_form_with_g_and_hpz():
+    got = E.closed_form(8e9, 16, shard_size=8, hpz_size=8)
+    assert got == {0: 16 * 8e9, 1: 4 * 8e9 + 12 * 8e9 / 8, 2: 2 * 8e9 + 14 * 8e9 / 8,
+                   3: 16 * 8e9 / 16 + 2 * 8e9 / 8}
+    assert E.closed_form(8e9, 16) == E.closed_form(8e9, 16, shard_size=16)

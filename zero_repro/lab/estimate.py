@@ -202,7 +202,9 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                                                         stages)]
     nominal = _nominal(m["nominal"])
     if nominal:
-        cf = E.closed_form(nominal / est.tp, n_d, est.offload)
+        g = min((s.shard_size for s in st if s.stage and not s.hpz), default=n_d) or n_d
+        cf = E.closed_form(nominal / est.tp, n_d, est.offload, g,
+                           E.hpz_size(est) if est.hpz else None)
         lines.append(_row(f"Table 1, nominal Ψ = {m['nominal']}", [cf[s] / GB for s in stages]))
     lines.append(_row(f"Table 1, this shape Ψ = {m['params'] / 1e9:.2f}B"
                       + (f" / TP {est.tp}" if est.tp > 1 else ""),

@@ -363,6 +363,11 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
     return est
 
 
+def hpz_size(est: "Estimate") -> int:
+    """k of an estimate: its DP ranks of one TP rank on a node."""
+    return max(1, min(est.world_size // est.tp, est.cluster["gpus_per_node"] // est.tp))
+
+
 def _per_node(cfg: C.Config) -> int:
     """k: the DP ranks of one TP rank on a node (hpZ's secondary group)."""
     p = cfg.parallel
@@ -597,12 +602,16 @@ def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
     return T.bandwidth_sweep(cfgs, gbps, perf_params, timing, zr)
 
 
-def closed_form(psi: float, n_d: int, offload: str = "none") -> dict:
-    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3; with an
+def closed_form(psi: float, n_d: int, offload: str = "none", shard_size: int | None = None,
+                hpz_size: int | None = None) -> dict:
+    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3 (stages
+    1-3 over ``shard_size`` G ranks; stage 3 with hpZ's secondary over ``hpz_size``); with an
     offload mode (``C.OFFLOAD_MODES``) the device's part (the offload column,
     ``table1.offload_bytes``; the parameters at stage 3 only)."""
     if offload == "none":
-        return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
+        return {s: model_state_bytes(psi, s, n_d, shard_size=None if hpz_size and s == 3
+                                     else shard_size, hpz_size=hpz_size if s == 3 else None)
+                for s in range(4)}
     opt, par = C.OFFLOAD_MODES[offload]
     return {s: offload_bytes(psi, s, n_d, optimizer=opt, param=par if s == 3 else "none")
             ["device"] for s in range(4)}
