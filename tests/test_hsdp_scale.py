@@ -83,6 +83,8 @@ def test_hpz_backward_gather_moves_no_inter_node_bytes():
     plain = H.comm_ledger(7e9, 3, 64, None, 8)
     hpz = H.comm_ledger(7e9, 3, 64, None, 8, hpz=True)
     assert hpz["inter"] == pytest.approx(plain["inter"] * 2 / 3)
+    assert sum(r["paper"] for r in hpz["collectives"]) == 2 * H.paper_volume(7e9, 3,
+                                                                             H.Mesh(64, 64, 8))
 
 
 def test_paper_volume_is_section7_plus_the_replicas():

@@ -141,14 +141,16 @@ def paper_volume(psi: float, stage: int, mesh: Mesh, hpz: bool = False) -> float
 def comm_ledger(psi: float, stage: int, n_d: int, shard_size: int | None = None,
                 per_node: int | None = None, hpz: bool = False, lp_bytes: int = 2) -> dict:
     """Bytes per rank and step over DP inside a node (``intra``) and between nodes
-    (``inter``), and each collective (``collectives``: op, group, n, intra, inter in bytes);
+    (``inter``), and each collective (``collectives``: op, group, n, intra, inter in bytes, and
+    ``paper``: §7's count of it, (n-1)/n -> 1, the convention of ``comm``'s ledger per group);
     ``per_node`` DP ranks per node (default: all on one node)."""
     mesh = Mesh(n_d, shard_size or n_d, per_node or n_d)
     rows = collectives(psi, stage, mesh, hpz)
     return {"intra": lp_bytes * sum(c.intra for c in rows),
             "inter": lp_bytes * sum(c.inter for c in rows),
             "collectives": [{"op": OPS[c.op], "group": c.group, "n": c.n, "phase": c.phase,
-                             "intra": lp_bytes * c.intra, "inter": lp_bytes * c.inter}
+                             "intra": lp_bytes * c.intra, "inter": lp_bytes * c.inter,
+                             "paper": lp_bytes * c.elements * (2 if c.op == "ar" else 1)}
                             for c in rows]}
 
 
