@@ -9,6 +9,8 @@ model-state estimator beside it where DeepSpeed is installed).
     python -m zero_repro.lab.estimate --shape layers=32,hidden=4096,heads=32,kv_heads=8,\\
         ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8 --ac selective
     ... --time-model paper2020    (the paper's Fig 2-calibrated V100 model, as before)
+    ... --shard-size node --hpz    (hierarchical sharding: stages 1-3 over a node's ranks;
+                                    stage 3 with ZeRO++'s hpZ)
 
 Time: today's stack on the cluster's GPU by default (``--gpu`` names it for a custom cluster;
 ``--ac none|selective|full``, ``--attention flash|unfused``), with a band; the text shows the
@@ -31,6 +33,7 @@ from zero_repro import config as C
 from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
+from zero_repro.lab import estimate_shard as SH
 from zero_repro.lab import memory_view
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
@@ -192,13 +195,16 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
            "param": "; stage 3's parameter shard on the host (zero.offload_param=cpu)",
            "cpu+param": " on the host, and stage 3's parameter shard too (ZeRO-Offload, "
                         "zero.offload_optimizer=cpu, zero.offload_param=cpu)"}[est.offload]
-        + f"; ZeRO-R: {_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)",
+        + f"; ZeRO-R: {_ZR_LABEL[est.zero_r]}; DeepSpeed's bucket sizes (5e8)"
+        + SH.shard_label(est, st),
         "",
         "Model states per GPU (GB)" + " " * 19 + "".join(f"{STAGE_NAMES[s]:>10}" for s in
                                                         stages)]
     nominal = _nominal(m["nominal"])
     if nominal:
-        cf = E.closed_form(nominal / est.tp, n_d, est.offload)
+        g = min((s.shard_size for s in st if s.stage and not s.hpz), default=n_d) or n_d
+        cf = E.closed_form(nominal / est.tp, n_d, est.offload, g,
+                           E.hpz_size(est) if est.hpz else None)
         lines.append(_row(f"Table 1, nominal Ψ = {m['nominal']}", [cf[s] / GB for s in stages]))
     lines.append(_row(f"Table 1, this shape Ψ = {m['params'] / 1e9:.2f}B"
                       + (f" / TP {est.tp}" if est.tp > 1 else ""),
@@ -256,6 +262,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
     stage, why = est.recommendation
     lines += ["", "Recommendation: " + (f"stage {stage} ({STAGE_NAMES[stage]})" if stage is
                                          not None else "none") + f" -- {why}."]
+    lines += SH.hierarchy_lines(est)
     if ds:
         for s in st:
             if s.stage in (2, 3):
@@ -330,6 +337,12 @@ def _time_paper2020(est: E.Estimate, st: list) -> list[str]:
     return lines
 
 
+def _link_rows(st: list) -> list[str]:
+    """The DP traffic inside a node and between nodes (ring, ``scale.hsdp``)."""
+    return [_row("  inside a node (ring, GB)", [s.perf["dp_intra_bytes"] / GB for s in st]),
+            _row("  between nodes (ring, GB)", [s.perf["dp_inter_bytes"] / GB for s in st])]
+
+
 def _band(lo: float, hi: float, fmt: str) -> str:
     return f"{fmt.format(lo)}-{fmt.format(hi)}"
 
@@ -375,6 +388,7 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
     lines.append(_row("HFU (with the recompute)", [s.perf["hfu"] for s in st], "{:>10.1%}"))
     lines.append(_row("DP traffic per rank and step (GB)", [s.perf["dp_bytes"] / GB
                                                            for s in st]))
+    lines += _link_rows(st)
     lines.append(_row("TP traffic per rank and step (GB)", [s.perf["tp_bytes"] / GB
                                                            for s in st]))
     if est.offload != "none":
@@ -415,11 +429,14 @@ def _nominal(text: str) -> float:
 
 def run(cfg: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
         workers: int | None = None, timing: T.Timing | None = None,
-        offload: str = "none") -> tuple[E.Estimate, dict]:
+        offload: str = "none", shard_size: str | None = None,
+        hpz: bool = False) -> tuple[E.Estimate, dict]:
     """The estimate and DeepSpeed's figures (empty without DeepSpeed) for ``cfg`` with
-    offload mode ``offload`` (``C.OFFLOAD_MODES``)."""
+    offload mode ``offload`` (``C.OFFLOAD_MODES``), ``zero.shard_size`` ``shard_size`` and
+    hpZ at stage 3 where ``hpz``."""
     est = E.estimate(cfg, stages, zero_r, search=search, workers=workers,
-                     timing=timing or T.Timing(), offload=offload)
+                     timing=timing or T.Timing(), offload=offload, shard_size=shard_size,
+                     hpz=hpz)
     m, p = cfg.model, cfg.parallel
     ds = deepspeed_figures(est.stages[0].psi_rank, p.world_size // p.tp,
                            cfg.cluster.gpus_per_node // p.tp, largest_layer(m, p.tp),
@@ -448,7 +465,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int)
     ap.add_argument("--peak-tflops", type=float, help="dense bf16/fp16 peak per GPU")
     ap.add_argument("--intra-gbps", type=float, help="GB/s per GPU in a node (both directions)")
-    ap.add_argument("--inter-gbps", type=float, help="Gbit/s per node between nodes")
+    ap.add_argument("--inter-gbps", "--inter-node-gbps", type=float, dest="inter_gbps",
+                    help="Gbit/s per node between nodes (overrides the cluster's)")
     ap.add_argument("--pcie-gbps", type=float, help="GB/s host <-> device")
     ap.add_argument("--gpu", help=f"the GPU, for the time model ({', '.join(gpus.known())}"
                                   "; default: the cluster's)")
@@ -469,6 +487,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload", default="none",
                     help="none | cpu (ZeRO-Offload: the optimizer on the host) | param (stage "
                          "3's parameter shard on the host) | cpu+param, or several: none,cpu")
+    ap.add_argument("--shard-size", default="all",
+                    help="zero.shard_size of stages 1-3: all (plain ZeRO) | node | G")
+    ap.add_argument("--hpz", action="store_true",
+                    help="stage 3 with ZeRO++'s hpZ (a secondary parameter shard per node; "
+                         "the primary partition over every DP rank)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket", type=int, help="C_B bucket elements (default 5e8)")
     ap.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -502,6 +525,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--stages {args.stages!r}: stages are 0..3")
         cfg = config_from_args(args)
         settings = settings_of(args, cfg.parallel.tp)
+        shard = SH.shard_size_arg(args, cfg)
         timing = T.Timing(model=args.time_model, gpu=args.gpu or "", attention=args.attention,
                           every=args.every)
         offloads = offloads_of(args.offload, timing)
@@ -512,7 +536,8 @@ def main(argv=None) -> int:
     done = []
     runs = [(zr, off) for zr in settings for off in offloads]
     for zr, off in runs:
-        est, ds = run(cfg, stages, zr, not args.no_search, args.workers, timing, off)
+        est, ds = run(cfg, stages, zr, not args.no_search, args.workers, timing, off, shard,
+                      args.hpz)
         print(report(est, ds) + ("\n" if len(runs) > 1 else ""))
         done.append((est, ds))
     if len(done) > 1:

@@ -24,6 +24,7 @@ from zero_repro import config as C
 from zero_repro.lab import host_memory, launcher
 from zero_repro.runtime.model import flops
 from zero_repro.scale import analytic
+from zero_repro.scale.estimate_time import shard_of
 from zero_repro.scale.paper.table1 import model_state_bytes, offload_bytes
 
 RANKS_PER_CORE = 4  # fig5's default 4 ranks must run on a 2-core laptop; 64 must not
@@ -88,7 +89,8 @@ def estimate_rank_bytes(cfg: C.Config) -> float:
         config=mem, seq=m.seq_len, vocab=C.padded_vocab(m, p.tp),
         reduce_bucket=z.reduce_bucket_size, allgather_bucket=z.allgather_bucket_size,
         dropout=m.dropout > 0, buffer_lp_bytes=4 if z.dtype == "fp32" else 2,
-        transport="native" if cfg.cluster.device == "cuda" else "gloo")
+        transport="native" if cfg.cluster.device == "cuda" else "gloo",
+        shard_size=shard_of(cfg) or None)
     # the closed form counts 2-byte activations; fp32 runs keep 4-byte ones (model states are
     # 16 bytes/parameter either way: fp32 params+grads+m+v = fp16 params+grads + K=12)
     act = 2.0 if z.dtype == "fp32" else 1.0

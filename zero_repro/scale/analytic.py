@@ -13,7 +13,11 @@ stages 2-3 plus the transport's scratch; without it one fused buffer of the mode
 paper's §6.1 example (100B, b = 32, s = 1024, MP 16, "≈33 GB -> ≈2 GB") matches the *element*
 count b·s·h·l = 33.5e9 of Table 5's 100B shape (125 x 8192); in fp16 bytes that is 67 GB (§3.2's
 "≈60 GB"): we compute bytes, the tests document the gap.
-Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``.
+Hierarchical sharding (``shard_size`` G): the states partition over G instead of N_d (Table 1
+with G). Communication per rank and step split by link (inside a node, between nodes; §7's ring
+counts): ``comm_ledger`` (``scale.hsdp``: plain ZeRO stages 0-3, G, hpZ).
+Entry points: ``table1``, ``max_params``, ``memory_breakdown``, ``fits``, ``max_model_size``,
+``comm_ledger``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Callable
 from zero_repro.runtime.model.flops import param_count_formula
 from zero_repro.runtime.zero import UNBOUNDED, comm_buffer_bytes
 from zero_repro.runtime.zero.partition import row_grid
+from zero_repro.scale.hsdp import comm_ledger  # noqa: F401 (an entry point of this module)
 from zero_repro.scale.paper.table1 import (
     K_ADAM,
     STAGE_NAMES,
@@ -40,9 +45,11 @@ GB = 1e9
 # ----------------------------------------------------------------------------- model states
 
 
-def model_state_breakdown(psi: float, stage: int, n_d: int, lp_bytes: int = 2
-                          ) -> dict[str, float]:
-    """The same total split into fp16 params / fp16 grads / fp32 master / Adam m / Adam v."""
+def model_state_breakdown(psi: float, stage: int, n_d: int, lp_bytes: int = 2,
+                          shard_size: int | None = None) -> dict[str, float]:
+    """The same total split into fp16 params / fp16 grads / fp32 master / Adam m / Adam v;
+    ``shard_size`` G: partitioned over G ranks (Table 1 with G)."""
+    n_d = shard_size or n_d
     p_div = n_d if stage >= 3 else 1
     g_div = n_d if stage >= 2 else 1
     o_div = n_d if stage >= 1 else 1
@@ -189,11 +196,15 @@ def memory_breakdown(n_layer: int, hidden: int, heads: int, tp: int, n_d: int,
                      batch_per_gpu: int, config: str | MemConfig | tuple = "C4",
                      seq: int = 1024, vocab: int = 50257, reduce_bucket: int = 2_000_000,
                      allgather_bucket: int = 2_000_000, dropout: bool = True,
-                     buffer_lp_bytes: int = 2, transport: str = "native"
-                     ) -> dict[str, float]:
+                     buffer_lp_bytes: int = 2, transport: str = "native",
+                     shard_size: int | None = None) -> dict[str, float]:
     """Per-GPU bytes by category for one training step at its peak (closed form); the buffers
-    in ``buffer_lp_bytes`` per element over the DP ``transport`` (``buffer_bytes``)."""
+    in ``buffer_lp_bytes`` per element over the DP ``transport`` (``buffer_bytes``); the model
+    states and buffers over ``shard_size`` G ranks (default N_d): plain ZeRO over G ranks (the
+    replicas' all-reduce runs in place on the owned chunks)."""
     c = as_mem_config(config)
+    if shard_size and c.stage:
+        n_d = shard_size
     psi = param_count_formula(n_layer, hidden, vocab, seq) / tp
     out = model_state_breakdown(psi, c.stage, n_d)
     if c.stage == 2 and not c.c_b:  # one fused buffer of Ψ, the shard in it (the runtime's)

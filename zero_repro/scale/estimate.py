@@ -30,6 +30,11 @@ For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per r
     scores, probabilities and their gradient), to the activations and every judgement.
 ``recommend``: the smallest stage that fits at the requested micro-batch, unless the next one
 fits a larger micro-batch that runs faster (tokens/s, each at its largest micro-batch).
+Hierarchical sharding (``shard_size`` G, ``hpz``): stages 1-3 run at G (stage 0 shards nothing);
+hpZ's secondary shard at stage 3 (2Ψ/k, k a node's DP ranks) is Table 1's closed form, held
+through the step: added to the dry run's model states and peak and taken off the capacity it is
+judged at. ``shard_choice`` then compares G = all, node and the sizes between, and hpZ, on the
+cluster's links (``Estimate.choices``, ``Estimate.hierarchy``).
 
 Mechanism and what is approximated:
   * one dry run per stage (``dryrun.dry_run``: meta tensors, the tracer's output cache, two
@@ -67,7 +72,7 @@ from zero_repro import schema
 from zero_repro import validation
 from zero_repro.runtime.model import flops
 from zero_repro.scale import offload_time as OT
-from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model
+from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model, shard_choice
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
     MAX_BATCH, PRIME_BATCH, BatchTraces, largest_batch)
@@ -118,12 +123,15 @@ def zero_r_name(name: str, tp: int) -> str:
 
 
 def stage_config(base: C.Config, stage: int, zero_r: str, batch: int,
-                 offload: str | None = None) -> C.Config:
+                 offload: str | None = None, shard_size: str | None = None) -> C.Config:
     """``base`` at ZeRO ``stage``, ZeRO-R setting ``zero_r`` (``ZERO_R``), micro-batch ``batch``,
     DeepSpeed's bucket sizes unless ``base`` sets others, the offload mode ``offload``
     (``C.OFFLOAD_MODES``: ``zero.offload_optimizer`` and, at stage 3, ``zero.offload_param``;
-    None: ``base``'s) (validated)."""
+    None: ``base``'s), ``zero.shard_size`` ``shard_size`` at stages 1-3 (None: ``base``'s)
+    (validated)."""
     z = dataclasses.replace(base.zero, stage=stage)
+    if shard_size is not None:
+        z = dataclasses.replace(z, shard_size=str(shard_size) if stage else "all")
     if offload is not None:
         opt, par = C.OFFLOAD_MODES[offload]
         z = dataclasses.replace(z, offload_optimizer=opt,
@@ -195,6 +203,8 @@ class StageEstimate:
     host_capacity: float = 0.0  # the host RAM a rank has (0: unknown, not judged)
     host_fits: bool = True
     device_fits: bool = True  # the device's verdict alone (``fits`` also needs the host's)
+    shard_size: int = 0  # G of zero.shard_size (N_d: plain ZeRO)
+    hpz: bool = False  # stage 3 with hpZ's secondary shard over a node's DP ranks
 
     @property
     def allocator_extra(self) -> int:
@@ -222,6 +232,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
     ``extra`` bytes per sample (unfused attention), ``none_cfg`` and ``frac`` (selective
     checkpointing: a second dry run, interpolated)."""
     judge = judge or {}
+    held = int(judge.get("held", 0))  # hpZ's secondary shard (closed form, module doc)
     cfg = schema.to_config(cfg_dict)
     b0 = cfg.train.micro_batch_size
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -232,7 +243,7 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
     ev = bt.events(b0)
     pic = _picture(bt, r, cfg.zero.stage, b0, alt, judge)
     reserved = _reserved(bt, b0, alt, judge)
-    cap = r.capacity - judge.get("outside", 0) if r.capacity else None
+    cap = r.capacity - judge.get("outside", 0) - held if r.capacity else None
     # the build judged on its own (it holds no activations: the same at every micro-batch);
     # a model whose build does not fit fits at no micro-batch
     build = A.replay(build_events(r.trace, r.host_sids), capacity=cap)
@@ -249,11 +260,14 @@ def _stage_memory(cfg_dict: dict, search: bool, rank: int = 0,
                     - pic["live_peak"])
         seed = b0 + int((cap - reserved) // slope)
         best, n = largest_batch(fits, b0, fits0, seed)
-    return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes,
+    if held:
+        pic["parts"]["model_states"] += held
+        pic["live_peak"] += held
+    return {"psi": r.psi, "psi_padded": r.psi_padded, "model_states": r.model_state_bytes + held,
             "host_bytes": sum(v for k, v in r.ledger.items() if is_host(k)),
-            "ledger": {k: v for k, v in r.ledger.items()}, "capacity": cap or 0.0,
-            "device_capacity": r.capacity, **pic,
-            "peak_reserved": reserved, "fits": fits0, "max_batch": best,
+            "ledger": {k: v for k, v in r.ledger.items()},
+            "capacity": cap + held if cap else 0.0, "device_capacity": r.capacity, **pic,
+            "peak_reserved": reserved + held, "fits": fits0, "max_batch": best,
             "judgements": n, "build_live_peak": r.live_peak_by_phase.get("build", 0),
             "build_peak_reserved": build.peak_reserved, "build_fits": not build.oom,
             "seconds": {"dry_run_s": t1 - t0, "search_s": time.perf_counter() - t1,
@@ -311,16 +325,19 @@ def _cfg_dict(cfg: C.Config) -> dict:
 
 
 def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
-                  params, timing: T.Timing) -> StageEstimate:
+                  params, timing: T.Timing, hpz: bool = False) -> StageEstimate:
     p = cfg.parallel
     n_d = p.world_size // p.tp
     psi_tp = flops.param_count(cfg.model, p.tp) / p.tp
     opt, par = cfg.zero.offload_optimizer, cfg.zero.offload_param
     off = {v: k for k, v in C.OFFLOAD_MODES.items()}[(opt, par)]
     lp = 4 if cfg.zero.dtype == "fp32" else 2
+    g, hpz = T.shard_of(cfg) or n_d, hpz and cfg.zero.stage == 3
     table1 = (offload_bytes(psi_tp, cfg.zero.stage, n_d, lp_bytes=lp, optimizer=opt, param=par)
               if off != "none" else
-              {"device": model_state_bytes(psi_tp, cfg.zero.stage, n_d), "host": 0.0})
+              {"device": model_state_bytes(psi_tp, cfg.zero.stage, n_d, shard_size=g,
+                                           hpz_size=_per_node(cfg) if hpz else None),
+               "host": 0.0})
     host_fits = not hw.host_bytes or mem["host_bytes"] <= hw.host_bytes
     est = StageEstimate(
         stage=cfg.zero.stage, zero_r=zr, batch=cfg.train.micro_batch_size, n_d=n_d,
@@ -338,13 +355,24 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
                           else "not searched"),
         seconds={**mem["seconds"], "search_judgements": mem["judgements"]},
         categories=mem["categories"], gathered_ledger=mem["ledger"].get("params_gathered", 0),
-        device_capacity=mem["device_capacity"])
-    est.perf = performance(cfg, hw, params, timing, zr)
+        device_capacity=mem["device_capacity"], shard_size=g, hpz=hpz)
+    est.perf = performance(cfg, hw, params, timing, zr, hpz=hpz)
     if est.max_batch:
         at_max = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batch_size=est.max_batch))
-        est.perf_max = performance(at_max, hw, params, timing, zr)
+        est.perf_max = performance(at_max, hw, params, timing, zr, hpz=hpz)
     return est
+
+
+def hpz_size(est: "Estimate") -> int:
+    """k of an estimate: its DP ranks of one TP rank on a node."""
+    return max(1, min(est.world_size // est.tp, est.cluster["gpus_per_node"] // est.tp))
+
+
+def _per_node(cfg: C.Config) -> int:
+    """k: the DP ranks of one TP rank on a node (hpZ's secondary group)."""
+    p = cfg.parallel
+    return max(1, min(p.world_size // p.tp, cfg.cluster.gpus_per_node // p.tp))
 
 
 # ------------------------------------------------------------------------------ the estimate
@@ -367,6 +395,10 @@ class Estimate:
     timing: dict = field(default_factory=dict)  # the time model and its switches
     outside: dict = field(default_factory=dict)  # bytes outside the allocator, low/mid/high
     offload: str = "none"  # the offload mode of every stage (``C.OFFLOAD_MODES``)
+    shard_size: str = "all"  # zero.shard_size of stages 1-3
+    hpz: bool = False  # stage 3 with hpZ
+    choices: list = field(default_factory=list)  # shard_choice.Choice per (stage, G, hpZ)
+    hierarchy: tuple = (None, "")  # (the best Choice, why) of ``choices``
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -425,12 +457,15 @@ def offload_stages(stages, offload: str, n_d: int) -> tuple:
 
 def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: bool = True,
              workers: int | None = None, perf_params: perf_model.PerfParams | None = None,
-             timing: T.Timing | None = None, offload: str | None = None) -> Estimate:
+             timing: T.Timing | None = None, offload: str | None = None,
+             shard_size: str | None = None, hpz: bool = False) -> Estimate:
     """Every stage of ``stages`` for ``base`` (model, parallel, train.micro_batch_size,
     zero.dtype and buckets, cluster: a CUDA cluster with device memory; module docstring).
     ``timing``: the time model (default: modern, or paper2020 when ``perf_params`` is given).
     ``offload``: the offload mode of every stage (``C.OFFLOAD_MODES``; None: ``base``'s; the
-    stages a mode cannot run are left out, ``offload_stages``)."""
+    stages a mode cannot run are left out, ``offload_stages``). ``shard_size``: the
+    ``zero.shard_size`` of stages 1-3 (None: ``base``'s); ``hpz``: stage 3 with hpZ, its
+    primary partition over every DP rank (module doc)."""
     t0, cpu0 = time.perf_counter(), time.process_time()
     if offload is None:
         offload = {v: k for k, v in C.OFFLOAD_MODES.items()}[
@@ -448,8 +483,12 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     b0 = base.train.micro_batch_size
     full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
-    cfgs = {s: stage_config(base, s, full, b0, offload) for s in stages}
+    # hpZ's primary partition is over every DP rank: stage 3 at G = all
+    cfgs = {s: stage_config(base, s, full, b0, offload,
+                            "all" if hpz and s == 3 else shard_size) for s in stages}
     judges, outside = _judges(base, stages, zr, timing, offload)
+    if hpz and 3 in stages:
+        judges[3]["held"] = hpz_bytes(cfgs[3])
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     hw = T.hardware_for(base)
     params = perf_params or (calibrate.calibration().params if timing.model == "paper2020"
@@ -471,7 +510,8 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing) for s in stages]
+    out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing, hpz) for s in stages]
+    chs, best = _hierarchy(out, cfgs, hw, params, timing, zr, base)
     m, c = base.model, base.cluster
     return Estimate(
         model={"name": m.name, "family": m.family, "n_layer": m.n_layer, "hidden": m.n_embd,
@@ -490,7 +530,31 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         perf_params=dataclasses.asdict(params) if params else {},
         seconds=time.perf_counter() - t0, workers=workers, cpu=_cpu(mems, cpu0, pool is not None),
         timing={**dataclasses.asdict(timing), "gpu": T.gpu_of(c, timing.gpu)
-                if timing.model == "modern" else ""}, outside=outside, offload=offload)
+                if timing.model == "modern" else ""}, outside=outside, offload=offload,
+        shard_size=str(shard_size or base.zero.shard_size), hpz=hpz, choices=chs,
+        hierarchy=best)
+
+
+def hpz_bytes(cfg: C.Config) -> int:
+    """hpZ's secondary lp shard per rank, 2Ψ/k (``table1.model_state_bytes``' hpZ term);
+    ValueError where there is no second node to save traffic to."""
+    p, k = cfg.parallel, _per_node(cfg)
+    if not 1 < k < p.world_size // p.tp or (p.world_size // p.tp) % k:
+        raise ValueError(f"hpZ keeps a secondary shard over a node's {k} DP ranks: it needs "
+                         f"more than one node of several DP ranks (DP {p.world_size // p.tp})")
+    lp = 4 if cfg.zero.dtype == "fp32" else 2
+    return int(lp * flops.param_count(cfg.model, p.tp) / p.tp / k)
+
+
+def _hierarchy(out: list, cfgs: dict, hw: Hardware, params, timing: T.Timing, zr: str,
+               base: C.Config) -> tuple[list, tuple]:
+    """``shard_choice``'s candidates and best on the modern time model (none otherwise)."""
+    if not any(s.perf.get("model") == "modern" for s in out) or any(
+            s.offload != "none" for s in out):
+        return [], (None, "")
+    lp = 4 if base.zero.dtype == "fp32" else 2
+    chs = shard_choice.choices(out, cfgs, hw, params, timing, zr, _per_node(base), lp)
+    return chs, shard_choice.best(chs, base.cluster.inter_node_gbps) if chs else (None, "")
 
 
 def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "none"
@@ -541,12 +605,16 @@ def bandwidth_sweep(base: C.Config, stages, zero_r: str, gbps,
     return T.bandwidth_sweep(cfgs, gbps, perf_params, timing, zr)
 
 
-def closed_form(psi: float, n_d: int, offload: str = "none") -> dict:
-    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3; with an
+def closed_form(psi: float, n_d: int, offload: str = "none", shard_size: int | None = None,
+                hpz_size: int | None = None) -> dict:
+    """Table 1's model states per GPU (bytes) at Ψ parameters, K = 12, for stages 0-3 (stages
+    1-3 over ``shard_size`` G ranks; stage 3 with hpZ's secondary over ``hpz_size``); with an
     offload mode (``C.OFFLOAD_MODES``) the device's part (the offload column,
     ``table1.offload_bytes``; the parameters at stage 3 only)."""
     if offload == "none":
-        return {s: model_state_bytes(psi, s, n_d) for s in range(4)}
+        return {s: model_state_bytes(psi, s, n_d, shard_size=None if hpz_size and s == 3
+                                     else shard_size, hpz_size=hpz_size if s == 3 else None)
+                for s in range(4)}
     opt, par = C.OFFLOAD_MODES[offload]
     return {s: offload_bytes(psi, s, n_d, optimizer=opt, param=par if s == 3 else "none")
             ["device"] for s in range(4)}

@@ -11,8 +11,10 @@ per rank and step of one configuration, by one of two time models (``Timing.mode
 The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the one the cluster names
 (``ClusterConfig.gpu``), else the one GPU of ``zero_repro.gpus`` whose dense peak and memory
 size the cluster states; none: the paper2020 model, said so in the result.
-Traffic per rank and step: DP 2Ψ (stages 0-2) or 3Ψ (stage 3) elements (§7); TP the
-all-reduces of b·s·h (counted 2n each, ``comm``'s convention).
+Traffic per rank and step: DP 2Ψ (stages 0-2) or 3Ψ (stage 3) elements (§7; + 2Ψ/G over the
+replicas with ``zero.shard_size`` G < N_d), split by link with the ring's (n-1)/n inside a node
+and between nodes (``scale.hsdp``); TP the all-reduces of b·s·h (counted 2n each, ``comm``'s
+convention). Hierarchical sharding and hpZ are timed by the modern model only.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from dataclasses import dataclass
 from zero_repro import config as C
 from zero_repro import gpus
 from zero_repro.runtime.model import flops
+from zero_repro.scale import hsdp as H
 from zero_repro.scale import kernels as K
 from zero_repro.scale import modern_step as M
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale import calibrate, perf_model
 from zero_repro.scale.hardware import Hardware
+from zero_repro.validation import shard_size_of
 
 MODELS = ("modern", "paper2020")
 
@@ -66,10 +70,12 @@ def gpu_of(c: C.ClusterConfig, gpu: str = "") -> str:
     return match[0] if len(match) == 1 else ""
 
 
-def workload(cfg: C.Config) -> perf_model.Workload:
+def workload(cfg: C.Config, hpz: bool | None = None) -> perf_model.Workload:
     """The performance models' view of ``cfg`` (the runtime reduces each bucket as backward
-    fills it: ``overlap_comm``)."""
+    fills it: ``overlap_comm``); ``hpz``: ZeRO++'s hpZ at stage 3 (None: ``cfg.zero.hpz``
+    where the config has it)."""
     m, p, zr = cfg.model, cfg.parallel, cfg.zero_r
+    hpz = getattr(cfg.zero, "hpz", False) if hpz is None else hpz
     llama = m.family == "llama"
     return perf_model.Workload(
         n_layer=m.n_layer, hidden=m.n_embd, heads=m.n_head, gpus=p.world_size, tp=p.tp,
@@ -81,7 +87,18 @@ def workload(cfg: C.Config) -> perf_model.Workload:
         bucket_elems=float(cfg.zero.reduce_bucket_size),
         ffn=C.ffn_width(m) if llama else 0, kv_heads=C.kv_heads(m) if llama else 0,
         offload=cfg.zero.offload_optimizer == "cpu",
-        offload_param=cfg.zero.offload_param == "cpu", offload_dpu=cfg.zero.offload_dpu)
+        offload_param=cfg.zero.offload_param == "cpu", offload_dpu=cfg.zero.offload_dpu,
+        shard_size=shard_of(cfg), hpz=bool(hpz) and cfg.zero.stage == 3)
+
+
+def shard_of(cfg: C.Config) -> int:
+    """G of ``zero.shard_size`` (``validation.shard_size_of``: ``node`` = the cluster's DP
+    ranks per node); 0 at stage 0 (it shards nothing)."""
+    if cfg.zero.stage == 0:
+        return 0
+    tp = max(1, cfg.parallel.tp)
+    return shard_size_of(cfg.zero.shard_size, max(1, cfg.parallel.world_size // tp),
+                         cfg.cluster.gpus_per_node // tp)
 
 
 def hardware_for(cfg: C.Config) -> Hardware:
@@ -96,27 +113,34 @@ def hardware_for(cfg: C.Config) -> Hardware:
 
 
 def traffic(cfg: C.Config, w: perf_model.Workload, recompute: float) -> dict:
-    """DP and TP bytes per rank and step (module doc); PCIe bytes of ZeRO-Offload (both
-    directions)."""
+    """DP and TP bytes per rank and step (module doc), the DP bytes inside a node and between
+    nodes (ring); PCIe bytes of ZeRO-Offload (both directions)."""
     m, b, lp = cfg.model, w.batch_per_gpu, w.lp_bytes
     psi = w.params / w.tp
-    dp_elems = (3 if w.stage == 3 else 2) * psi if w.dp > 1 else 0.0
+    mesh = H.mesh_of(w, cfg.cluster.gpus_per_node)
+    dp_elems = H.paper_volume(psi, w.stage, mesh, w.hpz) if w.dp > 1 else 0.0
+    split = H.comm_ledger(psi, w.stage, w.dp, mesh.shard_size, mesh.per_node, w.hpz, lp)
     n_tp = (m.n_layer * (4 + 2 * recompute) + 2) if w.tp > 1 else 0
-    return {"dp_bytes": dp_elems * lp, "tp_bytes": n_tp * 2.0 * b * m.seq_len * m.n_embd * lp,
+    return {"dp_bytes": dp_elems * lp, "dp_intra_bytes": split["intra"],
+            "dp_inter_bytes": split["inter"], "tp_bytes": n_tp * 2.0 * b * m.seq_len * m.n_embd * lp,
             "pcie_bytes": OT.pcie_bytes(w)}
 
 
 def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | None,
-                timing: Timing | None = None, zero_r: str = "ckpt") -> dict:
-    """Step time by component, tokens/s, MFU and the traffic of ``cfg`` (module doc). Empty
-    when the cluster has no peak FLOP/s."""
+                timing: Timing | None = None, zero_r: str = "ckpt",
+                hpz: bool | None = None) -> dict:
+    """Step time by component, tokens/s, MFU and the traffic of ``cfg`` (module doc), with
+    hpZ where ``hpz`` (``workload``). Empty when the cluster has no peak FLOP/s."""
     if hw.peak_flops <= 0:
         return {}
     timing = timing or Timing()
     gpu = gpu_of(cfg.cluster, timing.gpu) if timing.model == "modern" else ""
-    w = workload(cfg)
+    w = workload(cfg, hpz)
     if gpu:
         return _modern(cfg, w, hw, gpu, timing, zero_r)
+    if H.hierarchical(w):
+        raise ValueError("zero.shard_size < N_d and hpZ are timed by the modern time model "
+                         "only: name the GPU (--gpu) and drop --time-model paper2020")
     if w.offload or w.offload_param:
         raise ValueError("zero.offload_optimizer / offload_param=cpu is timed by the modern "
                          "time model only: name the GPU (--gpu) and drop --time-model "

@@ -36,6 +36,8 @@ over the cluster's links with their overlap. The paper's 2020 stack is ``scale.p
   after backward, exposed; stage 2: reduce-scatter behind backward, all-gather exposed;
   stage 3: the forward all-gather behind forward, backward all-gather + reduce-scatter behind
   backward (FSDP's prefetch). Compute slowed by concurrent communication is not modelled.
+  Hierarchical sharding (``Workload.shard_size`` G < N_d) and hpZ: the same overlap over the
+  shard, replicate and node groups (``scale.hsdp``); the optimizer over the Ψ/G shard.
 
 Model FLOPs (MFU; PaLM App. B's convention: 6·N_matmul per token + 12·l·h·s attention, the
 attention product counted in full) and hardware FLOPs (HFU: + the recomputed forward) come from
@@ -47,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zero_repro.scale import hsdp as H
 from zero_repro.scale import kernels as K
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale import perf_model as P
@@ -178,7 +181,7 @@ def compute_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid"
     logits = float(w.batch_per_gpu) * w.seq * w.vocab / w.tp
     mem_f = K.memory_seconds(dk, hbm, lf, point)
     block_fwd = gb["fwd"] + at["fwd"] + mem_f
-    shard = w.params / w.tp / (w.dp if w.stage >= 1 else 1)
+    shard = w.params / w.tp / (H.shard_ranks(w) if w.stage >= 1 else 1)
     return {"gemm_fwd": l * gb["fwd"] + gh["fwd"], "gemm_bwd": l * gb["bwd"] + gh["bwd"],
             "attention_fwd": l * at["fwd"], "attention_bwd": l * at["bwd"],
             "memory_bound_fwd": l * mem_f + K.memory_seconds(dk, hbm, logits * lgf, point),
@@ -214,6 +217,8 @@ def dp_terms(w: P.Workload, hw: Hardware, dk, windows: tuple, point: str) -> dic
     """(exposed, total) seconds of the stage's data-parallel collectives (module doc)."""
     if w.dp <= 1:
         return {"dp_exposed": 0.0, "dp_total": 0.0}
+    if H.hierarchical(w):  # shard x replicate groups, hpZ: ``scale.hsdp``
+        return H.dp_terms(w, hw, dk, windows, point, exposed)
     bw, alpha = links(w, hw, dk, point)["dp"]
     psi = w.params / w.tp
     nbytes = psi * w.lp_bytes

@@ -91,6 +91,10 @@ class Workload:
     # ZeRO-Offload's delayed parameter update (zero.offload_dpu): the host step hidden behind
     # the next step's forward and backward (``scale.offload_time``)
     offload_dpu: bool = False
+    # hierarchical sharding (zero.shard_size = G, 0: all N_d) and ZeRO++'s hpZ at stage 3: the
+    # modern step model's DP terms (``scale.hsdp``; the paper2020 model has none)
+    shard_size: int = 0
+    hpz: bool = False
     # the 2020 stack's per-step terms (module doc): the ZeRO step's passes at this DeepSpeed
     # commit ("" = not modelled), rooted reduces for stage 2, synchronous P_a+cpu copies
     step_commit: str = ""

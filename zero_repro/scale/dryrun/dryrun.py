@@ -9,7 +9,8 @@ copy) and ``iterations`` of its steps -- on PyTorch's ``meta`` device (``backend
 dtype rules and the model takes the fused attention kernel a GPU takes.
 
 What it reports and must satisfy (Ψ = this rank's flat-buffer elements): the project's ledgers,
-model states equal to Table 1 exactly (``model_state_bytes(Ψ_padded, stage, N_d)``), checkpoints
+model states equal to Table 1 exactly (``model_state_bytes(Ψ_padded, stage, N_d,
+shard_size=G)``; ``zero.shard_size=node``: the cluster's DP ranks per node), checkpoints
 b·s·h·l·2 bytes (/m with P_a, 0 on the device with P_a+cpu); the allocation trace
 (``tracer.AllocationTracer``) and its replay through the caching-allocator model (``allocator``):
 peak allocated, peak reserved ("max cached", Figure 7), fragmentation, and ``live_peak_steady``
@@ -271,6 +272,17 @@ def capacity_for(cfg: C.Config, stack: S.Stack) -> float | None:
 BACKENDS = ("meta", "meta_uncached", "fake")
 
 
+def node_shard_size(cfg: C.Config) -> C.Config:
+    """``cfg`` with ``zero.shard_size=node`` as the number G of the cluster's DP ranks per node
+    (``validation.shard_size_of``): the fake group has no node to ask."""
+    if cfg.zero.shard_size != "node":
+        return cfg
+    tp = max(1, cfg.parallel.tp)
+    g = validation.shard_size_of("node", cfg.parallel.world_size // tp,
+                                 cfg.cluster.gpus_per_node // tp)
+    return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, shard_size=str(g)))
+
+
 def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool = True,
             allocator_capacity: float | None = None, stack: S.Stack | None = None,
             backend: str = "meta", details: bool = True,
@@ -298,7 +310,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
     ``real_ledgers``' ``transport``): ``native`` (NCCL's, staging scratch), ``gloo``
     (point-to-point, receive scratch) or ``shm`` (shared memory, its segment), which reproduce
     that run's ledgers exactly."""
-    validation.validate(cfg)
+    cfg = node_shard_size(validation.validate(cfg))
     if comm.is_initialized():
         raise RuntimeError("dry_run needs its own fake process group but one is already "
                            "initialised in this process: use dry_run_subprocess(cfg)")
@@ -378,6 +390,8 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
              "seq_len": m.seq_len, "world_size": cfg.parallel.world_size, "tp": cfg.parallel.tp,
              "stage": cfg.zero.stage, "dtype": cfg.zero.dtype, "zero_r": cfg.zero_r.name,
              "micro_batch_size": t.micro_batch_size, "rank": rank}
+    if cfg.zero.shard_size != "all":
+        ident["shard_size"] = cfg.zero.shard_size
     if stack.name != "modern":
         ident["stack"] = stack.name
     led = ledger.as_dict()

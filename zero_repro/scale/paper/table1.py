@@ -16,6 +16,14 @@ replicas sum each owned gradient chunk once per step: an all-reduce of Ψ/G elem
 §7's count, over the replicate group (``replicate_volume``), besides the shard group's 2Ψ
 (stages 1-2) or 3Ψ (stage 3).
 
+ZeRO++'s hpZ (Wang et al. 2023, arXiv:2306.10209 §3.2; ``hpz_size`` = the ranks of the
+secondary group, a node's DP ranks; DeepSpeed's ``zero_hpz_partition_size``, DeepSpeed@edaa7221
+deepspeed/runtime/zero/config.py L309, the secondary shard of tensor_size // hpz ranks at
+partition_parameters.py L1884), stage 3 only: optimizer states, gradients and the primary
+parameter shard stay partitioned over all N_d ranks and each rank adds a secondary lp shard over
+its hpz_size ranks, 16Ψ/N_d + 2Ψ/hpz_size, so that the backward's all-gather stays inside the
+node (the communication: ``scale.hsdp``).
+
 With ZeRO-Offload (Ren et al. 2021 §4.1; ``zero.offload_optimizer=cpu``, ``runtime.zero.offload``)
 the K bytes move to the host with the gradient shard (lp bytes: the buffer the reduced gradients
 arrive in and the updated parameters leave from); the device keeps only the stage's lp
@@ -49,9 +57,17 @@ TABLE1_ND = (1, 4, 16, 64, 256, 1024)  # the table's DP degrees
 
 
 def model_state_bytes(psi: float, stage: int, n_d: int, K: int = K_ADAM, lp_bytes: int = 2,
-                      shard_size: int | None = None) -> float:
+                      shard_size: int | None = None, hpz_size: int | None = None) -> float:
     """Per-rank bytes of lp params + lp grads + K bytes/param optimizer state (Table 1);
-    ``shard_size`` G (default N_d): the states partitioned over G ranks (module docstring)."""
+    ``shard_size`` G (default N_d): the states partitioned over G ranks; ``hpz_size``: stage 3
+    with hpZ's secondary lp shard over that many ranks (module docstring)."""
+    if hpz_size is not None:
+        if stage != 3 or shard_size not in (None, n_d):
+            raise ValueError(f"hpZ at stage {stage}, shard_size={shard_size}: hpZ is stage 3's "
+                             f"with the primary partition over all N_d={n_d} ranks")
+        if hpz_size < 1 or n_d % hpz_size:
+            raise ValueError(f"hpz_size={hpz_size} must divide n_d={n_d}")
+        return model_state_bytes(psi, 3, n_d, K, lp_bytes) + lp_bytes * psi / hpz_size
     if shard_size is not None:
         if shard_size < 1 or n_d % shard_size:
             raise ValueError(f"shard_size={shard_size} must divide n_d={n_d}")
