@@ -66,7 +66,7 @@ from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
 from zero_repro.runtime.model import flops
-from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model
+from zero_repro.scale import calibrate, era, limit, modern_step, outside_modern, perf_model
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
     MAX_BATCH, PRIME_BATCH, BatchTraces, largest_batch)
@@ -194,6 +194,7 @@ class StageEstimate:
     host_capacity: float = 0.0  # the host RAM a rank has (0: unknown, not judged)
     host_fits: bool = True
     device_fits: bool = True  # the device's verdict alone (``fits`` also needs the host's)
+    limit: dict = field(default_factory=dict)  # the verdict with its band (``scale.limit``)
 
     @property
     def allocator_extra(self) -> int:
@@ -366,6 +367,7 @@ class Estimate:
     timing: dict = field(default_factory=dict)  # the time model and its switches
     outside: dict = field(default_factory=dict)  # bytes outside the allocator, low/mid/high
     offload: str = "none"  # the offload mode of every stage (``C.OFFLOAD_MODES``)
+    stack: str = "modern"  # the software stack assumed (``scale.era``)
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -447,7 +449,8 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     b0 = base.train.micro_batch_size
     full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
-    cfgs = {s: stage_config(base, s, full, b0, offload) for s in stages}
+    stack = era.stack_of(timing.model)
+    cfgs = {s: era.with_stack(stage_config(base, s, full, b0, offload), stack) for s in stages}
     judges, outside = _judges(base, stages, zr, timing, offload)
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     hw = T.hardware_for(base)
@@ -471,6 +474,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing) for s in stages]
+    _limits(out, outside, stack)
     m, c = base.model, base.cluster
     return Estimate(
         model={"name": m.name, "family": m.family, "n_layer": m.n_layer, "hidden": m.n_embd,
@@ -487,7 +491,23 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         perf_params=dataclasses.asdict(params) if params else {},
         seconds=time.perf_counter() - t0, workers=workers, cpu=_cpu(mems, cpu0, pool is not None),
         timing={**dataclasses.asdict(timing), "gpu": T.gpu_of(c, timing.gpu)
-                if timing.model == "modern" else ""}, outside=outside, offload=offload)
+                if timing.model == "modern" else ""}, outside=outside, offload=offload,
+        stack=stack)
+
+
+def _limits(stages: list, outside: dict, stack: str) -> None:
+    """Each stage's verdict with its band (``scale.limit``): the outside bracket's ends, the
+    modern stack's or the 2020 stack's (``dryrun.stack.outside``)."""
+    if outside:
+        lo, hi = outside["low"], outside["high"]
+    elif stack == "2020":
+        lo, hi = S.paper2020().outside_bytes("low"), S.paper2020().outside_bytes("high")
+    else:
+        lo = hi = 0
+    for s in stages:
+        if s.device_capacity:
+            s.limit = limit.judge(s.live_peak, s.peak_reserved, s.device_capacity, lo, hi,
+                                  s.device_fits, s.build_fits)
 
 
 def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "none"
