@@ -19,6 +19,10 @@ import dataclasses
 
 from zero_repro import config as C
 
+# DeepSpeed 0.2's stage 1-2 ran with overlap_comm=False (its default; the paper harness's rows:
+# ``dryrun.stack.deepspeed02``), 2019 Megatron's DDP all-reduced after backward
+# (``scale.perf_model``): the 2020 stack's time model hides no DP collective behind compute
+OVERLAP_COMM_2020 = False
 MEGATRON_2019 = ("materialized_scores", "dropout_masks", "tanh_gelu_intermediates",
                  "fp32_logits")
 STACKS = {

@@ -20,6 +20,10 @@ For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per r
   * the modern stack's bytes outside the caching allocator (CUDA context, NCCL;
     ``scale.outside_modern``, the middle of its bracket) are taken off the device before every
     verdict; the paper2020 time model keeps the estimate as it was (the whole device);
+  * the verdict with a band (``scale.limit``): within the band's reach of the device (the
+    replay's fragmentation either way, the outside bracket's ends) it is "at the limit";
+  * the stack it assumes (``scale.era``): with ``--time-model paper2020`` the 2020 stack,
+    whose dry run holds the 2019 Megatron layer's activation extras (GPT, stages 0-2);
   * selective activation checkpointing (every k-th block checkpointed): one dry run with every
     block checkpointed and one with none, each picture and peak reserved interpolated at the
     checkpointed fraction c = 1/k (first order: a block holds either its checkpoint or all its

@@ -11,7 +11,9 @@ per rank and step of one configuration, by one of two time models (``Timing.mode
     as the model's own P_a+cpu copies), and the compute slowed by the DP collectives it
     hides (``scale.overlap``, the GPU's band: the hidden seconds are the DP term without
     overlap less the term with it; Fig 2's calibration ran without overlap, nothing counted
-    twice).
+    twice). The 2020 stack reduces its gradients after backward, as its harness ran DeepSpeed
+    0.2 and 2019 Megatron (``era.OVERLAP_COMM_2020``): no DP collective is hidden there, so
+    the slowdown is 0 unless a caller's workload overlaps (``_paper2020``).
 
 The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the one the cluster names
 (``ClusterConfig.gpu``), else the one GPU of ``zero_repro.gpus`` whose dense peak and memory
@@ -31,7 +33,7 @@ from zero_repro.scale import kernels as K
 from zero_repro.scale import modern_step as M
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale import overlap as OV
-from zero_repro.scale import calibrate, perf_model
+from zero_repro.scale import calibrate, era, perf_model
 from zero_repro.scale.hardware import Hardware
 
 MODELS = ("modern", "paper2020")
@@ -126,6 +128,8 @@ def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | Non
     w = workload(cfg)
     if gpu:
         return _modern(cfg, w, hw, gpu, timing, zero_r)
+    if timing.model == "paper2020":  # the 2020 stack reduces after backward (module doc)
+        w = dataclasses.replace(w, overlap_comm=era.OVERLAP_COMM_2020)
     out = _paper2020(cfg, w, hw, params, gpu_of(cfg.cluster, timing.gpu), timing)
     if timing.model == "modern":
         out["note"] = "no GPU named (--gpu): the paper2020 model"
