@@ -54,6 +54,7 @@ def test_ring_steps_and_network_hops_grow_the_latency():
     many = CL.time("all_gather", 1 << 20, 64, 300e9, nodes=8)
     assert many > 3 * one
     assert CL.steps("all_reduce", 16, 2) == (30, 4) and CL.steps("all_gather", 16, 2) == (15, 1)
+    assert CL.share("all_gather", "LL128", 8, ppn=1) < CL.share("all_gather", "LL128", 8)
     with pytest.raises(ValueError, match="collective"):
         CL.steps("broadcast", 2, 1)
 
@@ -165,3 +166,13 @@ def test_paper2020_times_offload_with_host_work():
     hidden = serial["dp_s"] - over["dp_s"]
     assert hidden > 0
     assert over["overlap_slowdown_s"] == pytest.approx(OV.band("v100")["mid"] * hidden)
+
+
+def test_breakdown_parts_add_up_and_bands_hold_the_middle():
+    from zero_repro.lab import estimate_breakdown as B
+    for cfg, tm in ((B.config("llama2_7b", "h100", 64, 1, 3, 1), T.Timing()),
+                    (B.config("gpt_8b", "dgx2_v100", 400, 8, 2, 4, dtype="fp16"),
+                     T.Timing(model="paper2020"))):
+        r = B.row("x", cfg, tm)
+        assert sum(r[k] for k in B.PARTS) == pytest.approx(r["step_s"], rel=1e-9)
+        assert r["band_fast_s"] < r["step_s"] < r["band_slow_s"]

@@ -23,7 +23,7 @@ src/graph/tuning.cc (``ncclTopoTuneModel``), Ring rows:
     2.5 / 5.7, network 2.7 / 4.0 / 14.0; an inter-node ring launches every step with the
     network's post overhead (``getNetOverhead``: 1 us on Intel hosts, x 3 for Simple);
   * bandwidth share: LL 1/4 (all-reduce or more than one node; else 1/3), LL128 0.92
-    (120/128 of each line is data), Simple 1;
+    (120/128 of each line is data; 0.7 with one rank per node, ppn < 2), Simple 1;
   * LL128 is on by default only where the intra-node path is NVLink (not on PCIe-only nodes);
     NCCL before 2.5 had no LL128 (``ERA_PROTOCOLS["2020"]``: the paper's NCCL 2.4.8).
 
@@ -44,6 +44,7 @@ HW_LAT_US = {"nvlink": {"LL": 0.6, "LL128": 1.9, "Simple": 3.4},
              "network": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0}}
 NET_OVERHEAD_US = 1.0  # getNetOverhead, Intel x86 hosts; x 3 for Simple
 LL128_SHARE = 0.92
+LL128_PPN1_SHARE = 0.7  # one rank per node: it sends and receives through the NIC
 ERA_PROTOCOLS = {"modern": PROTOCOLS, "2020": ("LL", "Simple")}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SOURCE = "NVIDIA/nccl@b6475625 src/graph/tuning.cc (ncclTopoTuneModel: baseLat, hwLat, ring)"
@@ -58,11 +59,13 @@ def steps(coll: str, n: int, nodes: int) -> tuple[int, int]:
     return n - 1, nodes - 1
 
 
-def share(coll: str, protocol: str, nodes: int) -> float:
-    """The protocol's share of the bus bandwidth (module doc)."""
+def share(coll: str, protocol: str, nodes: int, ppn: float = 2.0) -> float:
+    """The protocol's share of the bus bandwidth (module doc); ``ppn`` ranks per node."""
     if protocol == "LL":
         return 0.25 if (nodes > 1 or coll == "all_reduce") else 1.0 / 3.0
-    return LL128_SHARE if protocol == "LL128" else 1.0
+    if protocol == "LL128":
+        return LL128_SHARE if ppn >= 2 else LL128_PPN1_SHARE
+    return 1.0
 
 
 def latency_us(coll: str, protocol: str, n: int, nodes: int, intra: str) -> float:
@@ -89,7 +92,8 @@ def times(coll: str, nbytes: float, n: int, bus_bw: float, nodes: int = 1,
         return {p: 0.0 for p in protocols(intra, era)}
     f = (2.0 if coll == "all_reduce" else 1.0) * (n - 1) / n
     return {p: latency_us(coll, p, n, nodes, intra) * 1e-6
-            + f * nbytes / (bus_bw * share(coll, p, nodes)) for p in protocols(intra, era)}
+            + f * nbytes / (bus_bw * share(coll, p, nodes, n / max(1, nodes)))
+            for p in protocols(intra, era)}
 
 
 def time(coll: str, nbytes: float, n: int, bus_bw: float, nodes: int = 1,
