@@ -176,3 +176,18 @@ def test_breakdown_parts_add_up_and_bands_hold_the_middle():
         r = B.row("x", cfg, tm)
         assert sum(r[k] for k in B.PARTS) == pytest.approx(r["step_s"], rel=1e-9)
         assert r["band_fast_s"] < r["step_s"] < r["band_slow_s"]
+
+
+def test_2020_stack_with_offload_runs_the_2019_layer_beside_the_host_optimizer():
+    est = E.estimate(base("tiny", 2), (2,), "ckpt", search=False, workers=1,
+                     timing=T.Timing(model="paper2020"), offload="cpu")
+    mod = E.estimate(base("tiny", 2), (2,), "ckpt", search=False, workers=1,
+                     timing=T.Timing(gpu="h100_sxm"), offload="cpu")
+    s = est.stages[0]
+    assert s.host_bytes > 0 and s.perf["model"] == "paper2020"
+    assert s.parts["activations"] > mod.stages[0].parts["activations"]
+    # a switch of DeepSpeed 0.2 itself still has no offload
+    cfg = E.stage_config(base("tiny", 2), 2, "ckpt", 2, offload="cpu")
+    with pytest.raises(ValueError, match="2020 stack"):
+        validation.validate(dataclasses.replace(cfg, simulate=C.SimulateConfig(
+            only_switches=["stage2_single_ipg_bucket"])))

@@ -53,13 +53,13 @@ def schema_models() -> set:
 
 
 def config(name: str, cluster: str, gpus: int, tp: int, stage: int, batch: int,
-           dtype: str = "bf16") -> C.Config:
+           dtype: str = "bf16", offload: str = "none") -> C.Config:
     cfg = C.Config(model=model(name), parallel=C.ParallelConfig(world_size=gpus, tp=tp),
                    cluster=load_cluster(cluster))
     cfg.zero = dataclasses.replace(cfg.zero, dtype=dtype, reduce_bucket_size=E.BUCKET,
                                    allgather_bucket_size=E.BUCKET)
     cfg = validation.validate(cfg)
-    return E.stage_config(cfg, stage, E.zero_r_name("auto", tp), batch)
+    return E.stage_config(cfg, stage, E.zero_r_name("auto", tp), batch, offload)
 
 
 def split(p: dict) -> dict:
@@ -99,7 +99,8 @@ def fit_band() -> tuple[float, float]:
 
 def breakdown() -> list[dict]:
     """Every row of the breakdown (module doc): 64 GPUs, stage 3, micro-batch 1 x 4096 on
-    A100 / H100; 400 V100s (64 for 1.5B), stage 2, micro-batch 4 x 1024 for the 2020 stack."""
+    A100 / H100; 400 V100s (64 for 1.5B), stage 2, micro-batch 4 x 1024 for the 2020 stack;
+    and one node of each with the optimizer on the host (stage 2)."""
     rows = []
     for cl in MODERN_CLUSTERS:
         for name in MODERN_MODELS:
@@ -108,6 +109,12 @@ def breakdown() -> list[dict]:
         gpus = 64 if mp == 1 else 400
         cfg = config(name, "dgx2_v100", gpus, mp, 2, 4, dtype="fp16")
         rows.append(row("2020 stack", cfg, T.Timing(model="paper2020")))
+    # host work: ZeRO-Offload (the optimizer on the host) on one node of each
+    rows.append(row("modern + offload", config("llama2_13b", "h100", 8, 1, 2, 1,
+                                               offload="cpu"), T.Timing()))
+    rows.append(row("2020 stack + offload", config("gpt_8b", "dgx2_v100", 16, 1, 2, 4,
+                                                   dtype="fp16", offload="cpu"),
+                    T.Timing(model="paper2020")))
     return rows
 
 
@@ -165,7 +172,8 @@ def plot(rows: list, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(14, 5))
-    names = [f"{r['model']}\n{r['cluster']}" for r in rows]
+    names = [f"{r['model']}\n{r['cluster']}" + ("\n+ offload" if "offload" in r["label"] else "")
+             for r in rows]
     bottom = [0.0] * len(rows)
     colors = {"compute": "#4C72B0", "exposed_comm": "#DD8452", "overlap_slowdown": "#C44E52",
               "host": "#55A868"}
@@ -182,7 +190,8 @@ def plot(rows: list, out: str) -> None:
     ax.set_ylabel("fraction of the step time")
     ax.set_ylim(0, 1.1)
     ax.set_title("Where the estimate's step time goes (simulated; A100 / H100: modern stack, "
-                 "stage 3, 64 GPUs; DGX-2 V100: 2020 stack, stage 2)", fontsize=9)
+                 "stage 3, 64 GPUs; DGX-2 V100: 2020 stack, stage 2; + offload: one node, "
+                 "stage 2, the optimizer on the host)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     for ext in ("png", "pdf"):

@@ -9,8 +9,9 @@ stack changes in its memory (paper §10's runs: DeepSpeed 0.2-0.3, Megatron-LM 2
     activation extras (``MEGATRON_2019``, each a switch of ``dryrun.stack.switches`` with its
     source): fp16 attention scores and probabilities materialized (b·a/t·s² each), the
     dropout masks and outputs (p = 0.1, 1-byte masks), the tanh GELU's intermediates and the
-    fp32 logits with the cross-entropy's fp32 copies. The GPT family only (Megatron 2019 had
-    no other); stage 3 keeps this runtime's layer (DeepSpeed 0.2-0.3 had no stage 3, and the
+    fp32 logits with the cross-entropy's fp32 copies, with or without ZeRO-Offload (a layer
+    switch changes activations only). The GPT family only (Megatron 2019 had no other);
+    stage 3 keeps this runtime's layer (DeepSpeed 0.2-0.3 had no stage 3, and the
     2019 layer reads its tied head whole, which stage 3's row-sliced table does not allow).
 """
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 from zero_repro import config as C
+from zero_repro.validation import MEGATRON_2019_LAYER
 
 # DeepSpeed 0.2's stage 1-2 ran with overlap_comm=False (its default; the paper harness's rows:
 # ``dryrun.stack.deepspeed02``), 2019 Megatron's DDP all-reduced after backward
 # (``scale.perf_model``): the 2020 stack's time model hides no DP collective behind compute
 OVERLAP_COMM_2020 = False
-MEGATRON_2019 = ("materialized_scores", "dropout_masks", "tanh_gelu_intermediates",
-                 "fp32_logits")
+MEGATRON_2019 = MEGATRON_2019_LAYER  # stages 0-2, with or without ZeRO-Offload
 STACKS = {
     "modern": "modern (this runtime on today's PyTorch: fused / flash attention, no dropout; "
               "the kernel time model)",

@@ -159,27 +159,28 @@ def _paper2020(cfg: C.Config, w: perf_model.Workload, hw: Hardware,
 
 def _paper2020_extra(w: perf_model.Workload, hw: Hardware, params: perf_model.PerfParams,
                      gpu: str, timing: Timing, t: dict) -> dict:
-    """The overlap slowdown and ZeRO-Offload's exposed host step and PCIe copies of the
-    paper2020 model (module doc); 0 where no GPU is known."""
+    """The overlap slowdown (0 where no GPU is known: its band is per generation) and
+    ZeRO-Offload's exposed host step and PCIe copies of the paper2020 model (module doc)."""
     out = {"overlap_slowdown": 0.0, "host_adam": 0.0, "pcie_exposed": 0.0}
-    if not gpu:
-        return out
-    if timing.overlap_slowdown and w.overlap_comm:
+    if timing.overlap_slowdown and w.overlap_comm and gpu:
         serial = perf_model.step_time(dataclasses.replace(w, overlap_comm=False), hw, params)
         out["overlap_slowdown"] = OV.slowdown(gpu, serial["dp_comm"] - t["dp_comm"])
     if w.offload or w.offload_param:
         t_fwd = t["compute"] / (4.0 if w.checkpointing else 3.0)
         hw_pcie = dataclasses.replace(hw, pcie_bw=hw.pcie_bw * params.comm_eff)
-        ot = OT.terms(w, hw_pcie, _unit_links(gpu), t["compute"] - t_fwd, "mid", t_fwd)
+        ot = OT.terms(w, hw_pcie, _CALIBRATED_PCIE, t["compute"] - t_fwd, "mid", t_fwd)
         out["host_adam"], out["pcie_exposed"] = ot["host_adam"], ot["pcie_exposed"]
     return out
 
 
-def _unit_links(gpu: str):
-    """The GPU's kernel model with the PCIe efficiency taken as 1 (paper2020 scales the
-    bandwidth by its calibrated comm_eff instead)."""
-    dk = K.device_kernels(gpu)
-    return dataclasses.replace(dk, links={**dk.links, "pcie": K.Band(1.0, 1.0, 1.0)})
+@dataclasses.dataclass(frozen=True)
+class _CalibratedLinks:
+    """The kernel model's link view with PCIe at efficiency 1: the paper2020 model scales the
+    bandwidth by its calibrated comm_eff instead (``_paper2020_extra``)."""
+    links: dict
+
+
+_CALIBRATED_PCIE = _CalibratedLinks({"pcie": K.Band(1.0, 1.0, 1.0)})
 
 
 def _modern(cfg: C.Config, w: perf_model.Workload, hw: Hardware, gpu: str, timing: Timing,
