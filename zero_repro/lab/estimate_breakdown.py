@@ -190,7 +190,7 @@ def plot(rows: list, out: str) -> None:
     ax.set_ylabel("fraction of the step time")
     ax.set_ylim(0, 1.1)
     ax.set_title("Where the estimate's step time goes (simulated; A100 / H100: modern stack, "
-                 "stage 3, 64 GPUs; DGX-2 V100: 2020 stack, stage 2; + offload: one node, "
+                 "stage 3, 64 GPUs;\nDGX-2 V100: 2020 stack, stage 2; + offload: one node, "
                  "stage 2, the optimizer on the host)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
