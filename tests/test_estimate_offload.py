@@ -133,9 +133,6 @@ def test_command_line_offload_errors_and_report(capsys):
                    "--offload", "nvme"]) == 2
     assert "--offload 'nvme'" in capsys.readouterr().err
     assert L.main(["--model", "llama_tiny", "--cluster", "l40s_pcie", "--gpus", "2",
-                   "--offload", "cpu", "--time-model", "paper2020"]) == 2
-    assert "modern time model" in capsys.readouterr().err
-    assert L.main(["--model", "llama_tiny", "--cluster", "l40s_pcie", "--gpus", "2",
                    "--stages", "2", "--offload", "none,cpu", "--no-search",
                    "--workers", "1"]) == 0
     out = capsys.readouterr().out

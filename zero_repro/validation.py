@@ -183,6 +183,18 @@ def shard_size_of(shard_size: int | str | None, dp: int, per_node: int) -> int:
     return g
 
 
+# the 2019 Megatron layer's switches (``scale.era``): they change the activations only, not
+# ZeRO's states, so they may run beside the offloaded optimizer (ZeRO-Offload ran on it in 2020)
+MEGATRON_2019_LAYER = ("materialized_scores", "dropout_masks", "tanh_gelu_intermediates",
+                       "fp32_logits")
+
+
+def _stack_2020(cfg: Config) -> bool:
+    """Whether the dry run's stack is more of 2020 than its Megatron layer."""
+    sim = cfg.simulate
+    return sim.stack != "modern" or not set(sim.only_switches) <= set(MEGATRON_2019_LAYER)
+
+
 def _validate_offload(cfg: Config) -> None:
     z = cfg.zero
     _choice(z.offload_optimizer, OFFLOAD, "zero.offload_optimizer")
@@ -191,8 +203,7 @@ def _validate_offload(cfg: Config) -> None:
         raise ValueError(f"zero.offload_param={z.offload_param} at zero.stage={z.stage}: only "
                          f"stage 3 partitions the parameters (P_p); use zero.stage=3, or "
                          f"zero.offload_optimizer=cpu alone")
-    if z.offload_param != "none" and (cfg.simulate.stack != "modern"
-                                      or cfg.simulate.only_switches):
+    if z.offload_param != "none" and _stack_2020(cfg):
         raise ValueError(f"zero.offload_param={z.offload_param}: the 2020 stack had no "
                          f"parameter offload; use simulate.stack=modern")
     if z.offload_dpu and z.offload_optimizer != "cpu":
@@ -208,7 +219,7 @@ def _validate_offload(cfg: Config) -> None:
         raise ValueError(f"zero.offload_optimizer={z.offload_optimizer} at zero.stage=0 with DP "
                          f"{dp} keeps the whole optimizer on every rank's host: use zero.stage=1 "
                          f"or 2 (each host then holds 1/{dp} of it)")
-    if cfg.simulate.stack != "modern" or cfg.simulate.only_switches:
+    if _stack_2020(cfg):
         raise ValueError(f"zero.offload_optimizer={z.offload_optimizer}: the 2020 stack "
                          f"(simulate.stack={cfg.simulate.stack}, simulate.only_switches) had no "
                          f"offload; use simulate.stack=modern or zero.offload_optimizer=none")

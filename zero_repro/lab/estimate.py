@@ -8,7 +8,9 @@ model-state estimator beside it where DeepSpeed is installed).
     python -m zero_repro.lab.estimate --model llama2_70b --cluster h100 --gpus 64 --tp 8
     python -m zero_repro.lab.estimate --shape layers=32,hidden=4096,heads=32,kv_heads=8,\\
         ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8 --ac selective
-    ... --time-model paper2020    (the paper's Fig 2-calibrated V100 model, as before)
+    ... --time-model paper2020    (the 2020 stack: the paper's Fig 2-calibrated V100 model,
+                                   the 2019 Megatron layer's activations in the dry run)
+    ... --collectives ring | --no-overlap-slowdown   (the time model's switches, off)
     ... --shard-size node --hpz    (hierarchical sharding: stages 1-3 over a node's ranks;
                                     stage 3 with ZeRO++'s hpZ)
 
@@ -37,6 +39,7 @@ from zero_repro.lab import estimate_shard as SH
 from zero_repro.lab import memory_view
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
+from zero_repro.scale import era, limit
 from zero_repro.scale import estimate as E
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale import offload_time as OT
@@ -183,6 +186,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
              else f"{m['n_layer']} x {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}")
     nodes = max(1, est.world_size // max(1, c["gpus_per_node"]))
     lines = [
+        era.describe(est.stack, model_family=m["family"]),
         f"Will it fit: {m['name']} ({m['family']}: {shape}; Ψ = {m['params'] / 1e9:.2f}B"
         + (f", nominal {m['nominal']}" if m["nominal"] else "") + ")",
         f"  on {est.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''} x "
@@ -249,6 +253,12 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
                                                    if out > 0 else "") + ", build and steps",
                       ["fits" if s.device_fits else "OOM" + ("" if s.build_fits else " build")
                        for s in st]))
+    if any(s.limit for s in st):
+        lines.append(_row("  with its band (limit+/-: at the limit)",
+                          [limit.label(s.limit) if s.limit else "-" for s in st]))
+        lines.append(_row("  band: need on the device (GB)",
+                          [f"{s.limit['need_low'] / GB:.1f}-{s.limit['need_high'] / GB:.1f}"
+                           if s.limit else "-" for s in st]))
     if off or any(s.host_bytes for s in st):
         hcap = st[0].host_capacity
         lines.append(_row("host memory per rank (GB)", [s.host_bytes / GB for s in st]))
@@ -319,9 +329,12 @@ def _time_paper2020(est: E.Estimate, st: list) -> list[str]:
     lines.append(_row("step time (s)", [s.perf["step_s"] for s in st], "{:>10.3f}"))
     for key, label in (("compute_s", "  compute"), ("tp_s", "  TP communication"),
                        ("dp_s", "  exposed DP communication"),
-                       ("pa_s", "  P_a all-gathers"), ("offload_s", "  P_a+cpu copies")):
-        if any(s.perf[key] for s in st) or key in ("compute_s", "dp_s"):
-            lines.append(_row(label, [s.perf[key] for s in st], "{:>10.3f}"))
+                       ("pa_s", "  P_a all-gathers"), ("offload_s", "  P_a+cpu copies"),
+                       ("overlap_slowdown_s", "  compute slowed by hidden DP comm."),
+                       ("host_s", "  host AdamW (offload)"),
+                       ("pcie_s", "  exposed PCIe copies (offload)")):
+        if any(s.perf.get(key) for s in st) or key in ("compute_s", "dp_s"):
+            lines.append(_row(label, [s.perf.get(key, 0.0) for s in st], "{:>10.3f}"))
     lines.append(_row("tokens/s (cluster)", [s.perf["tokens_per_s"] for s in st],
                       "{:>10,.0f}"))
     lines.append(_row("MFU (model FLOPs, no recompute)", [s.perf["mfu"] for s in st],
@@ -368,7 +381,7 @@ def _time_modern(est: E.Estimate, st: list) -> list[str]:
     top = []
     for s in st:
         top += [k for k, _, _ in s.perf["largest"] if k not in top]
-    for k in top + [k for k in ("dp_exposed",) if k not in top]:
+    for k in top + [k for k in ("dp_exposed", "overlap_slowdown") if k not in top]:
         lines.append(_row(f"  {_TERM_LABEL.get(k, k)}",
                           [f"{s.perf['terms'][k]:.2f} {s.perf['terms'][k] / s.perf['step_s']:>3.0%}"
                            for s in st]))
@@ -412,7 +425,8 @@ _TERM_LABEL = {"gemm_fwd": "GEMMs forward", "gemm_bwd": "GEMMs backward",
                "optimizer": "optimizer step", "tp_comm": "TP communication",
                "dp_exposed": "exposed DP communication", "pa_comm": "P_a all-gathers",
                "cpu_offload": "P_a+cpu copies", "host_adam": "host AdamW (offload)",
-               "pcie_exposed": "exposed PCIe copies (offload)"}
+               "pcie_exposed": "exposed PCIe copies (offload)",
+               "overlap_slowdown": "compute slowed by hidden DP comm."}
 
 
 _ZR_LABEL = {"ckpt": "activation checkpointing + C_B + M_D",
@@ -484,6 +498,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-model", default="modern", choices=T.MODELS,
                     help="modern (today's stack, kernel model) or paper2020 (the paper's "
                          "Fig 2-calibrated V100 model)")
+    ap.add_argument("--collectives", default="nccl", choices=("nccl", "ring"),
+                    help="modern time model: NCCL's cost model per call (latency, protocol, "
+                         "message size; scale.collectives) or the ring closed forms")
+    ap.add_argument("--no-overlap-slowdown", action="store_true",
+                    help="leave out the compute slowed by the collectives it hides "
+                         "(scale.overlap)")
     ap.add_argument("--offload", default="none",
                     help="none | cpu (ZeRO-Offload: the optimizer on the host) | param (stage "
                          "3's parameter shard on the host) | cpu+param, or several: none,cpu")
@@ -527,7 +547,8 @@ def main(argv=None) -> int:
         settings = settings_of(args, cfg.parallel.tp)
         shard = SH.shard_size_arg(args, cfg)
         timing = T.Timing(model=args.time_model, gpu=args.gpu or "", attention=args.attention,
-                          every=args.every)
+                          every=args.every, collectives=args.collectives,
+                          overlap_slowdown=not args.no_overlap_slowdown)
         offloads = offloads_of(args.offload, timing)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -552,14 +573,11 @@ def main(argv=None) -> int:
 
 
 def offloads_of(text: str, timing: T.Timing) -> list[str]:
-    """The ``--offload`` settings, validated (the host step is timed by the modern model)."""
+    """The ``--offload`` settings, validated (either time model times the host step)."""
     offs = [o.strip() for o in text.split(",") if o.strip()]
     if not offs or any(o not in C.OFFLOAD_MODES for o in offs):
         raise ValueError(f"--offload {text!r}: use one or more of {', '.join(C.OFFLOAD_MODES)}"
                          f" (e.g. none,cpu,cpu+param)")
-    if any(o != "none" for o in offs) and timing.model != "modern":
-        raise ValueError("--offload is timed by the modern time model only: drop "
-                         "--time-model paper2020")
     return list(dict.fromkeys(offs))
 
 

@@ -20,6 +20,10 @@ For each stage (with one ZeRO-R setting, ``ZERO_R``) ``estimate`` reports, per r
   * the modern stack's bytes outside the caching allocator (CUDA context, NCCL;
     ``scale.outside_modern``, the middle of its bracket) are taken off the device before every
     verdict; the paper2020 time model keeps the estimate as it was (the whole device);
+  * the verdict with a band (``scale.limit``): within the band's reach of the device (the
+    replay's fragmentation either way, the outside bracket's ends) it is "at the limit";
+  * the stack it assumes (``scale.era``): with ``--time-model paper2020`` the 2020 stack,
+    whose dry run holds the 2019 Megatron layer's activation extras (GPT, stages 0-2);
   * selective activation checkpointing (every k-th block checkpointed): one dry run with every
     block checkpointed and one with none, each picture and peak reserved interpolated at the
     checkpointed fraction c = 1/k (first order: a block holds either its checkpoint or all its
@@ -72,7 +76,8 @@ from zero_repro import schema
 from zero_repro import validation
 from zero_repro.runtime.model import flops
 from zero_repro.scale import offload_time as OT
-from zero_repro.scale import calibrate, modern_step, outside_modern, perf_model, shard_choice
+from zero_repro.scale import calibrate, era, limit, modern_step, outside_modern, perf_model
+from zero_repro.scale import shard_choice
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
     MAX_BATCH, PRIME_BATCH, BatchTraces, largest_batch)
@@ -205,6 +210,7 @@ class StageEstimate:
     device_fits: bool = True  # the device's verdict alone (``fits`` also needs the host's)
     shard_size: int = 0  # G of zero.shard_size (N_d: plain ZeRO)
     hpz: bool = False  # stage 3 with hpZ's secondary shard over a node's DP ranks
+    limit: dict = field(default_factory=dict)  # the verdict with its band (``scale.limit``)
 
     @property
     def allocator_extra(self) -> int:
@@ -399,6 +405,7 @@ class Estimate:
     hpz: bool = False  # stage 3 with hpZ
     choices: list = field(default_factory=list)  # shard_choice.Choice per (stage, G, hpZ)
     hierarchy: tuple = (None, "")  # (the best Choice, why) of ``choices``
+    stack: str = "modern"  # the software stack assumed (``scale.era``)
 
 
 def recommend(stages: list[StageEstimate]) -> tuple[int | None, str]:
@@ -483,9 +490,11 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
     timing = timing or T.Timing(model="paper2020" if perf_params else "modern")
     b0 = base.train.micro_batch_size
     full = zero_r_name("auto", base.parallel.tp) if zr == "selective" else zr
+    stack = era.stack_of(timing.model)
     # hpZ's primary partition is over every DP rank: stage 3 at G = all
-    cfgs = {s: stage_config(base, s, full, b0, offload,
-                            "all" if hpz and s == 3 else shard_size) for s in stages}
+    cfgs = {s: era.with_stack(stage_config(base, s, full, b0, offload,
+                                           "all" if hpz and s == 3 else shard_size), stack)
+            for s in stages}
     judges, outside = _judges(base, stages, zr, timing, offload)
     if hpz and 3 in stages:
         judges[3]["held"] = hpz_bytes(cfgs[3])
@@ -511,6 +520,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing, hpz) for s in stages]
+    _limits(out, outside, stack)
     chs, best = _hierarchy(out, cfgs, hw, params, timing, zr, base)
     m, c = base.model, base.cluster
     return Estimate(
@@ -532,7 +542,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         timing={**dataclasses.asdict(timing), "gpu": T.gpu_of(c, timing.gpu)
                 if timing.model == "modern" else ""}, outside=outside, offload=offload,
         shard_size=str(shard_size or base.zero.shard_size), hpz=hpz, choices=chs,
-        hierarchy=best)
+        hierarchy=best, stack=stack)
 
 
 def hpz_bytes(cfg: C.Config) -> int:
@@ -555,6 +565,21 @@ def _hierarchy(out: list, cfgs: dict, hw: Hardware, params, timing: T.Timing, zr
     lp = 4 if base.zero.dtype == "fp32" else 2
     chs = shard_choice.choices(out, cfgs, hw, params, timing, zr, _per_node(base), lp)
     return chs, shard_choice.best(chs, base.cluster.inter_node_gbps) if chs else (None, "")
+
+
+def _limits(stages: list, outside: dict, stack: str) -> None:
+    """Each stage's verdict with its band (``scale.limit``): the outside bracket's ends, the
+    modern stack's or the 2020 stack's (``dryrun.stack.outside``)."""
+    if outside:
+        lo, hi = outside["low"], outside["high"]
+    elif stack == "2020":
+        lo, hi = S.paper2020().outside_bytes("low"), S.paper2020().outside_bytes("high")
+    else:
+        lo = hi = 0
+    for s in stages:
+        if s.device_capacity:
+            s.limit = limit.judge(s.live_peak, s.peak_reserved, s.device_capacity, lo, hi,
+                                  s.device_fits, s.build_fits)
 
 
 def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "none"

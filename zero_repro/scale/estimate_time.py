@@ -6,7 +6,14 @@ per rank and step of one configuration, by one of two time models (``Timing.mode
     checkpointing none | selective | full, bf16 with an fp32 master, the stage's collectives
     with their overlap; every term kept, a band from the kernel inputs' spread;
   * ``paper2020``: the paper's V100 stack calibrated on its Fig 2 (``scale.perf_model`` with
-    ``calibrate``'s e_max and comm_eff), as the estimate reported it before the modern model.
+    ``calibrate``'s e_max and comm_eff), every stage; with ZeRO-Offload the host step and the
+    PCIe copies of ``scale.offload_time`` added (host work, the calibrated comm_eff on PCIe
+    as the model's own P_a+cpu copies), and the compute slowed by the DP collectives it
+    hides (``scale.overlap``, the GPU's band: the hidden seconds are the DP term without
+    overlap less the term with it; Fig 2's calibration ran without overlap, nothing counted
+    twice). The 2020 stack reduces its gradients after backward, as its harness ran DeepSpeed
+    0.2 and 2019 Megatron (``era.OVERLAP_COMM_2020``): no DP collective is hidden there, so
+    the slowdown is 0 unless a caller's workload overlaps (``_paper2020``).
 
 The GPU of a cluster (``gpu_of``): ``Timing.gpu``, else the one the cluster names
 (``ClusterConfig.gpu``), else the one GPU of ``zero_repro.gpus`` whose dense peak and memory
@@ -28,7 +35,8 @@ from zero_repro.scale import hsdp as H
 from zero_repro.scale import kernels as K
 from zero_repro.scale import modern_step as M
 from zero_repro.scale import offload_time as OT
-from zero_repro.scale import calibrate, perf_model
+from zero_repro.scale import overlap as OV
+from zero_repro.scale import calibrate, era, perf_model
 from zero_repro.scale.hardware import Hardware
 from zero_repro.validation import shard_size_of
 
@@ -43,13 +51,16 @@ class Timing:
     gpu: str = ""  # zero_repro.gpus key; "": the cluster's (``gpu_of``)
     attention: str = "flash"  # flash | unfused
     every: int = 2  # selective AC: every k-th block checkpointed
+    collectives: str = "nccl"  # modern: nccl | ring (``modern_step.Modern``)
+    overlap_slowdown: bool = True  # compute slowed by hidden collectives (``scale.overlap``)
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"time model {self.model!r}: use one of {MODELS}")
         if self.gpu and self.gpu not in gpus.known():
             raise ValueError(f"--gpu {self.gpu!r}: use one of {sorted(gpus.known())}")
-        M.Modern(attention=self.attention, every=self.every)  # validates
+        M.Modern(attention=self.attention, every=self.every,
+                 collectives=self.collectives)  # validates
 
 
 def ac_of(zero_r: str) -> str:
@@ -141,28 +152,59 @@ def performance(cfg: C.Config, hw: Hardware, params: perf_model.PerfParams | Non
     if H.hierarchical(w):
         raise ValueError("zero.shard_size < N_d and hpZ are timed by the modern time model "
                          "only: name the GPU (--gpu) and drop --time-model paper2020")
-    if w.offload or w.offload_param:
-        raise ValueError("zero.offload_optimizer / offload_param=cpu is timed by the modern "
-                         "time model only: name the GPU (--gpu) and drop --time-model "
-                         "paper2020")
-    out = _paper2020(cfg, w, hw, params)
+    if timing.model == "paper2020":  # the 2020 stack reduces after backward (module doc)
+        w = dataclasses.replace(w, overlap_comm=era.OVERLAP_COMM_2020)
+    out = _paper2020(cfg, w, hw, params, gpu_of(cfg.cluster, timing.gpu), timing)
     if timing.model == "modern":
         out["note"] = "no GPU named (--gpu): the paper2020 model"
     return out
 
 
 def _paper2020(cfg: C.Config, w: perf_model.Workload, hw: Hardware,
-               params: perf_model.PerfParams | None) -> dict:
-    """``perf_model`` with the Fig 2 calibration (``calibrate.calibration``) unless given."""
-    t = perf_model.step_time(w, hw, params or calibrate.calibration().params)
+               params: perf_model.PerfParams | None, gpu: str = "",
+               timing: Timing | None = None) -> dict:
+    """``perf_model`` with the Fig 2 calibration (``calibrate.calibration``) unless given,
+    plus ZeRO-Offload's host work and the overlap slowdown (module doc)."""
+    params = params or calibrate.calibration().params
+    t = perf_model.step_time(w, hw, params)
+    extra = _paper2020_extra(w, hw, params, gpu, timing or Timing(model="paper2020"), t)
+    total = t["total"] + sum(extra.values())
     b, s = w.batch_per_gpu, cfg.model.seq_len
     model_flops = flops.flops_per_iteration_cfg(cfg.model, b * w.dp, recompute=False, tp=w.tp)
-    return {"model": "paper2020", "step_s": t["total"], "compute_s": t["compute"],
+    return {"model": "paper2020", "step_s": total, "compute_s": t["compute"],
             "tp_s": t["tp_comm"], "dp_s": t["dp_comm"], "pa_s": t["pa_comm"],
-            "offload_s": t["cpu_offload"], "tokens_per_s": b * s * w.dp / t["total"],
-            "mfu": model_flops / (w.gpus * hw.peak_flops * t["total"]),
-            "tflops_per_gpu": t["tflops_per_gpu"],
+            "offload_s": t["cpu_offload"], "tokens_per_s": b * s * w.dp / total,
+            "mfu": model_flops / (w.gpus * hw.peak_flops * total),
+            "tflops_per_gpu": t["tflops_per_gpu"] * t["total"] / total,
+            "overlap_slowdown_s": extra["overlap_slowdown"],
+            "host_s": extra["host_adam"], "pcie_s": extra["pcie_exposed"], "gpu": gpu,
             **traffic(cfg, w, 1.0 if w.checkpointing else 0.0), "batch": b}
+
+
+def _paper2020_extra(w: perf_model.Workload, hw: Hardware, params: perf_model.PerfParams,
+                     gpu: str, timing: Timing, t: dict) -> dict:
+    """The overlap slowdown (0 where no GPU is known: its band is per generation) and
+    ZeRO-Offload's exposed host step and PCIe copies of the paper2020 model (module doc)."""
+    out = {"overlap_slowdown": 0.0, "host_adam": 0.0, "pcie_exposed": 0.0}
+    if timing.overlap_slowdown and w.overlap_comm and gpu:
+        serial = perf_model.step_time(dataclasses.replace(w, overlap_comm=False), hw, params)
+        out["overlap_slowdown"] = OV.slowdown(gpu, serial["dp_comm"] - t["dp_comm"])
+    if w.offload or w.offload_param:
+        t_fwd = t["compute"] / (4.0 if w.checkpointing else 3.0)
+        hw_pcie = dataclasses.replace(hw, pcie_bw=hw.pcie_bw * params.comm_eff)
+        ot = OT.terms(w, hw_pcie, _CALIBRATED_PCIE, t["compute"] - t_fwd, "mid", t_fwd)
+        out["host_adam"], out["pcie_exposed"] = ot["host_adam"], ot["pcie_exposed"]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _CalibratedLinks:
+    """The kernel model's link view with PCIe at efficiency 1: the paper2020 model scales the
+    bandwidth by its calibrated comm_eff instead (``_paper2020_extra``)."""
+    links: dict
+
+
+_CALIBRATED_PCIE = _CalibratedLinks({"pcie": K.Band(1.0, 1.0, 1.0)})
 
 
 def _modern(cfg: C.Config, w: perf_model.Workload, hw: Hardware, gpu: str, timing: Timing,
@@ -170,11 +212,13 @@ def _modern(cfg: C.Config, w: perf_model.Workload, hw: Hardware, gpu: str, timin
     ac = ac_of(zero_r)
     if ac == "selective":
         w = dataclasses.replace(w, checkpointing=True)
-    m = M.Modern(ac=ac, every=timing.every, attention=timing.attention)
+    m = M.Modern(ac=ac, every=timing.every, attention=timing.attention,
+                 collectives=timing.collectives, overlap_slowdown=timing.overlap_slowdown)
     r = M.step(w, hw, K.device_kernels(gpu), m)
     terms = r["terms"]
-    compute = sum(terms[k] for k in M.TERMS if k not in ("tp_comm", "dp_exposed", "pa_comm",
-                                                            "cpu_offload", "pcie_exposed"))
+    compute = sum(terms[k] for k in M.TERMS if k not in (
+        "tp_comm", "dp_exposed", "pa_comm", "cpu_offload", "pcie_exposed", "host_adam",
+        "overlap_slowdown"))
     return {"model": "modern", "gpu": gpu, "ac": ac, "attention": timing.attention,
             "every": timing.every if ac == "selective" else 0,
             "step_s": r["step_s"], "step_s_band": list(r["step_s_band"]), "compute_s": compute,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zero_repro.scale import collectives as CL
 from zero_repro.scale import kernels as K
 from zero_repro.scale import perf_model as P
 
@@ -179,10 +180,15 @@ def _link(mesh: Mesh, kind: str, intra: float, net: float) -> tuple[float, float
     return min(intra, net / max(1, sharing)), P.ALPHA_INTER
 
 
-def collective_seconds(w: P.Workload, hw, dk, point: str) -> list[tuple[Collective, float]]:
-    """Each DP collective of the step with its seconds (ring over its link, the calls'
-    latency: one per bucket, or per block at stage 3)."""
+def collective_seconds(w: P.Workload, hw, dk, point: str, model: str = "nccl"
+                       ) -> list[tuple[Collective, float]]:
+    """Each DP collective of the step with its seconds over its group's link, one call per
+    bucket (stage 3: per block): ``model`` ``nccl`` NCCL's per-call cost over the nodes the
+    group spans (``scale.collectives``, as ``modern_step.collective`` times plain ZeRO's),
+    ``ring`` the ring closed forms with one latency per ring step."""
     mesh = mesh_of(w, hw.gpus_per_node)
+    link = "nvlink" if K.intra_link(dk) == "nvlink" else "pcie"
+    names = {"rs": "reduce_scatter", "ag": "all_gather", "ar": "all_reduce"}
     intra = hw.intra_bw * K.link_efficiency(dk, K.intra_link(dk), point)
     net = hw.inter_bw_node * K.link_efficiency(dk, "network", point)
     psi = w.params / w.tp
@@ -192,17 +198,23 @@ def collective_seconds(w: P.Workload, hw, dk, point: str) -> list[tuple[Collecti
     out = []
     for c in collectives(psi, w.stage, mesh, w.hpz):
         bw, alpha = _link(mesh, c.group, intra, net)
+        if model == "nccl":
+            nodes = len({d // mesh.per_node for d in mesh.groups(c.group)[0]})
+            out.append((c, CL.calls_time(names[c.op], c.elements * w.lp_bytes, calls, c.n, bw,
+                                         nodes, link) if c.n > 1 else 0.0))
+            continue
         lat = (calls - 1) * (c.n - 1) * alpha * (2 if c.op == "ar" else 1)
         t = ring[c.op](c.elements * w.lp_bytes, c.n, bw, alpha) + (lat if c.n > 1 else 0.0)
         out.append((c, t))
     return out
 
 
-def dp_terms(w: P.Workload, hw, dk, windows: tuple, point: str, exposed) -> dict:
+def dp_terms(w: P.Workload, hw, dk, windows: tuple, point: str, exposed,
+             model: str = "nccl") -> dict:
     """(exposed, total) seconds of the DP collectives on the mesh, the modern step's overlap
     (``exposed(t, window, units)``): gathers in forward behind forward, the backward's
     gathers and reduce-scatters behind backward, the rest after backward (module doc)."""
-    timed = collective_seconds(w, hw, dk, point)
+    timed = collective_seconds(w, hw, dk, point, model)
     units = w.n_layer if w.stage == 3 else max(1, math.ceil(w.params / w.tp / w.bucket_elems))
     fwd = sum(t for c, t in timed if c.phase == "forward")
     bwd = sum(t for c, t in timed if c.phase == "backward")

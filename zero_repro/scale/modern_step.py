@@ -35,9 +35,15 @@ over the cluster's links with their overlap. The paper's 2020 stack is ``scale.p
   excess. Stage 0: the all-reduce behind backward; stage 1: reduce-scatter and all-gather
   after backward, exposed; stage 2: reduce-scatter behind backward, all-gather exposed;
   stage 3: the forward all-gather behind forward, backward all-gather + reduce-scatter behind
-  backward (FSDP's prefetch). Compute slowed by concurrent communication is not modelled.
-  Hierarchical sharding (``Workload.shard_size`` G < N_d) and hpZ: the same overlap over the
-  shard, replicate and node groups (``scale.hsdp``); the optimizer over the Ψ/G shard.
+  backward (FSDP's prefetch). Hierarchical sharding (``Workload.shard_size`` G < N_d) and
+  hpZ: the same overlap over the shard, replicate and node groups (``scale.hsdp``, each group's
+  calls at its own size and link); the optimizer over the Ψ/G shard.
+  backward (FSDP's prefetch). Each call at its message size (``Modern.collectives``):
+  ``nccl`` NCCL's ring cost model with its protocol switch (``scale.collectives``: latency
+  per ring step, LL / LL128 / Simple, the bus bandwidth falling with the message; a DP call
+  is a bucket, stage 3's a block), ``ring`` the closed forms with one α per step.
+* Overlap slowdown (``Modern.overlap_slowdown``): the DP collectives' hidden seconds H slow
+  the compute they overlap by s·H, s per GPU generation (``scale.overlap``).
 
 Model FLOPs (MFU; PaLM App. B's convention: 6·N_matmul per token + 12·l·h·s attention, the
 attention product counted in full) and hardware FLOPs (HFU: + the recomputed forward) come from
@@ -49,14 +55,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zero_repro.scale import collectives as CL
 from zero_repro.scale import hsdp as H
 from zero_repro.scale import kernels as K
+from zero_repro.scale import overlap as OV
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale import perf_model as P
 from zero_repro.scale.hardware import Hardware
 
 AC_MODES = ("none", "selective", "full")
 ATTENTION = ("flash", "unfused")
+COLLECTIVE_MODELS = ("nccl", "ring")
 # bytes per element of the memory-bound kernels (bf16 = 2 B, fp32 = 4 B; an op reads its inputs
 # and writes its output), forward and backward, per group of elements of one block on one GPU:
 # hidden b·s·h, rope b·s·(h+k)/t, kv b·s·2h/t (the key/value heads repeated to the query heads
@@ -93,12 +102,17 @@ class Modern:
     every: int = 2  # selective: every k-th block checkpointed
     attention: str = "flash"  # flash | unfused
     causal: bool = True
+    collectives: str = "nccl"  # nccl (scale.collectives) | ring (closed forms, one α a step)
+    overlap_slowdown: bool = True  # compute slowed by the collectives it hides (scale.overlap)
 
     def __post_init__(self):
         if self.ac not in AC_MODES:
             raise ValueError(f"ac={self.ac!r}: use one of {AC_MODES}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}: use one of {ATTENTION}")
+        if self.collectives not in COLLECTIVE_MODELS:
+            raise ValueError(f"collectives={self.collectives!r}: use one of "
+                             f"{COLLECTIVE_MODELS}")
         if self.every < 1:
             raise ValueError(f"selective AC every={self.every}: give a positive block period")
 
@@ -208,28 +222,54 @@ def links(w: P.Workload, hw: Hardware, dk, point: str) -> dict:
     return {"tp": tp, "dp": group(w.dp, k, max(1, g // k))}
 
 
+def shapes(w: P.Workload, hw: Hardware, dk) -> dict:
+    """(ranks, nodes, intra-node link) of the TP and DP groups: TP fills a node first, a DP
+    group has g/t members on each node it spans (``scale.collectives``)."""
+    g = max(1, hw.gpus_per_node)
+    intra = "nvlink" if K.intra_link(dk) == "nvlink" else "pcie"
+    k = max(1, g // w.tp)
+    return {"tp": (w.tp, max(1, math.ceil(w.tp / g)), intra),
+            "dp": (w.dp, max(1, math.ceil(w.dp / k)), intra)}
+
+
+def collective(w: P.Workload, hw: Hardware, dk, m: "Modern", group: str, coll: str,
+               nbytes: float, calls: int, point: str) -> float:
+    """Seconds of ``nbytes`` (the whole buffer, summed over the calls) moved by ``calls``
+    equal collectives over the TP or DP ``group`` (module doc, ``Modern.collectives``)."""
+    bw, alpha = links(w, hw, dk, point)[group]
+    n, nodes, intra = shapes(w, hw, dk)[group]
+    if n <= 1:
+        return 0.0
+    if m.collectives == "nccl":
+        return CL.calls_time(coll, nbytes, calls, n, bw, nodes, intra)
+    ring = {"all_gather": P.ring_all_gather_time, "reduce_scatter": P.ring_reduce_scatter_time,
+            "all_reduce": P.ring_all_reduce_time}[coll]
+    return calls * ring(nbytes / calls, n, bw, alpha)
+
+
 def exposed(t: float, window: float, units: int) -> float:
     """A collective of ``t`` seconds behind a compute window, over ``units`` pieces (doc)."""
     return max(t - window, t / max(1, units))
 
 
-def dp_terms(w: P.Workload, hw: Hardware, dk, windows: tuple, point: str) -> dict:
-    """(exposed, total) seconds of the stage's data-parallel collectives (module doc)."""
+def dp_terms(w: P.Workload, hw: Hardware, dk, windows: tuple, point: str,
+             m: "Modern | None" = None) -> dict:
+    """(exposed, total) seconds of the stage's data-parallel collectives and the compute's
+    ``overlap_slowdown`` from the hidden part (module doc)."""
+    m = m or Modern()
     if w.dp <= 1:
-        return {"dp_exposed": 0.0, "dp_total": 0.0}
+        return {"dp_exposed": 0.0, "dp_total": 0.0, "overlap_slowdown": 0.0}
     if H.hierarchical(w):  # shard x replicate groups, hpZ: ``scale.hsdp``
-        return H.dp_terms(w, hw, dk, windows, point, exposed)
-    bw, alpha = links(w, hw, dk, point)["dp"]
+        out = H.dp_terms(w, hw, dk, windows, point, exposed, m.collectives)
+        hidden = out["dp_total"] - out["dp_exposed"]
+        return {**out, "overlap_slowdown": OV.slowdown(dk.key, hidden, point)
+                if m.overlap_slowdown else 0.0}
     psi = w.params / w.tp
     nbytes = psi * w.lp_bytes
-    if w.stage == 3:
-        units = w.n_layer
-        calls = units  # one gather (or scatter) per block
-    else:
-        units = calls = max(1, math.ceil(psi / w.bucket_elems))
-    lat = (calls - 1) * (w.dp - 1) * alpha
-    rs = P.ring_reduce_scatter_time(nbytes, w.dp, bw, alpha) + lat
-    ag = P.ring_all_gather_time(nbytes, w.dp, bw, alpha) + lat
+    # stage 3: one gather (or scatter) per block; else one call per bucket
+    units = w.n_layer if w.stage == 3 else max(1, math.ceil(psi / w.bucket_elems))
+    rs = collective(w, hw, dk, m, "dp", "reduce_scatter", nbytes, units, point)
+    ag = collective(w, hw, dk, m, "dp", "all_gather", nbytes, units, point)
     fwd, bwd = windows
     if w.stage == 0:
         out, total = exposed(rs + ag, bwd, units), rs + ag
@@ -239,19 +279,20 @@ def dp_terms(w: P.Workload, hw: Hardware, dk, windows: tuple, point: str) -> dic
         out, total = exposed(rs, bwd, units) + ag, rs + ag
     else:
         out, total = exposed(ag, fwd, units) + exposed(ag + rs, bwd, units), 2 * ag + rs
-    return {"dp_exposed": out, "dp_total": total}
+    slow = OV.slowdown(dk.key, total - out, point) if m.overlap_slowdown else 0.0
+    return {"dp_exposed": out, "dp_total": total, "overlap_slowdown": slow}
 
 
 def tp_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str) -> dict:
     """TP all-reduces, P_a's gathers and P_a+cpu's copies (seconds, not overlapped)."""
     act = float(w.batch_per_gpu) * w.seq * w.hidden * w.lp_bytes
-    bw, alpha = links(w, hw, dk, point)["tp"]
     frac = recompute_fraction(m)
-    n = w.n_layer * (4 + 2 * frac) + 2
-    out = {"tp_comm": n * P.ring_all_reduce_time(act, w.tp, bw, alpha),
+    n = int(round(w.n_layer * (4 + 2 * frac))) + 2
+    out = {"tp_comm": collective(w, hw, dk, m, "tp", "all_reduce", n * act, n, point),
            "pa_comm": 0.0, "cpu_offload": 0.0}
     if w.p_a and frac > 0:
-        out["pa_comm"] = frac * w.n_layer * P.ring_all_gather_time(act, w.tp, bw, alpha)
+        k = max(1, int(round(frac * w.n_layer)))
+        out["pa_comm"] = collective(w, hw, dk, m, "tp", "all_gather", k * act, k, point)
     if w.p_a_cpu:
         ckpt = frac * w.n_layer * act / (w.tp if w.p_a else 1)
         pcie = hw.pcie_bw * K.link_efficiency(dk, "pcie", point)
@@ -262,7 +303,7 @@ def tp_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str) -> dict:
 # ------------------------------------------------------------------------------ the step
 TERMS = ("gemm_fwd", "gemm_bwd", "attention_fwd", "attention_bwd", "memory_bound_fwd",
          "memory_bound_bwd", "recompute", "optimizer", "tp_comm", "dp_exposed", "pa_comm",
-         "cpu_offload", "host_adam", "pcie_exposed")
+         "cpu_offload", "host_adam", "pcie_exposed", "overlap_slowdown")
 
 
 def step_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid") -> dict:
@@ -271,7 +312,7 @@ def step_terms(w: P.Workload, hw: Hardware, dk, m: Modern, point: str = "mid") -
     c = compute_terms(w, hw, dk, m, point)
     windows = (c["gemm_fwd"] + c["attention_fwd"] + c["memory_bound_fwd"],
                c["gemm_bwd"] + c["attention_bwd"] + c["memory_bound_bwd"] + c["recompute"])
-    out = {**c, **tp_terms(w, hw, dk, m, point), **dp_terms(w, hw, dk, windows, point),
+    out = {**c, **tp_terms(w, hw, dk, m, point), **dp_terms(w, hw, dk, windows, point, m),
            **OT.terms(w, hw, dk, windows[1], point, fwd_window=windows[0])}
     out["total"] = sum(out[k] for k in TERMS)
     return out
