@@ -236,6 +236,17 @@ def test_best_takes_the_fastest_unless_within_the_tie():
     assert S.best([_choice("all", 90e9, 9.0, fits=False)], 400)[0] is None
 
 
+def test_the_reason_names_the_overlap_slowdown_where_it_decides():
+    plain = dataclasses.replace(_choice("all", 50e9, 10.45, exposed=1.14), slowdown_s=1.47)
+    hpz = dataclasses.replace(_choice("hpZ", 70e9, 9.93, hpz=True, exposed=1.11, inter=7e9),
+                              slowdown_s=0.98)
+    pick, why = S.best([plain, hpz], 400)
+    assert pick is hpz and "compute slowed by the collectives it hides from 1.47 to 0.98" in why
+    # where the exposed time moves the step more, the reason does not mention it
+    hpz2 = dataclasses.replace(hpz, dp_exposed_s=0.2, slowdown_s=1.40)
+    assert "compute slowed" not in S.best([plain, hpz2], 400)[1]
+
+
 def test_candidates():
     assert S.candidates(3, 64, 8) == [(64, False), (8, False), (16, False), (32, False),
                                       (64, True)]

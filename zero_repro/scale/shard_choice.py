@@ -45,6 +45,7 @@ class Choice:
     inter_bytes: float
     tokens_per_s_gpu: float
     measured: bool = False
+    slowdown_s: float = 0.0  # the compute slowed by the collectives it hides (modern_step)
 
 
 def candidates(stage: int, n_d: int, per_node: int) -> list[tuple[int, bool]]:
@@ -92,7 +93,8 @@ def choices(stages: list, cfgs: dict, hw, params, timing, zero_r: str, per_node:
                               s.fits if same else mem <= s.capacity, p["step_s"], p["dp_s"],
                               p["dp_intra_bytes"], p["dp_inter_bytes"],
                               p.get("tokens_per_s_gpu", p["tokens_per_s"] / cfg.parallel.
-                                    world_size), same))
+                                    world_size), same,
+                              p.get("terms", {}).get("overlap_slowdown", 0.0)))
     return out
 
 
@@ -135,5 +137,16 @@ def _reason(pick: Choice, plain: Choice | None, fastest: Choice, chs: list[Choic
     return (f"{pick.label} at stage {pick.stage}: {kind}; {at} the inter-node bytes per rank "
             f"fall from {plain.inter_bytes / GB:.1f} to {pick.inter_bytes / GB:.1f} GB and the "
             f"exposed DP communication from {plain.dp_exposed_s:.2f} to "
-            f"{pick.dp_exposed_s:.2f} s (step {plain.step_s:.2f} -> {pick.step_s:.2f} s) for "
-            f"{(pick.memory - plain.memory) / GB:+.1f} GB per rank{fit}")
+            f"{pick.dp_exposed_s:.2f} s{_slower(plain, pick)} (step {plain.step_s:.2f} -> "
+            f"{pick.step_s:.2f} s) for {(pick.memory - plain.memory) / GB:+.1f} GB per "
+            f"rank{fit}")
+
+
+def _slower(plain: Choice, pick: Choice) -> str:
+    """The change in the compute's slowdown under hidden collectives, where it moves the
+    step by more than the exposed time does."""
+    d = plain.slowdown_s - pick.slowdown_s
+    if abs(d) <= abs(plain.dp_exposed_s - pick.dp_exposed_s):
+        return ""
+    return (f", and the compute slowed by the collectives it hides from "
+            f"{plain.slowdown_s:.2f} to {pick.slowdown_s:.2f} s (fewer bytes hidden behind it)")
