@@ -299,6 +299,32 @@ class FSDP2(Runner):
         return module_memory(self.model, self.opt)
 
 
+class FSDP2HSDP(FSDP2):
+    """FSDP2's HSDP: ``fully_shard`` per block, then the root, on a 2-D (replicate, shard)
+    mesh of R x G ranks (rank = replicate index · G + shard index, this project's DP mesh
+    order); reduce-scatter over the shard dimension, all-reduce over the replicate one."""
+
+    name = "fsdp2_hsdp"
+
+    def __init__(self, spec, rank, world):  # noqa: D107
+        Runner.__init__(self, spec, rank, world)
+        g = spec.hsdp_shard_size
+        if world % g:
+            raise ValueError(f"hsdp_shard_size={g} must divide the world size {world}")
+        self.shards = g
+        mesh = init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replicate", "shard"))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=True)
+        self.opt = self.adamw(self.model.parameters())
+
+    def views(self):
+        for n, p in self.model.named_parameters():
+            local = p.detach().to_local()
+            c = math.ceil(p.shape[0] / self.shards)
+            yield _strip(n), local, (self.rank % self.shards) * c
+
+
 class FSDP2NoReshard(FSDP2):
     name = "fsdp2_no_reshard"
     reshard = False
@@ -416,13 +442,16 @@ class ZeroRepro(Runner):
     process's setting, shared memory by default)."""
 
     cpu_transport = ""
+    hsdp = False  # zero.shard_size = spec.hsdp_shard_size (else plain ZeRO)
 
     def __init__(self, spec, rank, world):  # noqa: D107
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
+        zero = replace(spec.zero, stage=self.stage, grad_clip=0.0)
+        if self.hsdp:
+            zero = replace(zero, shard_size=str(spec.hsdp_shard_size))
         cfg = Config(model=spec.model, parallel=ParallelConfig(world_size=world, tp=1),
-                     zero=replace(spec.zero, stage=self.stage, grad_clip=0.0), train=spec.train,
-                     zero_r=spec.zero_r)
+                     zero=zero, train=spec.train, zero_r=spec.zero_r)
         saved = os.environ.get("ZR_CPU_TRANSPORT")
         if self.cpu_transport:  # read once, when the strategy builds its transport
             os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
@@ -459,6 +488,12 @@ def _ours(stage: int, transport: str = ""):
                 {"name": f"zero_repro_s{stage}{tail}", "cpu_transport": transport})
 
 
+class ZeroReproS3HSDP(ZeroRepro):
+    name = "zero_repro_s3_hsdp"
+    hsdp = True
+
+
 RUNNERS: dict[str, type] = {c.name: c for c in (
-    TorchDDP, TorchDDPShm, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
-    DeepSpeedZ3, LowerBound, *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}
+    TorchDDP, TorchDDPShm, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, FSDP2HSDP,
+    DeepSpeedZ1, DeepSpeedZ2, DeepSpeedZ3, LowerBound, ZeroReproS3HSDP,
+    *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}
