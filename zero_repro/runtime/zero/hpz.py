@@ -20,8 +20,8 @@ strategy, from the shard group's transport ``buffer``: its peers may read it in 
 
 DeepSpeed's mechanism, modelled here (not its code): ``deepspeed/runtime/zero/
 partition_parameters.py`` (``_partition_param_sec``: the secondary slice copied from the whole
-parameter when it is released; ``_all_gather``: the intra-node ``zero_param_process_group``
-used when a secondary tensor exists) and ``deepspeed/runtime/zero/stage3.py``
+parameter when it is partitioned again after use; ``_all_gather``: the intra-node
+``zero_param_process_group`` used when a secondary tensor exists) and ``deepspeed/runtime/zero/stage3.py``
 (``invalidate_secondary_tensor`` after the optimizer step), deepspeedai/DeepSpeed@edaa7221.
 """
 from __future__ import annotations
