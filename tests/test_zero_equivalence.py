@@ -53,7 +53,7 @@ def batch(step: int, rows: int, vocab: int = CFG.vocab_size):
 
 
 def make(c: dict):
-    topo = Topology.build(c.get("tp", 1))
+    topo = Topology.build(c.get("tp", 1), ranks_per_node=c.get("per_node"))
     cls, mcfg = MODELS[c.get("model", "gpt")]
     model = cls(mcfg, topo.tp_group)
     model.init_weights(SEED)
@@ -64,7 +64,7 @@ def make(c: dict):
                       prefetch_blocks=c.get("prefetch", 1),
                       initial_scale_power=c.get("scale_power", 12), hysteresis=1,
                       slice_vocab_gather=c.get("sliced", True),
-                      shard_size=c.get("shard_size", "all"))
+                      shard_size=c.get("shard_size", "all"), hpz=c.get("hpz", False))
     train = TrainConfig(micro_batch_size=MICRO, grad_accum=c.get("accum", 1),
                         lr=c.get("lr", 1e-3), eps=1e-6, weight_decay=0.1)
     zr = c.get("zero_r")

@@ -141,6 +141,12 @@ class ZeroConfig:
     # then the owned shard is all-reduced across replicas. "all" (every DP rank: plain ZeRO),
     # "node" (the DP ranks of one node) or G, which must divide N_d (runtime.comm.topology)
     shard_size: str = "all"
+    # ZeRO++'s hpZ (Wang et al. 2023 §3.2; DeepSpeed's zero_hpz_partition_size), stage 3: the
+    # states stay partitioned over all N_d DP ranks, and a secondary copy of the parameters
+    # (training dtype) is kept partitioned over the shard_size G ranks of a node ("all": the
+    # node's); the backward's all-gathers read it, inside the node (runtime.zero.hpz).
+    # Records made before the knob existed ran it off
+    hpz: bool = field(default=False, metadata={ABSENT: False})
     # dynamic loss scaling (fp16 only)
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -142,27 +142,48 @@ def _validate_zero(cfg: Config) -> None:
 
 
 def _validate_shard_size(cfg: Config) -> None:
-    """``zero.shard_size``: a G that divides N_d ("node": the DP ranks of ``cluster.
-    gpus_per_node``); stages 1-3 (stage 0 shards nothing); not with ZeRO-Offload yet."""
+    """``zero.shard_size``: a G that divides N_d ("node": the DP ranks of one node as
+    ``ranks_per_node`` says, the same count the runtime uses); stages 1-3 (stage 0 shards
+    nothing); ``zero.hpz``: stage 3 only (its G is the secondary's); not with ZeRO-Offload yet."""
     z = cfg.zero
-    if str(z.shard_size) == "all":
+    if z.hpz and z.stage != 3:
+        raise ValueError(f"zero.hpz=true at zero.stage={z.stage}: hpZ keeps a secondary copy of "
+                         f"stage 3's partitioned parameters; use zero.stage=3 or drop zero.hpz")
+    if str(z.shard_size) == "all" and not z.hpz:
         return
     if z.stage == 0:
         raise ValueError(f"zero.shard_size={z.shard_size} at zero.stage=0: stage 0 shards "
                          f"nothing; use zero.stage=1, 2 or 3, or drop zero.shard_size")
     if z.offload_optimizer != "none" or z.offload_param != "none":
-        raise ValueError(f"zero.shard_size={z.shard_size} with ZeRO-Offload is not supported: "
-                         f"drop zero.shard_size or set zero.offload_optimizer=none and "
+        knob = "zero.hpz" if z.hpz else "zero.shard_size"
+        raise ValueError(f"{knob} with ZeRO-Offload is not supported: "
+                         f"drop {knob} or set zero.offload_optimizer=none and "
                          f"zero.offload_param=none")
     tp = max(1, cfg.parallel.tp)
     shard_size_of(z.shard_size, max(1, cfg.parallel.world_size // tp),
-                  cfg.cluster.gpus_per_node // tp)
+                  ranks_per_node(cfg) // tp, hpz=z.hpz)
 
 
-def shard_size_of(shard_size: int | str | None, dp: int, per_node: int) -> int:
-    """``zero.shard_size`` -> G: None or "all": every DP rank (``dp``); "node": ``per_node`` DP
-    ranks (those of one node, at most ``dp``); else the integer, which must divide ``dp``.
-    Raises ValueError with the fix in the message."""
+def ranks_per_node(cfg: Config, launched: bool = True) -> int:
+    """The ranks that share one node for ``cfg``, which ``zero.shard_size=node`` shards over
+    (validation and the runtime's ``Topology`` both ask this): ``launcher=local`` starts every
+    rank on this host (``parallel.world_size``); torchrun and srun start
+    min(``cluster.gpus_per_node``, world size) per node, as does a simulated run of the
+    cluster (``launched=False``: the dry run, the estimate)."""
+    world = max(1, cfg.parallel.world_size)
+    if launched and cfg.launcher.name == "local":
+        return world
+    return min(max(1, cfg.cluster.gpus_per_node), world)
+
+
+def shard_size_of(shard_size: int | str | None, dp: int, per_node: int,
+                  hpz: bool = False) -> int:
+    """``zero.shard_size`` -> G: None or "all": every DP rank (``dp``; with ``hpz``, whose G is
+    the secondary's partition, as "node"); "node": ``per_node`` DP ranks (those of one node,
+    at most ``dp``); else the integer, which must divide ``dp``. Raises ValueError with the
+    fix in the message."""
+    if (shard_size is None or shard_size == "all") and hpz:
+        shard_size = "node"
     if shard_size is None or shard_size == "all":
         return dp
     if shard_size == "node":

@@ -236,6 +236,10 @@ class RankLog:
             # Table 1 (paper §5) for this run beside the ledger's model states
             "model_state_bytes": mem.model_states(), "table1_model_state_bytes": table1["bytes"],
             "table1_formula": table1["formula"], "psi": table1["psi"],
+            # the last timed step's §7 volume in bytes, by link (this rank's groups that span
+            # nodes: inter; ``CommLedger.link_bytes``)
+            "comm_inter_node_bytes": res.comm_by_link.get("inter_node", 0),
+            "comm_intra_node_bytes": res.comm_by_link.get("intra_node", 0),
         }
         # utilisation (flops module docstring): MFU from the model's FLOPs (no recompute, causal
         # attention), HFU from what ran (recompute included); tflops_per_gpu is the paper's

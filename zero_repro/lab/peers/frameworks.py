@@ -299,6 +299,32 @@ class FSDP2(Runner):
         return module_memory(self.model, self.opt)
 
 
+class FSDP2HSDP(FSDP2):
+    """FSDP2's HSDP: ``fully_shard`` per block, then the root, on a 2-D (replicate, shard)
+    mesh of R x G ranks (rank = replicate index · G + shard index, this project's DP mesh
+    order); reduce-scatter over the shard dimension, all-reduce over the replicate one."""
+
+    name = "fsdp2_hsdp"
+
+    def __init__(self, spec, rank, world):  # noqa: D107
+        Runner.__init__(self, spec, rank, world)
+        g = spec.hsdp_shard_size
+        if world % g:
+            raise ValueError(f"hsdp_shard_size={g} must divide the world size {world}")
+        self.shards = g
+        mesh = init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replicate", "shard"))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=True)
+        self.opt = self.adamw(self.model.parameters())
+
+    def views(self):
+        for n, p in self.model.named_parameters():
+            local = p.detach().to_local()
+            c = math.ceil(p.shape[0] / self.shards)
+            yield _strip(n), local, (self.rank % self.shards) * c
+
+
 class FSDP2NoReshard(FSDP2):
     name = "fsdp2_no_reshard"
     reshard = False
@@ -313,6 +339,7 @@ class DeepSpeedZero(Runner):
     """DeepSpeed engine, ZeRO stage k, fp32, a plain torch AdamW as the client optimizer."""
 
     ds_stage = 1
+    hpz = False  # ZeRO++'s hpZ: zero_hpz_partition_size = spec.hsdp_shard_size (stage 3)
     # DeepSpeed's overlap_comm (its reductions on a side stream while backward runs); the
     # committed peers race ran with it on
     overlap_comm = True
@@ -338,6 +365,8 @@ class DeepSpeedZero(Runner):
                                      "contiguous_gradients": True,
                                      "reduce_bucket_size": z.reduce_bucket_size,
                                      "allgather_bucket_size": z.allgather_bucket_size}}
+        if self.hpz:
+            cfg["zero_optimization"]["zero_hpz_partition_size"] = spec.hsdp_shard_size
         self.engine, self.opt, _, _ = deepspeed.initialize(
             model=self.model, optimizer=self.adamw(self.model.parameters()), config=cfg)
         torch.set_num_threads(threads)  # keep the same intra-op threads as every other peer
@@ -365,8 +394,12 @@ class DeepSpeedZero(Runner):
         inner = getattr(self.opt, "optimizer", self.opt)
         fp32 = [t for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
                 for t in getattr(self.opt, name, [])]
-        return {"params": storage_bytes(held), "fp32_partitions": storage_bytes(fp32),
-                "optimizer": storage_bytes(optimizer_state_tensors(inner))}
+        out = {"params": storage_bytes(held), "fp32_partitions": storage_bytes(fp32),
+               "optimizer": storage_bytes(optimizer_state_tensors(inner))}
+        if self.hpz:  # hpZ's secondary partitions (ds_secondary_tensor), where present
+            out["params_secondary"] = storage_bytes(
+                getattr(p, "ds_secondary_tensor", None) for p in ps)
+        return out
 
 
 class DeepSpeedZ1(DeepSpeedZero):
@@ -379,6 +412,10 @@ class DeepSpeedZ2(DeepSpeedZero):
 
 class DeepSpeedZ3(DeepSpeedZero):
     name, ds_stage = "deepspeed_z3", 3
+
+
+class DeepSpeedZ3HPZ(DeepSpeedZero):
+    name, ds_stage, hpz = "deepspeed_z3_hpz", 3, True
 
 
 class LowerBound(Runner):
@@ -416,13 +453,17 @@ class ZeroRepro(Runner):
     process's setting, shared memory by default)."""
 
     cpu_transport = ""
+    hsdp = False  # zero.shard_size = spec.hsdp_shard_size (else plain ZeRO)
+    hpz = False  # zero.hpz with the secondary over spec.hsdp_shard_size ranks (stage 3)
 
     def __init__(self, spec, rank, world):  # noqa: D107
         super().__init__(spec, rank, world)
         self.topo = Topology.build(tp=1, ledger=comm.CommLedger())
+        zero = replace(spec.zero, stage=self.stage, grad_clip=0.0)
+        if self.hsdp or self.hpz:
+            zero = replace(zero, shard_size=str(spec.hsdp_shard_size), hpz=self.hpz)
         cfg = Config(model=spec.model, parallel=ParallelConfig(world_size=world, tp=1),
-                     zero=replace(spec.zero, stage=self.stage, grad_clip=0.0), train=spec.train,
-                     zero_r=spec.zero_r)
+                     zero=zero, train=spec.train, zero_r=spec.zero_r)
         saved = os.environ.get("ZR_CPU_TRANSPORT")
         if self.cpu_transport:  # read once, when the strategy builds its transport
             os.environ["ZR_CPU_TRANSPORT"] = self.cpu_transport
@@ -459,6 +500,18 @@ def _ours(stage: int, transport: str = ""):
                 {"name": f"zero_repro_s{stage}{tail}", "cpu_transport": transport})
 
 
+class ZeroReproS3HSDP(ZeroRepro):
+    name = "zero_repro_s3_hsdp"
+    hsdp = True
+
+
+class ZeroReproS3HPZ(ZeroRepro):
+    name = "zero_repro_s3_hpz"
+    hpz = True
+
+
 RUNNERS: dict[str, type] = {c.name: c for c in (
-    TorchDDP, TorchDDPShm, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, DeepSpeedZ1, DeepSpeedZ2,
-    DeepSpeedZ3, LowerBound, *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}
+    TorchDDP, TorchDDPShm, TorchZeroRedundancy, FSDP2NoReshard, FSDP2Reshard, FSDP2HSDP,
+    DeepSpeedZ1, DeepSpeedZ2, DeepSpeedZ3, DeepSpeedZ3HPZ, LowerBound, ZeroReproS3HSDP,
+    ZeroReproS3HPZ,
+    *(_ours(k, t) for t in ("", "pairwise") for k in range(4)))}

@@ -33,8 +33,19 @@ FRAMEWORKS: dict[str, tuple[int, str]] = {
     "zero_repro_s2_p2p": (2, "zero_repro"),
     "zero_repro_s3_p2p": (3, "zero_repro"),
     "lower_bound": (-1, "bound"),  # compute only: not a framework, the floor of every stage
+    # hierarchical sharding (``PeerSpec.hsdp_shard_size`` G): FSDP2's HSDP (fully_shard on a
+    # (replicate, shard) mesh) and this project's stage 3 with zero.shard_size=G; race them
+    # with each other, not with the plain stage 3 entries (another configuration)
+    "fsdp2_hsdp": (3, "torch"),
+    "zero_repro_s3_hsdp": (3, "zero_repro"),
+    # ZeRO++'s hpZ (its secondary over ``hsdp_shard_size`` ranks): DeepSpeed's
+    # zero_hpz_partition_size and this project's zero.hpz
+    "deepspeed_z3_hpz": (3, "deepspeed"),
+    "zero_repro_s3_hpz": (3, "zero_repro"),
 }
 TORCH_PEERS = ("torch_ddp", "torch_zero_redundancy", "fsdp2_no_reshard", "fsdp2_reshard")
+HSDP = ("fsdp2_hsdp", "zero_repro_s3_hsdp")
+HPZ = ("deepspeed_z3_hpz", "zero_repro_s3_hpz")
 DEEPSPEED_PEERS = ("deepspeed_z1", "deepspeed_z2", "deepspeed_z3")
 OURS = ("zero_repro_s0", "zero_repro_s1", "zero_repro_s2", "zero_repro_s3",
         "zero_repro_s0_p2p", "zero_repro_s1_p2p", "zero_repro_s2_p2p", "zero_repro_s3_p2p")
@@ -43,7 +54,8 @@ LOWER_BOUND = "lower_bound"
 # ZeRO-3 engine sets torch.nn.functional.linear to its own autograd function; stages 1-2 leave
 # torch's functions alone). Every framework sharing the process would run through it, so they
 # run in a process set of their own (``process_sets``).
-PATCHES_TORCH: dict[str, str] = {"deepspeed_z3": "torch.nn.functional.linear"}
+PATCHES_TORCH: dict[str, str] = {"deepspeed_z3": "torch.nn.functional.linear",
+                                 "deepspeed_z3_hpz": "torch.nn.functional.linear"}
 OPTIMIZERS = ("fused", "as_shipped")
 
 
@@ -63,6 +75,7 @@ class PeerSpec:
     # AdamW then takes its single-tensor path). The project's stages run fused in both.
     optimizer: str = "fused"
     reference: bool = True  # train the single-process reference and compare (equivalence)
+    hsdp_shard_size: int = 2  # G of the HSDP entries (``HSDP``): must divide the world size
     # fp32 rounding of a gradient, relative to the largest gradient of its tensor, that the
     # conditioning budget assumes (report.py: principled parameter tolerance)
     grad_rounding_rel: float = 1e-5

@@ -52,10 +52,30 @@ class OpCount:
 
 @dataclass
 class CommLedger:
-    """Counts elements/bytes per (op, group name). Pure bookkeeping, no side effects."""
+    """Counts elements/bytes per (op, group name). Pure bookkeeping, no side effects.
+
+    By link: a group this rank belongs to whose ranks sit on more than one node (``node_size``
+    consecutive ranks per node, set by ``Topology.build``; 0: unknown, every group inside one)
+    is ``inter_node``; ``link_bytes`` splits the §7 volume in bytes between the two."""
 
     counts: dict = field(default_factory=lambda: defaultdict(OpCount))
     enabled: bool = True
+    node_size: int = 0
+    inter_node: set = field(default_factory=set)  # names of this rank's groups across nodes
+
+    def place(self, group_name: str, ranks: Sequence[int]) -> None:
+        """Note whether the group ``group_name`` of ``ranks`` crosses a node boundary."""
+        if self.node_size and len({r // self.node_size for r in ranks}) > 1:
+            self.inter_node.add(group_name)
+
+    def link_bytes(self) -> dict[str, int]:
+        """{"intra_node": bytes, "inter_node": bytes}: §7 volume (all-reduce counted twice)
+        times the element size, per kind of link."""
+        out = {"intra_node": 0, "inter_node": 0}
+        for (o, g), c in self.counts.items():
+            out["inter_node" if g in self.inter_node else "intra_node"] += \
+                c.bytes * _VOLUME_FACTOR[o]
+        return out
 
     def record(self, op: str, group_name: str, numel: int, element_size: int) -> None:
         if not self.enabled:
@@ -225,6 +245,7 @@ def new_group(name: str, ranks: Sequence[int], ledger: CommLedger, my_rank: int)
         pg = _process_group(ranks)
     if my_rank not in ranks:
         return None  # type: ignore[return-value]
+    ledger.place(name, ranks)
     return Group(name=name, ranks=ranks, rank=ranks.index(my_rank), pg=pg, ledger=ledger,
                  backend=group_backend(pg))
 

@@ -57,14 +57,22 @@ class Topology:
     dp_group: comm.Group
     ledger: comm.CommLedger
     meshes: dict = field(default_factory=dict, repr=False)  # G -> DPMesh (``dp_mesh``)
+    # ranks sharing one node (``zero.shard_size=node``; the ledger's inter-node groups)
+    per_node: int = 0
 
     @classmethod
-    def build(cls, tp: int = 1, ledger: comm.CommLedger | None = None) -> "Topology":
-        """Build from the initialised default process group (or a single process)."""
+    def build(cls, tp: int = 1, ledger: comm.CommLedger | None = None,
+              ranks_per_node: int | None = None) -> "Topology":
+        """Build from the initialised default process group (or a single process).
+        ``ranks_per_node``: the ranks sharing a node (a config's ``validation.ranks_per_node``,
+        as the trainer passes it); default the launcher's environment (``comm.ranks_per_node``).
+        The ledger then knows which groups cross nodes (``comm.CommLedger.inter_node``)."""
         ledger = ledger if ledger is not None else comm.CommLedger()
         world_size, rank = comm.world_size(), comm.world_rank()
         dp = check_grid(world_size, tp)
         dp_rank, tp_rank = grid_coords(rank, tp)
+        per_node = ranks_per_node or comm.ranks_per_node()
+        ledger.node_size = per_node
         world = comm.new_group("world", range(world_size), ledger, rank)
         tp_group = dp_group = None
         # every process must create every group, in the same order
@@ -74,16 +82,18 @@ class Topology:
         for t in range(tp):
             g = comm.new_group("dp", [grid_rank(d, t, tp) for d in range(dp)], ledger, rank)
             dp_group = g or dp_group
-        return cls(world_size, rank, tp, dp, dp_rank, tp_rank, world, tp_group, dp_group, ledger)
+        return cls(world_size, rank, tp, dp, dp_rank, tp_rank, world, tp_group, dp_group, ledger,
+                   per_node=per_node)
 
-    def dp_mesh(self, shard_size: int | str | None = None) -> "DPMesh":
+    def dp_mesh(self, shard_size: int | str | None = None, hpz: bool = False) -> "DPMesh":
         """The DP ranks as shard x replicate groups (module docstring) for ``zero.shard_size``
-        (``validation.shard_size_of``); collective the first time a G is asked for (every process
-        creates every group, in the same order), kept on the topology after. G = N_d: the DP
-        group shards, the replicate group is this rank alone. Otherwise the ledger names the
-        groups ``dp_shard`` and ``dp_replicate`` (G = 1: the replicate group has the DP group's
-        ranks, the shard group is this rank alone)."""
-        g = shard_size_of(shard_size, self.dp, comm.ranks_per_node() // self.tp)
+        (``validation.shard_size_of``; ``hpz``: hpZ's secondary, "all" meaning "node");
+        collective the first time a G is asked for (every process creates every group, in the
+        same order), kept on the topology after. G = N_d: the DP group shards, the replicate
+        group is this rank alone. Otherwise the ledger names the groups ``dp_shard`` and
+        ``dp_replicate`` (G = 1: the replicate group has the DP group's ranks, the shard group
+        is this rank alone)."""
+        g = shard_size_of(shard_size, self.dp, self.per_node // self.tp, hpz=hpz)
         if g not in self.meshes:
             self.meshes[g] = self._build_mesh(g)
         return self.meshes[g]

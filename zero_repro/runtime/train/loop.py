@@ -78,6 +78,8 @@ class LoopResult:
     grad_norms: list = field(default_factory=list)
     loss_scales: list = field(default_factory=list)
     comm_per_step: dict = field(default_factory=dict)  # ledger of the last timed step
+    # the same step's bytes by link (``CommLedger.link_bytes``: intra_node, inter_node)
+    comm_by_link: dict = field(default_factory=dict)
 
     @property
     def median_step_time(self) -> float:
@@ -158,6 +160,7 @@ def train(strategy, source: TokenSource, cfg: Config, topo: Topology, device: to
         raise Diverged(f"every step ({res.skipped_steps}) was skipped: nothing was trained; "
                        f"lower train.lr (fp16: zero.initial_scale_power)")
     res.comm_per_step = topo.ledger.as_dict()
+    res.comm_by_link = topo.ledger.link_bytes()
     # global mean over DP ranks (TP ranks of one DP rank see the same loss)
     per_dp = comm.all_gather_object(local_losses, topo.dp_group)
     res.losses = [sum(v) / len(v) for v in zip(*per_dp)]

@@ -32,6 +32,7 @@ from zero_repro.runtime.train.step import Batch, train_step
 from zero_repro.runtime.zero import build_strategy
 from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.zero.strategy import StepInfo
+from zero_repro.validation import ranks_per_node
 
 Callback = Callable[[int, float, float, StepInfo], None]  # (step, loss, seconds, info)
 
@@ -46,7 +47,9 @@ class Trainer:
         optimizer, init); without it ``build`` makes the config's model (``build_kw``: its
         keywords)."""
         self.cfg = cfg
-        self.topo = topo if topo is not None else Topology.build(cfg.parallel.tp)
+        # "node" (zero.shard_size) decided as validation decided it
+        self.topo = topo if topo is not None else Topology.build(
+            cfg.parallel.tp, ranks_per_node=ranks_per_node(cfg))
         self.device = device if device is not None else torch.device("cpu")
         if model is None:
             self.model, self.ckpt, self.strategy = build(cfg, self.topo, self.device,

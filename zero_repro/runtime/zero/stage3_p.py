@@ -54,11 +54,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from zero_repro.config import TrainConfig, ZeroConfig, ZeroRConfig
+from zero_repro.runtime.comm import comm
 from zero_repro.runtime.comm.topology import Topology
-from zero_repro.runtime.comm.transport import Transport
+from zero_repro.runtime.comm.transport import Transport, bucket_transport
 from zero_repro.runtime.model.tp import RowSource
 from zero_repro.runtime.zero import units as U
 from zero_repro.runtime.zero.flat_buffer import FlatParams, PeakBytes
+from zero_repro.runtime.zero.hpz import Secondary
 from zero_repro.runtime.zero.ledger import MemoryLedger
 from zero_repro.runtime.zero.offload import host_zeros
 from zero_repro.runtime.zero.partition import Partition, layout, row_grid
@@ -86,6 +88,9 @@ class _Unit:
         self.state = UnitState.SHARDED
         self.works: list = []
         self.sliced = False  # a vocabulary table gathered a row slice at a time
+        # hpZ (``zero.hpz``): the secondary holds this unit's current values; the gather in
+        # flight reads it
+        self.hpz_ok = self.via_hpz = False
 
     @property
     def last_chunk(self) -> int:
@@ -144,13 +149,15 @@ class _RowSlices(RowSource):
         for buf in self.buffers:
             buf.untyped_storage().resize_(0)
 
-    def _start(self, b, slot: int):
+    def _start(self, b, slot: int, via_hpz: bool):
         u, units = self.u, self.units
         buf = self.buffers[slot]
         nbytes = buf.numel() * buf.element_size()
         buf.untyped_storage().resize_(nbytes)
         units.gathered_peak.alloc(nbytes)
         out = buf[:b.size]
+        if via_hpz:  # hpZ: the backward's slices inside the node
+            return b, out, units.hpz.gather_bucket(u.group, b, out), slot
         mine = u.shard[b.shard_offset:b.shard_offset + b.chunk]
         if units.host:  # parameter offload: onto the device, into its own chunk of the slice
             lo = units.rank * b.chunk
@@ -165,18 +172,25 @@ class _RowSlices(RowSource):
         self.units.gathered_peak.free(buf.numel() * buf.element_size())
 
     def slices(self, reverse: bool = False):
-        part = self.u.group.partition
+        part, hpz = self.u.group.partition, self.units.hpz
         order = part.buckets[::-1] if reverse else part.buckets
-        ahead = [self._start(order[0], 0)] if order else []
+        # hpZ: slices read from the primary shard refill the secondary, bucket by bucket
+        via = self.units.reads_secondary(self.u)
+        fills = hpz is not None and not via
+        self.u.hpz_ok = via
+        ahead = [self._start(order[0], 0, via)] if order else []
         try:
             for i in range(len(order)):
                 if i + 1 < len(order):
-                    ahead.append(self._start(order[i + 1], (i + 1) % 2))
+                    ahead.append(self._start(order[i + 1], (i + 1) % 2, via))
                 b, out, work, slot = ahead.pop(0)
                 work.wait()
+                if fills:
+                    hpz.fill(self.u.group, [b], out)
                 r0, r1 = b.start // self.cols, min(b.end, part.numel) // self.cols
                 yield r0, r1, out[:(r1 - r0) * self.cols].view(r1 - r0, self.cols)
                 self._drop(slot)
+            self.u.hpz_ok = hpz is not None  # every bucket read: the secondary is current
         finally:  # a reader that stopped early: nothing stays on the wire
             for _, _, work, slot in ahead:
                 work.wait()
@@ -191,10 +205,12 @@ class Units:
 
     def __init__(self, module: nn.Module, plans: list[U.UnitPlan], dtype: torch.dtype,
                  n_d: int, rank: int, buckets: tuple[int, int], transport: Transport,
-                 zero: ZeroConfig, device: torch.device, init: Init | None = None):
+                 zero: ZeroConfig, device: torch.device, init: Init | None = None,
+                 secondary: tuple[comm.Group, Transport] | None = None):
         """``init``: None to copy the parameters' values in (a model built with them), else
         the partitioned construction's initialisation, called once per unit with the unit's
-        (name, parameter) pairs while they are views of its gathered buffer."""
+        (name, parameter) pairs while they are views of its gathered buffer; ``secondary``:
+        hpZ's shard group and its transport (``hpz``), None without hpZ."""
         self.module, self.rank, self.transport, self.zero = module, rank, transport, zero
         self.device = torch.device(device)
         self.gathered_peak = PeakBytes()
@@ -256,6 +272,7 @@ class Units:
         self.roots = [u for u, p in zip(self.units, plans) if not p.layer and u not in self.tables]
         self._last_block = len(self.block_units) - 1 if self.block_units else None
         self.grad_units = [u for u in self.units if u.group is not None]
+        self.hpz = None if secondary is None else Secondary(*secondary, self.all_groups, dtype)
         self.hooks = self._register_module_hooks(self.layer_modules)
 
     @property
@@ -309,12 +326,21 @@ class Units:
                 else f"its unit '{u.name}' is freed")
 
     # ------------------------------------------------------------------ gather / free
+    def reads_secondary(self, u: _Unit) -> bool:
+        """hpZ: a backward gather of a unit whose secondary is current reads it."""
+        return self.hpz is not None and self._phase == "backward" and u.hpz_ok
+
     def _gather(self, u: _Unit) -> None:
         u.expect(UnitState.SHARDED, event="gather requested")
         u.works = []
+        u.via_hpz = self.reads_secondary(u)
+        u.hpz_ok = u.hpz_ok and u.via_hpz  # a primary gather refills it as it lands
         for g, shard in u.parts:
             g.materialize()
             self.gathered_peak.alloc(g.nbytes)
+            if u.via_hpz:
+                u.works += self.hpz.gather(g)
+                continue
             for b in g.partition.buckets:
                 mine = shard[b.shard_offset:b.shard_offset + b.chunk]
                 if self.host:  # onto the device: its own chunk of the gathered buffer
@@ -332,6 +358,10 @@ class Units:
                 w.wait()
             u.works = []
             u.state = UnitState.GATHERED
+            if self.hpz is not None and not u.via_hpz:
+                for g, _ in u.parts:
+                    self.hpz.fill(g)
+                u.hpz_ok = True
 
     def _prefetch(self, indices) -> None:
         for j in indices:
@@ -490,6 +520,8 @@ class Units:
                         self._regather(u)
             return
         for i, u in enumerate(self.units):
+            if i not in self._fresh:
+                u.hpz_ok = False  # the shards changed: the secondary is stale
             if u.state is not UnitState.SHARDED and i not in self._fresh:
                 self._free(u)
         if self.zero.prefetch_next_step:
@@ -510,8 +542,12 @@ class Stage3P(Strategy):
         super().__init__(model, topo, zero, train, zero_r, **kw)
         plans = U.plan(self.module, self.units_spec, warn=self.dp_rank == 0)
         shard = self.mesh.shard  # units sharded and gathered over G ranks (HSDP: G < N_d)
+        secondary = None
+        if zero.hpz:  # hpZ: the mesh shards over all N_d; the secondary over G (``hpz``)
+            group = topo.dp_mesh(zero.shard_size, hpz=True).shard
+            secondary = (group, bucket_transport(group, self.device))
         units = Units(self.module, plans, self.dtype, shard.size, shard.rank, self.buckets,
-                      self.transport, self.zero, self.device, self.init)
+                      self.transport, self.zero, self.device, self.init, secondary)
         grads = self._fused_grads(units.groups, on_filled=units.free_unit)
         # replicas hold the same shard: the first replica counts it in the norm
         self._compose(units, grads, units.groups, shard_rank=shard.rank,
@@ -529,3 +565,6 @@ class Stage3P(Strategy):
         ledger.add("grads", self.grads.grad_bytes)  # the persistent gradient shard (offload: 0)
         ledger.add("comm_buffers", self.grads.buffer_bytes)  # the fused gradient buffers
         ledger.add("params_gathered", self.params.gathered_peak.peak)  # transient, peak
+        if self.params.hpz is not None:  # hpZ's secondary shards: 2Ψ/G (fp16/bf16)
+            ledger.add("params_hpz", self.params.hpz.nbytes)
+            ledger.add("comm_buffers", self.params.hpz.transport.held_bytes())

@@ -157,7 +157,8 @@ class Strategy:
         self.n_d, self.dp_rank = self.dp_group.size, self.dp_group.rank
         # the DP mesh (``zero.shard_size``, HSDP): the states are sharded over mesh.shard (G
         # ranks) and kept by each of mesh.replicate's R = N_d / G ranks; plain ZeRO: G = N_d
-        self.mesh = topo.dp_mesh(zero.shard_size)
+        # (hpZ, ``zero.hpz``: plain ZeRO's mesh; stage 3 adds its secondary over G)
+        self.mesh = topo.dp_mesh("all" if zero.hpz else zero.shard_size)
         self.dtype = precision.lp_dtype(zero.dtype)
         self.scaler = precision.build_scaler(zero)
         # the global gradient norm (and its non-finite check) each step: needed to clip and to
