@@ -56,6 +56,8 @@ def test_generation_is_a_field_checked_not_a_name_matched():
     h100, a100 = gpus.gpu("h100_sxm"), gpus.gpu("a100_80gb")
     assert "nvls" in outside_modern.bracket(h100.gen, 1, 8)["parts"]
     assert "nvls" not in outside_modern.bracket(a100.gen, 1, 8)["parts"]
+    # a Hopper board on PCIe (no NVSwitch) keeps no NVLink SHARP buffers
+    assert "nvls" not in outside_modern.bracket(h100.gen, 1, 8, nvlink=False)["parts"]
     assert K.device_kernels("h200_sxm").attn[("fwd", False)].proxy == "h100_sxm"
     assert K.intra_link(K.device_kernels("l40s")) == "pcie"
 

@@ -591,7 +591,7 @@ def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "n
     if gpu:
         comms = 1 + (base.parallel.tp > 1)  # the DP group, + the TP group
         outside = outside_modern.bracket(gpus.gpu(gpu).gen, comms,
-                                         base.cluster.gpus_per_node)
+                                         base.cluster.gpus_per_node, gpus.gpu(gpu).nvlink)
         judge["outside"] = outside["mid"]
         frac = modern_step.recompute_fraction(modern_step.Modern(ac=T.ac_of(zr),
                                                                  every=timing.every))

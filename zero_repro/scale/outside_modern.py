@@ -35,23 +35,26 @@ NCCL_HIGH = 32 * (1 + 3) * NCCL_FIFOS
 NVLS = 301_989_888
 
 
-def parts(generation: Generation, communicators: int, gpus_per_node: int) -> tuple[Part, ...]:
+def parts(generation: Generation, communicators: int, gpus_per_node: int,
+          nvlink: bool = True) -> tuple[Part, ...]:
     """The parts outside the allocator of one rank (module doc); NVLS where the generation
-    keeps NVLink SHARP buffers (``Generation.nvls``)."""
+    keeps NVLink SHARP buffers (``Generation.nvls``) and the node's GPUs talk over NVLink
+    (``nvlink``: a PCIe board has no NVSwitch to reduce on)."""
     n = max(1, communicators)
     out = [Part("cuda_context", CONTEXT[0], CONTEXT[1],
                 "pytorch/pytorch#86509 (274 MiB lazy); unslothai/unsloth-zoo#1053 (426 MiB)"),
            Part("nccl_buffers", NCCL_LOW, n * NCCL_HIGH,
                 "NVIDIA/nccl@5067397c init.cc/device.h FIFO sizes; 16-32 channels "
                 "(NVIDIA/nccl#892); per communicator")]
-    if generation.nvls and gpus_per_node > 2:
+    if generation.nvls and nvlink and gpus_per_node > 2:
         out.append(Part("nvls", 0, n * NVLS, "vllm-project/vllm#9699 (nvlsPerRankSize)"))
     return tuple(out)
 
 
-def bracket(generation: Generation, communicators: int, gpus_per_node: int) -> dict:
+def bracket(generation: Generation, communicators: int, gpus_per_node: int,
+            nvlink: bool = True) -> dict:
     """{"low", "mid", "high"} bytes outside the allocator, and the parts (module doc)."""
-    ps = parts(generation, communicators, gpus_per_node)
+    ps = parts(generation, communicators, gpus_per_node, nvlink)
     lo, hi = sum(p.low for p in ps), sum(p.high for p in ps)
     return {"low": lo, "mid": (lo + hi) // 2, "high": hi,
             "parts": {p.name: (p.low, p.high, p.source) for p in ps}}
