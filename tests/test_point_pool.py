@@ -1,0 +1,81 @@
+"""Independent simulated points side by side (``lab.point_pool``): the same records as one after
+another, made in other processes; measured points and undeclared experiments stay sequential."""
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+from zero_repro import config as C
+from zero_repro.lab import point_pool
+from zero_repro.lab import records as R
+from zero_repro.lab import sweep
+from zero_repro.lab.points import Point
+from zero_repro.lab.sweep import PlannedPoint
+
+EXPERIMENT = textwrap.dedent('''
+    import os, time
+    from zero_repro.lab.points import Point
+
+    PARALLEL_POINTS = True
+
+    def plan(cfg):
+        return [Point(name=f"p{i}", params={"i": i}, mode="simulated") for i in range(4)]
+
+    def run_point(cfg, point):
+        time.sleep(0.5)  # long enough that the other worker takes the next point
+        return {"y": point.params["i"] ** 2, "pid": os.getpid()}
+
+    def summarize(records):
+        return [{"figure": "pp", "series": "s", "x_name": "i", "x_value": r.params["i"],
+                 "y_name": "y", "y_value": r.metrics["y"], "unit": "u", "kind": r.mode}
+                for r in records]
+''')
+
+
+def _cfg(tmp_path, workers: int) -> C.Config:
+    cfg = C.Config()
+    cfg.experiment.name = "pp"
+    cfg.experiment.results_dir = str(tmp_path / f"results{workers}")
+    cfg.experiment.workers = workers
+    cfg.train.progress = False
+    return cfg
+
+
+def test_side_by_side_points_give_the_sequential_records(tmp_path, monkeypatch):
+    (tmp_path / "pp_experiment.py").write_text(EXPERIMENT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers import it by name
+    import pp_experiment
+
+    try:
+        runs = {}
+        for workers in (1, 2):
+            res = sweep.run_sweep(_cfg(tmp_path, workers), pp_experiment)
+            recs = R.RecordStore.for_experiment(str(tmp_path / f"results{workers}"),
+                                                "pp").load()
+            assert len(res.records) == 4 and all(r.status == "ok" for r in recs)
+            runs[workers] = {r.point: r for r in recs}
+        assert {p: r.metrics["y"] for p, r in runs[1].items()} == \
+               {p: r.metrics["y"] for p, r in runs[2].items()}
+        assert {r.metrics["pid"] for r in runs[1].values()} == {os.getpid()}
+        pids = {r.metrics["pid"] for r in runs[2].values()}
+        assert len(pids) == 2 and os.getpid() not in pids  # two workers, not this process
+    finally:
+        sys.modules.pop("pp_experiment", None)
+
+
+def test_measured_points_and_undeclared_experiments_run_one_at_a_time():
+    cfg = C.Config()
+    sim = [PlannedPoint(Point(name=f"s{i}", mode="simulated"), cfg, f"k{i}") for i in range(3)]
+    meas = sim + [PlannedPoint(Point(name="m", mode="measured"), cfg, "km")]
+
+    class Declared:
+        PARALLEL_POINTS = True
+
+    cfg.experiment.workers = 2
+    assert point_pool.workers_for(cfg, Declared, sim) == 2
+    assert point_pool.workers_for(cfg, Declared, meas) == 1
+    assert point_pool.workers_for(cfg, object(), sim) == 1
+    assert point_pool.workers_for(cfg, Declared, sim[:1]) == 1
+    cfg.experiment.workers = 0  # the cores this process may use, at most one per point
+    assert point_pool.workers_for(cfg, Declared, sim) == min(3, len(os.sched_getaffinity(0)))

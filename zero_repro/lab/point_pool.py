@@ -1,0 +1,69 @@
+"""Simulated points side by side: an experiment whose points are independent dry runs or closed
+forms (``PARALLEL_POINTS = True`` in its module: Figure 6, Table 2, prediction_memory) runs its
+local points in ``workers`` processes at once instead of one after another (``lab.sweep``).
+
+Each worker runs ``sweep.run_and_record`` on one point at a time -- the same lock, record and
+store as the sequential path -- so records, tables and figures do not depend on how many ran at
+once. Measured points (real ranks, timings) never run here: they keep the machine to themselves.
+``workers``: ``experiment.workers``, 0 = the cores this process may use. A SIGTERM or Ctrl-C
+in the sweep reaches every running point, which records itself ``cancelled`` as it would alone.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+from typing import Any, Callable
+
+from zero_repro.runtime.comm.launch import die_with_parent, raise_terminated
+
+log = logging.getLogger(__name__)
+
+
+def workers_for(cfg, experiment: Any, points: list) -> int:
+    """How many of ``points`` (``PlannedPoint``) run at once: 1 unless the experiment declares
+    its points independent and none of them is measured; else ``experiment.workers`` (0: the
+    cores this process may use), at most one per point."""
+    if not getattr(experiment, "PARALLEL_POINTS", False) or len(points) < 2:
+        return 1
+    if any(pp.point.mode == "measured" for pp in points):
+        return 1
+    n = cfg.experiment.workers or len(os.sched_getaffinity(0))
+    return max(1, min(n, len(points)))
+
+
+def _init(parent: int) -> None:
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, raise_terminated)  # recorded cancelled, as in the sweep
+    logging.basicConfig(level=logging.INFO)
+
+
+def _job(modname: str, pp, sweep_id: str):
+    from zero_repro.lab import sweep  # the sweep imports this module
+
+    unsaved: list = []
+    rec = sweep.run_and_record(importlib.import_module(modname), pp, sweep_id, None, unsaved)
+    return rec, unsaved
+
+
+def run_side_by_side(modname: str, points: list, sweep_id: str, workers: int,
+                     done: Callable) -> None:
+    """Run ``points`` (in this order) in ``workers`` spawned processes; ``done(record, pp,
+    unsaved)`` as each ends (record None: another process held it)."""
+    ctx = multiprocessing.get_context("spawn")
+    pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                                  initargs=(os.getpid(),))
+    try:
+        futures = {pool.submit(_job, modname, pp, sweep_id): pp for pp in points}
+        for fut in cf.as_completed(futures):
+            rec, unsaved = fut.result()
+            done(rec, futures[fut], unsaved)
+    except BaseException:
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()  # SIGTERM: the point records itself cancelled
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
