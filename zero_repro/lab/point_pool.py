@@ -2,7 +2,7 @@
 forms (``PARALLEL_POINTS = True`` in its module: Figure 6, Table 2, prediction_memory) runs its
 local points in ``workers`` processes at once instead of one after another (``lab.sweep``).
 
-Each worker runs ``sweep.run_and_record`` on one point at a time -- the same lock, record and
+Each worker runs ``sweep.run_and_record`` (the sweep's job) on one point at a time -- the same lock, record and
 store as the sequential path -- so records, tables and figures do not depend on how many ran at
 once. Measured points (real ranks, timings) never run here: they keep the machine to themselves.
 ``workers``: ``experiment.workers``, 0 = the cores this process may use. A SIGTERM or Ctrl-C
@@ -11,7 +11,6 @@ in the sweep reaches every running point, which records itself ``cancelled`` as 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib
 import logging
 import multiprocessing
 import os
@@ -20,7 +19,6 @@ from typing import Any, Callable
 
 from zero_repro.runtime.comm.launch import die_with_parent, raise_terminated
 
-log = logging.getLogger(__name__)
 
 
 def workers_for(cfg, experiment: Any, points: list) -> int:
@@ -41,23 +39,15 @@ def _init(parent: int) -> None:
     logging.basicConfig(level=logging.INFO)
 
 
-def _job(modname: str, pp, sweep_id: str):
-    from zero_repro.lab import sweep  # the sweep imports this module
-
-    unsaved: list = []
-    rec = sweep.run_and_record(importlib.import_module(modname), pp, sweep_id, None, unsaved)
-    return rec, unsaved
-
-
-def run_side_by_side(modname: str, points: list, sweep_id: str, workers: int,
-                     done: Callable) -> None:
-    """Run ``points`` (in this order) in ``workers`` spawned processes; ``done(record, pp,
-    unsaved)`` as each ends (record None: another process held it)."""
+def run_side_by_side(job: Callable, points: list, workers: int, done: Callable) -> None:
+    """``job(pp) -> (record, unsaved)`` (picklable: module level) for each of ``points`` (in
+    this order) in ``workers`` spawned processes; ``done(record, pp, unsaved)`` as each ends
+    (record None: another process held it)."""
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
                                   initargs=(os.getpid(),))
     try:
-        futures = {pool.submit(_job, modname, pp, sweep_id): pp for pp in points}
+        futures = {pool.submit(job, pp): pp for pp in points}
         for fut in cf.as_completed(futures):
             rec, unsaved = fut.result()
             done(rec, futures[fut], unsaved)

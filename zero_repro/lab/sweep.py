@@ -32,6 +32,7 @@ import copy
 import importlib
 import dataclasses
 import datetime
+import functools
 import logging
 import math
 import os
@@ -428,8 +429,8 @@ def run_sweep(cfg: C.Config, experiment: Any, *, plan: Plan | None = None,
                 result.unsaved.extend(unsaved)
                 _done(rec, pp.key)
 
-            point_pool.run_side_by_side(module_path(experiment), local, sweep_id, workers,
-                                        _ended)
+            job = functools.partial(_pool_job, module_path(experiment), sweep_id)
+            point_pool.run_side_by_side(job, local, workers, _ended)
         for pp in local if workers == 1 else ():
             bar.set_description(f"{name} [{pp.point.name}]")
             _done(run_and_record(experiment, pp, sweep_id, store, result.unsaved), pp.key)
@@ -537,6 +538,12 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
 
 def _logs(job) -> list[str]:
     return [str(p) for p in (job.paths.stderr, job.paths.stdout) if p.exists()]
+
+
+def _pool_job(modname: str, sweep_id: str, pp: PlannedPoint) -> tuple:
+    """One point in a ``lab.point_pool`` worker: (its record, what could not be stored)."""
+    unsaved: list = []
+    return run_and_record(importlib.import_module(modname), pp, sweep_id, None, unsaved), unsaved
 
 
 def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:
