@@ -23,6 +23,7 @@ EXPERIMENT = textwrap.dedent('''
         return [Point(name=f"p{i}", params={"i": i}, mode="simulated") for i in range(4)]
 
     def run_point(cfg, point):
+        open(os.path.join(point.run_dir, "started"), "w").close()
         time.sleep(0.5)  # long enough that the other worker takes the next point
         return {"y": point.params["i"] ** 2, "pid": os.getpid()}
 
@@ -79,3 +80,38 @@ def test_measured_points_and_undeclared_experiments_run_one_at_a_time():
     assert point_pool.workers_for(cfg, Declared, sim[:1]) == 1
     cfg.experiment.workers = 0  # the cores this process may use, at most one per point
     assert point_pool.workers_for(cfg, Declared, sim) == min(3, len(os.sched_getaffinity(0)))
+
+
+def test_a_terminated_sweep_starts_no_more_points_and_records_none_done(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "pp_slow.py").write_text(EXPERIMENT.replace("time.sleep(0.5)", "time.sleep(60)"))
+    script = textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import signal
+        from zero_repro import config as C
+        from zero_repro.lab import sweep
+        from zero_repro.runtime.comm.launch import raise_terminated
+        import pp_slow
+        signal.signal(signal.SIGTERM, raise_terminated)
+        cfg = C.Config()
+        cfg.experiment.name, cfg.experiment.results_dir = "pp", {str(tmp_path / "res")!r}
+        cfg.experiment.workers, cfg.train.progress = 2, False
+        sweep.run_sweep(cfg, pp_slow)
+    ''')
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    runs = tmp_path / "res" / "pp" / "runs"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(runs.glob("*/started"))) < 2:
+        time.sleep(0.5)  # both workers run a point (spawning one takes seconds)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) != 0
+    recs = R.RecordStore.for_experiment(str(tmp_path / "res"), "pp").load()
+    # nothing recorded done; the stopped points that left a record left it cancelled (one of
+    # two running points may go unrecorded: it is then not done, and runs again next time)
+    assert recs and {r.status for r in recs} == {"cancelled"}
+    assert len(list(runs.glob("*/started"))) == 2  # no third point started after the signal

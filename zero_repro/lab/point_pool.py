@@ -21,6 +21,9 @@ from zero_repro.runtime.comm.launch import die_with_parent, raise_terminated
 
 
 
+STOP_WAIT_S = 60.0  # an interrupted sweep waits this long for its running points' records
+
+
 def workers_for(cfg, experiment: Any, points: list) -> int:
     """How many of ``points`` (``PlannedPoint``) run at once: 1 unless the experiment declares
     its points independent and none of them is measured; else ``experiment.workers`` (0: the
@@ -46,14 +49,21 @@ def run_side_by_side(job: Callable, points: list, workers: int, done: Callable) 
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
                                   initargs=(os.getpid(),))
+    todo, running = list(points), {}
     try:
-        futures = {pool.submit(job, pp): pp for pp in points}
-        for fut in cf.as_completed(futures):
-            rec, unsaved = fut.result()
-            done(rec, futures[fut], unsaved)
+        while todo or running:
+            # at most one point per worker handed over: an interrupted worker has no next one
+            while todo and len(running) < workers:
+                pp = todo.pop(0)
+                running[pool.submit(job, pp)] = pp
+            ended, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in ended:
+                rec, unsaved = fut.result()
+                done(rec, running.pop(fut), unsaved)
     except BaseException:
         for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.terminate()  # SIGTERM: the point records itself cancelled
+            proc.terminate()  # SIGTERM: the running point records itself cancelled
+        cf.wait(running, timeout=STOP_WAIT_S)  # their records written before the pool ends
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
