@@ -115,3 +115,23 @@ def test_a_terminated_sweep_starts_no_more_points_and_records_none_done(tmp_path
     # two running points may go unrecorded: it is then not done, and runs again next time)
     assert recs and {r.status for r in recs} == {"cancelled"}
     assert len(list(runs.glob("*/started"))) == 2  # no third point started after the signal
+
+
+def _uses_the_judge_helper() -> None:
+    from zero_repro.scale.dryrun import maxsize
+
+    assert maxsize._helper().submit(abs, -3).result() == 3
+
+
+def test_a_worker_that_used_the_judges_helper_process_exits():
+    # a multiprocessing child joins its own children before atexit: the max-size judge's
+    # helper must be shut down before that (a point_pool worker hung there after its points)
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=_uses_the_judge_helper)
+    p.start()
+    p.join(180)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive and p.exitcode == 0
