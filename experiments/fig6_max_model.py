@@ -142,7 +142,7 @@ def run_point(cfg, point: Point) -> dict:
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
-PARALLEL_POINTS = True  # independent dry-run searches: side by side (lab.point_pool)
+PARALLEL_POINTS = True  # independent searches: side by side with experiment.workers (lab.point_pool)
 
 
 def summarize(records) -> list[dict]:

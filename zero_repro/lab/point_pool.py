@@ -5,7 +5,8 @@ local points in ``workers`` processes at once instead of one after another (``la
 Each worker runs ``sweep.run_and_record`` (the sweep's job) on one point at a time -- the same lock, record and
 store as the sequential path -- so records, tables and figures do not depend on how many ran at
 once. Measured points (real ranks, timings) never run here: they keep the machine to themselves.
-``workers``: ``experiment.workers``, 0 = the cores this process may use. A SIGTERM or Ctrl-C
+``workers``: ``experiment.workers`` (default 1: one after another; 0 = the cores this process
+may use; timings side by side: ``results/fig6_max_model/notes.md``). A SIGTERM or Ctrl-C
 in the sweep reaches every running point, which records itself ``cancelled`` as it would alone.
 """
 from __future__ import annotations

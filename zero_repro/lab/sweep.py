@@ -17,8 +17,8 @@ that ran on a loaded machine (``records.heavy_load``). Every point that runs lea
 run resumes a shorter one.
 
 Where points run: ``launcher=local`` / ``torchrun`` one after another here (an experiment whose
-simulated points are independent, ``PARALLEL_POINTS``, runs them side by side on the machine's
-cores: ``lab.point_pool``); ``launcher=slurm``
+simulated points are independent, ``PARALLEL_POINTS``, runs them side by side with
+``experiment.workers`` > 1 or 0 = the cores: ``lab.point_pool``); ``launcher=slurm``
 submits each *measured* point as its own job through ``submitit`` (``nodes_for``), which runs
 ``run_and_record`` and writes its record itself; simulated and analytic points, and every point
 inside an allocation (``SLURM_JOB_ID``), run here. A job that Slurm stopped or that died without
