@@ -20,8 +20,9 @@ depths above it that fit again up to the largest fit are the flip band (cross-ha
 bracket (markers): the same search with every choice the 2020 sources leave open at its
 least-memory end (``paper2020_least``, outside-allocator bytes low) and at its most-memory end
 (``paper2020_most``, high; ``switches.bracket_end``). The paper's order of C1-C5 is read from
-``results/paper/reference.csv``. Search timings and fragmentation findings:
-``results/fig6_max_model/notes.md``.
+``results/paper/reference.csv``. The table holds no timings (a re-run gives it byte for byte);
+each record keeps its search's seconds (``search_s``, ``total_s``). Search timings and
+fragmentation findings: ``results/fig6_max_model/notes.md``.
 """
 from __future__ import annotations
 
@@ -141,6 +142,7 @@ def run_point(cfg, point: Point) -> dict:
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
+PARALLEL_POINTS = True  # independent searches: side by side with experiment.workers (lab.point_pool)
 
 
 def summarize(records) -> list[dict]:
@@ -153,7 +155,6 @@ def summarize(records) -> list[dict]:
                      "y_value": round(r.metrics["max_params_B"], 2), "unit": "B params",
                      "kind": "simulated", "stack": stack,
                      "n_layer": r.metrics["max_n_layer"], "hidden": r.params["hidden"],
-                     "search_s": round(r.metrics.get("search_s", 0.0), 1),
                      **_band_columns(r)})
     order = paper_order()
     for stack in [s for s in STACKS if s in sizes]:

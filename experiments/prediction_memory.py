@@ -112,6 +112,7 @@ def verdicts(m: dict) -> dict:
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
+PARALLEL_POINTS = True  # independent dry runs: side by side (lab.point_pool)
 
 
 def summarize(records) -> list[dict]:

@@ -132,6 +132,7 @@ NOTE = ("Theoretical: model states only, Psi = 32e9 B (GB = 1e9, as the paper co
 
 
 NEWEST_ONLY = True  # summarize() shows the newest record of every point (lab.figures.regenerate)
+PARALLEL_POINTS = True  # independent dry runs: side by side (lab.point_pool)
 
 
 def summarize(records) -> list[dict]:

@@ -293,6 +293,9 @@ class ExperimentConfig:
     results_dir: str = LOCAL_RESULTS
     publish: bool = False  # write into the reference set results/ (results_dir is then results)
     params: dict = field(default_factory=dict)  # experiment-specific knobs (see conf/exp/)
+    # simulated points of an experiment that declares them independent run this many at once
+    # (``lab.point_pool``); 0: the cores this process may use; 1: one after another
+    workers: int = 1
 
 
 @dataclass

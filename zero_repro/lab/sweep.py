@@ -16,7 +16,9 @@ that ran on a loaded machine (``records.heavy_load``). Every point that runs lea
 ``runs/ckpt-<id>/``, ``<id>`` the key without ``train.steps``/``train.warmup_steps``, so a longer
 run resumes a shorter one.
 
-Where points run: ``launcher=local`` / ``torchrun`` one after another here; ``launcher=slurm``
+Where points run: ``launcher=local`` / ``torchrun`` one after another here (an experiment whose
+simulated points are independent, ``PARALLEL_POINTS``, runs them side by side with
+``experiment.workers`` > 1 or 0 = the cores: ``lab.point_pool``); ``launcher=slurm``
 submits each *measured* point as its own job through ``submitit`` (``nodes_for``), which runs
 ``run_and_record`` and writes its record itself; simulated and analytic points, and every point
 inside an allocation (``SLURM_JOB_ID``), run here. A job that Slurm stopped or that died without
@@ -30,6 +32,7 @@ import copy
 import importlib
 import dataclasses
 import datetime
+import functools
 import logging
 import math
 import os
@@ -50,7 +53,7 @@ from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.paths import REPO_ROOT
 from zero_repro.runtime.comm.launch import Terminated
-from zero_repro.lab import launcher, preflight
+from zero_repro.lab import launcher, point_pool, preflight
 from zero_repro.lab import provenance as P
 from zero_repro.lab import records as R
 from zero_repro.lab import slurm as S
@@ -419,7 +422,16 @@ def run_sweep(cfg: C.Config, experiment: Any, *, plan: Plan | None = None,
     try:
         if remote:
             (submit or submit_slurm)(experiment, remote, sweep_id, _done)
-        for pp in local:
+        workers = point_pool.workers_for(cfg, experiment, local)
+        if workers > 1:  # independent simulated points, side by side (lab.point_pool)
+            bar.set_description(f"{name} [{workers} at once]")
+            def _ended(rec: R.Record | None, pp: PlannedPoint, unsaved: list) -> None:
+                result.unsaved.extend(unsaved)
+                _done(rec, pp.key)
+
+            job = functools.partial(_pool_job, module_path(experiment), sweep_id)
+            point_pool.run_side_by_side(job, local, workers, _ended)
+        for pp in local if workers == 1 else ():
             bar.set_description(f"{name} [{pp.point.name}]")
             _done(run_and_record(experiment, pp, sweep_id, store, result.unsaved), pp.key)
     finally:
@@ -526,6 +538,12 @@ def submit_slurm(experiment: Any, points: list[PlannedPoint], sweep_id: str,
 
 def _logs(job) -> list[str]:
     return [str(p) for p in (job.paths.stderr, job.paths.stdout) if p.exists()]
+
+
+def _pool_job(modname: str, sweep_id: str, pp: PlannedPoint) -> tuple:
+    """One point in a ``lab.point_pool`` worker: (its record, what could not be stored)."""
+    unsaved: list = []
+    return run_and_record(importlib.import_module(modname), pp, sweep_id, None, unsaved), unsaved
 
 
 def _slurm_job(modname: str, pp: PlannedPoint, sweep_id: str) -> R.Record:

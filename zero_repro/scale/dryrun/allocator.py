@@ -56,6 +56,7 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
+ADDR_BITS = 56  # a free block's key: size << ADDR_BITS | addr (addresses stay below 2**56)
 
 
 def round_size(n: int) -> int:
@@ -91,15 +92,6 @@ class _Block:
         self.allocated = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
-
-
-def _absorb(left: _Block, right: _Block) -> _Block:
-    """``right`` merged into its left neighbour ``left`` (both free, one segment)."""
-    left.size += right.size
-    left.next = right.next
-    if right.next is not None:
-        right.next.prev = left
-    return left
 
 
 class AllocatorOOM(MemoryError):
@@ -142,8 +134,8 @@ class CachingAllocator:
 
     def __init__(self, capacity: float | None = None):
         self.capacity = capacity
-        self._free = {True: [], False: []}  # small? -> sorted [(size, addr)]
-        self._by_key: dict[bool, dict] = {True: {}, False: {}}  # small? -> (size, addr) -> block
+        self._free = {True: [], False: []}  # small? -> sorted keys (``_insert_free``)
+        self._by_key: dict[bool, dict] = {True: {}, False: {}}  # small? -> key -> block
         self._segments: dict[int, tuple[int, int, bool]] = {}  # seg -> (addr, size, small)
         self._seg_head: dict[int, _Block] = {}
         self._next_addr = 0
@@ -155,14 +147,16 @@ class CachingAllocator:
 
     # ------------------------------------------------------------------ free lists
     # (the replay's hot path: ~10^6 calls per min_capacity at paper scale, kept free of
-    # helper calls; the rules are the module docstring's)
+    # helper calls; the rules are the module docstring's). A free block's key is one int,
+    # ``size << ADDR_BITS | addr``: ordered as (size, addr), best fit's order, and compared
+    # in one step where a tuple takes two.
     def _insert_free(self, b: _Block) -> None:
-        key = (b.size, b.addr)
+        key = b.size << ADDR_BITS | b.addr
         insort(self._free[b.small], key)
         self._by_key[b.small][key] = b
 
     def _remove_free(self, b: _Block) -> None:
-        key = (b.size, b.addr)
+        key = b.size << ADDR_BITS | b.addr
         lst = self._free[b.small]
         del lst[bisect_left(lst, key)]
         del self._by_key[b.small][key]
@@ -172,6 +166,8 @@ class CachingAllocator:
         size = segment_size(rounded)
         if self.capacity is not None and self.reserved + size > self.capacity:
             return None
+        if self._next_addr + size >= 1 << ADDR_BITS:
+            raise OverflowError("allocator model: virtual addresses past 2**ADDR_BITS")
         seg = self._next_seg
         self._next_seg += 1
         b = _Block(seg, self._next_addr, size, small)
@@ -224,7 +220,7 @@ class CachingAllocator:
                                                                     // MIN_BLOCK)
         small = rounded <= SMALL_SIZE
         lst = self._free[small]
-        i = bisect_left(lst, (rounded, -1))  # best fit: smallest size, then lowest address
+        i = bisect_left(lst, rounded << ADDR_BITS)  # best fit: smallest size, lowest address
         if i < len(lst):
             b = self._by_key[small].pop(lst.pop(i))
         else:
@@ -249,8 +245,8 @@ class CachingAllocator:
                 b.next.prev = rest
             b.next = rest
             b.size = rounded
-            key = (remaining, rest.addr)
-            insort(self._free[small], key)
+            key = remaining << ADDR_BITS | rest.addr
+            insort(lst, key)
             self._by_key[small][key] = rest
         b.allocated = True
         self.allocated += b.size
@@ -283,13 +279,28 @@ class CachingAllocator:
 
     def _merge_insert(self, b: _Block) -> None:
         prev, nxt = b.prev, b.next  # merge with free neighbours of the same segment
+        small = b.small
+        lst, by_key = self._free[small], self._by_key[small]
         if prev is not None and not prev.allocated:
-            self._remove_free(prev)
-            b = _absorb(prev, b)
+            key = prev.size << ADDR_BITS | prev.addr  # _remove_free(prev), inline
+            del lst[bisect_left(lst, key)]
+            del by_key[key]
+            prev.size += b.size  # prev absorbs b
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            b = prev
         if nxt is not None and not nxt.allocated:
-            self._remove_free(nxt)
-            b = _absorb(b, nxt)
-        self._insert_free(b)
+            key = nxt.size << ADDR_BITS | nxt.addr
+            del lst[bisect_left(lst, key)]
+            del by_key[key]
+            b.size += nxt.size  # b absorbs nxt
+            b.next = after = nxt.next
+            if after is not None:
+                after.prev = b
+        key = b.size << ADDR_BITS | b.addr  # _insert_free(b)
+        insort(lst, key)
+        by_key[key] = b
 
 
 MAX_REPEATS = 16  # repetitions of the repeated iteration before giving up on a steady state
@@ -333,19 +344,21 @@ def replay(events, capacity: float | None = None, repeat_from: int | None = None
     live: dict[int, tuple[_Block | None, int]] = {}
     res = alloc.result
 
+    malloc, free, pop = alloc.malloc, alloc.free, live.pop
+
     def run(evs) -> bool:
         for ev in evs:
-            kind, sid, nbytes = ev[0], ev[1], ev[2]
+            kind = ev[0]
             if kind == "alloc":
-                live[sid] = (alloc.malloc(nbytes), nbytes)
+                live[ev[1]] = (malloc(ev[2]), ev[2])
                 if stop_at_oom and res.oom:
                     return False
             elif kind == SYNC:
                 alloc.sync()
             else:
-                blk = live.pop(sid, None)
+                blk = pop(ev[1], None)
                 if blk is not None:
-                    alloc.free(*blk, held=kind == HELD)
+                    free(blk[0], blk[1], kind == HELD)
         return True
 
     ok = run(events)

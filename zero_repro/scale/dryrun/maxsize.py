@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -288,6 +289,10 @@ def _drop_helper(wait: bool = False) -> None:
 
 
 atexit.register(_drop_helper, wait=True)  # ended before the interpreter tears down
+# in a multiprocessing child (a ``lab.point_pool`` worker) the exit joins the child's own
+# children before ``atexit`` runs: the helper, waiting for work, would never end. A finalizer
+# with an exit priority above its queues' (10: they close their feeder threads) runs first.
+multiprocessing.util.Finalize(None, _drop_helper, kwargs={"wait": True}, exitpriority=100)
 
 
 def _child_dry_run(src_dict: dict, cfg_dict: dict, iterations: int, capacity: bool = True):
