@@ -1,4 +1,4 @@
-"""Figure 5 analogue (experiments/fig5_convergence.py): the plan covers stages 0-3, C1-C5 and the
+"""Figure 5 analogue (experiments/fig5_convergence/): the plan covers stages 0-3, C1-C5 and the
 fp16/bf16 variants on one TP x DP grid and composes through Hydra; summarize turns records into
 loss / |dloss| / max-|dloss| rows against the stage 0 fp32 run; the plot draws the paper's
 Fig. 5 only as labelled context; and a real 2-point run gives coinciding fp32 losses."""

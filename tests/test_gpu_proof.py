@@ -1,4 +1,4 @@
-"""The GPU proof (experiments/gpu_proof.py): its plan for one GPU and for a node (equivalence
+"""The GPU proof (experiments/gpu_proof/): its plan for one GPU and for a node (equivalence
 first, a time estimate within the 10-minute budget, the paper points at full depth built on the
 device), the plan through the command line's pre-flight on a machine with CUDA mocked as one
 H100 and as eight (the GPU model read from the device), and its CPU dry path at world 1 and

@@ -29,7 +29,7 @@ import dataclasses
 
 from zero_repro.lab import records as R
 from zero_repro.lab.memory_view import point_snapshot
-from zero_repro.lab.figures import memory_breakdown as MBF
+from experiments.memory_breakdown import figure as MBF
 from zero_repro.lab.points import Point
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun.dryrun import dry_run, setup_overrides
@@ -240,12 +240,12 @@ def _mechanism_rows(newest) -> list[dict]:
 
 
 def conclude(table, most: int = 4) -> list[str]:
-    """The table in words (``lab.figures.memory_breakdown.conclude``): the bytes outside the
+    """The table in words (``memory_breakdown.figure.conclude``): the bytes outside the
     allocator, the largest categories at ``MECHANISM_AT``, the top mechanisms and switches."""
     return MBF.conclude(table, FIGURE, MECHANISM_AT, SHORT, most)
 
 
 def plot(table, out_dir: str) -> list[str]:
-    """The figure (``lab.figures.memory_breakdown``): categories at the peak per setup x stack,
+    """The figure (``memory_breakdown.figure``): categories at the peak per setup x stack,
     what each Fidelity III mechanism adds at ``MECHANISM_AT``, each switch's cost at 40B C4."""
     return MBF.plot(table, out_dir, FIGURE, ROWS, MECHANISM_AT, DEVICE_GIB)

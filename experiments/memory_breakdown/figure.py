@@ -1,4 +1,4 @@
-"""The memory breakdown figure (``experiments/memory_breakdown.py``; paper §3, §5-§6: where a
+"""The memory breakdown figure (``experiments/memory_breakdown/``; paper §3, §5-§6: where a
 GPU's memory goes): per setup x stack the bytes at the peak of cached memory by category, the
 bytes outside the caching allocator on top, the device as it reports itself; what each 2020
 mechanism adds; each ``paper2020`` switch's cost alone; and the same in words (``conclude``).
@@ -141,7 +141,7 @@ PEAK = "peak_reserved (max cached)"
 
 
 def conclude(table, figure: str, mechanism_at, short: dict, most: int = 4) -> list[str]:
-    """The table in words (``experiments/memory_breakdown.py``'s result lines): the bytes
+    """The table in words (``experiments/memory_breakdown/``'s result lines): the bytes
     outside the allocator per stack (the bracket's low .. high end); at the paper's own runs
     (``mechanism_at``: Table 8's 40B C1, Table 6's 60B on 64 GPUs) per stack the max cached
     memory and the ``most`` largest categories that hold it (the rest summed); the two 2020
