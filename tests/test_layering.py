@@ -184,28 +184,92 @@ def test_cpu_fast_path_is_fenced_off():
     assert not reach, "the CPU fast path reaches:\n" + "\n".join(reach)
 
 
-# lab/figures turns records into tables and pictures: it plans, searches, calibrates and runs
-# nothing. The throughput figures' vocabulary (names, units, paper setups) is allowed.
+# lab/figures and each experiment's own figure modules (``experiments/NAME/figure.py``,
+# ``panel.py``) turn records into tables and pictures: they plan, search, calibrate and run
+# nothing. The throughput figures' vocabulary (names, units, paper setups), the peers report and
+# the 2020 stack's switch and outside-byte facts are allowed.
 FIGURES = ("zero_repro.lab.figures",)
+EXPERIMENT_FIGURES = ("figure", "panel")  # module names inside an experiment's package
 NOT_FOR_FIGURES = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro.lab.sweep",
                    "zero_repro.lab.cli", "zero_repro.lab.jobs", "zero_repro.lab.checks",
-                   "zero_repro.lab.throughput", "zero_repro.scale.dryrun.dryrun",
-                   "zero_repro.scale.dryrun.maxsize", "zero_repro.scale.calibrate",
-                   "zero_repro.scale.perf_model", "zero_repro.runtime")
-FIGURES_MAY = ("zero_repro.lab.throughput.setups",)
+                   "zero_repro.lab.throughput", "zero_repro.lab.preflight",
+                   "zero_repro.lab.estimate", "zero_repro.lab.bench", "zero_repro.lab.live_peak",
+                   "zero_repro.lab.cuda_memory", "zero_repro.lab.host_adam",
+                   "zero_repro.lab.judged", "zero_repro.lab.memory_view",
+                   "zero_repro.lab.peers.race", "zero_repro.lab.peers.runners",
+                   "zero_repro.lab.peers.frameworks", "zero_repro.lab.peers.memory",
+                   "zero_repro.scale.dryrun", "zero_repro.scale.calibrate",
+                   "zero_repro.scale.perf_model", "zero_repro.scale.estimate",
+                   "zero_repro.scale.estimate_time", "zero_repro.scale.kernels",
+                   "zero_repro.scale.modern_step", "zero_repro.scale.offload_time",
+                   "zero_repro.runtime", "experiments")
+FIGURES_MAY = ("zero_repro.lab.throughput.setups", "zero_repro.scale.dryrun.stack.switches",
+               "zero_repro.scale.dryrun.stack.outside")
+# what no figure module reaches even through another module: the planners and runners proper
+RUNNERS = ("zero_repro.lab.launcher", "zero_repro.lab.rank", "zero_repro.lab.sweep",
+           "zero_repro.lab.cli", "zero_repro.lab.jobs", "zero_repro.lab.checks",
+           "zero_repro.lab.throughput.plan", "zero_repro.lab.throughput.run",
+           "zero_repro.lab.throughput.simulate", "zero_repro.lab.throughput.batch",
+           "zero_repro.lab.peers.race", "zero_repro.lab.peers.runners",
+           "zero_repro.scale.dryrun.dryrun", "zero_repro.scale.dryrun.maxsize",
+           "zero_repro.scale.calibrate", "zero_repro.scale.perf_model",
+           "zero_repro.runtime.train", "zero_repro.runtime.zero")
+
+
+def is_figure_module(module: str) -> bool:
+    """``lab.figures.*``, or a figure module of an experiment package
+    (``experiments.NAME.figure``, ``experiments.NAME.panel``)."""
+    parts = module.split(".")
+    return _under(module, FIGURES) or (
+        parts[0] == "experiments" and len(parts) == 3 and parts[2] in EXPERIMENT_FIGURES)
 
 
 def figures_reach(src: str, target: str) -> bool:
-    """Whether ``src`` is a figures module importing a planner or runner (the rule above)."""
-    return (_under(src, FIGURES) and _under(target, NOT_FOR_FIGURES)
-            and not _under(target, FIGURES_MAY))
+    """Whether ``src`` is a figure module importing a planner or runner (the rule above); an
+    experiment's figure module may import its own package's other figure modules."""
+    own = src.split(".")[:2] == target.split(".")[:2] and is_figure_module(target)
+    return (is_figure_module(src) and _under(target, NOT_FOR_FIGURES)
+            and not _under(target, FIGURES_MAY) and not own)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    return {module_name(f): {t for t, _, _ in imports_of(f)} for f in project_files()}
+
+
+def runners_reached(src: str, graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import chains from ``src`` that end in a planner or runner (``RUNNERS``)."""
+    chains, seen, todo = [], {src}, [[src]]
+    while todo:
+        chain = todo.pop()
+        for t in sorted(graph.get(chain[-1], ())):
+            if t in seen:
+                continue
+            seen.add(t)
+            if _under(t, RUNNERS):
+                chains.append(chain + [t])
+            else:
+                todo.append(chain + [t])
+    return chains
 
 
 def test_figures_import_no_planner_or_runner():
+    modules = [module_name(f) for f in project_files()]
+    figures = [m for m in modules if is_figure_module(m)]
+    assert "zero_repro.lab.figures.regenerate" in figures
+    assert any(m.startswith("experiments.") for m in figures), figures  # the rule sees them
     bad = [f"{f.relative_to(ROOT)}:{line}: {module_name(f)} imports {target}"
            for f in project_files() for target, line, _ in imports_of(f)
            if figures_reach(module_name(f), target)]
     assert not bad, "figures reach a planner or runner:\n" + "\n".join(bad)
+
+
+def test_figures_reach_no_runner_through_another_module():
+    """Indirectly neither: no chain of imports leads from a figure module to a planner or runner
+    (importing a figure module starts no launcher, sweep, dry run or calibration)."""
+    graph = _import_graph()
+    bad = [" -> ".join(c) for m in sorted(graph) if is_figure_module(m)
+           for c in runners_reached(m, graph)]
+    assert not bad, "figures reach a planner or runner through:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("src,target,bad", [
@@ -217,9 +281,28 @@ def test_figures_import_no_planner_or_runner():
     ("zero_repro.lab.figures.regenerate", "zero_repro.lab.records", False),
     ("zero_repro.lab.throughput.plan", "zero_repro.lab.sweep", False),
     ("zero_repro.lab.figures.throughput", "zero_repro.lab.throughput.plan", True),
+    ("experiments.fig3_scaling.figure", "zero_repro.lab.throughput.plan", True),
+    ("experiments.fig7_cached_memory.figure", "zero_repro.scale.dryrun.dryrun", True),
+    ("experiments.fig7_cached_memory.figure", "zero_repro.scale.dryrun.stack.switches", False),
+    ("experiments.memory_breakdown.figure", "zero_repro.lab.estimate", True),
+    ("experiments.peers.figure", "zero_repro.lab.peers.race", True),
+    ("experiments.peers.figure", "zero_repro.lab.peers.report", False),
+    ("experiments.fig3_scaling.figure", "experiments.fig3_scaling.panel", False),
+    ("experiments.fig3_scaling.figure", "experiments.fig3_scaling", True),
+    ("experiments.fig3_scaling.panel", "experiments.fig2_throughput", True),
+    ("experiments.fig3_scaling", "zero_repro.lab.throughput.plan", False),  # plans: not a figure
 ])
 def test_figures_rule_catches_a_planner_import(src, target, bad):
     assert figures_reach(src, target) is bad
+
+
+def test_indirect_rule_catches_a_chain():
+    """The rule itself: a figure module reaching a runner through a module it may import."""
+    graph = {"experiments.x.figure": {"zero_repro.lab.records"},
+             "zero_repro.lab.records": {"zero_repro.lab.sweep"}}
+    assert runners_reached("experiments.x.figure", graph) == [
+        ["experiments.x.figure", "zero_repro.lab.records", "zero_repro.lab.sweep"]]
+    assert runners_reached("experiments.x.figure", {"experiments.x.figure": {"pandas"}}) == []
 
 
 def test_runtime_imports_nothing_of_scale_or_lab():
