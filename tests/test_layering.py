@@ -11,6 +11,7 @@ comments, docstrings, the README, Slurm templates and configs must exist (no sta
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -90,7 +91,8 @@ def _type_checking_only(node: ast.AST, parents: dict) -> bool:
     return False
 
 
-def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+@functools.lru_cache(maxsize=None)  # read once per session: several rules walk every file
+def imports_of(path: Path) -> tuple[tuple[str, int, bool], ...]:
     """(imported project module, line, inside a function) for every project import."""
     tree = ast.parse(path.read_text(), filename=str(path))
     module, is_pkg = module_name(path), path.name == "__init__.py"
@@ -115,7 +117,7 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
                 in_func = True
                 break
         out += [(n, node.lineno, in_func) for n in names if _is_project(n)]
-    return out
+    return tuple(out)
 
 
 def _is_module(name: str) -> bool:
