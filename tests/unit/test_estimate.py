@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from zero_repro import config as C
+from zero_repro import gpus
 from zero_repro import schema
 from zero_repro import validation
 from zero_repro.lab import estimate as L
@@ -134,6 +135,7 @@ def test_largest_layer_of_llama2_7b_is_its_embedding():
     (["--gpus", "8", "--device-memory", "48GB"], "give the model"),
     (["--model", "nope", "--gpus", "8", "--device-memory", "48GB"], "no conf/model/nope"),
     (["--model", "llama2_7b", "--gpus", "8"], "give the cluster"),
+    (["--model", "llama2_7b", "--gpus", "8", "--gpu", "nope"], "unknown GPU 'nope'"),
     (["--model", "llama2_7b", "--gpus", "8", "--device-memory", "lots"], "48GB"),
     (["--model", "llama2_70b", "--gpus", "64", "--tp", "16", "--cluster", "h100"],
      "does not divide model.n_kv_head=8"),
@@ -145,6 +147,21 @@ def test_bad_input_is_one_error_line(argv, msg, capsys):
     assert L.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and msg in err[0], err
+
+
+def test_a_gpu_kind_alone_is_a_cluster_with_its_facts():
+    """``--gpu KEY`` without a cluster: the GPU's datasheet facts (``zero_repro/gpus/KEY.py``)
+    fill the custom cluster, links from the flags; a flag given on top is a what-if that stays."""
+    gpu = gpus.gpu("h100_sxm")
+    argv = ["--model", "llama2_7b", "--gpus", "8", "--gpu", "h100_sxm", "--gpus-per-node", "4",
+            "--intra-gbps", "64", "--inter-gbps", "100"]
+    c = L.cluster_from_args(L._parser().parse_args(argv))
+    assert (c.gpu, c.device_memory_gb, c.device_memory_mib, c.peak_tflops, c.hbm_gbps,
+            c.sm_count) == ("h100_sxm", gpu.memory_gb, gpu.memory_mib, gpu.peak_tflops,
+                            gpu.hbm_gbps, gpu.sm_count)
+    assert (c.gpus_per_node, c.intra_node_gbps, c.inter_node_gbps) == (4, 64, 100)
+    c = L.cluster_from_args(L._parser().parse_args(argv + ["--peak-tflops", "500"]))
+    assert (c.peak_tflops, c.device_memory_gb) == (500, gpu.memory_gb)
 
 
 def test_units_and_shape():
