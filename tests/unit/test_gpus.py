@@ -4,6 +4,7 @@ a GPU's generation is a field checked against the known generations; an unknown 
 with an error naming the known ones, wherever it is named."""
 from __future__ import annotations
 
+import sys
 
 import pytest
 import yaml
@@ -11,6 +12,7 @@ import yaml
 from zero_repro import config as C
 from zero_repro import gpus
 from zero_repro.scale import kernels as K
+from zero_repro.scale.kernel_sources import KERNEL_START_S
 from zero_repro.scale import outside_modern
 from zero_repro.scale.paper.clusters import list_clusters, load_cluster
 
@@ -63,3 +65,30 @@ def test_a_gpu_without_a_gemm_point_is_refused_with_the_file_to_fix():
     g = gpus.Gpu("x100", "X100", "ampere", 300.0, 2000.0, 100, 80)
     with pytest.raises(ValueError, match="no gemm point.*zero_repro/gpus/x100.py"):
         K._points_band(g, "gemm")
+
+
+def test_the_worked_example_adds_a_gpu_kind_in_one_file(tmp_path, monkeypatch):
+    """docs/estimate.md's worked example: its module, the only new file (in a folder added to
+    the package's path), is found under its key, fills a cluster with its facts and gives a
+    kernel model; before it exists the key is refused."""
+    text = (ROOT / "docs" / "estimate.md").read_text()
+    head = "```python\n# zero_repro/gpus/h100_pcie.py\n"
+    code = text.split(head, 1)[1].split("```", 1)[0]
+    with pytest.raises(ValueError, match="unknown GPU 'h100_pcie'"):
+        gpus.gpu("h100_pcie")
+    (tmp_path / "h100_pcie.py").write_text(code)
+    monkeypatch.setattr(gpus, "__path__", [*gpus.__path__, str(tmp_path)])
+    gpus.known.cache_clear()
+    try:
+        g = gpus.gpu("h100_pcie")
+        c = C.ClusterConfig(name="x", device="cuda", backend="nccl", gpu="h100_pcie")
+        assert [getattr(c, f) for f in C.GPU_FIELDS] == [getattr(g, f) for f in
+                                                         C.GPU_FIELDS.values()]
+        dk = K.device_kernels("h100_pcie")
+        assert K.intra_link(dk) == "pcie" and g.gen.name == "hopper"
+        # the SXM part's GEMM point stands in at its efficiency (794.5 of 989 TFLOPS)
+        t = K.gemm_seconds(dk, g.peak_tflops * 1e12, g.hbm_gbps * 1e9, 4096, 4096, 4096)
+        assert t - KERNEL_START_S == pytest.approx(2 * 4096**3 / (756e12 * 794.5 / 989))
+    finally:
+        gpus.known.cache_clear()
+        sys.modules.pop(f"{gpus.__name__}.h100_pcie", None)
