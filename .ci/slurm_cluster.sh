@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throwaway Slurm cluster with accounting, for the `slurm` tests (tests/test_slurm_real.py):
+# A throwaway Slurm cluster with accounting, for the `slurm` tests (tests/integration/test_slurm_real.py):
 # this host as one node, plus (where network/UTS/mount namespaces work) two more nodes on the
 # same machine, each a slurmd in its own namespaces, for the two-node tests.
 #

@@ -8,7 +8,7 @@ of memory (``DryRunResult.min_capacity``), and the max cached at the judged capa
 is the device as it reports itself (31.75 GiB, ``scale.hardware``) less the stack's bytes outside
 the allocator, a sourced bracket (``scale.dryrun.stack.outside``): the verdict is given at its low,
 mid and high end. A setup that does not fit under paper2020 is one the paper could not have run as
-modelled (``tests/test_paper_runs_fit.py`` requires every one to fit). Figure 8's rows follow
+modelled (``tests/integration/test_paper_runs_fit.py`` requires every one to fit). Figure 8's rows follow
 ``scale.paper.table9``'s default order (``experiment.params.table9_orders`` adds the other
 reading); ``paper2020_most`` (every choice the 2020 sources leave open at its most-memory end,
 ``switches.paper2020_most``) is judged at the high end of the outside bracket: where the paper's

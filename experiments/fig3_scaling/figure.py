@@ -1,4 +1,4 @@
-"""Figure 3 as drawn (``experiments/fig3_scaling.py``; paper §10.3: super-linear scalability of
+"""Figure 3 as drawn (``experiments/fig3_scaling/``; paper §10.3: super-linear scalability of
 ZeRO-100B, a 60B model on 64-400 V100 GPUs): the paper-scale scaling panel (per-GPU TFLOPs as
 bars, the aggregate as lines, perfect linear scaling; ``fig3_scaling.panel``), under it
 the aggregate speed-ups against the paper's and the ideal b/a (``speedup_text``) and what the

@@ -1,7 +1,7 @@
 """One scaling panel of a throughput figure (paper §10.2 Figure 3: super-linear scaling):
 per-GPU (per-rank) throughput as grouped bars on a log2 axis of the GPU (rank) count, the
 aggregate as lines on a log2 right axis, and perfect linear scaling from each series' smallest
-count. Used by ``experiments/fig3_scaling.py`` for the paper-scale and the local panel.
+count. Used by ``experiments/fig3_scaling/`` for the paper-scale and the local panel.
 """
 from __future__ import annotations
 

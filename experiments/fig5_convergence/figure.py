@@ -1,4 +1,4 @@
-"""The convergence figure (``experiments/fig5_convergence.py``; paper §10.4 Figure 5: ZeRO
+"""The convergence figure (``experiments/fig5_convergence/``; paper §10.4 Figure 5: ZeRO
 trains to the same loss as the baseline): training loss per step of every stage / ZeRO-R
 configuration, each one's |loss - stage 0 fp32 loss| on a log axis, and the paper's own
 Figure 5 (a different experiment) as context. Reads the experiment's table only.

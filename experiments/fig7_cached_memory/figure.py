@@ -1,4 +1,4 @@
-"""Figure 7 as the paper draws it (``experiments/fig7_cached_memory.py``; paper §10.5, Table 8:
+"""Figure 7 as the paper draws it (``experiments/fig7_cached_memory/``; paper §10.5, Table 8:
 max cached memory per ZeRO configuration on 400 V100-32GB, MP 16): per configuration C1..C5 the
 predicted max cached memory (GiB = 2^30 B) of each model size x stack, peak allocated as a tick,
 the bracket's ends as whiskers, the device as it reports itself and the paper2020 allocator's

@@ -32,7 +32,7 @@ come from ``conf/cluster``:
 ``experiment.params.cluster=auto`` finds it from ``torch.cuda.get_device_name`` and the device
 memory (``gpu_cluster``). Table, figure, ``report.md`` and result lines:
 ``experiments.gpu_proof.report``. ``device: cpu`` is the dry path CI runs
-(tests/test_gpu_proof.py): the same code at tiny sizes on gloo ranks (world 1, or 4 for
+(tests/integration/test_gpu_proof.py): the same code at tiny sizes on gloo ranks (world 1, or 4 for
 ``gpus: 8``: DP 4 and TP 2 x DP 2) with the NCCL ranks' bucket transport forced onto gloo, the
 ledger for CUDA memory, no targets.
 

@@ -1,4 +1,4 @@
-"""The GPU proof's ZeRO-Offload part (``zero_offload``; ``experiments/gpu_proof.py`` plans it
+"""The GPU proof's ZeRO-Offload part (``zero_offload``; ``experiments/gpu_proof/`` plans it
 with the others): what one GPU proves about ``zero.offload_optimizer=cpu``
 (``runtime.zero.offload``; Ren et al. 2021).
 

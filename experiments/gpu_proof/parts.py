@@ -1,4 +1,4 @@
-"""The GPU proof's parts as rank programs and their verdicts (``experiments/gpu_proof.py`` plans
+"""The GPU proof's parts as rank programs and their verdicts (``experiments/gpu_proof/`` plans
 the points and states the time estimate; its docstring says what each part proves): the
 probe, the equivalence against ``torch.optim.AdamW`` (``lab.checks.equivalence``, shared with
 the tests), P_a+cpu against checkpoints on the device, throughput through the real trainer, a

@@ -1,4 +1,4 @@
-"""The GPU proof's summaries (``experiments/gpu_proof.py``): its table rows from the records
+"""The GPU proof's summaries (``experiments/gpu_proof/``): its table rows from the records
 (``summarize``), its figure and ``report.md`` (``plot``), its result lines (``conclude``). The report
 states each part's checks and, per paper point (paper §10.5), the measured and dry-run peak device
 memory by category (``lab.cuda_memory``): when the real / predicted peak-allocated ratio misses

@@ -1,4 +1,4 @@
-"""The GPU proof's time estimate (``experiments/gpu_proof.py``: its plan prints it against the
+"""The GPU proof's time estimate (``experiments/gpu_proof/``: its plan prints it against the
 budget, each record keeps it beside its measured ``wall_s``): seconds per part on the cluster's
 GPUs = process start + weights drawn on the device + steps, a step's time its hardware FLOPs
 (``runtime.model.flops.hardware_flops_per_iteration``: the model FLOPs plus the recomputed

@@ -1,4 +1,4 @@
-"""The peers race's figure, its ``report.md`` and its result lines (``experiments/peers.py``
+"""The peers race's figure, its ``report.md`` and its result lines (``experiments/peers/``
 summarises the records into the table these read): step time over the lower bound and over the
 best peer, the size series, live-storage peaks, the largest model within the per-rank budget.
 """

@@ -14,7 +14,7 @@ acting across the step boundary (``CROSS_STEP``) alternate in blocks of two step
 second is timed. A step (``train.step.train_step``) takes the slowest rank's time; per repeat the
 medians of A and B and their ratio B/A; printed: the median ratio over repeats with its min-max
 spread. Invariant: the §7 volumes are equal either way and the knobs are bit-identical
-(``tests/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
+(``tests/unit/test_zero_overlap.py``), so a ratio < 1 is time the overlap saved.
 """
 from __future__ import annotations
 

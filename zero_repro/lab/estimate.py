@@ -4,7 +4,7 @@ reads the command line, builds the config, prints the report and puts DeepSpeed'
 model-state estimator beside it where DeepSpeed is installed).
 
     python -m zero_repro.lab.estimate --model llama2_7b --gpus 8 --gpus-per-node 4 \\
-        --device-memory 48GB --peak-tflops 362 --intra-gbps 64 --inter-gbps 100 --batch 1
+        --gpu l40s --intra-gbps 64 --inter-gbps 100 --batch 1
     python -m zero_repro.lab.estimate --model llama2_70b --cluster h100 --gpus 64 --tp 8
     python -m zero_repro.lab.estimate --shape layers=32,hidden=4096,heads=32,kv_heads=8,\\
         ffn=14336,vocab=128256,seq=8192 --cluster h100 --gpus 8 --ac selective
@@ -14,7 +14,8 @@ model-state estimator beside it where DeepSpeed is installed).
     ... --shard-size node --hpz    (hierarchical sharding: stages 1-3 over a node's ranks;
                                     stage 3 with ZeRO++'s hpZ)
 
-Time: today's stack on the cluster's GPU by default (``--gpu`` names it for a custom cluster;
+Time: today's stack on the cluster's GPU (``--gpu KEY`` names it; without ``--cluster`` the GPU's
+datasheet facts make a custom cluster;
 ``--ac none|selective|full``, ``--attention flash|unfused``), with a band; the text shows the
 three largest terms of the step, ``--json`` every term.
 
@@ -90,19 +91,20 @@ def model_from_args(args) -> C.ModelConfig:
 
 
 def cluster_from_args(args) -> C.ClusterConfig:
-    """A cluster by name (conf/cluster) or by device memory + links, either with flags on top."""
+    """A cluster by name (conf/cluster), or of a GPU kind (``--gpu``: its datasheet facts from
+    ``zero_repro.gpus``) or by device memory, with links; either with flags on top."""
     if args.cluster:
         if args.cluster not in list_clusters():
             raise ValueError(f"--cluster {args.cluster!r}: choose one of {list_clusters()}")
         c = load_cluster(args.cluster)
-    elif args.device_memory:
+    elif args.device_memory or args.gpu:
         c = C.ClusterConfig(name="custom", device="cuda", backend="nccl",
-                            gpus_per_node=args.gpus_per_node or args.gpus,
+                            gpus_per_node=args.gpus_per_node or args.gpus, gpu=args.gpu or "",
                             description="given on the command line")
     else:
-        raise ValueError("give the cluster: --cluster NAME (conf/cluster) or --device-memory "
-                         "48GB [--gpus-per-node N --peak-tflops T --intra-gbps GB/s "
-                         "--inter-gbps Gbit/s]")
+        raise ValueError("give the cluster: --cluster NAME (conf/cluster), --gpu KEY "
+                         "(zero_repro/gpus) or --device-memory 48GB [--gpus-per-node N "
+                         "--peak-tflops T --intra-gbps GB/s --inter-gbps Gbit/s]")
     over = {"device_memory_gb": parse_bytes(args.device_memory) if args.device_memory else None,
             "gpus_per_node": args.gpus_per_node, "peak_tflops": args.peak_tflops,
             "intra_node_gbps": args.intra_gbps, "inter_node_gbps": args.inter_gbps,
@@ -482,8 +484,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--inter-gbps", "--inter-node-gbps", type=float, dest="inter_gbps",
                     help="Gbit/s per node between nodes (overrides the cluster's)")
     ap.add_argument("--pcie-gbps", type=float, help="GB/s host <-> device")
-    ap.add_argument("--gpu", help=f"the GPU, for the time model ({', '.join(gpus.known())}"
-                                  "; default: the cluster's)")
+    ap.add_argument("--gpu", help=f"the GPU kind ({', '.join(gpus.known())}; default: the "
+                                  "cluster's): the time model's, and without --cluster its "
+                                  "datasheet facts make the cluster")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (TP x DP)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")

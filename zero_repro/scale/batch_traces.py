@@ -9,7 +9,7 @@ transients; constant sizes are products of model dimensions, all smaller than th
 flat-buffer counts, a multiple of it by chance 1/65521). ``BatchTraces`` writes the judged trace
 at any b and replays it through the caching-allocator model (``dryrun.allocator``). Approximated:
 a size affine in b with an offset (P_a's slice padding ceil(b·s·h/m) when m does not divide
-s·h) is taken as constant; ``tests/test_estimate.py`` holds the written trace to dry runs at
+s·h) is taken as constant; ``tests/unit/test_estimate.py`` holds the written trace to dry runs at
 other batch sizes (``from_pair``). ``largest_batch``: a bracketing search of such judgements.
 """
 from __future__ import annotations

@@ -51,7 +51,7 @@ Mechanism and what is approximated:
     verdict, peak reserved: the judged replay to the allocator's steady state) and every
     candidate of the search. Approximated: a size affine in b with an offset (P_a's slice
     padding ceil(b·s·h/m) when m does not divide s·h) is taken as constant;
-    ``tests/test_estimate.py`` holds the written trace to dry runs at other batch sizes;
+    ``tests/unit/test_estimate.py`` holds the written trace to dry runs at other batch sizes;
   * the largest micro-batch: a bracketing search (seeded by the live peak's slope in b) of
     judged replays at the device capacity; the answer fits and the next micro-batch does not;
   * the stages run side by side in helper processes (``workers``, forked: no second import);

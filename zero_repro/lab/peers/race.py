@@ -1,4 +1,4 @@
-"""Running the peers race's points (``experiments/peers.py`` plans them): a race of frameworks
+"""Running the peers race's points (``experiments/peers/`` plans them): a race of frameworks
 interleaved step by step (``run_race``), each framework alone for its memory (``run_memory``),
 and the ladder climbed within a per-rank budget (``run_budget``); each spawns the ranks
 (``runners.run_peers`` / ``run_budget``) and returns a record's payload.

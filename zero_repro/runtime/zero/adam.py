@@ -22,7 +22,7 @@ with no host read in the step (``step_count`` reads the device counter).
 ``step(..., on_chunk=f)`` calls ``f(i)`` as soon as chunk i (and its training-dtype cast) is
 final, so a stage can put chunk i on the wire while chunk i+1 is updated; bit-identical to one
 call over all chunks (the fused kernel updates each tensor of its list on its own with the same
-scalars; tests/test_adam_chunks.py).
+scalars; tests/unit/test_adam.py).
 """
 from __future__ import annotations
 

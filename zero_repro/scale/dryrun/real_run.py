@@ -1,7 +1,7 @@
 """The dry run's real counterpart: the same training steps on real tensors of an initialised
 (gloo) process group, reported as the dry run reports them -- the memory ledgers (paper §5
 Table 1: 2Ψ + 2Ψ + KΨ and their partitions) and the live bytes per category, so that
-``tests/test_dryrun.py`` and Table 1 check the simulation against a run; and the live peaks
+``tests/unit/test_dryrun.py`` and Table 1 check the simulation against a run; and the live peaks
 counted once more by PyTorch's CPU allocator, not by the tracer the dry run shares
 (``allocator_live_peaks``). The step is the dry run's own (``dryrun.one_step``, through the
 runtime's ``Trainer``). Module-level functions, for ``launch.spawn``.

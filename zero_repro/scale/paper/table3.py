@@ -12,7 +12,7 @@ ZeroRConfig), ``zero_overrides(name)`` (Hydra overrides ``zero.stage`` + ``zero_
 ``describe(stage, zero_r)`` (a label in the paper's notation) and the rows, which
 ``zero_repro.scale.analytic.MemConfig.from_table3`` turns into the memory model's flags.
 ``conf/zero_r/c1.yaml`` ... ``c5.yaml`` select the same settings through Hydra;
-tests/test_zero_r.py checks that they equal this table.
+tests/unit/test_zero_r.py checks that they equal this table.
 """
 from __future__ import annotations
 

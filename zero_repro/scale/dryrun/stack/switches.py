@@ -56,7 +56,7 @@ CATEGORIES = (FP16_PARAMS, MASTER_ADAM, GRAD_PARTITION, BUCKETS, CHECKPOINTS, WO
 
 # the point of the outside-allocator bracket a single verdict is judged at (``simulate.
 # outside_point``): its middle, no end being better sourced than the other; every run the paper
-# reports fits across the whole bracket (tests/test_paper_runs_fit.py), so the paper's own runs
+# reports fits across the whole bracket (tests/integration/test_paper_runs_fit.py), so the paper's own runs
 # do not narrow it (results/prediction_memory/notes.md)
 DEFAULT_POINT = "mid"
 

@@ -1,0 +1,1 @@
+"""Unit tests: one module or part of the library each, named after it."""
