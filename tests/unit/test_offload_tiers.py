@@ -1,6 +1,6 @@
 """Device and host bytes of ZeRO-Offload counted apart, by counters that are neither the runtime's
 ledger nor the dry run's tracer (``lab.live_peak.measure_tiers``): on CPU ranks the host tier is
-put in shared memory of its own (``ZR_HOST_TIER=shm``), c10's CPU allocator counts every block
+put in shared memory of its own (``live_peak.shm_zeros`` as ``offload.HOST_ALLOCATOR``), c10's CPU allocator counts every block
 and the kernel's map of the process names the host's. Ren et al. 2021 §4.1: the device keeps
 the lp parameters only (2Ψ + the buckets, not 4Ψ, at N_d = 1); with the parameters offloaded
 too, the device keeps no shard of them, only the gathered working set and the buckets."""

@@ -29,6 +29,7 @@ the dry run accounts it with ``transport_of="gloo"``; the allocator does not see
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 from omegaconf import OmegaConf
@@ -37,7 +38,7 @@ from zero_repro import config as C
 from zero_repro import schema
 from zero_repro.runtime.comm.launch import spawn
 from zero_repro.runtime.train.trainer import Trainer
-from zero_repro.runtime.zero.offload import HOST_TIER_ENV, HOST_TIER_PREFIX
+from zero_repro.runtime.zero import offload
 from zero_repro.scale import estimate as E
 from zero_repro.scale.dryrun.allocator_peak import AllocatorPeak
 from zero_repro.scale.dryrun.tracer import AllocationTracer
@@ -96,10 +97,28 @@ def measure(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2) -
     return out
 
 
+HOST_TIER_PREFIX = "zr-host-"  # the host tier's files under /dev/shm (unlinked once mapped)
+
+
+def shm_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed memory of ``numel`` elements in a file of its own under /dev/shm (unlinked at
+    once, mapped shared): ``measure_tiers``' host tier (``offload.HOST_ALLOCATOR``), a memory
+    apart from the "device" as host memory is beside a GPU."""
+    nbytes = max(1, numel * dtype.itemsize)
+    path = os.path.join("/dev/shm", HOST_TIER_PREFIX + secrets.token_hex(8))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not mid-step
+        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.unlink(path)
+        os.close(fd)
+    return t[:numel * dtype.itemsize].view(dtype)
+
+
 def host_tier_bytes() -> tuple[int, int]:
     """(bytes, mappings) of this process's host tier as the kernel maps it: its mappings of
-    ``runtime.zero.offload``'s host-tier files (``ZR_HOST_TIER=shm``), from /proc/self/maps
-    (each rounded up to whole pages)."""
+    ``shm_zeros``' files, from /proc/self/maps (each rounded up to whole pages)."""
     total, n = 0, 0
     with open("/proc/self/maps") as f:
         for line in f:
@@ -111,7 +130,8 @@ def host_tier_bytes() -> tuple[int, int]:
 
 def measure_tiers(rank: int, world: int, cfg_dicts: list[dict], iterations: int = 2
                   ) -> list[dict]:
-    """``measure`` with the host tier in memory of its own (``ZR_HOST_TIER=shm``): per config
+    """``measure`` with the host tier in memory of its own (``shm_zeros`` as
+    ``offload.HOST_ALLOCATOR``): per config
     {"device_rest", "device_peak"} -- the CPU allocator's live bytes at rest after the steps
     (the model states and buffers that persist) and at the steps' peak, less the host tier
     -- and "host" (the host tier's mapped bytes, ``host_tier_bytes``), beside the runtime's
@@ -120,16 +140,17 @@ def measure_tiers(rank: int, world: int, cfg_dicts: list[dict], iterations: int 
     kernel's map names the host's. Each host mapping is whole pages: "host" over-counts, and
     the device's figures under-count, by less than a page per mapping ("host_mappings")."""
     os.environ["ZR_CPU_TRANSPORT"] = TRANSPORT
-    os.environ[HOST_TIER_ENV] = "shm"
-    out = []
-    for d in cfg_dicts:
-        counter, (host, maps), _, ledger = _counted(schema.to_config(d), iterations,
-                                                    host_tier_bytes)
-        peak = max(counter.peaks[f"iteration {it}"] for it in range(iterations))
-        out.append({"device_rest": counter.peaks["rest"] - host, "device_peak": peak - host,
-                    "host": host, "host_mappings": maps, "ledger_device": ledger.device_total(),
-                    "ledger_host": ledger.host_total(), "ledger": ledger.as_dict()})
-    os.environ.pop(HOST_TIER_ENV)
+    offload.HOST_ALLOCATOR, out = shm_zeros, []
+    try:
+        for d in cfg_dicts:
+            counter, (host, maps), _, ledger = _counted(schema.to_config(d), iterations,
+                                                        host_tier_bytes)
+            peak = max(counter.peaks[f"iteration {it}"] for it in range(iterations))
+            out.append({"device_rest": counter.peaks["rest"] - host, "device_peak": peak - host,
+                        "host": host, "host_mappings": maps, "ledger_device": ledger.device_total(),
+                        "ledger_host": ledger.host_total(), "ledger": ledger.as_dict()})
+    finally:
+        offload.HOST_ALLOCATOR = None
     return out
 
 

@@ -43,8 +43,6 @@ run on parameters one update old (it changes the arithmetic on purpose).
 """
 from __future__ import annotations
 
-import os
-import secrets
 import threading
 from typing import Callable, Sequence
 
@@ -61,33 +59,21 @@ def _pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-HOST_TIER_ENV = "ZR_HOST_TIER"  # "shm": on CPU ranks the host tier is shared memory of its own
-HOST_TIER_PREFIX = "zr-host-"  # its files' names under /dev/shm (unlinked once mapped)
+# where a rank without CUDA takes its host memory from: ``torch.zeros`` unless a measurement
+# gives the host tier a memory of its own, one a counter can tell from the device's
+# (``lab.live_peak.measure_tiers``)
+HOST_ALLOCATOR: Callable[[int, torch.dtype], torch.Tensor] | None = None
 
 
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device,
                pinned: bool = False) -> torch.Tensor:
     """Zeroed host memory for what the offload keeps off ``device`` (the optimizer's states,
     the staging, stage 3's offloaded parameter shard): page-locked where ``pinned`` and the
-    device is CUDA (the copy engines read it), plain host memory otherwise. With
-    ``ZR_HOST_TIER=shm`` on a rank without CUDA it is a mapping of a file of its own under
-    /dev/shm (``HOST_TIER_PREFIX``, unlinked at once), so that the host tier is a memory apart
-    from the "device" as it is beside a GPU: c10's CPU allocator then counts the device's
-    bytes only and the process's mappings of those files the host's (``lab.live_peak``'s
-    ``measure_tiers``)."""
-    if os.environ.get(HOST_TIER_ENV) != "shm" or device.type == "cuda":
-        return torch.zeros(numel, dtype=dtype, device=HOST,
-                           pin_memory=pinned and _pinned(device))
-    nbytes = max(1, numel * dtype.itemsize)
-    path = os.path.join("/dev/shm", HOST_TIER_PREFIX + secrets.token_hex(8))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not mid-step
-        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    finally:
-        os.unlink(path)
-        os.close(fd)
-    return t[:numel * dtype.itemsize].view(dtype)
+    device is CUDA (the copy engines read it); on a rank without CUDA from ``HOST_ALLOCATOR``
+    when one is set, else plain host memory."""
+    if HOST_ALLOCATOR is not None and device.type != "cuda":
+        return HOST_ALLOCATOR(numel, dtype)
+    return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pinned and _pinned(device))
 
 
 class HostAdamW:
