@@ -16,13 +16,23 @@ from zero_repro.lab.peers import report
 from zero_repro.lab.peers.frameworks import deepspeed_available
 from zero_repro.lab.peers.runners import run_peers
 from zero_repro.lab.peers.spec import HPZ, HSDP
-from zero_repro.runtime.comm.launch import spawn
+from zero_repro.runtime.comm.launch import WorkerFailed, spawn
 
 G = 2
 
 
+GLOO_NO_AVG = "Cannot use ReduceOp.AVG with Gloo"
+
+
 def test_fsdp2_hsdp_and_ours_match_the_reference_and_each_other():
-    results = spawn(run_peers, 4, _spec(HSDP), timeout_s=300)
+    try:
+        results = spawn(run_peers, 4, _spec(HSDP), timeout_s=300)
+    except WorkerFailed as e:
+        if GLOO_NO_AVG not in str(e):
+            raise
+        # FSDP2's HSDP all-reduces fp32 gradients with ReduceOp.AVG; gloo has it from a later
+        # torch than the floor (2.7.1 refuses it, 2.13 runs it)
+        pytest.skip(f"this torch's gloo lacks ReduceOp.AVG, which FSDP2's HSDP uses ({e})")
     eq = report.equivalence(results, lr=3e-3)
     _check_equivalent(eq, HSDP)
     for r in results:
