@@ -32,7 +32,7 @@ def test_fsdp2_hsdp_and_ours_match_the_reference_and_each_other():
             raise
         # FSDP2's HSDP all-reduces fp32 gradients with ReduceOp.AVG; gloo has it from a later
         # torch than the floor (2.7.1 refuses it, 2.13 runs it)
-        pytest.skip(f"this torch's gloo lacks ReduceOp.AVG, which FSDP2's HSDP uses ({e})")
+        pytest.skip("this torch's gloo lacks ReduceOp.AVG, which FSDP2's HSDP uses")
     eq = report.equivalence(results, lr=3e-3)
     _check_equivalent(eq, HSDP)
     for r in results:
