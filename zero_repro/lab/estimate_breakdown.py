@@ -195,7 +195,7 @@ def plot(rows: list, out: str) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     for ext in ("png", "pdf"):
-        fig.savefig(os.path.join(out, f"breakdown.{ext}"), dpi=120,
+        fig.savefig(os.path.join(out, f"breakdown.{ext}"), dpi=120, bbox_inches="tight",
                     metadata={"CreationDate": None} if ext == "pdf" else {"Software": None})
     plt.close(fig)
 
