@@ -40,7 +40,7 @@ from zero_repro.lab import estimate_shard as SH
 from zero_repro.lab import memory_view
 from zero_repro.runtime.comm import comm
 from zero_repro.runtime.model import model_class
-from zero_repro.scale import era, limit
+from zero_repro.scale import era, limit, shard_choice
 from zero_repro.scale import estimate as E
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale import offload_time as OT
@@ -210,7 +210,7 @@ def report(est: E.Estimate, ds: dict | None = None) -> str:
     if nominal:
         g = min((s.shard_size for s in st if s.stage and not s.hpz), default=n_d) or n_d
         cf = E.closed_form(nominal / est.tp, n_d, est.offload, g,
-                           E.hpz_size(est) if est.hpz else None)
+                           shard_choice.hpz_size(est) if est.hpz else None)
         lines.append(_row(f"Table 1, nominal Ψ = {m['nominal']}", [cf[s] / GB for s in stages]))
     lines.append(_row(f"Table 1, this shape Ψ = {m['params'] / 1e9:.2f}B"
                       + (f" / TP {est.tp}" if est.tp > 1 else ""),

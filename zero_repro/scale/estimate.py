@@ -78,6 +78,7 @@ from zero_repro.runtime.model import flops
 from zero_repro.scale import offload_time as OT
 from zero_repro.scale import calibrate, era, limit, modern_step, outside_modern, perf_model
 from zero_repro.scale import shard_choice
+from zero_repro.scale.shard_choice import hpz_bytes  # noqa: F401 (re-exported)
 from zero_repro.scale import estimate_time as T
 from zero_repro.scale.batch_traces import (  # noqa: F401 (re-exported)
     MAX_BATCH, PRIME_BATCH, BatchTraces, largest_batch)
@@ -342,7 +343,7 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
     table1 = (offload_bytes(psi_tp, cfg.zero.stage, n_d, lp_bytes=lp, optimizer=opt, param=par)
               if off != "none" else
               {"device": model_state_bytes(psi_tp, cfg.zero.stage, n_d, shard_size=g,
-                                           hpz_size=_per_node(cfg) if hpz else None),
+                                           hpz_size=shard_choice.per_node(cfg) if hpz else None),
                "host": 0.0})
     host_fits = not hw.host_bytes or mem["host_bytes"] <= hw.host_bytes
     est = StageEstimate(
@@ -368,17 +369,6 @@ def _stage_result(cfg: C.Config, zr: str, mem: dict, search: bool, hw: Hardware,
             cfg.train, micro_batch_size=est.max_batch))
         est.perf_max = performance(at_max, hw, params, timing, zr, hpz=hpz)
     return est
-
-
-def hpz_size(est: "Estimate") -> int:
-    """k of an estimate: its DP ranks of one TP rank on a node."""
-    return max(1, min(est.world_size // est.tp, est.cluster["gpus_per_node"] // est.tp))
-
-
-def _per_node(cfg: C.Config) -> int:
-    """k: the DP ranks of one TP rank on a node (hpZ's secondary group)."""
-    p = cfg.parallel
-    return max(1, min(p.world_size // p.tp, cfg.cluster.gpus_per_node // p.tp))
 
 
 # ------------------------------------------------------------------------------ the estimate
@@ -497,7 +487,7 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
             for s in stages}
     judges, outside = _judges(base, stages, zr, timing, offload)
     if hpz and 3 in stages:
-        judges[3]["held"] = hpz_bytes(cfgs[3])
+        judges[3]["held"] = shard_choice.hpz_bytes(cfgs[3])
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     hw = T.hardware_for(base)
     params = perf_params or (calibrate.calibration().params if timing.model == "paper2020"
@@ -520,8 +510,8 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     out = [_stage_result(cfgs[s], zr, mems[s], search, hw, params, timing, hpz) for s in stages]
-    _limits(out, outside, stack)
-    chs, best = _hierarchy(out, cfgs, hw, params, timing, zr, base)
+    limit.judge_stages(out, outside, stack)
+    chs, best = shard_choice.for_estimate(out, cfgs, hw, params, timing, zr, base)
     m, c = base.model, base.cluster
     return Estimate(
         model={"name": m.name, "family": m.family, "n_layer": m.n_layer, "hidden": m.n_embd,
@@ -543,43 +533,6 @@ def estimate(base: C.Config, stages=(0, 1, 2, 3), zero_r: str = "auto", search: 
                 if timing.model == "modern" else ""}, outside=outside, offload=offload,
         shard_size=str(shard_size or base.zero.shard_size), hpz=hpz, choices=chs,
         hierarchy=best, stack=stack)
-
-
-def hpz_bytes(cfg: C.Config) -> int:
-    """hpZ's secondary lp shard per rank, 2Ψ/k (``table1.model_state_bytes``' hpZ term);
-    ValueError where there is no second node to save traffic to."""
-    p, k = cfg.parallel, _per_node(cfg)
-    if not 1 < k < p.world_size // p.tp or (p.world_size // p.tp) % k:
-        raise ValueError(f"hpZ keeps a secondary shard over a node's {k} DP ranks: it needs "
-                         f"more than one node of several DP ranks (DP {p.world_size // p.tp})")
-    lp = 4 if cfg.zero.dtype == "fp32" else 2
-    return int(lp * flops.param_count(cfg.model, p.tp) / p.tp / k)
-
-
-def _hierarchy(out: list, cfgs: dict, hw: Hardware, params, timing: T.Timing, zr: str,
-               base: C.Config) -> tuple[list, tuple]:
-    """``shard_choice``'s candidates and best on the modern time model (none otherwise)."""
-    if not any(s.perf.get("model") == "modern" for s in out) or any(
-            s.offload != "none" for s in out):
-        return [], (None, "")
-    lp = 4 if base.zero.dtype == "fp32" else 2
-    chs = shard_choice.choices(out, cfgs, hw, params, timing, zr, _per_node(base), lp)
-    return chs, shard_choice.best(chs, base.cluster.inter_node_gbps) if chs else (None, "")
-
-
-def _limits(stages: list, outside: dict, stack: str) -> None:
-    """Each stage's verdict with its band (``scale.limit``): the outside bracket's ends, the
-    modern stack's or the 2020 stack's (``dryrun.stack.outside``)."""
-    if outside:
-        lo, hi = outside["low"], outside["high"]
-    elif stack == "2020":
-        lo, hi = S.paper2020().outside_bytes("low"), S.paper2020().outside_bytes("high")
-    else:
-        lo = hi = 0
-    for s in stages:
-        if s.device_capacity:
-            s.limit = limit.judge(s.live_peak, s.peak_reserved, s.device_capacity, lo, hi,
-                                  s.device_fits, s.build_fits)
 
 
 def _judges(base: C.Config, stages, zr: str, timing: T.Timing, offload: str = "none"

@@ -20,6 +20,8 @@ safe "fits" nor a sure "OOM":
 """
 from __future__ import annotations
 
+from zero_repro.scale.dryrun.stack import switches as S
+
 VERDICTS = ("fits", "at the limit", "OOM")
 
 
@@ -47,3 +49,18 @@ def label(j: dict) -> str:
     if j["verdict"] != "at the limit":
         return j["verdict"]
     return "limit+" if j["judged_fits"] else "limit-"
+
+
+def judge_stages(stages: list, outside: dict, stack: str) -> None:
+    """Each stage's verdict with its band (``scale.limit``): the outside bracket's ends, the
+    modern stack's or the 2020 stack's (``dryrun.stack.outside``)."""
+    if outside:
+        lo, hi = outside["low"], outside["high"]
+    elif stack == "2020":
+        lo, hi = S.paper2020().outside_bytes("low"), S.paper2020().outside_bytes("high")
+    else:
+        lo = hi = 0
+    for s in stages:
+        if s.device_capacity:
+            s.limit = judge(s.live_peak, s.peak_reserved, s.device_capacity, lo, hi,
+                                  s.device_fits, s.build_fits)

@@ -20,7 +20,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from zero_repro import config as C
+from zero_repro.runtime.model import flops
 from zero_repro.scale import estimate_time as T
+from zero_repro.scale.hardware import Hardware
 from zero_repro.scale.paper.table1 import model_state_bytes
 
 GB = 1e9
@@ -150,3 +153,36 @@ def _slower(plain: Choice, pick: Choice) -> str:
         return ""
     return (f", and the compute slowed by the collectives it hides from "
             f"{plain.slowdown_s:.2f} to {pick.slowdown_s:.2f} s (fewer bytes hidden behind it)")
+
+
+def hpz_size(est) -> int:
+    """k of an estimate: its DP ranks of one TP rank on a node."""
+    return max(1, min(est.world_size // est.tp, est.cluster["gpus_per_node"] // est.tp))
+
+
+def per_node(cfg: C.Config) -> int:
+    """k: the DP ranks of one TP rank on a node (hpZ's secondary group)."""
+    p = cfg.parallel
+    return max(1, min(p.world_size // p.tp, cfg.cluster.gpus_per_node // p.tp))
+
+
+def hpz_bytes(cfg: C.Config) -> int:
+    """hpZ's secondary lp shard per rank, 2Ψ/k (``table1.model_state_bytes``' hpZ term);
+    ValueError where there is no second node to save traffic to."""
+    p, k = cfg.parallel, per_node(cfg)
+    if not 1 < k < p.world_size // p.tp or (p.world_size // p.tp) % k:
+        raise ValueError(f"hpZ keeps a secondary shard over a node's {k} DP ranks: it needs "
+                         f"more than one node of several DP ranks (DP {p.world_size // p.tp})")
+    lp = 4 if cfg.zero.dtype == "fp32" else 2
+    return int(lp * flops.param_count(cfg.model, p.tp) / p.tp / k)
+
+
+def for_estimate(out: list, cfgs: dict, hw: Hardware, params, timing: T.Timing, zr: str,
+               base: C.Config) -> tuple[list, tuple]:
+    """``shard_choice``'s candidates and best on the modern time model (none otherwise)."""
+    if not any(s.perf.get("model") == "modern" for s in out) or any(
+            s.offload != "none" for s in out):
+        return [], (None, "")
+    lp = 4 if base.zero.dtype == "fp32" else 2
+    chs = choices(out, cfgs, hw, params, timing, zr, per_node(base), lp)
+    return chs, best(chs, base.cluster.inter_node_gbps) if chs else (None, "")
