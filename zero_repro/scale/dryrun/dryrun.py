@@ -60,6 +60,7 @@ from zero_repro.scale.paper.overrides import setup_overrides as paper_setup_over
 from zero_repro.scale.paper.setups import PaperSetup
 from zero_repro.scale.paper.setups import setups
 from zero_repro.scale.dryrun import allocator as A
+from zero_repro.scale.dryrun import host_storage as HS
 from zero_repro.scale.dryrun import snapshot
 from zero_repro.scale.dryrun.stack import categories as K
 from zero_repro.scale.dryrun.stack import checkpoint2019, deepspeed02, megatron2019, streams
@@ -187,23 +188,6 @@ def judge(train: dict, build) -> dict:
 
 
 # ------------------------------------------------------------------------------ the run
-def _host_sids(tracer: AllocationTracer, ckpt, host: set[int]) -> None:
-    """Storages the checkpointing handle keeps in host memory (P_a+cpu)."""
-    if ckpt is None or not getattr(ckpt, "cpu", False):
-        return
-    arena = getattr(ckpt, "arena", None)
-    for block in getattr(arena, "blocks", ()):  # one, or pinned power-of-two blocks
-        sid = tracer.sid_of(block)
-        if sid is not None:
-            host.add(sid)
-    for ref in list(getattr(ckpt, "_live_cpu", {}).values()):  # M_D off: per-block copies
-        stored = ref()
-        if stored is not None:
-            sid = tracer.sid_of(stored.data)
-            if sid is not None:
-                host.add(sid)
-
-
 def stack_of(cfg: C.Config) -> S.Stack:
     """The software stack ``cfg.simulate`` names (``only_switches``: modern plus those
     paper2020 switches)."""
@@ -342,9 +326,9 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                 trainer = Trainer(cfg, topo, torch.device("meta" if on_meta else "cpu"),
                                   skeleton_scope=tracer.untracked, **kw)
             model, ckpt, strategy = trainer.model, trainer.ckpt, trainer.strategy
-            _build_host_sids(tracer, strategy, host)
-            _offload_host_sids(tracer, strategy, host)
-            _watch_flat_buffers(tracer, strategy)
+            HS.build_host(tracer, strategy, host)
+            HS.offload_host(tracer, strategy, host)
+            HS.watch_flat_buffers(tracer, strategy)
             hooks = K.tag_model(tracer, model) + K.tag_modules(tracer, model)
             timings["build_s"] = time.perf_counter() - t0
             for it in range(iterations):
@@ -355,7 +339,7 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
             for h in hooks:
                 h.remove()
             ledger = trainer.memory_ledger()
-            _host_sids(tracer, ckpt, host)
+            HS.checkpoint_host(tracer, ckpt, host)
             psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
             psi_padded, n_buckets = _geometry(strategy)
             del model, ckpt, strategy, trainer
@@ -414,46 +398,6 @@ def dry_run(cfg: C.Config, rank: int = 0, iterations: int = 2, keep_trace: bool 
                         cached_ops=tracer._cache.hits if tracer._cache is not None else 0)
 
 
-def _build_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
-    """Storages the DeepSpeed 0.2 build moved to the host (its fp16 parameters, "to free up GPU
-    space for creating flat buffer"): host memory, not device; then released."""
-    tensors = getattr(strategy, "host_tensors", None)
-    if not tensors:
-        return
-    for t in tensors:
-        sid = tracer.sid_of(t)
-        if sid is not None:
-            host.add(sid)
-    strategy.release_host()
-
-
-def _offload_host_sids(tracer: AllocationTracer, strategy, host: set[int]) -> None:
-    """Storages ZeRO-Offload keeps in host memory (``zero.offload``: master, Adam moments, the
-    gradient staging, its scratch; ``zero.offload_param``: stage 3's parameter shards): host
-    memory, not device."""
-    opt = getattr(getattr(strategy, "opt", None), "host_tensors", lambda: ())()
-    params = getattr(getattr(strategy, "params", None), "host_tensors", lambda: ())()
-    for t in [*opt, *params]:
-        sid = tracer.sid_of(t)
-        if sid is not None:
-            host.add(sid)
-
-
-def _watch_flat_buffers(tracer: AllocationTracer, strategy) -> None:
-    """The strategy's flat parameter buffers (and stage 3's slice buffers) are the storages it
-    may resize in place (stage 3 releases a gathered unit with ``untyped_storage().resize_(0)``,
-    ``zero.flat_buffer``),
-    which no dispatch mode sees: the tracer polls them (``AllocationTracer.watch``); the
-    build's own releases are recorded here, at the end of the build."""
-    for g in getattr(strategy, "groups", ()):
-        flat = getattr(g, "flat", None)
-        if isinstance(flat, torch.Tensor):
-            tracer.watch(flat)
-    # stage 3's vocabulary table read a row slice at a time: two slice buffers, resized alike
-    for buf in getattr(getattr(strategy, "params", None), "row_buffers", ()):
-        tracer.watch(buf)
-
-
 def _geometry(strategy) -> tuple[int, int]:
     """(flat-buffer elements of this rank, number of buckets) of the runtime's strategy or of
     the DeepSpeed 0.2 path."""
@@ -475,7 +419,7 @@ def one_step(trainer: Trainer, tracer: AllocationTracer | None, host: set[int],
 
     def after_forward() -> None:
         if tracer is not None:  # per-block CPU copies are alive only until backward
-            _host_sids(tracer, ckpt, host)
+            HS.checkpoint_host(tracer, ckpt, host)
             if ckpt is not None and hasattr(tracer, "category_of"):
                 K.tag(tracer, (st.data for st in list(ckpt.kept)), S.CHECKPOINTS)
 
